@@ -1,0 +1,48 @@
+"""zbcompile's exception types.
+
+Every error we raise on bad input is one of these, and its message says where the problem is, what is
+wrong and how to fix it. `ZBCompileError` is the root, so a caller can catch all of ours at once.
+"""
+
+__all__ = [
+    "ZBCompileError",
+    "ScheduleError",
+    "SimulationError",
+    "TraceError",
+    "PartitionError",
+    "SplitError",
+    "LoweringError",
+    "RuntimeFailure",
+]
+
+
+class ZBCompileError(Exception):
+    """Root of every error zbcompile raises on purpose."""
+
+
+class ScheduleError(ZBCompileError, ValueError):
+    """A schedule cannot be built or is malformed (unknown name, too few microbatches, a missing action)."""
+
+
+class SimulationError(ZBCompileError):
+    """A schedule deadlocks or breaks a dependency when simulated; the message shows the rank x step grid."""
+
+
+class TraceError(ZBCompileError):
+    """The model or loss cannot be captured as one graph (data-dependent control flow, non-scalar loss)."""
+
+
+class PartitionError(ZBCompileError):
+    """The model cannot be cut into the requested stages (unknown split point, too few modules)."""
+
+
+class SplitError(ZBCompileError):
+    """A stage's backward cannot be split into B and W."""
+
+
+class LoweringError(ZBCompileError):
+    """A schedule and the stage graphs cannot be lowered into rank programs."""
+
+
+class RuntimeFailure(ZBCompileError, RuntimeError):
+    """A pipeline step failed at run time (a peer died, a timeout, a wrong batch size)."""

@@ -1,0 +1,339 @@
+"""The schedule IR: what each rank computes, in which order.
+
+Glossary
+    rank        one process / GPU of the pipeline.
+    stage       one cut of the model, placed on exactly one rank. A rank holds one stage (1F1B, ZB-H*),
+                `chunks` stages in a loop (interleaved 1F1B) or two stages in a V (ZB-V, V-*, DualPipeV).
+    pipeline    the sequence of stages one microbatch travels. Every schedule has one, except DualPipe,
+                which has two mirrored pipelines over the same ranks (the first half of the microbatches
+                flows rank 0 -> p-1 through stages 0..p-1, the second half p-1 -> 0 through stages p..2p-1;
+                stage s and s+p compute the same model cut, on mirrored ranks).
+    microbatch  a slice of the batch; numbered 0..m-1 across the whole schedule.
+
+An action is (kind, stage, microbatch). Its text form is `{stage}{kind}{microbatch}`, e.g. `2F0`, `0B3`,
+`1W3`, `0BW2`. A schedule is a frozen record: the stage -> rank placement plus, per rank, the ordered
+tuple of actions that rank runs. Schedules are plain data built from integers; the simulator times them,
+the lowering turns them into programs, and they round-trip through text and through
+torch.distributed.pipelining's compute-only CSV (where torch's `I` is our B and torch's `B` is our BW).
+"""
+
+from __future__ import annotations
+
+import csv
+import enum
+import io
+import re
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple, Sequence
+
+from zbcompile.errors import ScheduleError
+
+__all__ = ["Kind", "Action", "Schedule", "loop_placement", "v_placement", "dual_placement"]
+
+
+class Kind(enum.Enum):
+    """What an action computes for one (stage, microbatch)."""
+
+    F = "F"    # forward: stage inputs -> stage outputs, saving what the backward needs
+    B = "B"    # backward for the stage input only (on the critical path)
+    W = "W"    # backward for the weights only (free to move into idle slots)
+    BW = "BW"  # B and W fused, as in plain 1F1B
+
+    def __repr__(self) -> str:
+        return f"Kind.{self.name}"
+
+
+_ACTION_RE = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
+
+
+class Action(NamedTuple):
+    """One unit of work: `kind` for `stage` on `microbatch`. Prints and parses as `2F0`."""
+
+    kind: Kind
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @staticmethod
+    def parse(text: str) -> Action:
+        match = _ACTION_RE.match(text)
+        if not match:
+            raise ScheduleError(
+                f"cannot parse action {text!r}: expected STAGE KIND MICROBATCH such as '2F0', '0B3', '1W3' "
+                f"or '0BW2' (kinds: F, B, W, BW)"
+            )
+        stage, kind, microbatch = match.groups()
+        return Action(Kind(kind), int(stage), int(microbatch))
+
+
+def loop_placement(num_ranks: int, chunks: int = 1) -> tuple[int, ...]:
+    """Stage s on rank s % p: one stage per rank for chunks=1, interleaved loops otherwise."""
+    return tuple(s % num_ranks for s in range(num_ranks * chunks))
+
+
+def v_placement(num_ranks: int) -> tuple[int, ...]:
+    """2p stages in a V: rank r holds stage r (going down) and stage 2p-1-r (coming back)."""
+    return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
+
+
+def dual_placement(num_ranks: int) -> tuple[int, ...]:
+    """DualPipe: pipeline 0 is stages 0..p-1 on ranks 0..p-1; pipeline 1 is stages p..2p-1 on ranks p-1..0."""
+    return v_placement(num_ranks)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-rank ordered action lists plus the stage -> rank placement.
+
+    Invariants (checked by `validate`): every action sits on the rank that holds its stage; every
+    (stage, microbatch) on the microbatch's pipeline has exactly one F and either one BW or one B and
+    one W; nothing else appears. Dependencies and deadlock freedom are checked by `check_order`.
+    """
+
+    name: str
+    num_microbatches: int
+    placement: tuple[int, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+    pipelines: int = 1
+
+    # ---- derived structure -------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.placement)
+
+    @property
+    def num_model_stages(self) -> int:
+        """How many distinct model cuts there are (DualPipe holds each cut twice)."""
+        return self.num_stages // self.pipelines
+
+    def model_stage(self, stage: int) -> int:
+        """The model cut that `stage` computes (stage itself, except in DualPipe's mirrored pipeline)."""
+        return stage % self.num_model_stages
+
+    def pipeline_of(self, microbatch: int) -> int:
+        """DualPipe feeds the first half of the microbatches to pipeline 0 and the rest to pipeline 1."""
+        return microbatch * self.pipelines // self.num_microbatches
+
+    def path(self, microbatch: int) -> range:
+        """The stages `microbatch` visits, in forward order."""
+        first = self.pipeline_of(microbatch) * self.num_model_stages
+        return range(first, first + self.num_model_stages)
+
+    def is_first(self, stage: int) -> bool:
+        return stage % self.num_model_stages == 0
+
+    def is_last(self, stage: int) -> bool:
+        return stage % self.num_model_stages == self.num_model_stages - 1
+
+    def microbatches_of(self, stage: int) -> range:
+        """The microbatches that pass through `stage`."""
+        pipe = stage // self.num_model_stages
+        m, k = self.num_microbatches, self.pipelines
+        return range(-(-pipe * m // k), -(-(pipe + 1) * m // k))
+
+    def deps(self, action: Action) -> tuple[Action, ...]:
+        """The actions whose results `action` consumes; a B or BW also needs its own stage's F.
+
+        W needs its B (same rank). When the next stage runs BW instead of B the dependency is on that BW.
+        """
+        kind, s, mb = action
+        if kind is Kind.F:
+            return () if self.is_first(s) else (Action(Kind.F, s - 1, mb),)
+        if kind is Kind.W:
+            return (Action(Kind.B, s, mb),)
+        own_f = Action(Kind.F, s, mb)
+        if self.is_last(s):
+            return (own_f,)
+        return (own_f, self._backward_of(s + 1, mb))
+
+    def _backward_of(self, stage: int, microbatch: int) -> Action:
+        return Action(self._backward_kind(stage, microbatch), stage, microbatch)
+
+    def _backward_kind(self, stage: int, microbatch: int) -> Kind:
+        cache = self.__dict__.get("_bkind")
+        if cache is None:
+            cache = {(a.stage, a.microbatch): a.kind for r in self.ranks for a in r if a.kind in (Kind.B, Kind.BW)}
+            object.__setattr__(self, "_bkind", cache)
+        return cache.get((stage, microbatch), Kind.B)
+
+    def actions(self) -> Iterable[tuple[int, int, Action]]:
+        """Every (rank, position, action)."""
+        for r, row in enumerate(self.ranks):
+            for i, a in enumerate(row):
+                yield r, i, a
+
+    # ---- checks -------------------------------------------------------------------------------
+    def validate(self) -> Schedule:
+        """Check the structural invariants; returns self so calls chain. Raises ScheduleError."""
+        p, n = self.num_ranks, self.num_stages
+        if self.num_microbatches < 1:
+            raise ScheduleError(f"schedule {self.name!r}: needs at least 1 microbatch, got {self.num_microbatches}")
+        if n % self.pipelines:
+            raise ScheduleError(f"schedule {self.name!r}: {n} stages do not split into {self.pipelines} pipelines")
+        if sorted(set(self.placement)) != list(range(p)):
+            raise ScheduleError(
+                f"schedule {self.name!r}: placement {list(self.placement)} must use every rank 0..{p - 1}"
+            )
+        seen: dict[Action, tuple[int, int]] = {}
+        for r, i, a in self.actions():
+            if not 0 <= a.stage < n:
+                raise ScheduleError(self._where(r, i, f"stage {a.stage} does not exist (stages 0..{n - 1})"))
+            if self.placement[a.stage] != r:
+                raise ScheduleError(self._where(
+                    r, i, f"{a} runs on rank {r} but stage {a.stage} is placed on rank {self.placement[a.stage]}"))
+            if a.microbatch not in self.microbatches_of(a.stage):
+                raise ScheduleError(self._where(r, i, f"microbatch {a.microbatch} never visits stage {a.stage}"))
+            if a in seen:
+                raise ScheduleError(self._where(r, i, f"{a} appears twice (first at rank {seen[a][0]}, "
+                                                      f"step {seen[a][1]})"))
+            seen[a] = (r, i)
+        for s in range(n):
+            for mb in self.microbatches_of(s):
+                self._check_cell(seen, s, mb)
+        return self
+
+    def _check_cell(self, seen: dict[Action, tuple[int, int]], s: int, mb: int) -> None:
+        has = {k for k in Kind if Action(k, s, mb) in seen}
+        if Kind.F not in has:
+            raise ScheduleError(f"schedule {self.name!r}: {Action(Kind.F, s, mb)} is missing\n{self.format_grid()}")
+        if has == {Kind.F, Kind.BW} or has == {Kind.F, Kind.B, Kind.W}:
+            return
+        missing = "a B and a W, or one BW" if Kind.BW not in has else "not both BW and B/W"
+        raise ScheduleError(
+            f"schedule {self.name!r}: stage {s}, microbatch {mb} has {sorted(k.value for k in has)}; "
+            f"it needs F plus {missing}\n{self.format_grid()}"
+        )
+
+    def check_order(self) -> Schedule:
+        """Run the schedule by dependencies alone (no costs): raises ScheduleError on a deadlock, showing
+        the rank x step grid with each rank's stuck action in brackets."""
+        done: set[Action] = set()
+        pos = [0] * self.num_ranks
+        progressed = True
+        while progressed:
+            progressed = False
+            for r, row in enumerate(self.ranks):
+                while pos[r] < len(row) and all(d in done for d in self.deps(row[pos[r]])):
+                    done.add(row[pos[r]])
+                    pos[r] += 1
+                    progressed = True
+        if all(pos[r] == len(row) for r, row in enumerate(self.ranks)):
+            return self
+        stuck = {r: pos[r] for r in range(self.num_ranks) if pos[r] < len(self.ranks[r])}
+        waits = "; ".join(
+            f"rank {r} waits at {self.ranks[r][i]} for "
+            + ", ".join(str(d) for d in self.deps(self.ranks[r][i]) if d not in done)
+            for r, i in stuck.items()
+        )
+        raise ScheduleError(
+            f"schedule {self.name!r} deadlocks: {waits}\n{self.format_grid(mark=stuck)}\n"
+            f"fix: reorder so that every action's inputs are produced earlier on some rank"
+        )
+
+    def _where(self, rank: int, step: int, what: str) -> str:
+        return f"schedule {self.name!r}, rank {rank}, step {step}: {what}\n{self.format_grid(mark={rank: step})}"
+
+    # ---- text forms ---------------------------------------------------------------------------
+    def format_grid(self, mark: dict[int, int] | None = None, window: int = 12) -> str:
+        """A rank x step grid of action strings; `mark` brackets one step per rank and centres the view."""
+        mark = mark or {}
+        centre = min(mark.values()) if mark else 0
+        lo = max(0, centre - window // 2)
+        hi = lo + window
+        width = max((len(str(a)) for _, _, a in self.actions()), default=3) + 2
+        head = "        " + "".join(f"{i:>{width}}" for i in range(lo, hi))
+        lines = [head]
+        for r, row in enumerate(self.ranks):
+            cells = []
+            for i in range(lo, min(hi, len(row))):
+                text = str(row[i])
+                cells.append(f"[{text}]" if mark.get(r) == i else text)
+            more = " ..." if len(row) > hi else ""
+            lines.append(f"rank {r:>2} " + "".join(f"{c:>{width}}" for c in cells) + more)
+        return "\n".join(lines)
+
+    def to_text(self) -> str:
+        """One header line, then one line per rank: `rank 0: 0F0 0F1 0B0 ...`."""
+        head = (f"# zbcompile schedule {self.name}: microbatches={self.num_microbatches} "
+                f"placement={','.join(map(str, self.placement))} pipelines={self.pipelines}")
+        rows = [f"rank {r}: " + " ".join(map(str, row)) for r, row in enumerate(self.ranks)]
+        return "\n".join([head, *rows]) + "\n"
+
+    @staticmethod
+    def from_text(text: str) -> Schedule:
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        head = re.match(r"#\s*zbcompile schedule (\S+): microbatches=(\d+) placement=([\d,]+) pipelines=(\d+)",
+                        lines[0] if lines else "")
+        if not head:
+            raise ScheduleError("not a zbcompile schedule: the first line must read "
+                                "'# zbcompile schedule NAME: microbatches=M placement=0,1,.. pipelines=K'")
+        name, m, placement, pipelines = head.groups()
+        rows = []
+        for r, line in enumerate(lines[1:]):
+            label, _, cells = line.partition(":")
+            if label.strip() != f"rank {r}":
+                raise ScheduleError(f"schedule text line {r + 2}: expected 'rank {r}: ...', got {line!r}")
+            rows.append(tuple(Action.parse(c) for c in cells.split()))
+        return Schedule(name, int(m), tuple(int(x) for x in placement.split(",")), tuple(rows), int(pipelines))
+
+    def to_torch_csv(self) -> str:
+        """torch.distributed.pipelining's compute-only CSV: one row per rank, `I` for our B, `B` for BW."""
+        if self.pipelines != 1:
+            raise ScheduleError(f"schedule {self.name!r} has {self.pipelines} pipelines; torch's CSV holds one")
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        for row in self.ranks:
+            writer.writerow([f"{a.stage}{_TO_TORCH[a.kind]}{a.microbatch}" for a in row])
+        return out.getvalue()
+
+    @staticmethod
+    def from_torch_csv(text: str, name: str = "torch-csv", num_microbatches: int | None = None) -> Schedule:
+        """Load torch's compute-only CSV. Empty cells (idle steps) are dropped; the placement is read off
+        where each stage's actions appear."""
+        rows: list[tuple[Action, ...]] = []
+        for r, cells in enumerate(csv.reader(io.StringIO(text))):
+            rows.append(tuple(_from_torch_cell(c, r) for c in cells if c.strip()))
+        placement: dict[int, int] = {}
+        for r, row in enumerate(rows):
+            for a in row:
+                if placement.setdefault(a.stage, r) != r:
+                    raise ScheduleError(f"torch CSV: stage {a.stage} appears on ranks {placement[a.stage]} and {r}")
+        n = max(placement, default=-1) + 1
+        if sorted(placement) != list(range(n)):
+            raise ScheduleError(f"torch CSV: stages {sorted(placement)} are not 0..{n - 1}")
+        m = num_microbatches or 1 + max((a.microbatch for row in rows for a in row), default=-1)
+        return Schedule(name, m, tuple(placement[s] for s in range(n)), tuple(rows))
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+_TO_TORCH = {Kind.F: "F", Kind.B: "I", Kind.W: "W", Kind.BW: "B"}
+_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_TORCH_RE = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)\s*$")
+
+
+def _from_torch_cell(cell: str, rank: int) -> Action:
+    match = _TORCH_RE.match(cell)
+    if not match or match.group(2) not in _FROM_TORCH:
+        raise ScheduleError(
+            f"torch CSV, rank {rank}: cannot read cell {cell!r}; only the compute-only format is supported "
+            f"(F, I, W, B actions such as '2F0', '1I3'); export comms-free schedules from torch"
+        )
+    stage, kind, mb = match.groups()
+    return Action(_FROM_TORCH[kind], int(stage), int(mb))
+
+
+def build(name: str, num_microbatches: int, placement: Sequence[int], ranks: Sequence[Sequence[Action]],
+          pipelines: int = 1) -> Schedule:
+    """Freeze generator output into a Schedule and validate its structure."""
+    return Schedule(name, num_microbatches, tuple(placement), tuple(tuple(r) for r in ranks), pipelines).validate()
