@@ -1,0 +1,131 @@
+"""The hand-made schedule generators: structure, deadlock freedom, minimums and unit-cost closed forms."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from zbcompile.errors import ScheduleError
+from zbcompile.passes.schedules import GENERATORS, generate, list_schedules
+from zbcompile.simulate import Costs, simulate
+
+HANDMADE = [n for n in GENERATORS if n != "zb-auto"]
+PPS = (2, 3, 4, 8)
+UNIT = Costs(1, 1, 1, 0)
+
+
+def _admits(name: str, p: int) -> bool:
+    return not (name == "dualpipe" and p % 2)
+
+
+def _minimum(name: str, p: int) -> int:
+    return {"interleaved-1f1b": p, "dualpipe": 2}.get(name, 1)
+
+
+def _ms(p: int) -> list[int]:
+    return sorted({1, 2, p - 1, p, p + 1, 2 * p - 1, 2 * p, 3 * p})
+
+
+@pytest.mark.parametrize("name", HANDMADE)
+@pytest.mark.parametrize("p", PPS)
+def test_valid_and_deadlock_free(name: str, p: int) -> None:
+    if not _admits(name, p):
+        pytest.skip(f"{name} needs an even pp")
+    for m in _ms(p):
+        if m < _minimum(name, p):
+            continue
+        s = generate(name, p, m)
+        s.validate().check_order()
+        assert s.num_ranks == p and s.num_microbatches == m and s.name == name
+
+
+@pytest.mark.parametrize("name", HANDMADE)
+def test_too_few_microbatches_raise(name: str) -> None:
+    p = 4
+    with pytest.raises(ScheduleError, match="microbatches >="):
+        generate(name, p, _minimum(name, p) - 1)
+
+
+@pytest.mark.parametrize("name", HANDMADE)
+def test_too_few_ranks_raise(name: str) -> None:
+    with pytest.raises(ScheduleError, match="pp >= 2"):
+        generate(name, 1, 8)
+
+
+def test_odd_pp_dualpipe_raises() -> None:
+    with pytest.raises(ScheduleError, match="even pp"):
+        generate("dualpipe", 3, 12)
+
+
+def test_unknown_name_lists_valid_names() -> None:
+    with pytest.raises(ScheduleError, match="zb-h1"):
+        generate("zb-h3", 4, 8)
+
+
+def test_chunks_only_where_they_mean_something() -> None:
+    assert generate("interleaved-1f1b", 4, 8, chunks=3).num_stages == 12
+    with pytest.raises(ScheduleError, match="chunks"):
+        generate("interleaved-1f1b", 4, 8, chunks=1)
+    with pytest.raises(ScheduleError, match="chunks"):
+        generate("1f1b", 4, 8, chunks=2)
+
+
+def test_every_schedule_is_described() -> None:
+    described = list_schedules()
+    assert list(described) == list(GENERATORS)
+    assert all(text and "\n" not in text for text in described.values())
+
+
+def _sim(name: str, p: int, m: int, **kw):
+    return simulate(generate(name, p, m, **kw), UNIT)
+
+
+@pytest.mark.parametrize("p", PPS)
+def test_closed_forms(p: int) -> None:
+    for m in (p, 2 * p, 3 * p):
+        assert _sim("1f1b", p, m).bubble_rate == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+        assert _sim("gpipe", p, m).bubble_rate == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)
+        assert _sim("zb-h1", p, m).bubble_rate == pytest.approx((p - 1) / (3 * m + p - 1), abs=1e-12)
+        for v in (2, 3):
+            got = _sim("interleaved-1f1b", p, m, chunks=v).bubble_rate
+            assert got == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-12)
+    for m in (2 * p, 3 * p):
+        for name in ("zb-h2", "zbv", "v-zb"):
+            assert _sim(name, p, m).bubble_rate == pytest.approx(0, abs=1e-12), name
+
+
+def test_interleaved_closed_form_without_multiple_of_pp() -> None:
+    # the first group absorbs m % p, which keeps the bubble at (p-1)/(vm+p-1)
+    for p, m in ((4, 5), (4, 11), (8, 13)):
+        assert _sim("interleaved-1f1b", p, m).bubble_rate == pytest.approx((p - 1) / (2 * m + p - 1), abs=1e-12)
+
+
+@pytest.mark.parametrize("p", PPS)
+def test_peak_memory(p: int) -> None:
+    expect = {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1, "zbv": p, "v-zb": p,
+              "v-half": (p + 2) // 2, "v-min": (p + 4) // 3, "dualpipev": p + 0.5}
+    if p % 2 == 0:
+        expect["dualpipe"] = p + 1
+    for m in (2 * p, 3 * p):
+        for name, peak in expect.items():
+            assert max(_sim(name, p, m).peak_memory) == pytest.approx(peak), (name, m)
+
+
+def test_v_family_matches_reference_bubbles() -> None:
+    # unit-cost reference rates from the authors' generators, p=8, m=24
+    assert _sim("v-min", 8, 24).bubble_rate == pytest.approx(0.1579, abs=5e-5)
+    assert _sim("v-half", 8, 24).bubble_rate < _sim("1f1b", 8, 24).bubble_rate
+
+
+def test_text_round_trip() -> None:
+    for name in HANDMADE:
+        s = generate(name, 4, 8)
+        assert type(s).from_text(s.to_text()) == s
+
+
+def test_large_pipelines_are_fast() -> None:
+    for name in HANDMADE:
+        t0 = time.perf_counter()
+        generate(name, 32, 256)
+        assert time.perf_counter() - t0 < 1.0, name
