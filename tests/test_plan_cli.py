@@ -1,0 +1,203 @@
+"""`zbcompile plan`: output, files it writes, and how it fails on bad input (exit 2, one line, no traceback)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from zbcompile.__main__ import main
+from zbcompile.schedule import Schedule
+
+try:  # rootdir-style import, or package-style if tests/ becomes a package
+    from test_simulate import acts, one_f_one_b
+except ImportError:
+    from tests.test_simulate import acts, one_f_one_b
+
+try:
+    from zbcompile.passes.schedules import generate  # noqa: F401
+    HAVE_GENERATORS = True
+except ImportError:
+    HAVE_GENERATORS = False
+needs_generators = pytest.mark.skipif(not HAVE_GENERATORS, reason="schedule generators not built yet")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    """The real command, in a fresh interpreter (exit status and stderr as a user sees them)."""
+    return subprocess.run([sys.executable, "-m", "zbcompile", *args], capture_output=True, text=True, timeout=60)
+
+
+def assert_usage_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zbcompile: error:"), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    for word in words:
+        assert word in lines[0]
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    path = tmp_path / "s.csv"
+    path.write_text(one_f_one_b(4, 6).to_torch_csv())
+    return path
+
+
+# ---- bad input, through a real subprocess ------------------------------------------------------------
+def test_malformed_costs_is_one_line_exit_2(saved: Path) -> None:
+    assert_usage_error(cli("plan", "--load", str(saved), "--costs", "F=1,B=oops"), "--costs", "expected")
+
+
+def test_bad_numbers_and_unknown_schedule_are_one_line_exit_2() -> None:
+    assert_usage_error(cli("plan", "--schedule", "1f1b", "--pp", "0", "--microbatches", "4"), "--pp")
+    assert_usage_error(cli("plan", "--schedule", "no-such-thing", "--pp", "4", "--microbatches", "8"),
+                       "no-such-thing" if HAVE_GENERATORS else "generators")
+
+
+def test_deadlocked_file_shows_the_grid_without_traceback(tmp_path: Path) -> None:
+    crossed = Schedule("crossed", 2, (0, 1), (acts("0F0 0BW0 0F1 0BW1"), acts("1F1 1BW1 1F0 1BW0")))
+    path = tmp_path / "crossed.txt"
+    path.write_text(crossed.to_text())
+    proc = cli("plan", "--load", str(path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("zbcompile: error: schedule 'crossed' deadlocks")
+    assert "[0BW0]" in proc.stderr
+
+
+# ---- in-process runs of main() -------------------------------------------------------------------------
+def test_plan_load_prints_table_and_timeline(saved: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--load", str(saved), "--act-bytes", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble rate" in out and "33.33%" in out  # (p-1)/(m+p-1) = 3/9
+    assert "4.00 GiB" in out
+    assert "rank  3 |" in out
+
+
+def test_csv_round_trips(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out.csv"
+    assert main(["plan", "--load", str(saved), "--csv", str(out)]) == 0
+    again = Schedule.from_torch_csv(out.read_text())
+    assert again.ranks == Schedule.from_torch_csv(saved.read_text()).ranks == one_f_one_b(4, 6).ranks
+
+
+def test_svg_is_well_formed(saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out.svg"
+    assert main(["plan", "--load", str(saved), "--svg", str(out)]) == 0
+    root = ET.parse(out).getroot()
+    assert root.tag.endswith("svg") and len(list(root.iter("{http://www.w3.org/2000/svg}rect"))) > 4 * 12
+
+
+def test_json_output(saved: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--load", str(saved), "--json", "--costs", "comm=0.1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["pp"] == 4 and data["microbatches"] == 6 and data["costs"]["comm"] == 0.1
+    assert data["peak_memory"] == 4 and len(data["ranks"]) == 4
+
+
+def test_mem_limit_below_need_is_an_error(saved: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--load", str(saved), "--mem-limit", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zbcompile: error:") and "needs 4 units on rank 0" in err
+
+
+def test_load_text_form_and_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "s.txt"
+    path.write_text(one_f_one_b(2, 3, split=True).to_text())
+    assert main(["plan", "--load", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["schedule"] == "1f1b"
+    assert main(["plan", "--load", str(tmp_path / "nope.csv")]) == 2
+    assert "cannot read schedule file" in capsys.readouterr().err
+
+
+def test_missing_sizes_and_compare_with_files(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--schedule", "1f1b"]) == 2
+    assert "needs --pp and --microbatches" in capsys.readouterr().err
+    assert main(["plan", "--compare", "--pp", "4", "--microbatches", "8", "--svg", "x.svg"]) == 2
+    assert "--schedule NAME" in capsys.readouterr().err
+
+
+# ---- with the generators -----------------------------------------------------------------------------
+@needs_generators
+def test_plan_generated_schedule(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    csv_path = tmp_path / "zbh1.csv"
+    assert main(["plan", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--csv", str(csv_path)]) == 0
+    assert "27.27%" in capsys.readouterr().out  # 3/11
+    assert Schedule.from_torch_csv(csv_path.read_text()).num_ranks == 4
+
+
+@needs_generators
+def test_compare_lists_every_schedule_and_explains_failures(capsys: pytest.CaptureFixture) -> None:
+    from zbcompile.passes.schedules import list_schedules
+
+    assert main(["plan", "--compare", "--pp", "4", "--microbatches", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["schedules"]
+    assert [r["schedule"] for r in rows] == list(list_schedules())
+    assert any(r["note"] and "makespan" not in r for r in rows)  # something cannot run at m=2
+    assert any("makespan" in r for r in rows)
+
+
+@needs_generators
+def test_compare_mem_limit_below_everything_is_an_error() -> None:
+    assert_usage_error(cli("plan", "--compare", "--pp", "4", "--microbatches", "8", "--mem-limit", "0.1"),
+                       "--mem-limit")
+
+
+# ---- comparison logic with stand-in generators (independent of the real ones) ------------------------
+@pytest.fixture
+def fake_generators(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zbcompile import plan
+    from zbcompile.errors import ScheduleError
+
+    def generate(name, pp, microbatches, *, chunks=None, costs=None, mem_limit=None):
+        if name == "picky":
+            raise ScheduleError(f"picky needs microbatches >= 99 for pp={pp}; got {microbatches}")
+        if name == "two":  # a stand-in that needs less memory: always two ranks
+            return one_f_one_b(2, microbatches, split=True)
+        return one_f_one_b(pp, microbatches)
+
+    monkeypatch.setattr(plan, "_generators", lambda: (generate, lambda: ["1f1b", "two", "picky"]))
+
+
+def test_compare_rows_and_reasons(fake_generators: None) -> None:
+    from zbcompile.plan import compare, compare_table
+
+    rows = compare(4, 8, mem_limit=3.5)
+    assert [r.name for r in rows] == ["1f1b", "two", "picky"]
+    assert rows[2].result is None and "needs microbatches >= 99" in rows[2].reason
+    assert rows[0].reason == "needs 4 units on rank 0, above --mem-limit 3.5"
+    assert rows[1].reason is None and rows[1].result.peak_memory == (2, 1)
+    table = compare_table(compare(4, 8))
+    assert "27.27%" in table and "picky needs" in table
+
+
+def test_compare_cli_and_limits(fake_generators: None, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--compare", "--pp", "4", "--microbatches", "8", "--act-bytes", "2MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "8.00 MiB" in out and "picky" in out
+    assert main(["plan", "--compare", "--pp", "4", "--microbatches", "8", "--mem-limit", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zbcompile: error: --mem-limit 1.5 is below what any schedule needs")
+    assert "the least a schedule here needs is 2" in err
+    assert main(["plan", "--schedule", "nope", "--pp", "4", "--microbatches", "8"]) == 2
+    assert "unknown schedule 'nope'; choose one of: 1f1b, two, picky" in capsys.readouterr().err
+
+
+def test_benchmark_table_reuses_compare(fake_generators: None, capsys: pytest.CaptureFixture) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from schedule_table import main as bench_main
+    finally:
+        sys.path.pop(0)
+    assert bench_main(["--pp", "4", "--microbatches", "8", "12", "--costs", "W=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "p=4, m=8" in out and "p=4, m=12" in out and "picky" in out
+
+
+def test_usage_errors_return_2_in_process(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--pp", "4"]) == 2
+    assert capsys.readouterr().err.startswith("zbcompile: error: one of the arguments")
+    assert main(["--help"]) == 0

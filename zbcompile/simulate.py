@@ -1,0 +1,305 @@
+"""Time a schedule under a cost model: start and end of every action, bubbles and activation memory.
+
+    Schedule + Costs + MemoryModel  ->  simulate  ->  SimResult (frozen)
+
+The simulator is list scheduling, the same model the Zero Bubble authors' generators carry inside them:
+every rank runs its actions in the given order, and an action starts at
+
+    start = max(rank free, max over deps of  dep end + (comm if the dep ran on another rank else 0))
+
+Units. Costs are given per *1F1B stage*, one rank's share of the model. A schedule that cuts the model into
+S model stages over p ranks gives each stage p/S of that share, so every action's cost is scaled by p/S (a
+chunk of a V schedule, S = 2p, costs half). Memory counts in the same unit: 1 = the activations one 1F1B
+stage keeps for one microbatch, so an F adds p/S.
+
+Bubble rates. `bubble_rate` is the papers' number: for each rank, 1 - busy/span where span runs from the
+rank's first start to its last end, maximised over ranks. `bubble_share` is the idle share of the whole
+p x makespan rectangle, warm-up included.
+
+Errors. A schedule whose order deadlocks, or that consumes a result no rank produces, raises
+`SimulationError` with the rank x step grid, the stuck actions in brackets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+from zbcompile.errors import ScheduleError, SimulationError
+from zbcompile.schedule import Action, Kind, Schedule
+
+__all__ = ["Costs", "MemoryModel", "SimResult", "simulate"]
+
+
+_COSTS_FORM = ("expected comma-separated KEY=VALUE pairs with keys F, B, W, comm (any subset, any case) "
+               "and non-negative numbers, e.g. 'F=1,B=1.1,W=0.6,comm=0.05'")
+
+
+def _check_cost(name: str, value: float) -> float:
+    value = float(value)
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise ScheduleError(f"cost {name}={value} must be a finite non-negative number; {_COSTS_FORM}")
+    return value
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one F, B, W per 1F1B stage, and of one cross-rank hop.
+
+    `per_stage`, when given, holds one (f, b, w) triple per *model* stage and overrides the uniform costs
+    for that stage. These are the stage's own measured times, so they are not scaled by p/S.
+    A BW costs b + w.
+    """
+
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+    comm: float = 0.0
+    per_stage: tuple[tuple[float, float, float], ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "comm"):
+            object.__setattr__(self, name, _check_cost(name, getattr(self, name)))
+        if self.per_stage is not None:
+            rows = []
+            for s, triple in enumerate(self.per_stage):
+                if len(triple) != 3:
+                    raise ScheduleError(f"per_stage[{s}] = {triple!r}: expected an (f, b, w) triple")
+                rows.append(tuple(_check_cost(f"per_stage[{s}].{k}", v) for k, v in zip("fbw", triple)))
+            object.__setattr__(self, "per_stage", tuple(rows))
+
+    @staticmethod
+    def parse(text: str) -> Costs:
+        """`"F=1,B=1.1,W=0.6,comm=0.05"` -> Costs; keys are case-insensitive, missing ones keep defaults."""
+        values: dict[str, float] = {}
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            key, eq, raw = part.partition("=")
+            key = key.strip().lower()
+            if not eq or key not in ("f", "b", "w", "comm"):
+                raise ScheduleError(f"cannot parse costs {text!r} at {part.strip()!r}: {_COSTS_FORM}")
+            if key in values:
+                raise ScheduleError(f"cannot parse costs {text!r}: {key} given twice; {_COSTS_FORM}")
+            try:
+                values[key] = float(raw)
+            except ValueError:
+                raise ScheduleError(f"cannot parse costs {text!r}: {raw.strip()!r} is not a number; "
+                                    f"{_COSTS_FORM}") from None
+        return Costs(**values)
+
+    def __str__(self) -> str:
+        text = f"F={self.f:g},B={self.b:g},W={self.w:g},comm={self.comm:g}"
+        return text + (" (per-stage overrides)" if self.per_stage else "")
+
+    def action_costs(self, schedule: Schedule) -> dict[tuple[Kind, int], float]:
+        """(kind, stage) -> time of that action in `schedule`."""
+        model_stages = schedule.num_model_stages
+        if self.per_stage is not None and len(self.per_stage) != model_stages:
+            raise ScheduleError(f"costs give {len(self.per_stage)} per-stage triples but schedule "
+                                f"{schedule.name!r} has {model_stages} model stages")
+        scale = schedule.num_ranks / model_stages
+        table = {}
+        for s in range(schedule.num_stages):
+            if self.per_stage is not None:
+                f, b, w = self.per_stage[schedule.model_stage(s)]
+            else:
+                f, b, w = self.f * scale, self.b * scale, self.w * scale
+            table.update({(Kind.F, s): f, (Kind.B, s): b, (Kind.W, s): w, (Kind.BW, s): b + w})
+        return table
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Activation memory: F holds p/S units; B frees the fraction `b_frees` of it, W the rest, BW all.
+
+    The default (B frees nothing) is the authors' conservative model. `bytes_per_microbatch` converts a unit
+    (one 1F1B stage's activations for one microbatch) to bytes for `SimResult.peak_bytes`.
+    """
+
+    b_frees: float = 0.0
+    bytes_per_microbatch: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.b_frees <= 1.0:
+            raise ScheduleError(f"b_frees={self.b_frees} must be a fraction between 0 and 1 (the share of an "
+                                f"F's activations that its B frees)")
+        if self.bytes_per_microbatch is not None and not self.bytes_per_microbatch >= 0:
+            raise ScheduleError(f"bytes_per_microbatch={self.bytes_per_microbatch} must be non-negative")
+
+    def delta(self, kind: Kind, scale: float) -> float:
+        """Units held after minus before an action of `kind` on a stage of size `scale`."""
+        if kind is Kind.F:
+            return scale
+        if kind is Kind.B:
+            return -self.b_frees * scale
+        if kind is Kind.W:
+            return -(1.0 - self.b_frees) * scale
+        return -scale
+
+
+@dataclass(frozen=True, eq=False)
+class SimResult:
+    """When every action ran, and what that costs in bubbles and memory. Times are in cost units."""
+
+    schedule: Schedule
+    costs: Costs
+    memory: MemoryModel
+    start: Mapping[Action, float]
+    end: Mapping[Action, float]
+    makespan: float
+    busy: tuple[float, ...]         # per rank: sum of action times
+    span: tuple[float, ...]         # per rank: last end - first start (0 for an idle rank)
+    peak_memory: tuple[float, ...]  # per rank, units
+    peak_bytes: tuple[float, ...] | None = None  # per rank, when the memory model knows the bytes
+
+    @property
+    def rank_bubbles(self) -> tuple[float, ...]:
+        """Per rank: 1 - busy/span (0 for a rank with nothing to do)."""
+        return tuple(1.0 - b / s if s > 0 else 0.0 for b, s in zip(self.busy, self.span))
+
+    @property
+    def bubble_rate(self) -> float:
+        """The papers' bubble rate: the worst rank's idle share of its own span."""
+        return max(self.rank_bubbles, default=0.0)
+
+    @property
+    def bubble_share(self) -> float:
+        """Idle share of all ranks over the whole makespan, warm-up and cool-down included."""
+        total = self.schedule.num_ranks * self.makespan
+        return 1.0 - sum(self.busy) / total if total > 0 else 0.0
+
+    def timed(self, rank: int) -> Iterator[tuple[Action, float, float]]:
+        """(action, start, end) for every action of `rank`, in order."""
+        for a in self.schedule.ranks[rank]:
+            yield a, self.start[a], self.end[a]
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel()) -> SimResult:
+    """List-schedule `schedule` under `costs`; see the module docstring for the model.
+
+    Does not call `schedule.validate()` (the caller decides), but every dependency must be produced by some
+    rank and the order must not deadlock, else SimulationError.
+    """
+    # Work on integer ids (actions numbered rank by rank, so rank r's step i is first[r] + i): hashing an
+    # Action hashes its Kind enum in Python, which would dominate the run time of large schedules.
+    actions = [a for row in schedule.ranks for a in row]
+    first = [0]
+    for row in schedule.ranks:
+        first.append(first[-1] + len(row))
+    rank_of = [r for r, row in enumerate(schedule.ranks) for _ in row]
+    index = _index(schedule)
+    deps = _dependency_ids(schedule, actions, index)
+    table = costs.action_costs(schedule)
+    cost = [table[a.kind, a.stage] for a in actions]
+
+    start = [0.0] * len(actions)
+    end: list[float | None] = [None] * len(actions)
+    free = [0.0] * schedule.num_ranks
+    pos = first[:-1]
+    waiting: dict[int, list[int]] = {}
+    ready = list(range(schedule.num_ranks))
+    comm = costs.comm
+    while ready:
+        r = ready.pop()
+        last = first[r + 1]
+        while pos[r] < last:
+            i = pos[r]
+            t = free[r]
+            blocker = -1
+            for d in deps[i]:
+                e = end[d]
+                if e is None:
+                    blocker = d
+                    break
+                if rank_of[d] != r:
+                    e += comm
+                if e > t:
+                    t = e
+            if blocker >= 0:
+                waiting.setdefault(blocker, []).append(r)
+                break
+            start[i] = t
+            end[i] = free[r] = t + cost[i]
+            pos[r] = i + 1
+            ready.extend(waiting.pop(i, ()))
+    if any(pos[r] < first[r + 1] for r in range(schedule.num_ranks)):
+        raise _deadlock(schedule, [pos[r] - first[r] for r in range(schedule.num_ranks)],
+                        {a for a, e in zip(actions, end) if e is not None})
+    return _result(schedule, costs, memory, actions, first, start, end)
+
+
+def _index(schedule: Schedule) -> dict[Action, int]:
+    """Action -> id; rejects unknown stages and duplicates."""
+    index: dict[Action, int] = {}
+    for r, i, a in schedule.actions():
+        if not 0 <= a.stage < schedule.num_stages:
+            raise SimulationError(_at(schedule, r, i, f"stage {a.stage} does not exist "
+                                                      f"(stages 0..{schedule.num_stages - 1})"))
+        if a in index:
+            raise SimulationError(_at(schedule, r, i, f"{a} runs twice"))
+        index[a] = len(index)
+    return index
+
+
+def _dependency_ids(schedule: Schedule, actions: list[Action], index: dict[Action, int]) -> list[tuple[int, ...]]:
+    out = []
+    for a in actions:
+        ids = []
+        for d in schedule.deps(a):
+            j = index.get(d)
+            if j is None:
+                r, i = _position(schedule, index[a])
+                raise SimulationError(_at(
+                    schedule, r, i, f"broken dependency: {a} needs {d}, which no rank runs; "
+                                    f"fix: add {d} to rank {schedule.placement[d.stage]}"))
+            ids.append(j)
+        out.append(tuple(ids))
+    return out
+
+
+def _position(schedule: Schedule, action_id: int) -> tuple[int, int]:
+    for r, row in enumerate(schedule.ranks):
+        if action_id < len(row):
+            return r, action_id
+        action_id -= len(row)
+    raise IndexError(action_id)
+
+
+def _deadlock(schedule: Schedule, steps: list[int], done: set[Action]) -> SimulationError:
+    stuck = {r: i for r, i in enumerate(steps) if i < len(schedule.ranks[r])}
+    waits = "; ".join(
+        f"rank {r} waits at {schedule.ranks[r][i]} for "
+        + ", ".join(str(d) for d in schedule.deps(schedule.ranks[r][i]) if d not in done)
+        for r, i in stuck.items()
+    )
+    return SimulationError(
+        f"schedule {schedule.name!r} deadlocks: {waits}\n{schedule.format_grid(mark=stuck)}\n"
+        f"fix: reorder so that every action's inputs are produced before it on some rank"
+    )
+
+
+def _at(schedule: Schedule, rank: int, step: int, what: str) -> str:
+    return f"schedule {schedule.name!r}, rank {rank}, step {step}: {what}\n{schedule.format_grid(mark={rank: step})}"
+
+
+def _result(schedule: Schedule, costs: Costs, memory: MemoryModel, actions: list[Action], first: list[int],
+            start: list[float], end: list[float]) -> SimResult:
+    scale = schedule.num_ranks / schedule.num_model_stages
+    delta = {k: memory.delta(k, scale) for k in Kind}
+    busy, span, peak = [], [], []
+    for r in range(schedule.num_ranks):
+        lo, hi = first[r], first[r + 1]
+        busy.append(sum(end[i] - start[i] for i in range(lo, hi)))
+        span.append(end[hi - 1] - start[lo] if hi > lo else 0.0)
+        held = top = 0.0
+        for a in actions[lo:hi]:
+            held += delta[a.kind]
+            top = max(top, held)
+        peak.append(round(top, 9))  # float noise from fractional frees
+    peak_bytes = None
+    if memory.bytes_per_microbatch is not None:
+        peak_bytes = tuple(u * memory.bytes_per_microbatch for u in peak)
+    return SimResult(schedule, costs, memory, dict(zip(actions, start)), dict(zip(actions, end)),
+                     max(end, default=0.0), tuple(busy), tuple(span), tuple(peak), peak_bytes)
