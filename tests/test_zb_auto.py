@@ -1,0 +1,172 @@
+"""zb-auto: the automatic zero-bubble scheduler under a memory limit.
+
+Checked against independent references: the papers' closed forms and regenerated numbers under unit costs,
+the hand-made ZB-H1 / ZB-H2 under measured-looking costs, a brute force over every order on tiny pipelines,
+and the shared simulator for timing and memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+
+from zbcompile.errors import ScheduleError
+from zbcompile.passes.schedules import zb_auto as za
+from zbcompile.passes.schedules.zb_auto import makespan_lower_bound, zb_auto
+from zbcompile.passes.schedules.zero_bubble import zb_h1, zb_h2
+from zbcompile.schedule import Kind
+from zbcompile.simulate import Costs, simulate
+
+UNIT = Costs()
+PROFILES = [Costs(f=1, b=1.1, w=0.6, comm=0.05), Costs(f=1, b=2, w=1, comm=0.1)]
+
+
+def _run(p, m, limit, costs=UNIT):
+    schedule = zb_auto(p, m, costs=costs, mem_limit=limit)
+    schedule.validate().check_order()
+    result = simulate(schedule, costs)
+    assert max(result.peak_memory) <= limit + 1e-9, result.peak_memory
+    return schedule, result
+
+
+# ---- structure and contract ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m,limit", [(2, 1, 1), (2, 5, 1), (3, 4, 2), (4, 3, 8), (4, 8, 5), (5, 7, 5)])
+@pytest.mark.parametrize("costs", [UNIT, PROFILES[0]])
+def test_valid_and_within_memory(p, m, limit, costs):
+    schedule, _ = _run(p, m, limit, costs)
+    assert schedule.name == "zb-auto"
+    assert schedule.placement == tuple(range(p))
+    assert {a.kind for _, _, a in schedule.actions()} == {Kind.F, Kind.B, Kind.W}
+
+
+def test_default_limit_is_pp():
+    result = simulate(zb_auto(4, 8))
+    assert max(result.peak_memory) == 4
+
+
+def test_fractional_limit_rounds_down():
+    assert max(simulate(zb_auto(4, 8, mem_limit=5.7)).peak_memory) <= 5
+
+
+@pytest.mark.parametrize("limit", [0, 0.5, -3])
+def test_limit_below_minimum_says_the_minimum(limit):
+    with pytest.raises(ScheduleError, match="minimum of 1"):
+        zb_auto(4, 8, mem_limit=limit)
+
+
+def test_bad_sizes():
+    with pytest.raises(ScheduleError):
+        zb_auto(1, 8)
+    with pytest.raises(ScheduleError):
+        zb_auto(4, 0)
+
+
+def test_per_stage_costs_must_match_stages():
+    with pytest.raises(ScheduleError, match="per-stage"):
+        zb_auto(4, 8, costs=Costs(per_stage=((1, 1, 1),) * 3))
+
+
+# ---- the internal timing model is the shared simulator's ---------------------------------------------------
+@pytest.mark.parametrize("costs", [UNIT, *PROFILES, Costs(per_stage=((1, 1, 1), (1.2, 2, 0.8), (0.7, 1.5, 1), (1, 3, 2)))])
+def test_internal_timing_agrees_with_simulate(costs):
+    p, m = 4, 6
+    cs = za._Costs.read(costs, p)
+    for limit in (2, 4, 8):
+        for score, orders in za._greedy_seeds(p, m, cs, limit):
+            timing = za._retime(orders, m, cs)
+            assert timing.score == pytest.approx(score)
+            result = simulate(za._to_schedule(orders, p, m, limit), costs)
+            assert timing.makespan == pytest.approx(result.makespan)
+            assert timing.bubble == pytest.approx(result.bubble_rate)
+
+
+def test_retime_reports_deadlock():
+    """Rank 1 runs F1 first; rank 0 sends F1 only after its B0, which needs rank 1's B0: a cycle."""
+    m = 2
+    f0, f1, b0, b1, w0, w1 = 0, 1, m, m + 1, 2 * m, 2 * m + 1
+    orders = [[f0, b0, f1, b1, w0, w1], [f1, f0, b0, b1, w0, w1]]
+    assert za._retime(orders, m, za._Costs.read(None, 2)) is None
+
+
+# ---- golden numbers under unit costs ------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m,rate", [(4, 8, 0.1111), (4, 12, 0.0769), (8, 8, 0.2258), (8, 24, 0.0886)])
+def test_zb1p_matches_the_papers_numbers(p, m, rate):
+    _, result = _run(p, m, p)
+    assert result.bubble_rate == pytest.approx(rate, abs=5e-5)
+    assert result.bubble_rate <= (p - 1) / (3 * m + p - 1) + 1e-9
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 12), (8, 16), (8, 24)])
+def test_zb2p_has_no_bubble_once_m_reaches_2p(p, m):
+    _, result = _run(p, m, 2 * p)
+    assert result.bubble_rate == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("p,m", [(3, 5), (4, 8), (6, 10), (8, 24)])
+def test_unit_makespan_is_the_lower_bound(p, m):
+    """Under unit costs the bound is 3m + p - 1 at limit p, and zb-auto reaches it at every limit >= p."""
+    assert makespan_lower_bound(p, m, UNIT, p) == 3 * m + p - 1
+    for limit in (p, p + 1, 2 * p):
+        assert _run(p, m, limit)[1].makespan == pytest.approx(3 * m + p - 1)
+
+
+# ---- against the hand-made ZB-H1 / ZB-H2 under uneven costs ----------------------------------------------------
+@pytest.mark.parametrize("costs", PROFILES, ids=str)
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 12), (8, 16)])
+def test_beats_or_ties_handmade(costs, p, m):
+    for limit, handmade in ((p, zb_h1), (2 * p, zb_h2)):
+        hand = simulate(handmade(p, m), costs)
+        _, auto = _run(p, m, limit, costs)
+        assert auto.makespan <= hand.makespan + 1e-9, (limit, auto.makespan, hand.makespan)
+        assert auto.makespan >= makespan_lower_bound(p, m, costs, limit) - 1e-9
+
+
+# ---- search beyond the greedy -------------------------------------------------------------------------------
+@pytest.mark.parametrize("p,m,limit,costs", [(4, 4, 2, UNIT), (4, 8, 2, UNIT), (3, 5, 2, PROFILES[1])])
+def test_search_improves_on_the_greedy(p, m, limit, costs):
+    cs = za._Costs.read(costs, p)
+    greedy = za._greedy_seeds(p, m, cs, limit)[0][0][0]
+    assert _run(p, m, limit, costs)[1].makespan < greedy - 1e-9
+
+
+def _all_orders(stage, m, limit):
+    """Every order of one rank: F before B before W per microbatch, held activations within the limit."""
+    def extend(row, done, held):
+        if len(row) == 3 * m:
+            yield list(row)
+            return
+        for mb in range(m):
+            kind = done[mb]
+            if kind == 3 or (kind == 0 and held >= limit):
+                continue
+            done[mb] += 1
+            row.append(kind * m + mb)
+            yield from extend(row, done, held + (1 if kind == 0 else -1 if kind == 2 else 0))
+            row.pop()
+            done[mb] -= 1
+    yield from extend([], [0] * m, 0)
+
+
+@pytest.mark.parametrize("p,m,limit,costs", [
+    (2, 2, 1, UNIT), (2, 2, 2, PROFILES[0]), (3, 2, 1, PROFILES[1]), (3, 2, 2, Costs(f=1, b=1, w=0.5, comm=0.3)),
+])
+def test_optimal_against_brute_force(p, m, limit, costs):
+    cs = za._Costs.read(costs, p)
+    per_rank = [list(_all_orders(r, m, limit)) for r in range(p)]
+    best = min(t.makespan for combo in itertools.product(*per_rank)
+               if (t := za._retime(list(combo), m, cs)) is not None)
+    assert _run(p, m, limit, costs)[1].makespan == pytest.approx(best)
+
+
+# ---- speed ---------------------------------------------------------------------------------------------------
+def test_p32_m256_under_a_second():
+    timings = []
+    for _ in range(2):  # best of two: the machine is shared
+        start = time.perf_counter()
+        schedule = zb_auto(32, 256)
+        result = simulate(schedule)
+        timings.append(time.perf_counter() - start)
+    assert min(timings) < 1.0, timings
+    assert result.bubble_rate == pytest.approx(31 / (3 * 256 + 31))

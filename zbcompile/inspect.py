@@ -1,0 +1,96 @@
+"""`zbcompile inspect MODULE:FACTORY --pp P --schedule NAME`: show what the compiler makes of a model.
+
+Runs the whole compiler in this one process, without launching ranks: trace and split the model, generate
+the schedule, lower it for every rank, then print the stage report and each rank's program (the generated
+Python of its fx GraphModule, with sends, receives and frees), and optionally draw the schedule as SVG.
+
+FACTORY is a callable that takes no arguments and returns `(model, loss_fn, example)`, the same three
+things `zbcompile.compile` takes; `zbcompile.examples.train_gpt:tiny` is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Callable
+
+from zbcompile.errors import ZBCompileError
+
+__all__ = ["add_arguments", "run", "load_factory"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", metavar="MODULE:FACTORY",
+                        help="a no-argument callable returning (model, loss_fn, example)")
+    parser.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    parser.add_argument("--schedule", required=True, help="schedule name (see `zbcompile plan --compare`)")
+    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 2*pp)")
+    parser.add_argument("--chunks", type=int, default=None, help="stages per rank for interleaved-1f1b")
+    parser.add_argument("--split-points", default=None,
+                        help="comma-separated module names to cut before (default: balanced by cost)")
+    parser.add_argument("--rank", type=int, default=None, help="print only this rank's program")
+    parser.add_argument("--ops", action="store_true",
+                        help="print the rank-program IR (one op per line) instead of the generated Python")
+    parser.add_argument("--svg", type=Path, default=None, help="also draw the schedule to this SVG file")
+
+
+def load_factory(target: str) -> Callable[[], tuple]:
+    """Import `module:attr`; the error says which half is wrong."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ZBCompileError(f"inspect: {target!r} is not MODULE:FACTORY (e.g. zbcompile.examples.train_gpt:tiny)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ZBCompileError(f"inspect: cannot import module {module_name!r}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ZBCompileError(f"inspect: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def run(args: argparse.Namespace) -> int:
+    from zbcompile.passes.lower import emit_fx, lower_all
+    from zbcompile.passes.schedules import generate
+    from zbcompile.split import report, split_model
+
+    if args.rank is not None and not 0 <= args.rank < args.pp:
+        raise ZBCompileError(f"inspect: --rank {args.rank} is not a rank of a {args.pp}-rank pipeline (0..{args.pp - 1})")
+    model, loss_fn, example = _build(load_factory(args.target))
+    m = args.microbatches or 2 * args.pp
+    schedule = generate(args.schedule, args.pp, m, chunks=args.chunks)
+    split_points = args.split_points.split(",") if args.split_points else None
+    staged = split_model(model, loss_fn, example, num_stages=None if split_points else schedule.num_model_stages,
+                         split_points=split_points)
+    if len(staged.stages) != schedule.num_model_stages:
+        raise ZBCompileError(f"inspect: --split-points gives {len(staged.stages)} stages but schedule "
+                             f"{args.schedule!r} on {args.pp} ranks needs {schedule.num_model_stages}")
+    programs = lower_all(schedule, staged)
+    print(report(staged))
+    print()
+    print(schedule.to_text())
+    ranks = range(args.pp) if args.rank is None else [args.rank]
+    for r in ranks:
+        stages = [s for s, owner in enumerate(schedule.placement) if owner == r]
+        print(f"# ---- rank {r}: stages {stages} " + "-" * 40)
+        print(programs[r] if args.ops else emit_fx(programs[r]).code)
+    if args.svg:
+        _draw(schedule, args.svg)
+    return 0
+
+
+def _build(factory: Callable[[], tuple]) -> tuple:
+    built = factory()
+    if not (isinstance(built, tuple) and len(built) == 3):
+        raise ZBCompileError("inspect: the factory must return (model, loss_fn, example)")
+    return built
+
+
+def _draw(schedule, path: Path) -> None:
+    from zbcompile.simulate import simulate
+    from zbcompile.timeline import svg_timeline
+
+    path.write_text(svg_timeline(simulate(schedule), title=f"{schedule.name}: p={schedule.num_ranks}, "
+                                                           f"m={schedule.num_microbatches}"))
+    print(f"# wrote {path}")
