@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -121,8 +120,8 @@ def test_text_round_trip() -> None:
         assert type(s).from_text(s.to_text()) == s
 
 
-def test_large_pipelines_are_fast() -> None:
+def test_large_pipelines_are_valid() -> None:
+    """p=32, m=256 (the size benchmarks/schedule_speed.py times) builds and validates for every generator."""
     for name in HANDMADE:
-        t0 = time.perf_counter()
-        generate(name, 32, 256)
-        assert time.perf_counter() - t0 < 1.0, name
+        s = generate(name, 32, 256)
+        assert s.num_ranks == 32 and sum(len(r) for r in s.ranks) >= 2 * 256 * s.num_model_stages

@@ -8,7 +8,6 @@ and the shared simulator for timing and memory.
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 
@@ -160,13 +159,8 @@ def test_optimal_against_brute_force(p, m, limit, costs):
     assert _run(p, m, limit, costs)[1].makespan == pytest.approx(best)
 
 
-# ---- speed ---------------------------------------------------------------------------------------------------
-def test_p32_m256_under_a_second():
-    timings = []
-    for _ in range(2):  # best of two: the machine is shared
-        start = time.perf_counter()
-        schedule = zb_auto(32, 256)
-        result = simulate(schedule)
-        timings.append(time.perf_counter() - start)
-    assert min(timings) < 1.0, timings
+# ---- large instances ---------------------------------------------------------------------------------------------------
+def test_p32_m256_reaches_the_zb_h1_closed_form():
+    """The size benchmarks/schedule_speed.py times; here only the result is checked."""
+    result = simulate(zb_auto(32, 256))
     assert result.bubble_rate == pytest.approx(31 / (3 * 256 + 31))
