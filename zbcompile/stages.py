@@ -18,6 +18,10 @@ Value names (the same name means the same value within one (stage, microbatch)):
     grad:loss          the seed gradient of `loss` (the runtime feeds 1 / num_microbatches)
     grad:param:<fqn>   a parameter gradient for this microbatch (W and BW outputs); summed over microbatches
 
+    A value made in stage i and read in stage j > i+1 is a pass-through in between: such a stage has act:<x>
+    as both F input and F output (re-sent unchanged), and grad:act:<x> as both B/BW input (from stage s+1) and
+    B/BW output (to stage s-1, plus whatever the stage's own use of x contributes). Key envs by stage.
+
     F:  param, buffer, data, act            ->  act (send), loss (last stage), buffer (updated), saved
     B:  saved, grad:act (send) | grad:loss  ->  grad:act (recv, those that require grad), wsaved
     W:  saved, wsaved, grad:act | grad:loss ->  grad:param
@@ -97,3 +101,9 @@ class StagedModel:
     num_targets: int                 # the next num_targets to the loss function
     tied: tuple[tuple[str, ...], ...] = ()   # aliases of one Parameter; the canonical name first
     meta: Mapping[str, object] = field(default_factory=dict)
+
+    def report(self) -> str:
+        """Per-stage table: modules, params, estimated F/B/W FLOPs, saved bytes, boundary tensors, tied groups."""
+        from zbcompile.split import report  # the report needs the cost model; the IR itself does not
+
+        return report(self)

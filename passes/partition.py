@@ -1,0 +1,332 @@
+"""Pass 2, partition: cut the traced step into pipeline stages by module boundaries.
+
+    Traced, split_points  ->  Partition(stages=(StageGraph, ...))
+
+A split point is a module name; the cut goes right BEFORE the first node the module computes. Nodes are
+assigned in graph (= execution) order: a running stage counter advances when a node belongs to the next
+split point's module (read from `meta["nn_module_stack"]`). So everything between two split points, including
+top-level glue code, lands in the earlier stage, and the loss lands in the last one.
+
+    graph order:  arange  embedding ... | blocks.2 ...         | blocks.4 ... ln_f lm_head loss
+    stage:        0 (constant)  0       | 1  (split blocks.2)  | 2  (split blocks.4)
+
+Constant nodes (depending on no data and no parameter: arange, causal masks, lifted constants; buffers count
+as constant inputs) are not sent between stages: each stage that uses one recomputes it (with its constant
+ancestors). Random ops are never constants. A constant that is also a step output (`num_batches_tracked + 1`)
+is owned by exactly one stage, the one its module belongs to, so the buffer updates exactly once.
+
+A value produced in stage i and read by stage j > i travels as `act:<node name>` through every stage in
+between (received and re-sent unchanged: a pass-through). Each StageGraph is a functional fx graph whose
+placeholders and outputs carry value names (params, buffers, data, received acts in; sent acts, loss, updated
+buffers out).
+
+Automatic cuts (`auto_split_points`) choose among "units": the children of the model's main repeated container
+(the ModuleList / Sequential with the most children, e.g. transformer blocks) and of its ancestors, weighted by
+estimated forward FLOPs, balanced to minimize the heaviest stage. Leaf modules are never cut inside.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import fx, nn
+
+from zbcompile.errors import PartitionError
+from zbcompile.passes import cost
+from zbcompile.passes.balance import balance
+from zbcompile.passes.trace import Traced
+
+__all__ = ["StageGraph", "Partition", "partition", "auto_split_points", "cut_units", "module_path"]
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """One stage's forward: a functional graph over named values."""
+
+    index: int
+    gm: fx.GraphModule
+    inputs: tuple[str, ...]        # param:*, buffer:*, data:*, act:* (in that order)
+    outputs: tuple[str, ...]       # act:* (sent), loss, buffer:* (updated)
+    passthrough: tuple[str, ...]   # act names received and re-sent unchanged
+    modules: tuple[str, ...]       # outermost module paths wholly placed in this stage
+
+
+@dataclass(frozen=True)
+class Partition:
+    stages: tuple[StageGraph, ...]
+    split_points: tuple[str, ...]
+
+
+def module_path(node: fx.Node) -> tuple[str, ...]:
+    """The node's module paths in the user's model, outermost first ('' = the model itself)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for path, _ in stack.values():
+        if path == "model":
+            paths.append("")
+        elif path.startswith("model."):
+            paths.append(path[len("model.") :])
+    return tuple(paths)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Choosing cuts
+
+
+@dataclass(frozen=True)
+class _Unit:
+    name: str
+    first: int  # graph position of the module's first node
+
+
+def cut_units(model: nn.Module, traced: Traced) -> list[str]:
+    """Module names a cut may go before, in execution order (see the module docstring)."""
+    spine = _spine(model)
+    allowed = set()
+    for name, module in model.named_modules():
+        if name == spine or (spine.startswith(name + ".") if name else True):
+            for child, _ in module.named_children():
+                allowed.add(f"{name}.{child}" if name else child)
+    first = _first_positions(traced)
+    units: dict[int, str] = {}
+    for position, name in sorted((first[n], n) for n in allowed if n in first):
+        units.setdefault(position, name)  # modules starting at the same node are the same cut
+    return list(units.values())
+
+
+def _spine(model: nn.Module) -> str:
+    """The ModuleList / Sequential with the most children (shallowest on ties); '' if there is none."""
+    best, best_key = "", (0, 0)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            key = (len(module), -name.count("."))
+            if key > best_key:
+                best, best_key = name, key
+    return best
+
+
+def _first_positions(traced: Traced) -> dict[str, int]:
+    """Graph position of each module's first non-constant node (constants are replicated, not cut)."""
+    const = _constants(traced)
+    first: dict[str, int] = {}
+    for i, node in enumerate(traced.gm.graph.nodes):
+        if node.op != "call_function" or const[node]:
+            continue
+        for path in module_path(node):
+            first.setdefault(path, i)
+    return first
+
+
+def auto_split_points(model: nn.Module, traced: Traced, num_stages: int) -> tuple[str, ...]:
+    """Split points for `num_stages` stages balanced by estimated forward FLOPs over `cut_units`."""
+    if num_stages == 1:
+        return ()
+    units = cut_units(model, traced)
+    if len(units) < num_stages:
+        raise PartitionError(
+            f"cannot cut the model into {num_stages} stages: it has only {len(units)} cuttable units "
+            f"({', '.join(units) or 'none'}). Use fewer stages or a model with more layers."
+        )
+    cuts = balance(_unit_weights(traced, units), num_stages)
+    return tuple(units[i] for i in cuts)
+
+
+def _unit_weights(traced: Traced, units: Sequence[str]) -> list[float]:
+    """Forward FLOPs of the nodes from each unit's first node up to the next unit's."""
+    starts = {name: i for i, name in enumerate(units)}
+    weights = [0.0] * len(units)
+    current = 0
+    for node in traced.gm.graph.nodes:
+        for path in module_path(node):
+            if path in starts and starts[path] >= current:
+                current = starts[path]
+        if node.op == "call_function":
+            # one FLOP per node keeps free modules (embeddings, dropout) from weighing nothing
+            weights[current] += float(cost.node_cost(node).flops) + 1.0
+    return weights
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cutting
+
+
+def check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
+    names = [n for n, _ in model.named_modules() if n]
+    known = set(names)
+    for point in split_points:
+        if point not in known:
+            close = difflib.get_close_matches(point, names, n=5, cutoff=0.5)
+            hint = f"; close names: {', '.join(close)}" if close else ""
+            raise PartitionError(f"unknown split point `{point}`: the model has no such module{hint}")
+    if len(set(split_points)) != len(split_points):
+        raise PartitionError(f"split points repeat a module: {list(split_points)}")
+
+
+def partition(traced: Traced, split_points: Sequence[str]) -> Partition:
+    """Cut `traced` before each of `split_points` (module names, in execution order)."""
+    stage_of = _assign(traced, tuple(split_points))
+    const = _constants(traced)
+    graph = traced.gm.graph
+    num_stages = len(split_points) + 1
+    output = graph.output_node()
+    out_values = dict(zip(traced.outputs, output.args[0], strict=True))
+    loss = out_values["loss"]
+    if stage_of[loss] != num_stages - 1:
+        raise PartitionError(
+            f"the loss is computed in stage {stage_of[loss]} but the last stage is {num_stages - 1}: "
+            f"split point `{split_points[stage_of[loss]]}` runs after the loss"
+        )
+    last_use = _last_use(graph, stage_of, const, out_values)
+    modules = _stage_modules(graph, stage_of, const, num_stages)
+    stages = []
+    for s in range(num_stages):
+        owned = [n for n in graph.nodes if n.op == "call_function" and not const[n] and stage_of[n] == s]
+        if not owned:
+            bounds = ("<start>",) + tuple(split_points) + ("<end>",)
+            raise PartitionError(
+                f"stage {s} would be empty: no work between `{bounds[s]}` and `{bounds[s + 1]}` "
+                f"(split points {list(split_points)}); drop one of them"
+            )
+        stages.append(_build_stage(traced, s, stage_of, const, last_use, out_values, modules[s]))
+    return Partition(tuple(stages), tuple(split_points))
+
+
+def _assign(traced: Traced, split_points: tuple[str, ...]) -> dict[fx.Node, int]:
+    """Stage of every node, advancing through split points in graph order."""
+    stage_of: dict[fx.Node, int] = {}
+    position = {p: i for i, p in enumerate(split_points)}
+    stage = 0
+    for node in traced.gm.graph.nodes:
+        paths = module_path(node)
+        while stage < len(split_points) and split_points[stage] in paths:
+            stage += 1
+        for path in paths:
+            if position.get(path, -1) >= stage:  # a later split point runs before the current one
+                raise PartitionError(
+                    f"split point `{path}` runs before `{split_points[stage]}`: list split points in "
+                    f"execution order, e.g. {sorted(split_points, key=lambda p: _order_key(traced, p))}"
+                )
+        stage_of[node] = stage
+    if stage < len(split_points):
+        raise PartitionError(
+            f"split point `{split_points[stage]}` is a module of the model but computes nothing in the traced "
+            "step (it is never called): choose a module that runs"
+        )
+    return stage_of
+
+
+def _order_key(traced: Traced, point: str) -> int:
+    return _first_positions(traced).get(point, 1 << 30)
+
+
+def _constants(traced: Traced) -> dict[fx.Node, bool]:
+    """True for nodes whose value depends on no data and no parameter, and that draw no random numbers."""
+    const: dict[fx.Node, bool] = {}
+    for node in traced.gm.graph.nodes:
+        if node.op == "placeholder":
+            const[node] = traced.inputs[node.name].startswith("buffer:")
+        elif node.op == "get_attr":
+            const[node] = True
+        elif node.op == "call_function":
+            random = isinstance(node.target, torch._ops.OpOverload) and (
+                torch.Tag.nondeterministic_seeded in node.target.tags
+            )
+            const[node] = not random and all(const[i] for i in node.all_input_nodes)
+        else:
+            const[node] = False
+    return const
+
+
+def _last_use(graph: fx.Graph, stage_of, const, out_values) -> dict[fx.Node, int]:
+    """The last stage reading each non-constant computed value (its own stage if only read there)."""
+    owner = {node: stage_of[node] for node in out_values.values()}
+    last: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or const[node]:
+            continue
+        use = stage_of[node]
+        for user in node.users:
+            if user.op == "output":
+                use = max(use, owner[node])
+            else:
+                use = max(use, stage_of[user])
+        last[node] = use
+    return last
+
+
+def _stage_modules(graph: fx.Graph, stage_of, const, num_stages: int) -> list[tuple[str, ...]]:
+    """Per stage, the outermost module paths whose nodes all lie in that stage, in execution order."""
+    spans: dict[str, set[int]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and not const[node]:
+            for path in module_path(node):
+                spans.setdefault(path, set()).add(stage_of[node])
+    result: list[dict[str, None]] = [{} for _ in range(num_stages)]
+    for node in graph.nodes:
+        if node.op == "call_function" and not const[node]:
+            for path in module_path(node):
+                if path and spans[path] == {stage_of[node]}:
+                    result[stage_of[node]][path] = None
+                    break
+    return [tuple(r) for r in result]
+
+
+def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, modules) -> StageGraph:
+    graph = traced.gm.graph
+    computed = [n for n in graph.nodes if n.op == "call_function" and not const[n] and stage_of[n] == s]
+    # values from earlier stages that this stage reads or forwards
+    recv = [n for n, last in last_use.items() if stage_of[n] < s <= last]
+    send = [n for n, last in last_use.items() if stage_of[n] <= s < last]
+    outputs: list[tuple[str, fx.Node]] = [(f"act:{n.name}", n) for n in send]
+    # step outputs (loss, buffer updates) leave from the stage their module belongs to, exactly once
+    outputs += [(name, node) for name, node in out_values.items() if stage_of[node] == s]
+    needed_consts = _constant_closure(computed + [n for _, n in outputs], const)
+
+    placeholders = _stage_placeholders(traced, computed + needed_consts, recv)
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    input_names = []
+    for name, node in placeholders:
+        ph = g.placeholder(_identifier(name))
+        ph.meta = dict(node.meta)
+        env[node] = ph
+        input_names.append(name)
+    body = set(computed) | set(needed_consts)
+    for node in graph.nodes:
+        if node in body and node not in env:
+            env[node] = g.node_copy(node, lambda n: env[n])
+    g.output(tuple(env[n] for _, n in outputs))
+    gm = fx.GraphModule(traced.gm, g, class_name=f"Stage{s}Forward")
+    passthrough = tuple(name for name, n in outputs if name.startswith("act:") and stage_of[n] < s)
+    return StageGraph(s, gm, tuple(input_names), tuple(name for name, _ in outputs), passthrough, modules)
+
+
+def _constant_closure(roots: Iterable[fx.Node], const) -> list[fx.Node]:
+    """Constant call_function / get_attr nodes feeding `roots` (or being roots)."""
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if const.get(r) and r.op != "placeholder"]
+    stack += [i for r in roots for i in r.all_input_nodes if const.get(i) and i.op != "placeholder"]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(i for i in n.all_input_nodes if const[i] and i.op != "placeholder")
+    return list(seen)
+
+
+def _stage_placeholders(traced: Traced, body: Sequence[fx.Node], recv: Sequence[fx.Node]):
+    """(value name, original node) per stage input: params, buffers, data in trace order, then received acts."""
+    used = {i for n in body for i in n.all_input_nodes if i.op == "placeholder"}
+    kind_order = {"param": 0, "buffer": 1, "data": 2}
+    placeholders = [n for n in traced.gm.graph.find_nodes(op="placeholder") if n in used]
+    placeholders.sort(key=lambda n: kind_order[traced.inputs[n.name].split(":")[0]])
+    named = [(traced.inputs[n.name], n) for n in placeholders]
+    return named + [(f"act:{n.name}", n) for n in recv]
+
+
+def _identifier(value_name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in value_name)

@@ -1,0 +1,351 @@
+"""Pass 3, split: differentiate one stage and cut its backward into B (input grads) and W (weight grads).
+
+    StageGraph  ->  StageProgram(f, b, w, bw)       (the four graphs of the stage IR, see zbcompile.stages)
+
+1. Joint: `aot_export_joint_simple` traces forward + backward of the stage's functional forward, with
+   parameters and received activations requiring grad. Pass-through activations are left out of the traced
+   function (an output aliasing an input is not allowed there) and wired in by hand: F re-sends the input, and
+   the backward adds the incoming grad to whatever the stage itself contributes.
+2. F / BW: `min_cut_rematerialization_partition` picks what F saves (`saved:*`) and what the backward
+   recomputes; its backward is BW, the fused backward of plain 1F1B.
+3. B / W by dependency analysis on BW:
+
+       B = every node the grad:act:* outputs need            (dx = dy @ W for a Linear)
+       W = the rest of what grad:param:* needs               (dW = dy^T x, the bias sum)
+       wsaved:* = B-computed values that W reads              (e.g. dy of each Linear inside the stage)
+
+   Fused backward ops compute dX and dW in one node. `convolution_backward` is rewritten into two calls with
+   complementary `output_mask` (exact), so the heavy dW goes to W; for the others (layer norm, batch norm)
+   every `getitem` of a node in B stays in B, and W reads the small dW/db results as wsaved.
+
+Random ops stay in F and their masks are saved, so F and B agree (dropout). Buffers are inputs; their updated
+values are F outputs. Parameters are never constants of a graph.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import fx
+from torch._functorch.aot_autograd import aot_export_joint_simple
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from zbcompile.errors import SplitError
+from zbcompile.passes.partition import StageGraph
+from zbcompile.stages import Graph
+
+__all__ = ["StageProgram", "split_stage"]
+
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """The four graphs of one stage, plus which F outputs carry gradients back."""
+
+    f: Graph
+    b: Graph
+    w: Graph
+    bw: Graph
+    requires_grad: Mapping[str, bool]   # per F output (act:*, loss, buffer:*) and per F input
+
+
+def split_stage(
+    stage: StageGraph, requires_grad: Callable[[str], bool], device: torch.device | None = None
+) -> StageProgram:
+    """Build F, B, W and BW for `stage`; `requires_grad(name)` says which inputs are differentiable.
+
+    `device` replaces the meta device of inputs traced on meta (autograd does not trace meta tensors).
+    """
+    placeholders = list(stage.gm.graph.find_nodes(op="placeholder"))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # lifted constants are real tensors
+    args = tuple(
+        _fake_arg(mode, ph, requires_grad(name), device) for name, ph in zip(stage.inputs, placeholders)
+    )
+    diff_names, diff_gm = _differentiable_forward(stage)
+    with mode, torch.enable_grad():
+        outs = diff_gm(*args)
+    out_rg = {name: bool(o.requires_grad) for name, o in zip(diff_names, outs)}
+    in_rg = {name: bool(a.requires_grad) for name, a in zip(stage.inputs, args)}
+    rg = {**in_rg, **out_rg, **{p: in_rg[p] for p in stage.passthrough}}
+    if not any(in_rg.values()):
+        return _no_grad_program(stage, diff_names, diff_gm, rg)
+    try:
+        joint = aot_export_joint_simple(diff_gm, args, trace_joint=True)
+        fw, bw = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=len(diff_names))
+    except Exception as exc:  # torch's errors name aot internals; ours names the stage
+        raise SplitError(
+            f"stage {stage.index} ({', '.join(stage.modules) or 'no whole module'}) could not be differentiated: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
+    f, saved = _forward_graph(stage, fw, diff_names)
+    tangents = [f"grad:{n}" for n in diff_names if out_rg[n]]
+    bw_graph = _backward_graph(stage, bw, saved, tangents, in_rg)
+    b, w = _split_b_w(bw_graph)
+    return StageProgram(f, b, w, bw_graph, rg)
+
+
+def _fake_arg(mode: FakeTensorMode, ph: fx.Node, requires_grad: bool, device: torch.device | None) -> torch.Tensor:
+    val = ph.meta["val"]
+    if device is None or val.device.type != "meta":
+        device = val.device
+    with mode:
+        t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device)
+    return t.requires_grad_(requires_grad and (val.is_floating_point() or val.is_complex()))
+
+
+def _differentiable_forward(stage: StageGraph) -> tuple[tuple[str, ...], fx.GraphModule]:
+    """The stage forward without pass-through outputs; outputs that are views are cloned (aot forbids aliases)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in stage.gm.graph.nodes:
+        if node.op != "output":
+            env[node] = g.node_copy(node, lambda n: env[n])
+    names, results, seen = [], [], set()
+    for name, node in zip(stage.outputs, stage.gm.graph.output_node().args[0]):
+        if name in stage.passthrough:
+            continue
+        value = env[node]
+        if value in seen or _is_view(value):
+            value = g.call_function(_aten.clone.default, (value,))
+            value.meta["val"] = node.meta["val"]
+        seen.add(value)
+        names.append(name)
+        results.append(value)
+    g.output(tuple(results))
+    return tuple(names), fx.GraphModule(stage.gm, g, class_name=f"Stage{stage.index}Diff")
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "placeholder":
+        return True
+    if node.target is operator.getitem:  # an element of split/unbind aliases its input
+        node = node.args[0]
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+
+
+def _no_grad_program(stage, diff_names, diff_gm, rg) -> StageProgram:
+    """A stage nothing flows back through (no parameter or input requires grad): F only, empty backward."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for name, node in zip(stage.inputs, diff_gm.graph.find_nodes(op="placeholder")):
+        env[node] = g.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in diff_gm.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            env[node] = g.node_copy(node, lambda n: env[n])
+    results = [env[n] for n in diff_gm.graph.output_node().args[0]]
+    results += [env[_placeholder(diff_gm, stage.inputs.index(p))] for p in stage.passthrough]
+    g.output(tuple(results))
+    f = Graph(fx.GraphModule(diff_gm, g, class_name=f"Stage{stage.index}F"), stage.inputs,
+              diff_names + stage.passthrough)
+    empty = _empty_graph(f"Stage{stage.index}Empty")
+    return StageProgram(f, empty, empty, empty, rg)
+
+
+def _empty_graph(class_name: str) -> Graph:
+    g = fx.Graph()
+    g.output(())
+    return Graph(fx.GraphModule(torch.nn.Module(), g, class_name=class_name), (), ())
+
+
+def _placeholder(gm: fx.GraphModule, i: int) -> fx.Node:
+    return list(gm.graph.find_nodes(op="placeholder"))[i]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# F and BW from the min-cut partition
+
+
+def _forward_graph(stage: StageGraph, fw: fx.GraphModule, diff_names) -> tuple[Graph, dict[str, str]]:
+    """F with named inputs; outputs = stage outputs, pass-throughs, then saved:*. Returns saved renames too."""
+    primals = {ph.name: ph for ph in fw.graph.find_nodes(op="placeholder")}
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, name in enumerate(stage.inputs):
+        ph = g.placeholder(_identifier(name))
+        old = primals.get(f"primals_{i + 1}")
+        if old is not None:
+            ph.meta = dict(old.meta)
+            env[old] = ph
+        else:  # min-cut drops unused primals; F still takes every stage input by name
+            ph.meta = dict(_placeholder(stage.gm, i).meta)
+    if len(env) != len(primals):
+        raise SplitError(f"stage {stage.index}: unexpected forward placeholders {sorted(primals)}")
+    for node in fw.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            env[node] = g.node_copy(node, lambda n: env[n])
+    fw_outs = list(fw.graph.output_node().args[0])
+    k = len(diff_names)
+    results = [env[n] for n in fw_outs[:k]]
+    by_input = dict(zip(stage.inputs, g.find_nodes(op="placeholder")))
+    results += [by_input[p] for p in stage.passthrough]
+    saved: dict[str, str] = {}
+    for node in fw_outs[k:]:
+        if not isinstance(node, fx.Node) or not isinstance(node.meta.get("val"), torch.Tensor):
+            raise SplitError(f"stage {stage.index}: the forward saves a non-tensor value {node!r} (dynamic shapes?)")
+        saved[node.name] = f"saved:{env[node].name}"
+        results.append(env[node])
+    g.output(tuple(results))
+    gm = fx.GraphModule(fw, g, class_name=f"Stage{stage.index}F")
+    names = tuple(diff_names) + stage.passthrough + tuple(saved.values())
+    return Graph(gm, stage.inputs, names), saved
+
+
+def _backward_graph(stage, bw: fx.GraphModule, saved: Mapping[str, str], tangents: Sequence[str], in_rg) -> Graph:
+    """BW with named inputs (saved:*, grad:<output>) and outputs (grad:<input> for differentiable inputs)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    names: list[str] = []
+    bw_placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    tangent_nodes = [ph for ph in bw_placeholders if ph.name.startswith("tangents")]
+    if len(tangent_nodes) != len(tangents):
+        raise SplitError(
+            f"stage {stage.index}: the backward takes {len(tangent_nodes)} output grads, expected {len(tangents)}"
+        )
+    tangent_of = dict(zip(tangent_nodes, tangents))
+    for ph in bw_placeholders:
+        name = tangent_of.get(ph) or saved.get(ph.name)
+        if name is None:
+            raise SplitError(f"stage {stage.index}: backward input `{ph.name}` is neither saved nor a grad")
+        env[ph] = g.placeholder(_identifier(name))
+        env[ph].meta = dict(ph.meta)
+        names.append(name)
+    incoming = {}
+    for p in stage.passthrough:
+        if in_rg[p]:  # the grad coming back from the next stage for a value we only forwarded
+            incoming[p] = g.placeholder(_identifier(f"grad:{p}"))
+            incoming[p].meta = dict(_placeholder(stage.gm, stage.inputs.index(p)).meta)
+            names.append(f"grad:{p}")
+    for node in bw.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            env[node] = g.node_copy(node, lambda n: env[n])
+    grads = list(bw.graph.output_node().args[0])
+    out_names, results = [], []
+    for name, grad in zip(stage.inputs, grads, strict=True):
+        value = env[grad] if isinstance(grad, fx.Node) else None
+        if name in incoming:
+            value = incoming[name] if value is None else _add(g, value, incoming[name])
+        if value is None:
+            continue
+        if not in_rg[name]:
+            raise SplitError(f"stage {stage.index}: the backward produces a grad for `{name}`, which needs none")
+        out_names.append(f"grad:{name}")
+        results.append(value)
+    g.output(tuple(results))
+    return Graph(fx.GraphModule(bw, g, class_name=f"Stage{stage.index}BW"), tuple(names), tuple(out_names))
+
+
+def _add(g: fx.Graph, a: fx.Node, b: fx.Node) -> fx.Node:
+    out = g.call_function(_aten.add.Tensor, (a, b))
+    out.meta["val"] = a.meta.get("val")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# B / W
+
+
+def _split_b_w(bw: Graph) -> tuple[Graph, Graph]:
+    """Cut the fused backward into B (what grad:act:* needs) and W (the remaining param-grad work)."""
+    gm = _split_conv_backward(bw.gm)
+    graph = gm.graph
+    outputs = list(zip(bw.outputs, graph.output_node().args[0]))
+    b_roots = [n for name, n in outputs if not name.startswith("grad:param:")]
+    w_roots = [n for name, n in outputs if name.startswith("grad:param:")]
+    b_nodes = _with_fused_siblings(_ancestors(b_roots))
+    w_nodes = _ancestors(w_roots, stop=b_nodes)
+    # values W reads from B (or that W returns straight from B)
+    w_reads = {i for n in w_nodes for i in n.all_input_nodes if i not in w_nodes}
+    w_reads |= {n for n in w_roots if n not in w_nodes}
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    name_of = dict(zip(placeholders, bw.inputs))
+    wsaved = [n for n in graph.nodes if n in w_reads and n.op != "placeholder"]
+    w_inputs = [(name_of[n], n) for n in placeholders if n in w_reads] + [(f"wsaved:{n.name}", n) for n in wsaved]
+    b_reads = {i for n in b_nodes for i in n.all_input_nodes} | set(b_roots)
+    b_inputs = [(name_of[n], n) for n in placeholders if n in b_reads]
+    b_outputs = [(name, n) for name, n in outputs if not name.startswith("grad:param:")]
+    b_outputs += [(f"wsaved:{n.name}", n) for n in wsaved]
+    w_outputs = [(name, n) for name, n in outputs if name.startswith("grad:param:")]
+    b = _extract(gm, b_nodes, b_inputs, b_outputs, "B")
+    w = _extract(gm, w_nodes, w_inputs, w_outputs, "W")
+    return b, w
+
+
+def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
+    """Computed (non-placeholder) nodes that `roots` depend on, not crossing `stop`."""
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n in seen or n in stop or n.op == "placeholder":
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _with_fused_siblings(nodes: set[fx.Node]) -> set[fx.Node]:
+    """Add every getitem of a multi-output node in `nodes`: the fused op's other results are free there."""
+    extra = {u for n in nodes for u in n.users if u.target is operator.getitem}
+    return nodes | extra
+
+
+def _split_conv_backward(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` where each convolution_backward computing both dX and dW/db becomes two calls."""
+    convs = gm.graph.find_nodes(op="call_function", target=_aten.convolution_backward.default)
+    if not any(_needs_split(n) for n in convs):
+        return gm
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.target is _aten.convolution_backward.default and _needs_split(node):
+            mask = list(node.args[10])
+            val = node.meta.get("val")
+            args = [env[a] if isinstance(a, fx.Node) else a for a in node.args]
+            dx = g.call_function(node.target, tuple(args[:10]) + ([mask[0], False, False],))
+            dw = g.call_function(node.target, tuple(args[:10]) + ([False, mask[1], mask[2]],))
+            if isinstance(val, (tuple, list)):
+                dx.meta["val"] = (val[0], None, None)
+                dw.meta["val"] = (None, val[1], val[2])
+            env[node] = (dx, dw)
+            continue
+        if node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+            dx, dw = env[node.args[0]]
+            src = dx if node.args[1] == 0 else dw
+            env[node] = g.call_function(operator.getitem, (src, node.args[1]))
+            env[node].meta = dict(node.meta)
+            continue
+        env[node] = g.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, g, class_name=type(gm).__name__)
+
+
+def _needs_split(node: fx.Node) -> bool:
+    mask = node.args[10] if len(node.args) > 10 else None
+    return mask is not None and bool(mask[0]) and (bool(mask[1]) or bool(mask[2]))
+
+
+def _extract(gm: fx.GraphModule, nodes: set[fx.Node], inputs, outputs, kind: str) -> Graph:
+    """A graph computing `outputs` from `inputs` ((value name, node) pairs) with the `nodes` of gm."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for name, node in inputs:
+        env[node] = g.placeholder(_identifier(name))
+        env[node].meta = dict(node.meta)
+    for node in gm.graph.nodes:
+        if node in nodes and node not in env:
+            env[node] = g.node_copy(node, lambda n: env[n])
+    g.output(tuple(env[n] for _, n in outputs))
+    g.eliminate_dead_code()
+    g.lint()
+    class_name = type(gm).__name__.replace("BW", kind)
+    return Graph(fx.GraphModule(gm, g, class_name=class_name), tuple(n for n, _ in inputs),
+                 tuple(n for n, _ in outputs))
+
+
+def _identifier(value_name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in value_name)

@@ -1,0 +1,255 @@
+"""Pass 1, trace: capture one training step `loss_fn(model(*inputs), *targets)` as a functional ATen graph.
+
+    model, loss_fn, example  ->  Traced(gm, inputs, outputs, tied, ...)
+
+Route (see the F/B/W notes): non-strict `torch.export.export` of a wrapper module, then
+`run_decompositions({})`, which only functionalizes: BatchNorm statistic updates become graph outputs while
+linear / SDPA / layer_norm stay high level. Every placeholder of the result is named by its value name:
+
+    param:<fqn>    one placeholder per Parameter *object*; tied aliases are merged onto the canonical
+                   (first registered) name and recorded in `Traced.tied`
+    buffer:<fqn>   buffers, by FQN in the user's model
+    data:<i>       flat user arguments: model inputs first, then loss targets
+
+Lifted tensor constants (tensors created by `torch.tensor(...)` inside forward) become `get_attr` nodes, so
+later passes treat them like any other constant. The outputs are `loss` followed by `buffer:<fqn>` for each
+buffer the step updates. Parameters are never baked in: the graph reads them through placeholders, so a
+runtime can pass the live `nn.Parameter`s by name, and a model built on the meta device traces the same.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+from torch import fx, nn
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from zbcompile.errors import TraceError
+
+__all__ = ["Traced", "trace", "flatten_example", "retarget_device"]
+
+_WRAPPED = "model"  # the user's model is the `model` child of the exported wrapper
+
+
+@dataclass(frozen=True)
+class Traced:
+    """One training step as a functional graph whose placeholders and outputs carry value names."""
+
+    gm: fx.GraphModule
+    inputs: Mapping[str, str]              # placeholder node name -> param:/buffer:/data: value name
+    outputs: tuple[str, ...]               # "loss", then "buffer:<fqn>" per updated buffer
+    num_inputs: int
+    num_targets: int
+    tied: tuple[tuple[str, ...], ...]      # aliases of one Parameter, canonical name first
+    frozen: frozenset[str]                 # canonical names of parameters with requires_grad=False
+    # A model on the meta device is traced with meta data; graphs built from it create their tensors
+    # (arange, masks) on the device of the user's example instead (cpu if that is meta too).
+    device: torch.device | None = None
+
+    def node_of(self, value_name: str) -> fx.Node:
+        """The placeholder node carrying `value_name`."""
+        for node in self.gm.graph.find_nodes(op="placeholder"):
+            if self.inputs[node.name] == value_name:
+                return node
+        raise KeyError(value_name)
+
+
+class _Step(nn.Module):
+    """The exported wrapper: `forward(*flat) = loss_fn(model(*flat[:n]), *flat[n:])`."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, num_inputs: int) -> None:
+        super().__init__()
+        self.model = model
+        object.__setattr__(self, "_loss_fn", loss_fn)  # not a submodule: its state is no model state
+        self._num_inputs = num_inputs
+
+    def forward(self, *flat: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(self.model(*flat[: self._num_inputs]), *flat[self._num_inputs :])
+
+
+def flatten_example(example) -> tuple[tuple[torch.Tensor, ...], int, int]:
+    """`(inputs, targets)`, each a tensor or a tuple of tensors -> (flat args, num_inputs, num_targets)."""
+    if not (isinstance(example, (tuple, list)) and len(example) == 2):
+        raise TraceError(
+            "example must be a pair (inputs, targets), each a tensor or a tuple of tensors; "
+            f"got {type(example).__name__}"
+        )
+    parts = [(x,) if isinstance(x, torch.Tensor) else tuple(x) for x in example]
+    flat = parts[0] + parts[1]
+    for i, x in enumerate(flat):
+        if not isinstance(x, torch.Tensor):
+            raise TraceError(f"example argument data:{i} is a {type(x).__name__}, not a tensor")
+    return flat, len(parts[0]), len(parts[1])
+
+
+def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
+    """Export `loss_fn(model(*inputs), *targets)`; see the module docstring for the result's naming."""
+    flat, num_inputs, num_targets = flatten_example(example)
+    device = None
+    if any(p.is_meta for p in model.parameters()):
+        # a model built on the meta device traces with meta data: nothing is ever computed
+        device = next((x.device for x in flat if not x.is_meta), torch.device("cpu"))
+        flat = tuple(x.to("meta") for x in flat)
+    ep = _export(model, loss_fn, flat, num_inputs)
+    aliases = _tied_groups(model)
+    gm, inputs, outputs = _name_values(ep, aliases)
+    frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+    return Traced(gm, inputs, outputs, num_inputs, num_targets, tuple(aliases.values()), frozen, device)
+
+
+def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """A copy of `gm` whose factory calls (`device=meta`) create tensors on `device`; meta["val"] is kept."""
+    meta = torch.device("meta")
+
+    def swap(x):
+        return device if isinstance(x, torch.device) and x == meta else x
+
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        new = g.node_copy(node, lambda n: env[n])
+        if node.op == "call_function":
+            new.args, new.kwargs = pytree.tree_map(swap, (new.args, new.kwargs))
+        env[node] = new
+    return fx.GraphModule(gm, g, class_name=type(gm).__name__)
+
+
+def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int) -> torch.export.ExportedProgram:
+    step = _Step(model, loss_fn, num_inputs)
+    try:
+        ep = torch.export.export(step, tuple(flat), strict=False)
+        return ep.run_decompositions({})
+    except TraceError:
+        raise
+    except Exception as exc:  # torch raises many types here; ours names the module and the fix
+        raise TraceError(_explain_export_failure(exc, model)) from exc
+
+
+def _explain_export_failure(exc: BaseException, model: nn.Module) -> str:
+    where = _failing_module(exc, model)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    chain = _exception_chain(exc)
+    data_dependent = any(
+        "data-dependent" in str(e) or "data dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
+        for e in chain
+    )
+    if data_dependent:
+        return (
+            f"data-dependent control flow in {where}: {text}\n"
+            "The pipeline needs one static graph per stage, so Python `if`/`while`/`.item()` on tensor values "
+            "cannot be captured. Rewrite the branch with torch.where / torch.cond, or move it outside the "
+            "model (compute the condition once from the data and pass it in as a plain Python value)."
+        )
+    return f"could not capture the training step ({where}): {type(exc).__name__}: {text}"
+
+
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def _failing_module(exc: BaseException, model: nn.Module) -> str:
+    """The innermost module of `model` on the failing stack, as 'module `path` (file:line)'."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = None
+    for e in reversed(_exception_chain(exc)):  # the original error first
+        for frame, lineno in traceback.walk_tb(e.__traceback__):
+            owner = frame.f_locals.get("self")
+            if owner is not None and id(owner) in names and isinstance(owner, nn.Module):
+                path = names[id(owner)] or "<root>"
+                found = f"module `{path}` ({type(owner).__name__}, {frame.f_code.co_filename}:{lineno})"
+        if found:
+            return found
+    return "the loss function or the model's top level"
+
+
+def _tied_groups(model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """id(Parameter) -> all its names, canonical (first registered) first; only Parameters with aliases."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {k: tuple(v) for k, v in names.items() if len(v) > 1}
+
+
+def _strip(fqn: str) -> str:
+    if fqn == _WRAPPED:
+        return ""
+    if fqn.startswith(_WRAPPED + "."):
+        return fqn[len(_WRAPPED) + 1 :]
+    raise TraceError(f"state `{fqn}` does not belong to the model (does loss_fn own parameters or buffers?)")
+
+
+def _name_values(ep, aliases: Mapping[int, tuple[str, ...]]):
+    gm = ep.graph_module
+    graph = gm.graph
+    canonical = {alias: names[0] for names in aliases.values() for alias in names}
+    placeholders = {n.name: n for n in graph.find_nodes(op="placeholder")}
+    inputs: dict[str, str] = {}
+    by_value: dict[str, fx.Node] = {}
+    user_index = 0
+    for spec in ep.graph_signature.input_specs:
+        node = placeholders[spec.arg.name]
+        if spec.kind == InputKind.PARAMETER:
+            value = "param:" + canonical.get(_strip(spec.target), _strip(spec.target))
+        elif spec.kind == InputKind.BUFFER:
+            value = "buffer:" + _strip(spec.target)
+        elif spec.kind == InputKind.USER_INPUT:
+            value = f"data:{user_index}"
+            user_index += 1
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            _lift_constant(gm, node, ep.constants[spec.target])
+            continue
+        else:
+            raise TraceError(f"unsupported input kind {spec.kind.name} for `{spec.target}` in the exported step")
+        if value in by_value:  # a second placeholder for a tied Parameter: read the canonical one
+            node.replace_all_uses_with(by_value[value])
+            graph.erase_node(node)
+            continue
+        by_value[value] = node
+        inputs[node.name] = value
+    outputs = _name_outputs(ep)
+    graph.lint()
+    gm.recompile()
+    return gm, inputs, outputs
+
+
+def _lift_constant(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> None:
+    attr = "_const_" + node.name
+    gm.register_buffer(attr, value, persistent=False)
+    with gm.graph.inserting_before(node):
+        const = gm.graph.get_attr(attr)
+    const.meta = dict(node.meta)
+    node.replace_all_uses_with(const)
+    gm.graph.erase_node(node)
+
+
+def _name_outputs(ep) -> tuple[str, ...]:
+    names = []
+    for spec in ep.graph_signature.output_specs:
+        if spec.kind == OutputKind.USER_OUTPUT:
+            names.append("loss")
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            names.append("buffer:" + _strip(spec.target))
+        else:
+            raise TraceError(f"unsupported output kind {spec.kind.name} (`{spec.target}`) in the exported step")
+    if names.count("loss") != 1:
+        raise TraceError(f"loss_fn must return one scalar tensor; the step returns {names.count('loss')} values")
+    output = ep.graph.output_node()
+    loss = output.args[0][names.index("loss")]
+    val = loss.meta.get("val") if isinstance(loss, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() != 0:
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(loss).__name__
+        raise TraceError(
+            f"loss_fn must return a scalar tensor, got shape {shape}; reduce it (e.g. .mean()) inside loss_fn"
+        )
+    if not val.is_floating_point():
+        raise TraceError(f"loss_fn must return a floating-point scalar, got dtype {val.dtype}")
+    return tuple(names)

@@ -1,0 +1,148 @@
+"""Small models for the split tests: factories returning (model, loss_fn, example, max_stages).
+
+Every factory seeds its own init, so two calls build identical models. `example` is `(inputs, targets)`;
+`max_stages` is how many stages the model's cuttable units allow the tests to ask for.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zbcompile.examples.gpt import GPT, GPTConfig
+from zbcompile.examples.gpt import loss_fn as gpt_loss
+
+__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits"]
+
+
+class Case(NamedTuple):
+    model: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    example: tuple
+    max_stages: int
+
+
+def mlp(layers: int = 8, width: int = 16, batch: int = 4) -> Case:
+    """Linear/Tanh pairs in one Sequential; mean-squared-error loss."""
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.Tanh()]
+    model = nn.Sequential(*mods)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    return Case(model, F.mse_loss, (x, y), 8)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn(self.conv(x)))
+
+
+class ConvNet(nn.Module):
+    """Conv-BN-ReLU blocks, global average pool, linear classifier."""
+
+    def __init__(self, blocks: int = 4, channels: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        chans = [3] + [channels] * blocks
+        self.features = nn.Sequential(*(ConvBlock(a, b) for a, b in zip(chans, chans[1:])))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def convnet(blocks: int = 8, batch: int = 4) -> Case:
+    torch.manual_seed(0)
+    model = ConvNet(blocks)
+    x, y = torch.randn(batch, 3, 8, 8), torch.randint(0, 5, (batch,))
+    return Case(model, F.cross_entropy, (x, y), 8)
+
+
+def gpt(layers: int = 6, dropout: float = 0.0, batch: int = 2, seq: int = 8, device: str | None = None) -> Case:
+    """zbcompile.examples.gpt with tied wte / lm_head, tiny sizes."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=16, d=32, heads=2, layers=layers, dropout=dropout)
+    with torch.device(device) if device else _nullcontext():
+        model = GPT(cfg)
+    idx, tgt = torch.randint(0, cfg.vocab, (batch, seq)), torch.randint(0, cfg.vocab, (batch, seq))
+    return Case(model, gpt_loss, (idx, tgt), 8)
+
+
+class HFLogits(nn.Module):
+    """A HuggingFace causal LM returning just its logits."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=idx).logits
+
+
+def hf_gpt2(layers: int = 6, batch: int = 2, seq: int = 8) -> Case:
+    """transformers' GPT2LMHeadModel from a tiny random config (no downloads); wte / lm_head tied."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=layers, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = HFLogits(GPT2LMHeadModel(cfg))
+    idx, tgt = torch.randint(0, 64, (batch, seq)), torch.randint(0, 64, (batch, seq))
+    return Case(model, gpt_loss, (idx, tgt), 8)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class SkipNet(nn.Module):
+    """A long skip connection: `h0` is made in the first stage and read again in the last one."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.tanh(self.layers[0](x))
+        h = torch.tanh(self.layers[1](h0))
+        h = torch.tanh(self.layers[2](h))
+        return self.layers[3](h) + h0
+
+
+def skipnet(batch: int = 4) -> Case:
+    torch.manual_seed(0)
+    model = SkipNet()
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    return Case(model, F.mse_loss, (x, y), 4)
+
+
+class MaskNet(nn.Module):
+    """A bool mask made from the data in the first stage and applied in the last: no grad crosses for it."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers[0](x)
+        keep = x > 0
+        h = torch.tanh(self.layers[1](h))
+        return self.layers[2](h) * keep
+
+
+def masknet(batch: int = 4) -> Case:
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    return Case(MaskNet(), F.mse_loss, (x, y), 3)

@@ -1,0 +1,240 @@
+"""Split passes: every model, cut into S stages and run F / B / W stage by stage, equals eager PyTorch.
+
+The reference runner below is the smallest possible pipeline runtime: F for stages 0..S-1, then B and W for
+stages S-1..0, wiring values by name only. Losses, parameter grads (tied aliases summed over stages) and
+updated buffers must match a plain `loss.backward()` on a copy of the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import models
+from zbcompile.passes import cost
+from zbcompile.passes.trace import flatten_example, trace
+from zbcompile.split import report, split_model, split_traced
+from zbcompile.stages import StagedModel
+
+torch.set_num_threads(1)
+
+RTOL = 1e-6
+
+
+@functools.lru_cache(maxsize=None)
+def _traced(name: str):
+    case = getattr(models, name)()
+    return case, trace(case.model, case.loss_fn, case.example)
+
+
+@functools.lru_cache(maxsize=None)
+def _staged(name: str, num_stages: int):
+    """(case, StagedModel), shared by the tests: splitting costs seconds, the graphs are never mutated."""
+    case, traced = _traced(name)
+    return case, split_traced(case.model, traced, num_stages=num_stages)
+
+
+def run_staged(staged: StagedModel, model: torch.nn.Module, flat, *, fused: bool = False):
+    """One microbatch through the stage graphs; returns (loss, {param fqn: grad}, {buffer fqn: new value})."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    state = {f"param:{k}": v.detach() for k, v in params.items()}
+    state |= {f"buffer:{k}": v for k, v in buffers.items()}
+    state |= {f"data:{i}": x for i, x in enumerate(flat)}
+    acts, saved, new_buffers = {}, {}, {}
+    for st in staged.stages:
+        out = st.f({**state, **acts})
+        acts = {k: v for k, v in out.items() if k.startswith("act:")}
+        saved[st.index] = {k: v for k, v in out.items() if k.startswith("saved:")}
+        new_buffers |= {k[len("buffer:") :]: v for k, v in out.items() if k.startswith("buffer:")}
+        loss = out.get("loss", None)
+    incoming = {"grad:loss": torch.ones_like(loss)}
+    grads: dict[str, torch.Tensor] = {}
+    for st in reversed(staged.stages):
+        env = {**saved[st.index], **incoming}
+        if fused:
+            out = st.bw(env)
+        else:
+            b_out = st.b(env)
+            w_out = st.w({**env, **{k: v for k, v in b_out.items() if k.startswith("wsaved:")}})
+            out = {**b_out, **w_out}
+        for k, v in out.items():
+            if k.startswith("grad:param:"):
+                name = k[len("grad:param:") :]
+                grads[name] = grads[name] + v if name in grads else v
+        incoming = {k: v for k, v in out.items() if k.startswith("grad:act:")}
+        expected = {f"grad:{s.name}" for s in st.recv if s.requires_grad}
+        assert set(incoming) == expected, (st.index, sorted(incoming), sorted(expected))
+    return loss, grads, new_buffers
+
+
+def run_eager(model: torch.nn.Module, loss_fn, flat, num_inputs: int):
+    model = copy.deepcopy(model)
+    loss = loss_fn(model(*flat[:num_inputs]), *flat[num_inputs:])
+    loss.backward()
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, dict(model.named_buffers())
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = expected.abs().max().clamp_min(1e-30)
+    err = (actual - expected).abs().max()
+    assert err <= RTOL * scale, f"{what}: max abs err {err:.3g} vs max {scale:.3g}"
+
+
+def check_against_eager(staged: StagedModel, case, *, seed: int = 0, fused: bool = False) -> None:
+    flat, num_inputs, _ = flatten_example(case.example)
+    torch.manual_seed(seed)
+    e_loss, e_grads, e_buffers = run_eager(case.model, case.loss_fn, flat, num_inputs)
+    torch.manual_seed(seed)
+    s_loss, s_grads, s_buffers = run_staged(staged, case.model, flat, fused=fused)
+    assert_close(s_loss, e_loss, "loss")
+    assert set(s_grads) == set(e_grads)
+    for name, g in e_grads.items():
+        assert_close(s_grads[name], g, f"grad of {name}")
+    for name, value in s_buffers.items():
+        assert_close(value.float(), e_buffers[name].float(), f"buffer {name}")
+    # every buffer the eager step changed comes back from exactly one F
+    changed = {k for k, v in e_buffers.items() if not torch.equal(v, dict(case.model.named_buffers())[k])}
+    assert changed <= set(s_buffers)
+
+
+# skipnet has four layers, so it stops at four stages; the others are built with enough units for eight
+CASES = [(name, s) for name in ("mlp", "convnet", "gpt", "hf_gpt2") for s in (1, 2, 4, 8)]
+CASES += [("skipnet", s) for s in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("name,num_stages", CASES)
+def test_stages_match_eager(name, num_stages):
+    case, staged = _staged(name, num_stages)
+    assert len(staged.stages) == num_stages
+    assert staged.stages[-1].has_loss and not any(st.has_loss for st in staged.stages[:-1])
+    check_against_eager(staged, case)
+    if num_stages == 2:
+        check_against_eager(staged, case, fused=True)
+
+
+def test_tied_weights_are_one_name():
+    _, staged = _staged("gpt", 4)
+    assert staged.tied == (("wte.weight", "lm_head.weight"),)
+    users = [st.index for st in staged.stages if "wte.weight" in st.params]
+    assert users == [0, 3]
+    assert not any("lm_head.weight" in st.params for st in staged.stages)
+
+
+def test_auto_split_cuts_between_blocks_and_wires_boundaries():
+    _, staged = _staged("gpt", 4)
+    points = staged.meta["split_points"]
+    assert all(p.startswith("blocks.") for p in points)
+    assert staged.stages[0].modules[:3] == ("wte", "wpe", "drop")
+    assert staged.stages[-1].modules[-2:] == ("ln_f", "lm_head")
+    for a, b in zip(staged.stages, staged.stages[1:]):
+        assert b.recv == a.send
+        (send,) = a.send
+        assert send.shape == (2, 8, 32) and send.dtype == torch.float32 and send.requires_grad
+    assert staged.stages[0].data == (0,) and staged.stages[-1].data == (1,)
+    assert all(st.data == () for st in staged.stages[1:-1])
+
+
+def test_explicit_split_points():
+    case, traced = _traced("skipnet")
+    staged = split_traced(case.model, traced, split_points=["layers.2"])
+    assert [st.modules for st in staged.stages] == [("layers.0", "layers.1"), ("layers.2", "layers.3")]
+
+
+def test_pass_through_activation():
+    case, traced = _traced("skipnet")
+    staged = split_traced(case.model, traced, split_points=["layers.1", "layers.2", "layers.3"])
+    skip = {s.name for s in staged.stages[0].send} & {s.name for s in staged.stages[2].send}
+    assert len(skip) == 1, "h0 travels through stages 1 and 2"
+    check_against_eager(staged, case)
+
+
+def test_batchnorm_buffers_update_once():
+    _, staged = _staged("convnet", 4)
+    outs = [n for st in staged.stages for n in st.f.outputs if n.startswith("buffer:")]
+    assert len(outs) == len(set(outs)) == 24  # 8 BNs x (running_mean, running_var, num_batches_tracked)
+    for st in staged.stages:
+        for name in st.f.outputs:
+            if name.startswith("buffer:"):
+                assert name[len("buffer:") :] in st.buffers
+
+
+def test_dropout_masks_follow_the_rng():
+    case = models.gpt(layers=2, dropout=0.1)
+    staged = split_model(case.model, case.loss_fn, case.example, num_stages=2)
+    check_against_eager(staged, case, seed=1)
+    flat, _, _ = flatten_example(case.example)
+    torch.manual_seed(2)
+    loss_a, _, _ = run_staged(staged, case.model, flat)
+    loss_b, _, _ = run_staged(staged, case.model, flat)
+    assert not torch.equal(loss_a, loss_b), "each microbatch draws fresh masks"
+
+
+def test_meta_device_model_traces_and_runs_with_real_parameters():
+    meta = models.gpt(layers=2, device="meta")
+    staged = split_model(meta.model, meta.loss_fn, meta.example, num_stages=2)
+    assert all(p.is_meta for p in meta.model.parameters())
+    real = models.gpt(layers=2)
+    check_against_eager(staged, real)
+
+
+def _mm_flops(graph) -> int:
+    return sum(cost.node_cost(n).flops for n in graph.gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+
+
+def test_w_holds_the_weight_gradient_matmuls():
+    _, staged = _staged("gpt", 8)
+    block = next(st for st in staged.stages if st.modules == ("blocks.2",))
+    b, w, bw = (cost.graph_cost(g.gm).flops for g in (block.b, block.w, block.bw))
+    assert abs(b + w - bw) <= 0.02 * bw  # the split adds no work
+    assert 0.35 * bw < w < 0.65 * bw and 0.35 * bw < b < 0.65 * bw
+    # a Linear-dominated block: the matmuls split evenly (dx in B, dW in W)
+    assert _mm_flops(block.b) == _mm_flops(block.w) > 0
+    assert all(n.startswith("grad:param:") for n in block.w.outputs)
+    assert all(n.startswith(("grad:act:", "wsaved:")) for n in block.b.outputs)
+
+
+def test_conv_backward_split_into_dx_and_dw():
+    _, staged = _staged("convnet", 2)
+    conv_bw = torch.ops.aten.convolution_backward.default
+    b_masks = [n.args[10] for n in staged.stages[1].b.gm.graph.nodes if n.target is conv_bw]
+    w_masks = [n.args[10] for n in staged.stages[1].w.gm.graph.nodes if n.target is conv_bw]
+    assert b_masks and all(list(m) == [True, False, False] for m in b_masks)
+    assert w_masks and all(not m[0] and m[1] for m in w_masks)
+
+
+def test_report_and_printable_graphs():
+    _, staged = _staged("gpt", 2)
+    text = staged.report()
+    assert text == report(staged)
+    for word in ("stage", "F flops", "B flops", "W flops", "act:", "wte.weight = lm_head.weight"):
+        assert word in text
+    for st in staged.stages:
+        for g in (st.f, st.b, st.w, st.bw):
+            assert "def forward" in g.code
+            g.gm.graph.lint()
+
+
+def test_frozen_parameters_get_no_grads():
+    case = models.mlp()
+    for p in case.model[:8].parameters():  # the whole first stage is frozen: nothing flows back into it
+        p.requires_grad_(False)
+    staged = split_model(case.model, case.loss_fn, case.example, split_points=["8"])
+    first, second = staged.stages
+    assert first.b.outputs == first.w.outputs == first.bw.outputs == ()
+    assert not second.recv[0].requires_grad and second.b.outputs == ()
+    check_against_eager(staged, case)
+
+
+def test_non_differentiable_boundary_value():
+    case = models.masknet()
+    staged = split_model(case.model, case.loss_fn, case.example, split_points=["layers.1", "layers.2"])
+    mask = [s for s in staged.stages[0].send if s.dtype == torch.bool]
+    assert len(mask) == 1 and not mask[0].requires_grad
+    assert mask[0] in staged.stages[1].send  # passed through the middle stage
+    assert all(f"grad:{mask[0].name}" not in st.b.outputs + st.b.inputs for st in staged.stages)
+    check_against_eager(staged, case)

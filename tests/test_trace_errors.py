@@ -1,0 +1,104 @@
+"""Bad input raises our own exception types, saying where, what and how to fix; nothing is half-built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import models
+from zbcompile.errors import PartitionError, TraceError, ZBCompileError
+from zbcompile.split import split_model
+
+torch.set_num_threads(1)
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent: cannot be one static graph
+            return self.lin(x)
+        return -x
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 4), Gate(), nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def _mlp_example():
+    return torch.randn(2, 4), torch.randn(2, 4)
+
+
+def test_data_dependent_control_flow_names_the_module():
+    with pytest.raises(TraceError) as info:
+        split_model(Branchy(), F.mse_loss, _mlp_example())
+    text = str(info.value)
+    assert "data-dependent control flow" in text
+    assert "`layers.1`" in text and "Gate" in text
+    assert "torch.where" in text or "torch.cond" in text
+
+
+def test_non_scalar_loss():
+    def per_sample(out, target):
+        return ((out - target) ** 2).mean(dim=1)
+
+    with pytest.raises(TraceError, match=r"scalar.*shape \(2,\)"):
+        split_model(nn.Linear(4, 4), per_sample, _mlp_example())
+
+
+def test_loss_returning_a_tuple():
+    def two(out, target):
+        return F.mse_loss(out, target), out.sum()
+
+    with pytest.raises(TraceError, match="one scalar"):
+        split_model(nn.Linear(4, 4), two, _mlp_example())
+
+
+def test_unknown_split_point_lists_close_names():
+    case = models.gpt(layers=2)
+    with pytest.raises(PartitionError) as info:
+        split_model(case.model, case.loss_fn, case.example, split_points=["block.1"])
+    assert "`block.1`" in str(info.value) and "blocks.1" in str(info.value)
+
+
+def test_more_stages_than_cuttable_units():
+    case = models.mlp(layers=2)  # 4 units: Linear, Tanh, Linear, Tanh
+    with pytest.raises(PartitionError, match="only 4 cuttable units"):
+        split_model(case.model, case.loss_fn, case.example, num_stages=5)
+
+
+def test_split_points_out_of_order():
+    case = models.mlp(layers=3)
+    with pytest.raises(PartitionError, match="execution order"):
+        split_model(case.model, case.loss_fn, case.example, split_points=["4", "2"])
+
+
+def test_split_point_that_never_runs():
+    case = models.skipnet()
+    case.model.add_module("unused", nn.Linear(8, 8))
+    with pytest.raises(PartitionError, match="never called"):
+        split_model(case.model, case.loss_fn, case.example, split_points=["unused"])
+
+
+def test_num_stages_and_split_points_disagree():
+    case = models.mlp(layers=2)
+    with pytest.raises(PartitionError, match="disagrees"):
+        split_model(case.model, case.loss_fn, case.example, num_stages=3, split_points=["2"])
+
+
+def test_bad_example_shape():
+    with pytest.raises(TraceError, match=r"pair \(inputs, targets\)"):
+        split_model(nn.Linear(4, 4), F.mse_loss, torch.randn(2, 4))
+
+
+def test_all_errors_are_ours():
+    assert issubclass(TraceError, ZBCompileError) and issubclass(PartitionError, ZBCompileError)
