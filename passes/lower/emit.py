@@ -1,0 +1,131 @@
+"""emit_fx: a RankProgram as an fx GraphModule, straight-line Python the runtime calls once per step.
+
+    def forward(self, ctx, grad_loss, param_l0_weight, ..., mb0_data_0, ...):
+        h_s1_mb0_grad_act_h = zbcompile_runtime_recv(ctx, 1, 9, (4, 8), torch.float32, '0B0 <- s1.mb0.grad:act:h')
+        zbcompile_runtime_stamp(ctx, 0)
+        stage0_f = self.stage0_f(param_l0_weight, mb0_data_0)
+        s0_mb0_act_h = stage0_f[0]; ...
+        zbcompile_runtime_stamp(ctx, 1)
+        h_send0 = zbcompile_runtime_send(ctx, (1,), (0,), '0F0 -> s0.mb0.act:h', s0_mb0_act_h)
+        ...
+
+Stage graphs are call_module nodes (`stage{model_stage}_{f|b|w|bw}`); P2P, frees, stamps and gradient
+hand-off are calls of the side-effecting functions in zbcompile.runtime. fx's code generator drops each
+variable after its last use, which is the FREE op for activation memory.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from zbcompile.errors import LoweringError
+from zbcompile.program import Op, OpKind, RankProgram
+from zbcompile.runtime import PROGRAM_OPS
+
+__all__ = ["emit_fx"]
+
+
+def emit_fx(program: RankProgram) -> fx.GraphModule:
+    graph = fx.Graph()
+    root: dict[str, torch.nn.Module] = {}
+    env: dict[str, fx.Node] = {}
+    ctx = graph.placeholder("ctx")
+    for name in program.inputs:
+        env[name] = graph.create_node("placeholder", _ident(name), name=_ident(name))
+    used = program.used()
+    for op in program.ops:
+        _EMIT[op.kind](graph, env, root, ctx, op, program, used)
+    graph.output(env[program.output] if program.output else None)
+    graph.lint()
+    gm = fx.GraphModule(root, graph, class_name=f"Rank{program.rank}Program")
+    gm.meta["zb_program"] = program
+    return gm
+
+
+def _ident(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def _call(graph: fx.Graph, fn, args, name: str | None = None) -> fx.Node:
+    return graph.create_node("call_function", fn, tuple(args), {}, name=_ident(name) if name else None)
+
+
+def _run(graph, env, root, ctx, op: Op, program: RankProgram, used) -> None:
+    from zbcompile.passes.lower.compute import stage_graph
+
+    _, g = stage_graph(program, op.action)
+    if op.graph in root and root[op.graph] is not g.gm:
+        raise LoweringError(f"rank {program.rank}: two different graphs named {op.graph}")
+    root[op.graph] = g.gm
+    node = graph.create_node("call_module", op.graph, tuple(env[v] for v in op.ins), {}, name=op.graph)
+    for i, v in enumerate(op.outs):
+        if v in used:
+            env[v] = _call(graph, operator.getitem, (node, i), v)
+
+
+def _recv(graph, env, root, ctx, op, program, used) -> None:
+    (peer,), (tag,), (spec,) = op.peers, op.tags, op.specs
+    env[op.outs[0]] = _call(graph, PROGRAM_OPS[OpKind.RECV],
+                            (ctx, peer, tag, tuple(spec.shape), spec.dtype, f"{op.outs[0][2:]} ({op.note})"),
+                            op.outs[0])
+
+
+def _wait_recv(graph, env, root, ctx, op, program, used) -> None:
+    env[op.outs[0]] = _call(graph, PROGRAM_OPS[OpKind.WAIT_RECV], (ctx, env[op.ins[0]]), op.outs[0])
+
+
+def _send(graph, env, root, ctx, op, program, used) -> None:
+    what = ", ".join(dict.fromkeys(op.ins))
+    env[op.outs[0]] = _call(graph, PROGRAM_OPS[OpKind.SEND],
+                            (ctx, op.peers, op.tags, what, *(env[v] for v in op.ins)), op.outs[0])
+
+
+def _wait_send(graph, env, root, ctx, op, program, used) -> None:
+    _call(graph, PROGRAM_OPS[OpKind.WAIT_SEND], (ctx, env[op.ins[0]]))
+
+
+def _free(graph, env, root, ctx, op, program, used) -> None:
+    _call(graph, PROGRAM_OPS[OpKind.FREE], tuple(env[v] for v in op.ins))
+
+
+def _stamp(graph, env, root, ctx, op, program, used) -> None:
+    _call(graph, PROGRAM_OPS[OpKind.STAMP], (ctx, op.arg))
+
+
+def _accum(graph, env, root, ctx, op, program, used) -> None:
+    if op.arg == "first":
+        env[op.outs[0]] = env[op.ins[0]]
+    elif op.arg == "add":
+        env[op.outs[0]] = _call(graph, torch.add, (env[op.ins[0]], env[op.ins[1]]), op.outs[0])
+    else:
+        env[op.outs[0]] = graph.create_node("call_method", "add_", (env[op.ins[0]], env[op.ins[1]]), {},
+                                            name=_ident(op.outs[0]))
+
+
+def _sum(graph, env, root, ctx, op, program, used) -> None:
+    env[op.outs[0]] = _call(graph, PROGRAM_OPS[OpKind.SUM], tuple(env[v] for v in op.ins), op.outs[0])
+
+
+def _set_grad(graph, env, root, ctx, op, program, used) -> None:
+    _call(graph, PROGRAM_OPS[OpKind.SET_GRAD], (env[op.ins[0]], env[op.ins[1]], bool(op.arg)))
+
+
+def _add_loss(graph, env, root, ctx, op, program, used) -> None:
+    if len(op.ins) == 1:
+        env[op.outs[0]] = env[op.ins[0]]
+    else:
+        env[op.outs[0]] = _call(graph, torch.add, (env[op.ins[0]], env[op.ins[1]]), op.outs[0])
+
+
+def _copy_buffer(graph, env, root, ctx, op, program, used) -> None:
+    _call(graph, PROGRAM_OPS[OpKind.COPY_BUFFER], (env[op.ins[0]], env[op.ins[1]]))
+
+
+_EMIT = {
+    OpKind.RUN: _run, OpKind.RECV: _recv, OpKind.WAIT_RECV: _wait_recv, OpKind.SEND: _send,
+    OpKind.WAIT_SEND: _wait_send, OpKind.FREE: _free, OpKind.STAMP: _stamp, OpKind.ACCUM: _accum,
+    OpKind.SUM: _sum, OpKind.SET_GRAD: _set_grad, OpKind.ADD_LOSS: _add_loss, OpKind.COPY_BUFFER: _copy_buffer,
+}

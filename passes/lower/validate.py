@@ -1,0 +1,93 @@
+"""validate_programs: the rank programs of one schedule fit together.
+
+Checks, over all ranks at once:
+1. every receive has exactly one send with the same (source, destination, tag), shape and dtype, and
+   every send is received;
+2. the programs cannot deadlock, running them under the strictest P2P model (a wait on a receive needs
+   the peer to have posted the send; a wait on a send needs the peer to have posted the receive;
+   posting never blocks). A stuck state is reported as the ops each rank is blocked on.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from zbcompile.errors import LoweringError
+from zbcompile.program import OpKind, RankProgram
+
+__all__ = ["validate_programs"]
+
+
+def _endpoints(programs: Sequence[RankProgram]):
+    sends: dict[tuple[int, int, int], tuple[int, int, object]] = {}
+    recvs: dict[tuple[int, int, int], tuple[int, int, object]] = {}
+    for prog in programs:
+        for i, op in enumerate(prog.ops):
+            if op.kind not in (OpKind.SEND, OpKind.RECV):
+                continue
+            table = sends if op.kind is OpKind.SEND else recvs
+            for peer, tag, spec in zip(op.peers, op.tags, op.specs):
+                key = (prog.rank, peer, tag) if op.kind is OpKind.SEND else (peer, prog.rank, tag)
+                if key in table:
+                    other = table[key]
+                    raise LoweringError(
+                        f"two {op.kind.value}s with the same (source {key[0]}, destination {key[1]}, tag {tag}): "
+                        f"rank {other[0]} op {other[1]} and rank {prog.rank} op {i}\n"
+                        f"{prog.to_text(mark=i, window=4)}")
+                table[key] = (prog.rank, i, spec)
+    return sends, recvs
+
+
+def validate_programs(programs: Sequence[RankProgram]) -> Sequence[RankProgram]:
+    """Raise LoweringError if the programs do not match up or can deadlock; returns them unchanged."""
+    by_rank = {p.rank: p for p in programs}
+    sends, recvs = _endpoints(programs)
+    for key, (r, i, spec) in recvs.items():
+        if key not in sends:
+            raise LoweringError(f"rank {r} op {i} receives from rank {key[0]} with tag {key[2]} but rank {key[0]} "
+                                f"never sends it\n{by_rank[r].to_text(mark=i, window=4)}")
+        sr, si, sspec = sends[key]
+        if (tuple(sspec.shape), sspec.dtype) != (tuple(spec.shape), spec.dtype):
+            raise LoweringError(
+                f"rank {r} op {i} receives {list(spec.shape)} {spec.dtype} but rank {sr} op {si} sends "
+                f"{list(sspec.shape)} {sspec.dtype} (tag {key[2]})\n{by_rank[r].to_text(mark=i, window=4)}\n"
+                f"{by_rank[sr].to_text(mark=si, window=4)}")
+    for key, (r, i, _) in sends.items():
+        if key not in recvs:
+            raise LoweringError(f"rank {r} op {i} sends to rank {key[1]} with tag {key[2]} but rank {key[1]} "
+                                f"never receives it\n{by_rank[r].to_text(mark=i, window=4)}")
+    _simulate(programs, sends, recvs)
+    return programs
+
+
+def _simulate(programs, sends, recvs) -> None:
+    pos = {p.rank: 0 for p in programs}
+    posted: set[tuple[str, tuple[int, int, int]]] = set()
+    handles: dict[tuple[int, str], list[tuple[str, tuple[int, int, int]]]] = {}
+    progressed = True
+    while progressed:
+        progressed = False
+        for prog in programs:
+            r = prog.rank
+            while pos[r] < len(prog.ops):
+                op = prog.ops[pos[r]]
+                if op.kind in (OpKind.SEND, OpKind.RECV):
+                    keys = [("send", (r, q, t)) if op.kind is OpKind.SEND else ("recv", (q, r, t))
+                            for q, t in zip(op.peers, op.tags)]
+                    posted.update(keys)
+                    handles[(r, op.outs[0])] = keys
+                elif op.kind in (OpKind.WAIT_SEND, OpKind.WAIT_RECV):
+                    mine = handles[(r, op.ins[0])]
+                    need = [("recv" if side == "send" else "send", key) for side, key in mine]
+                    if not all(n in posted for n in need):
+                        break
+                pos[r] += 1
+                progressed = True
+    stuck = {p.rank: pos[p.rank] for p in programs if pos[p.rank] < len(p.ops)}
+    if not stuck:
+        return
+    pictures = "\n".join(p.to_text(mark=stuck[p.rank], window=3) for p in programs if p.rank in stuck)
+    by_rank = {p.rank: p for p in programs}
+    what = "; ".join(f"rank {r} waits at op {i} ({by_rank[r].ops[i]})" for r, i in stuck.items())
+    raise LoweringError(f"the rank programs deadlock: {what}\n{pictures}\n"
+                        f"fix: post the receive earlier (recv_lookahead) or reorder the schedule")

@@ -1,0 +1,195 @@
+"""One rank of tests/test_dist.py, started with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+Loops over every schedule inside the process (process start-up costs seconds) and writes what it saw to
+`<out>/rank<r>.json`; the test reads the files and asserts. The last phase kills one rank mid-step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(1)
+
+from models import gpt, hf_gpt2, mlp  # noqa: E402
+
+import zbcompile.api as zb  # noqa: E402
+from zbcompile.errors import LoweringError, RuntimeFailure, ScheduleError  # noqa: E402
+from zbcompile.passes.schedules import generate  # noqa: E402
+from zbcompile.split import split_model  # noqa: E402
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "v-min", "v-half", "v-zb",
+             "dualpipe", "dualpipev"]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def reference(model, loss_fn, batch, steps: int = 3):
+    """Eager single-process: loss and grads of step 1, parameters after `steps` AdamW steps.
+
+    eps=1e-3, not 1e-8: where |grad| is near eps Adam's step is grad / (|grad| + eps), so a 1e-8 change
+    in a gradient (float summation order across microbatches) moves the parameter by lr * 1e-8 / eps; some
+    gradients are even zero in exact arithmetic (the attention key bias) and ~1e-12 noise in floats, which
+    eps=1e-8 turns into full steps of random sign. SGD agrees to 1e-8 whatever the eps.
+    """
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+    loss = grads = None
+    for i in range(steps):
+        out = loss_fn(ref(*batch[:1]), *batch[1:])
+        out.backward()
+        if i == 0:
+            loss, grads = out.item(), {n: p.grad.clone() for n, p in ref.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return loss, grads, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def check_schedules(tag, case, names, pp, m, results, timeout):
+    model, loss_fn, (x, y), _ = case
+    batch = (x, y)
+    loss_ref, grads_ref, params_ref = reference(model, loss_fn, batch)
+    splits = {}
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            sched = generate(name, pp, m)
+            n = sched.num_model_stages
+            if n not in splits:
+                splits[n] = split_model(model, loss_fn, ((x[: x.shape[0] // m],), (y[: y.shape[0] // m],)),
+                                        num_stages=n)
+            pipe = zb.PipelineModule.from_staged(copy.deepcopy(model), splits[n], sched, timeout=timeout)
+            opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=1e-3)
+            losses, grad_err, where = [], 0.0, ""
+            for i in range(3):
+                losses.append(pipe.step(*batch))
+                if i == 0:
+                    for pname, p in pipe.named_parameters():
+                        e = rel(p.grad, grads_ref[pname])
+                        if e > grad_err:
+                            grad_err, where = e, pname
+                opt.step()
+                pipe.zero_grad()
+            param_err = max(rel(p.detach(), params_ref[pname]) for pname, p in pipe.named_parameters())
+            results[f"{tag}/{name}"] = dict(loss=losses[0], loss_ref=loss_ref, grad_err=grad_err, where=where,
+                                            param_err=param_err, n_params=len(list(pipe.parameters())),
+                                            bubble=list(pipe.last_step.bubble),
+                                            seconds=time.perf_counter() - t0)
+        except Exception:
+            results[f"{tag}/{name}"] = dict(error=traceback.format_exc())
+
+
+def check_errors(pp, results, timeout):
+    model, loss_fn, (x, y), _ = mlp(layers=4, batch=4)
+    out = {}
+    try:
+        zb.compile(copy.deepcopy(model), schedule="1f1b", microbatches=4, loss_fn=loss_fn,
+                   example=((x[:1],), (y[:1],)), pp=pp + 1, timeout=timeout)
+        out["pp_mismatch"] = "no error"
+    except LoweringError as e:
+        out["pp_mismatch"] = str(e)
+    try:
+        zb.compile(copy.deepcopy(model), schedule="dualpipe", microbatches=1, loss_fn=loss_fn,
+                   example=((x[:1],), (y[:1],)), timeout=timeout)
+        out["too_few"] = "no error"
+    except ScheduleError as e:
+        out["too_few"] = str(e)
+    pipe = zb.compile(copy.deepcopy(model), schedule="1f1b", microbatches=4, loss_fn=loss_fn,
+                      example=((x[:1],), (y[:1],)), timeout=timeout)
+    try:
+        pipe.step(torch.cat([x, x[:1]]), torch.cat([y, y[:1]]))
+        out["not_divisible"] = "no error"
+    except RuntimeFailure as e:
+        out["not_divisible"] = str(e)
+    results["errors"] = out
+
+
+def check_meta(pp, results, timeout):
+    """A model built on the meta device: owned parameters materialized and initialized by init_fn."""
+    def init_fn(mod):
+        with torch.no_grad():
+            for i, p in enumerate(mod.parameters(recurse=False)):
+                p.copy_(torch.linspace(-0.5, 0.5, p.numel()).view_as(p) * (i + 1))
+
+    model, loss_fn, (x, y), _ = mlp(layers=4, batch=4)
+    for mod in model.modules():
+        init_fn(mod)
+    _, grads_ref, _ = reference(model, loss_fn, (x, y), steps=1)
+    with torch.device("meta"):
+        meta_model = mlp(layers=4, batch=4).model.to("meta")
+    called = []
+    pipe = zb.compile(meta_model, schedule="1f1b", microbatches=4, loss_fn=loss_fn, example=((x[:1],), (y[:1],)),
+                      init_fn=lambda mod: (called.append(type(mod).__name__), init_fn(mod)), timeout=timeout)
+    pipe.step(x, y)
+    own = dict(pipe.named_parameters())
+    results["meta"] = dict(
+        grad_err=max(rel(p.grad, grads_ref[n]) for n, p in own.items()),
+        owned=sorted(own), real=all(not p.is_meta for p in own.values()),
+        others_meta=all(p.is_meta for n, p in meta_model.named_parameters() if n not in own),
+        init_calls=called)
+
+
+def die_mid_step(pp, results, timeout, victim):
+    model, loss_fn, (x, y), _ = mlp(layers=4, batch=8)
+    pipe = zb.compile(copy.deepcopy(model), schedule="1f1b", microbatches=8, loss_fn=loss_fn,
+                      example=((x[:1],), (y[:1],)), timeout=timeout)
+    pipe.step(x, y)  # a healthy step first
+    if pipe.rank == victim:
+        prog = pipe.rank_program()
+        name = next(n for n, _ in prog.named_children() if n.endswith("_b") or n.endswith("_bw"))
+
+        class Die(torch.nn.Module):
+            def forward(self, *args):
+                os._exit(0)
+
+        setattr(prog, name, Die())
+    t0 = time.perf_counter()
+    try:
+        pipe.step(x, y)
+        results["die"] = dict(raised=False, seconds=time.perf_counter() - t0)
+    except RuntimeFailure as e:
+        results["die"] = dict(raised=True, seconds=time.perf_counter() - t0, message=str(e)[:500])
+    except Exception as e:
+        results["die"] = dict(raised=False, other=repr(e)[:500], seconds=time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--hf", action="store_true")
+    ap.add_argument("--timeout", type=float, default=30.0)
+    args = ap.parse_args()
+    rank, pp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results: dict = {}
+
+    def dump():
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
+            json.dump(results, fh, indent=1)
+
+    m = 2 * pp
+    check_schedules("gpt", gpt(layers=2 * pp, batch=m), SCHEDULES, pp, m, results, args.timeout)
+    dump()
+    if args.hf:
+        check_schedules("hf", hf_gpt2(layers=2 * pp, batch=m), ["1f1b", "zbv", "dualpipev"], pp, m, results,
+                        args.timeout)
+        dump()
+    check_errors(pp, results, args.timeout)
+    check_meta(pp, results, args.timeout)
+    dump()
+    die_mid_step(pp, results, 3.0, victim=pp - 1)
+    dump()
+    os._exit(0)  # the process group is broken after the kill; skip its teardown
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""An in-process stand-in for a ProcessGroup, so all ranks' programs can run as threads of one test.
+
+Only what RankRuntime uses: send / recv of single tensors by (source, destination, tag) and allgather.
+Sends are buffered (they complete at once); a receive completes when the matching send has arrived.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch
+
+
+class _Work:
+    def __init__(self, event: threading.Event | None = None, after=None):
+        self.event, self.after = event, after
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self.event is not None:
+            seconds = timeout.total_seconds() or None
+            if not self.event.wait(seconds):
+                raise RuntimeError("fake group: timed out")
+        if self.after is not None:
+            self.after()
+        return True
+
+
+class FakeWorld:
+    """Shared state of one fake world; `group(rank)` is that rank's ProcessGroup stand-in."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.lock = threading.Lock()
+        self.mail: dict[tuple[int, int, int], list] = {}
+        self.barrier = threading.Barrier(size)
+        self.gathered: list = [None] * size
+
+    def group(self, rank: int) -> "FakeGroup":
+        return FakeGroup(self, rank)
+
+
+class FakeGroup:
+    def __init__(self, world: FakeWorld, rank: int):
+        self.world, self.rank_ = world, rank
+
+    def rank(self) -> int:
+        return self.rank_
+
+    def size(self) -> int:
+        return self.world.size
+
+    def _slot(self, key):
+        with self.world.lock:
+            slot = self.world.mail.setdefault(key, [threading.Event(), None])
+        return slot
+
+    def send(self, tensors, dst: int, tag: int):
+        slot = self._slot((self.rank_, dst, tag))
+        slot[1] = tensors[0].clone()
+        slot[0].set()
+        return _Work()
+
+    def recv(self, tensors, src: int, tag: int):
+        key = (src, self.rank_, tag)
+        slot = self._slot(key)
+
+        def fill():
+            tensors[0].copy_(slot[1])
+            with self.world.lock:
+                self.world.mail.pop(key, None)
+
+        return _Work(slot[0], fill)
+
+    def allgather(self, outputs, inputs):
+        self.world.gathered[self.rank_] = inputs[0].clone()
+        self.world.barrier.wait()
+        for out, val in zip(outputs[0], self.world.gathered):
+            out.copy_(val)
+        self.world.barrier.wait()
+        return _Work()

@@ -1,0 +1,104 @@
+"""Multi-process tests: every schedule under torch.distributed (gloo on 127.0.0.1), against eager.
+
+One set of processes per pipeline size runs tests/dist_worker.py, which loops over all schedules (the
+tied-embedding GPT, a HuggingFace GPT2 for a few), the error cases, a meta-device model, and finally a
+rank dying mid-step; each rank writes JSON that the tests below read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "v-min", "v-half", "v-zb",
+             "dualpipe", "dualpipev"]
+TOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
+def run(request, tmp_path_factory):
+    pp = request.param
+    out = tmp_path_factory.mktemp(f"pp{pp}")
+    port = _free_port()
+    procs = []
+    for r in range(pp):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
+                   WORLD_SIZE=str(pp), OMP_NUM_THREADS="1")
+        args = [sys.executable, WORKER, "--out", str(out)] + (["--hf"] if pp == 2 else [])
+        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
+    results = []
+    for r in range(pp):
+        path = out / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no results:\n{logs[r][-3000:]}"
+        results.append(json.loads(path.read_text()))
+    return pp, results
+
+
+def _cases(results, prefix):
+    for r, res in enumerate(results):
+        for key, val in res.items():
+            if key.startswith(prefix):
+                yield r, key, val
+
+
+@pytest.mark.parametrize("model", ["gpt", "hf"])
+def test_loss_grads_and_adamw_match_eager(run, model):
+    pp, results = run
+    if model == "hf" and pp != 2:
+        pytest.skip("the HuggingFace model runs at pp=2 only, to keep the suite short")
+    seen = set()
+    for r, key, val in _cases(results, model + "/"):
+        assert "error" not in val, f"rank {r} {key}:\n{val['error']}"
+        seen.add(key.split("/")[1])
+        assert abs(val["loss"] - val["loss_ref"]) <= TOL * abs(val["loss_ref"]), (r, key, val)
+        assert val["grad_err"] <= TOL, (r, key, val)
+        assert val["param_err"] <= TOL, (r, key, val)
+        assert all(0.0 <= b < 1.0 for b in val["bubble"]), (r, key, val)
+    if model == "gpt":
+        assert seen == set(SCHEDULES)
+    # every rank reports the same loss
+    for key in {k for _, k, _ in _cases(results, model + "/")}:
+        assert len({res[key]["loss"] for res in results}) == 1
+
+
+def test_errors(run):
+    pp, results = run
+    err = results[0]["errors"]
+    assert f"pp={pp + 1}" in err["pp_mismatch"] and f"has {pp} ranks" in err["pp_mismatch"]
+    assert "microbatches" in err["too_few"]
+    assert "do not split into 4" in err["not_divisible"]
+
+
+def test_meta_device_model_is_materialized_per_rank(run):
+    pp, results = run
+    owned = []
+    for res in results:
+        meta = res["meta"]
+        assert meta["real"] and meta["others_meta"]
+        assert meta["grad_err"] <= TOL
+        assert meta["init_calls"] and set(meta["init_calls"]) == {"Linear"}
+        owned += meta["owned"]
+    assert len(owned) == len(set(owned)) == 8  # 4 Linear layers, each on exactly one rank
+
+
+def test_dead_rank_makes_others_fail_fast(run):
+    pp, results = run
+    for r in range(pp - 1):
+        die = results[r]["die"]
+        assert die["raised"], die
+        assert die["seconds"] < 3.0 + 5.0, die

@@ -1,0 +1,203 @@
+"""Lowering, single process: schedules in, rank-program structure out; then all ranks run as threads.
+
+Models come from tests/models.py and are split with zbcompile.split.split_model; schedules from
+zbcompile.passes.schedules.generate. The eager model's autograd is the reference for the threaded runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import weakref
+
+import pytest
+import torch
+
+from models import gpt, mlp
+from threaded import max_grad_error, run_threaded
+from zbcompile.errors import LoweringError
+from zbcompile.passes.lower import LOWERING, emit_fx, lower, lower_all, validate_programs
+from zbcompile.passes.lower.reduce import grad_holders
+from zbcompile.passes.schedules import generate
+from zbcompile.program import OpKind, split_value_id
+from zbcompile.schedule import Action, Schedule
+from zbcompile.split import split_model
+
+torch.set_num_threads(1)
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_split(stages: int):
+    model, loss_fn, (x, y), _ = mlp(layers=8, batch=4)
+    return model, loss_fn, (x, y), split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt_split(stages: int):
+    model, loss_fn, (x, y), _ = gpt(layers=4, batch=4)
+    return model, loss_fn, (x, y), split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=stages)
+
+
+def _count(program, kind):
+    return sum(len(op.peers) if kind in (OpKind.SEND, OpKind.RECV) else 1 for op in program.ops if op.kind is kind)
+
+
+def test_passes_are_named_and_pure():
+    assert [p.__name__ for p in LOWERING] == ["build_compute", "insert_p2p", "accumulate_grads",
+                                             "reduce_shared_grads", "insert_frees", "insert_stamps"]
+    *_, staged = _mlp_split(2)
+    sched = generate("1f1b", 2, 4)
+    before = lower(sched, staged, 0, passes=LOWERING[:1])
+    ops = before.ops
+    LOWERING[1](before)
+    assert before.ops == ops  # the input program is not mutated
+
+
+def test_1f1b_p2p_counts_and_tags_match():
+    *_, staged = _mlp_split(2)
+    sched = generate("1f1b", 2, 4)
+    r0, r1 = lower_all(sched, staged)
+    assert (_count(r0, OpKind.SEND), _count(r0, OpKind.RECV)) == (4, 4)  # 4 activations out, 4 grads in
+    assert (_count(r1, OpKind.SEND), _count(r1, OpKind.RECV)) == (4, 4)
+    assert _count(r0, OpKind.WAIT_RECV) == 4 and _count(r0, OpKind.WAIT_SEND) == 4
+    sent = {(0, p, t) for op in r0.of_kind(OpKind.SEND) for p, t in zip(op.peers, op.tags)}
+    recv = {(p, 1, t) for op in r1.of_kind(OpKind.RECV) for p, t in zip(op.peers, op.tags)}
+    assert sent == recv
+    assert len(r0.of_kind(OpKind.STAMP)) == 2 * len(sched.ranks[0])
+
+
+def test_same_rank_neighbours_need_no_p2p():
+    *_, staged = _mlp_split(4)
+    sched = generate("zbv", 2, 4)  # rank 1 holds stages 1 and 2: their boundary stays local
+    r0, r1 = lower_all(sched, staged)
+    assert not any(split_value_id(v)[0] == 1 and "act:" in v for op in r1.of_kind(OpKind.RECV) for v in op.outs
+                   if split_value_id(v))
+    # rank 0 -> 1: act of stage 0 and grad of stage 3, per microbatch
+    assert _count(r0, OpKind.SEND) == 8 and _count(r1, OpKind.SEND) == 8
+
+
+def test_tied_weights_are_summed_across_ranks_and_accumulated_on_one():
+    *_, staged = _gpt_split(2)
+    r0, r1 = lower_all(generate("1f1b", 2, 4), staged)
+    assert len(r0.of_kind(OpKind.SUM)) == 1 and "wte" in r0.of_kind(OpKind.SUM)[0].outs[0]
+    *_, staged4 = _gpt_split(4)
+    v0, _ = lower_all(generate("zbv", 2, 4), staged4)  # stages 0 and 3 both on rank 0
+    assert not v0.of_kind(OpKind.SUM)
+    assert grad_holders(generate("zbv", 2, 4), staged4)["wte.weight"] == (0,)
+
+
+def test_frees_come_right_after_last_use():
+    *_, staged = _mlp_split(4)
+    for prog in lower_all(generate("zb-h1", 4, 8), staged):
+        freed = {}
+        for i, op in enumerate(prog.ops):
+            if op.kind is OpKind.FREE:
+                for v in op.ins:
+                    assert v not in freed, f"{v} freed twice"
+                    freed[v] = i
+                    assert not any(v in later.ins for later in prog.ops[i + 1:])
+        saved = {v for op in prog.run_ops() for v in op.outs if ".saved:" in v or ".wsaved:" in v}
+        used = {v for op in prog.ops for v in op.ins}
+        assert saved & used <= set(freed)
+        # a B frees what its W does not need
+        for i, op in enumerate(prog.ops):
+            if op.kind is OpKind.RUN and op.action.kind.value == "W":
+                assert all(split_value_id(v)[1] == op.action.microbatch for v in op.ins if split_value_id(v))
+
+
+def test_frees_really_release_memory():
+    model, loss_fn, (x, y), staged = _mlp_split(2)
+    freed: list[weakref.ref] = []
+    live_at_run: list[int] = []
+
+    def patch(rank, gm):
+        if rank != 0:
+            return
+        glb = gm.forward.__globals__
+        name = next(k for k, v in glb.items() if getattr(v, "__name__", "") == "free")
+        send_name = next(k for k, v in glb.items() if getattr(v, "__name__", "") == "send")
+        real_send, sent = glb[send_name], set()
+
+        def send(ctx, peers, tags, what, *tensors):
+            sent.update(id(t) for t in tensors)
+            return real_send(ctx, peers, tags, what, *tensors)
+
+        def free(*tensors):
+            # a sent tensor lives on in its send handle until wait_send; a view (a microbatch slice of the
+            # user's batch, a transposed parameter) shares storage the program does not own
+            freed.extend(weakref.ref(t) for t in tensors if id(t) not in sent and t._base is None)
+        glb[name], glb[send_name] = free, send
+        for child, mod in list(gm.named_children()):
+            class Check(torch.nn.Module):
+                def __init__(self, inner):
+                    super().__init__()
+                    self.inner = inner
+
+                def forward(self, *args):
+                    live_at_run.append(sum(r() is not None for r in freed))
+                    return self.inner(*args)
+            setattr(gm, child, Check(mod))
+
+    run_threaded(model, staged, generate("1f1b", 2, 4), (x, y), patch=patch)
+    assert freed and live_at_run and max(live_at_run) == 0
+
+
+def test_dce_keeps_side_effecting_ops():
+    *_, staged = _mlp_split(2)
+    gm = emit_fx(lower(generate("1f1b", 2, 4), staged, 0))
+    before = len(gm.graph.nodes)
+    gm.graph.eliminate_dead_code()
+    assert len(gm.graph.nodes) == before
+    code = gm.code
+    for word in ("zbcompile_runtime_recv", "zbcompile_runtime_wait_recv", "zbcompile_runtime_send",
+                 "zbcompile_runtime_free", "zbcompile_runtime_set_grad", "self.stage0_f"):
+        assert word in code
+
+
+def test_validation_reports_unmatched_and_mismatched_p2p():
+    *_, staged = _mlp_split(2)
+    r0, r1 = lower_all(generate("1f1b", 2, 4), staged)
+    no_send = r0.replace(ops=tuple(op for op in r0.ops if op.kind not in (OpKind.SEND, OpKind.WAIT_SEND)))
+    with pytest.raises(LoweringError, match="never sends it"):
+        validate_programs([no_send, r1])
+    i = next(i for i, op in enumerate(r1.ops) if op.kind is OpKind.RECV)
+    bad = r1.ops[i]
+    spec = bad.specs[0]
+    wrong = type(spec)(spec.name, (*spec.shape, 2), spec.dtype)
+    r1_bad = r1.replace(ops=r1.ops[:i] + (type(bad)(**{**bad.__dict__, "specs": (wrong,)}),) + r1.ops[i + 1:])
+    with pytest.raises(LoweringError, match="receives"):
+        validate_programs([r0, r1_bad])
+
+
+def test_validation_reports_deadlock_with_picture():
+    *_, staged = _mlp_split(2)
+    good = generate("1f1b", 2, 2)
+    # rank 0 runs BW0 before F1, rank 1 needs F1 before its BW0: each waits on the other
+    order = {0: ["0F0", "0BW0", "0F1", "0BW1"], 1: ["1F0", "1F1", "1BW0", "1BW1"]}
+    rows = tuple(tuple(Action.parse(a) for a in order[r]) for r in range(2))
+    bad = Schedule(good.name, good.num_microbatches, good.placement, rows)
+    programs = [lower(bad, staged, r) for r in range(2)]
+    with pytest.raises(LoweringError, match="deadlock") as info:
+        validate_programs(programs)
+    assert ">>" in str(info.value)
+
+
+@pytest.mark.parametrize("name,pp", [("1f1b", 2), ("zbv", 2), ("dualpipe", 2), ("interleaved-1f1b", 2),
+                                     ("zb-h2", 4), ("dualpipev", 4)])
+def test_threaded_step_matches_eager(name, pp):
+    sched = generate(name, pp, 2 * pp)
+    model, loss_fn, (x, y), staged = _gpt_split(sched.num_model_stages)
+    x, y = x.repeat(pp, 1)[: 2 * pp], y.repeat(pp, 1)[: 2 * pp]
+    ref = copy.deepcopy(model)
+    loss = loss_fn(ref(x), y)
+    loss.backward()
+    losses, models, runtimes = run_threaded(model, staged, sched, (x, y))
+    assert all(abs(v - loss.item()) <= 1e-5 * loss.item() for v in losses)
+    holders = grad_holders(sched, staged)
+    owned = [[f for f, rs in holders.items() if r in rs] for r in range(pp)]
+    err, where = max_grad_error(ref, models, owned)
+    assert err <= 1e-5, where
+    timings = runtimes[0].last_step
+    assert len(timings.bubble) == pp and all(0 <= b < 1 for b in timings.bubble)
+    trace = timings.chrome_trace()
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == sum(len(r) for r in sched.ranks)

@@ -1,0 +1,125 @@
+"""Train a small character-level GPT with a pipeline schedule: zbcompile's main job.
+
+    torchrun --nproc-per-node 2 -m zbcompile.examples.train_gpt --schedule zb-h1
+
+Every rank reads the same batches from the tiny corpus shipped next to this file (bytes as tokens), so
+`model.step(x, y)` sees the whole batch everywhere; the compiled program slices it into microbatches and
+feeds each stage the slices it reads. Rank 0 prints one line per step: loss, tokens/s and the bubble each
+rank measured, with a progress bar, then a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+
+import zbcompile as zb
+from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
+
+CORPUS = Path(__file__).with_name("corpus.txt")
+
+
+def corpus_tokens() -> torch.Tensor:
+    """The shipped corpus as byte tokens (vocabulary 256)."""
+    return torch.tensor(list(CORPUS.read_bytes()), dtype=torch.long)
+
+
+def batches(tokens: torch.Tensor, batch: int, seq: int, seed: int):
+    """Endless (inputs, next-token targets) batches of random windows; the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(tokens) - seq - 1, (batch,), generator=g)
+        window = torch.stack([tokens[s:s + seq + 1] for s in starts.tolist()])  # [B, T+1]
+        yield window[:, :-1], window[:, 1:]
+
+
+def tiny():
+    """A small GPT, its loss and one example microbatch: the factory `zbcompile inspect` can load."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=256, seq=32, d=64, heads=4, layers=4)
+    x, y = next(batches(corpus_tokens(), 2, cfg.seq, seed=0))
+    return GPT(cfg), loss_fn, (x, y)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedule", default="zb-h1")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--microbatch-size", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--chunks", type=int, default=None, help="stages per rank for interleaved-1f1b")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", type=Path, default=None, help="write the last step's timeline as a Chrome trace")
+    return p.parse_args(argv)
+
+
+def progress(step: int, total: int, width: int = 24) -> str:
+    done = round(width * step / total)
+    return f"[{'#' * done}{'.' * (width - done)}] {step:>{len(str(total))}}/{total}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("ZB_THREADS", "1")))
+    if "RANK" not in os.environ:
+        print("run me under torchrun, e.g. torchrun --nproc-per-node 2 -m zbcompile.examples.train_gpt",
+              file=sys.stderr)
+        return 2
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    cfg = GPTConfig(vocab=256, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers)
+    batch = args.microbatches * args.microbatch_size
+    data = batches(corpus_tokens(), batch, args.seq, seed=args.seed + 1)
+    x, y = next(data)
+    mbs = args.microbatch_size
+    model = zb.compile(GPT(cfg), schedule=args.schedule, microbatches=args.microbatches, loss_fn=loss_fn,
+                       example=(x[:mbs], y[:mbs]), pp=world, chunks=args.chunks)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"zbcompile: {args.schedule} on {world} ranks, {args.microbatches} microbatches x {mbs} x {args.seq} "
+        f"tokens, GPT d={cfg.d} layers={cfg.layers}")
+    rows = []
+    for step in range(1, args.steps + 1):
+        start = time.perf_counter()
+        loss = model.step(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - start
+        bubbles = model.last_step.bubble
+        rows.append((loss, batch * args.seq / seconds, bubbles))
+        say(f"{progress(step, args.steps)} loss {loss:.4f}  {batch * args.seq / seconds:8.0f} tok/s  bubble "
+            + " ".join(f"r{r}={b:.0%}" for r, b in enumerate(bubbles)), flush=True)
+        x, y = next(data)
+    if args.trace:
+        model.chrome_trace(args.trace)
+        say(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
+    _summary(say, rows, world)
+    dist.destroy_process_group()
+    return 0
+
+
+def _summary(say, rows, world: int) -> None:
+    steady = rows[len(rows) // 3:] or rows  # the first steps warm up allocators and caches
+    table = [["first loss", f"{rows[0][0]:.4f}"], ["last loss", f"{rows[-1][0]:.4f}"],
+             ["median tokens/s", f"{statistics.median(r[1] for r in steady):.0f}"]]
+    table += [[f"median bubble rank {r}", f"{statistics.median(row[2][r] for row in steady):.1%}"]
+              for r in range(world)]
+    say(tabulate(table, tablefmt="simple"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Run one rank's program for one training step under torch.distributed, and time it.
+
+The lowering emits each rank's step as straight-line Python (an fx GraphModule); this module holds the
+side-effecting ops that code calls (posting and waiting P2P, frees, gradient hand-off, timing stamps) and
+`RankRuntime`, which feeds the program its inputs, gathers the loss and per-action times from every rank
+and exports them as a Chrome trace.
+
+Host overhead per action is kept to a few Python calls: the program is generated code (no interpreter,
+no per-action dispatch tables), P2P goes straight to the ProcessGroup's send / recv, and a timing stamp is
+one `perf_counter()` into a preallocated list.
+
+Failures: every wait is bounded by `timeout` seconds; a peer that dies or stalls makes the others raise
+RuntimeFailure (naming the op and the peer) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from time import perf_counter
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from zbcompile.errors import RuntimeFailure
+from zbcompile.program import OpKind, RankProgram
+
+__all__ = ["StepContext", "RankRuntime", "StepTimings", "PROGRAM_OPS"]
+
+
+class StepContext:
+    """What the generated program needs besides tensors: the process group, the device, the timeout
+    and the timing slots. `pg` is a ProcessGroup (or anything with its send / recv); peers are its ranks."""
+
+    __slots__ = ("pg", "rank", "device", "timeout", "t")
+
+    def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int):
+        self.pg = pg
+        self.rank = rank
+        self.device = device
+        self.timeout = timedelta(seconds=timeout)
+        self.t = [0.0] * slots
+
+
+# ---- ops the generated program calls (all marked side-effecting, so dead-code elimination keeps them) ----
+@fx.node.has_side_effect
+def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype, what: str):
+    """Post an irecv into a fresh buffer; returns a handle for wait_recv."""
+    buf = torch.empty(shape, dtype=dtype, device=ctx.device)
+    try:
+        work = ctx.pg.recv([buf], peer, tag)
+    except Exception as e:  # a dead peer can fail the post itself
+        raise RuntimeFailure(f"rank {ctx.rank}: posting the receive of {what} from rank {peer} failed: {e}") from e
+    return buf, work, what, peer
+
+
+@fx.node.has_side_effect
+def wait_recv(ctx: StepContext, handle) -> torch.Tensor:
+    """Wait for a posted receive; returns the filled buffer."""
+    buf, work, what, peer = handle
+    _wait(ctx, work, f"receiving {what} from rank {peer}")
+    return buf
+
+
+@fx.node.has_side_effect
+def send(ctx: StepContext, peers: tuple[int, ...], tags: tuple[int, ...], what: str, *tensors: torch.Tensor):
+    """Post a batch of isends; returns a handle for wait_send (it keeps the tensors alive until then)."""
+    try:
+        works = [ctx.pg.send([t], p, tag) for t, p, tag in zip(tensors, peers, tags)]
+    except Exception as e:
+        raise RuntimeFailure(f"rank {ctx.rank}: posting the send of {what} to ranks {list(peers)} failed: {e}") from e
+    return works, what, peers
+
+
+@fx.node.has_side_effect
+def wait_send(ctx: StepContext, handle) -> None:
+    works, what, peers = handle
+    for work in works:
+        _wait(ctx, work, f"sending {what} to ranks {list(peers)}")
+
+
+def _wait(ctx: StepContext, work, what: str) -> None:
+    try:
+        ok = work.wait(ctx.timeout)
+    except Exception as e:
+        raise RuntimeFailure(f"rank {ctx.rank}: {what} failed (peer dead or stalled?): {e}") from e
+    if ok is False:
+        raise RuntimeFailure(f"rank {ctx.rank}: {what} did not finish within {ctx.timeout.total_seconds()} s")
+
+
+@fx.node.has_side_effect
+def free(*tensors: torch.Tensor) -> None:
+    """The last use of `tensors`: the generated code drops its references right after this call."""
+
+
+@fx.node.has_side_effect
+def stamp(ctx: StepContext, slot: int) -> None:
+    ctx.t[slot] = perf_counter()
+
+
+@fx.node.has_side_effect
+def set_grad(param: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
+    """Accumulate a finished gradient into param.grad (taking the tensor when this step owns it)."""
+    if param.grad is None:
+        param.grad = grad if owned else grad.clone()
+    else:
+        param.grad.add_(grad)
+
+
+@fx.node.has_side_effect
+def copy_buffer(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    buffer.copy_(value)
+
+
+def sum_in_order(*copies: torch.Tensor) -> torch.Tensor:
+    """Sum one gradient's copies from several ranks in a fixed (rank) order: every holder gets equal bits."""
+    total = copies[0] + copies[1]
+    for t in copies[2:]:
+        total.add_(t)
+    return total
+
+
+PROGRAM_OPS = {
+    OpKind.RECV: recv, OpKind.WAIT_RECV: wait_recv, OpKind.SEND: send, OpKind.WAIT_SEND: wait_send,
+    OpKind.FREE: free, OpKind.STAMP: stamp, OpKind.SET_GRAD: set_grad, OpKind.COPY_BUFFER: copy_buffer,
+    OpKind.SUM: sum_in_order, OpKind.ADD_LOSS: torch.add,
+}
+
+
+# ---- timings --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepTimings:
+    """Per-action start / end (seconds from the step's first start, on a clock shared by the host's ranks)
+    for every rank, and the measured bubble per rank: 1 - busy / span, span = the whole step."""
+
+    actions: tuple[tuple[tuple[str, float, float], ...], ...]
+    span: float
+
+    @property
+    def busy(self) -> tuple[float, ...]:
+        return tuple(sum(e - s for _, s, e in row) for row in self.actions)
+
+    @property
+    def bubble(self) -> tuple[float, ...]:
+        return tuple(1.0 - b / self.span if self.span > 0 else 0.0 for b in self.busy)
+
+    def chrome_trace(self) -> dict:
+        events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "zbcompile step"}}]
+        for r, row in enumerate(self.actions):
+            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+            for name, s, e in row:
+                kind = name.lstrip("0123456789").rstrip("0123456789")
+                events.append({"name": name, "cat": kind, "ph": "X", "pid": 0, "tid": r,
+                               "ts": s * 1e6, "dur": (e - s) * 1e6})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str) -> str:
+        with open(path, "w") as fh:
+            json.dump(self.chrome_trace(), fh)
+        return path
+
+
+# ---- the runner -----------------------------------------------------------------------------------
+class RankRuntime:
+    """Runs `program` (the emitted GraphModule of `ir`) once per step.
+
+    params / buffers: canonical fqn -> live tensor for every param:/buffer: the program reads.
+    pg: the pipeline's ProcessGroup (pipeline rank = its group rank); None runs a one-rank pipeline.
+    """
+
+    def __init__(self, ir: RankProgram, program: fx.GraphModule, *, pg, device: torch.device,
+                 params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                 timeout: float = 60.0, ranks: int | None = None, max_actions: int | None = None):
+        self.ir = ir
+        self.program = program
+        self.pg = pg
+        self.device = device
+        self.timeout = timeout
+        self.num_ranks = ranks or ir.schedule.num_ranks
+        self.names = tuple(str(op.action) for op in ir.run_ops())
+        self.max_actions = max_actions or max(len(r) for r in ir.schedule.ranks)
+        self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * len(self.names))
+        self.grad_loss = torch.full((), 1.0 / ir.schedule.num_microbatches, device=device)
+        self._fixed = {n: params[n[6:]] for n in ir.inputs if n.startswith("param:")}
+        self._fixed.update({n: buffers[n[7:]] for n in ir.inputs if n.startswith("buffer:")})
+        self._fixed["grad_loss"] = self.grad_loss
+        self._data = [_parse_data(n) for n in ir.inputs]
+        self.last_step: StepTimings | None = None
+
+    def step(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> float:
+        """Run this rank's program on `microbatches[mb][i]`; returns the batch's mean loss (same on all ranks)."""
+        args = [self._fixed[n] if d is None else microbatches[d[0]][d[1]]
+                for n, d in zip(self.ir.inputs, self._data)]
+        with torch.no_grad():
+            loss = self.program(self.ctx, *args)
+        return self._gather(loss)
+
+    def _gather(self, loss) -> float:
+        """One all-gather per step carries every rank's loss sum and action times."""
+        row = torch.zeros(1 + 2 * self.max_actions, dtype=torch.float64)
+        row[0] = float(loss) if loss is not None else 0.0
+        row[1:1 + len(self.ctx.t)] = torch.tensor(self.ctx.t, dtype=torch.float64)
+        if self.pg is None:
+            rows = [row]
+        else:
+            dev = row.to(self.device)
+            rows = [torch.empty_like(dev) for _ in range(self.num_ranks)]
+            try:
+                work = self.pg.allgather([rows], [dev])
+            except Exception as e:
+                raise RuntimeFailure(f"rank {self.ir.rank}: gathering the step's loss failed: {e}") from e
+            _wait(self.ctx, work, "gathering the step's loss and timings")
+            rows = [r.cpu() for r in rows]
+        counts = [len(r) for r in self.ir.schedule.ranks]
+        t0 = min(float(r[1]) for r, c in zip(rows, counts) if c)
+        actions = []
+        for rank, (r, c) in enumerate(zip(rows, counts)):
+            names = [str(a) for a in self.ir.schedule.ranks[rank]]
+            actions.append(tuple((names[j], float(r[1 + 2 * j]) - t0, float(r[2 + 2 * j]) - t0) for j in range(c)))
+        span = max((row[-1][2] for row in actions if row), default=0.0)
+        self.last_step = StepTimings(tuple(actions), span)
+        return float(sum(float(r[0]) for r in rows)) / self.ir.schedule.num_microbatches
+
+
+def _parse_data(name: str):
+    if not name.startswith("mb"):
+        return None
+    mb, _, rest = name.partition(".data:")
+    return int(mb[2:]), int(rest)
+
+
+__all__ += ["recv", "wait_recv", "send", "wait_send", "free", "stamp", "set_grad", "copy_buffer", "sum_in_order"]
