@@ -20,6 +20,7 @@ runtime can pass the live `nn.Parameter`s by name, and a model built on the meta
 from __future__ import annotations
 
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -122,7 +123,10 @@ def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int) -> torch
     step = _Step(model, loss_fn, num_inputs)
     try:
         ep = torch.export.export(step, tuple(flat), strict=False)
-        return ep.run_decompositions({})
+        with warnings.catch_warnings():
+            # torch 2.13's own run_decompositions trips its LeafSpec deprecation; nothing a user can act on
+            warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
+            return ep.run_decompositions({})
     except TraceError:
         raise
     except Exception as exc:  # torch raises many types here; ours names the module and the fix
