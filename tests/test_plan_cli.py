@@ -201,3 +201,15 @@ def test_usage_errors_return_2_in_process(capsys: pytest.CaptureFixture) -> None
     assert main(["plan", "--pp", "4"]) == 2
     assert capsys.readouterr().err.startswith("zbcompile: error: one of the arguments")
     assert main(["--help"]) == 0
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (8, 24)])
+def test_compare_agrees_with_the_papers_closed_forms(pp, m):
+    from zbcompile.plan import closed_form, compare
+
+    for row in compare(pp, m):
+        bubble, memory = closed_form(row.name, pp, m)
+        if bubble is not None:
+            assert row.result.bubble_rate == pytest.approx(bubble, abs=1e-12), row.name
+        if memory is not None:
+            assert max(row.result.peak_memory) <= memory, row.name

@@ -135,12 +135,35 @@ def format_bytes(n: float) -> str:
 _NOTE_WIDTH = 64  # wrap long reasons instead of stretching the table
 
 
+def closed_form(name: str, pp: int, microbatches: int, chunks: int | None = None) -> tuple[float | None, float | None]:
+    """The papers' (bubble rate, peak memory) under unit costs and no communication, where they give one.
+
+    Memory is in 1F1B-stage units. None where the papers state no closed form (zb-auto depends on the
+    limit; dualpipe's bubble assumes overlapped F&B, which the simulator runs one after the other).
+    """
+    p, m = pp, microbatches
+    v = chunks or 2
+    forms = {
+        "gpipe": ((p - 1) / (m + p - 1), m),
+        "1f1b": ((p - 1) / (m + p - 1), p),
+        "interleaved-1f1b": ((p - 1) / (v * m + p - 1), None),
+        "zb-h1": ((p - 1) / (3 * m + p - 1), p),
+        "zb-h2": (0.0 if m >= 2 * p else None, 2 * p),
+        "zbv": (0.0 if m >= 2 * p else None, p),
+        "v-zb": (0.0 if m >= 2 * p else None, p),
+        "v-half": (None, (p + 2) // 2),
+        "v-min": (None, (p + 4) // 3),
+    }
+    return forms.get(name, (None, None))
+
+
 def compare_table(rows: list[PlanRow], tablefmt: str = "simple") -> str:
-    """Side-by-side table: makespan, both bubble rates, peak memory (max / min over ranks, and bytes)."""
+    """Side-by-side table: makespan, both bubble rates, peak memory (max / min over ranks, and bytes), and
+    the papers' closed forms under unit costs next to them."""
     with_bytes = any(r.result is not None and r.result.peak_bytes is not None for r in rows)
     head = ["schedule", "stages", "makespan", "bubble rate", "bubble share", "peak mem (max)", "peak mem (min)"]
     head += ["peak bytes (max)"] if with_bytes else []
-    head += ["note"]
+    head += ["paper (unit costs)", "note"]
     body = []
     for row in rows:
         res = row.result
@@ -150,9 +173,16 @@ def compare_table(rows: list[PlanRow], tablefmt: str = "simple") -> str:
         line = [row.name, res.schedule.num_stages, f"{res.makespan:g}", _pct(res.bubble_rate),
                 _pct(res.bubble_share), f"{max(res.peak_memory):g}", f"{min(res.peak_memory):g}"]
         line += [format_bytes(max(res.peak_bytes))] if with_bytes and res.peak_bytes else ["-"] * with_bytes
-        body.append(line + [row.reason or ""])
+        body.append(line + [_paper(row.name, res.schedule), row.reason or ""])
     widths = [None] * (len(head) - 1) + [_NOTE_WIDTH]
     return tabulate(body, headers=head, tablefmt=tablefmt, disable_numparse=True, maxcolwidths=widths)
+
+
+def _paper(name: str, schedule: Schedule) -> str:
+    chunks = schedule.num_stages // schedule.num_ranks
+    bubble, memory = closed_form(name, schedule.num_ranks, schedule.num_microbatches, chunks)
+    parts = [_pct(bubble) if bubble is not None else "", f"mem {memory:g}" if memory is not None else ""]
+    return " / ".join(p for p in parts if p) or "-"
 
 
 def summary_table(result: SimResult, tablefmt: str = "simple") -> str:
