@@ -186,14 +186,14 @@ class Schedule:
         seen: dict[Action, tuple[int, int]] = {}
         for r, i, a in self.actions():
             if not 0 <= a.stage < n:
-                raise ScheduleError(self._where(r, i, f"stage {a.stage} does not exist (stages 0..{n - 1})"))
+                raise ScheduleError(self.at(r, i, f"stage {a.stage} does not exist (stages 0..{n - 1})"))
             if self.placement[a.stage] != r:
-                raise ScheduleError(self._where(
+                raise ScheduleError(self.at(
                     r, i, f"{a} runs on rank {r} but stage {a.stage} is placed on rank {self.placement[a.stage]}"))
             if a.microbatch not in self.microbatches_of(a.stage):
-                raise ScheduleError(self._where(r, i, f"microbatch {a.microbatch} never visits stage {a.stage}"))
+                raise ScheduleError(self.at(r, i, f"microbatch {a.microbatch} never visits stage {a.stage}"))
             if a in seen:
-                raise ScheduleError(self._where(r, i, f"{a} appears twice (first at rank {seen[a][0]}, "
+                raise ScheduleError(self.at(r, i, f"{a} appears twice (first at rank {seen[a][0]}, "
                                                       f"step {seen[a][1]})"))
             seen[a] = (r, i)
         for s in range(n):
@@ -228,18 +228,23 @@ class Schedule:
                     progressed = True
         if all(pos[r] == len(row) for r, row in enumerate(self.ranks)):
             return self
+        raise ScheduleError(self.describe_deadlock(pos, done))
+
+    def describe_deadlock(self, pos: Sequence[int], done: set[Action]) -> str:
+        """What each stuck rank waits for, and the grid with the stuck actions in brackets.
+
+        pos: each rank's next (unrun) step; done: the actions that have run."""
         stuck = {r: pos[r] for r in range(self.num_ranks) if pos[r] < len(self.ranks[r])}
         waits = "; ".join(
             f"rank {r} waits at {self.ranks[r][i]} for "
             + ", ".join(str(d) for d in self.deps(self.ranks[r][i]) if d not in done)
             for r, i in stuck.items()
         )
-        raise ScheduleError(
-            f"schedule {self.name!r} deadlocks: {waits}\n{self.format_grid(mark=stuck)}\n"
-            f"fix: reorder so that every action's inputs are produced earlier on some rank"
-        )
+        return (f"schedule {self.name!r} deadlocks: {waits}\n{self.format_grid(mark=stuck)}\n"
+                f"fix: reorder so that every action's inputs are produced earlier on some rank")
 
-    def _where(self, rank: int, step: int, what: str) -> str:
+    def at(self, rank: int, step: int, what: str) -> str:
+        """An error message about one step of one rank, with the grid around it."""
         return f"schedule {self.name!r}, rank {rank}, step {step}: {what}\n{self.format_grid(mark={rank: step})}"
 
     # ---- text forms ---------------------------------------------------------------------------

@@ -235,10 +235,10 @@ def _index(schedule: Schedule) -> dict[Action, int]:
     index: dict[Action, int] = {}
     for r, i, a in schedule.actions():
         if not 0 <= a.stage < schedule.num_stages:
-            raise SimulationError(_at(schedule, r, i, f"stage {a.stage} does not exist "
+            raise SimulationError(schedule.at(r, i, f"stage {a.stage} does not exist "
                                                       f"(stages 0..{schedule.num_stages - 1})"))
         if a in index:
-            raise SimulationError(_at(schedule, r, i, f"{a} runs twice"))
+            raise SimulationError(schedule.at(r, i, f"{a} runs twice"))
         index[a] = len(index)
     return index
 
@@ -251,8 +251,8 @@ def _dependency_ids(schedule: Schedule, actions: list[Action], index: dict[Actio
             j = index.get(d)
             if j is None:
                 r, i = _position(schedule, index[a])
-                raise SimulationError(_at(
-                    schedule, r, i, f"broken dependency: {a} needs {d}, which no rank runs; "
+                raise SimulationError(schedule.at(
+                    r, i, f"broken dependency: {a} needs {d}, which no rank runs; "
                                     f"fix: add {d} to rank {schedule.placement[d.stage]}"))
             ids.append(j)
         out.append(tuple(ids))
@@ -268,20 +268,7 @@ def _position(schedule: Schedule, action_id: int) -> tuple[int, int]:
 
 
 def _deadlock(schedule: Schedule, steps: list[int], done: set[Action]) -> SimulationError:
-    stuck = {r: i for r, i in enumerate(steps) if i < len(schedule.ranks[r])}
-    waits = "; ".join(
-        f"rank {r} waits at {schedule.ranks[r][i]} for "
-        + ", ".join(str(d) for d in schedule.deps(schedule.ranks[r][i]) if d not in done)
-        for r, i in stuck.items()
-    )
-    return SimulationError(
-        f"schedule {schedule.name!r} deadlocks: {waits}\n{schedule.format_grid(mark=stuck)}\n"
-        f"fix: reorder so that every action's inputs are produced before it on some rank"
-    )
-
-
-def _at(schedule: Schedule, rank: int, step: int, what: str) -> str:
-    return f"schedule {schedule.name!r}, rank {rank}, step {step}: {what}\n{schedule.format_grid(mark={rank: step})}"
+    return SimulationError(schedule.describe_deadlock(steps, done))
 
 
 def _result(schedule: Schedule, costs: Costs, memory: MemoryModel, actions: list[Action], first: list[int],
