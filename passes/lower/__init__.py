@@ -11,7 +11,11 @@ reload, vocab-parallel reductions, static buffers for CUDA graphs, overlapped F&
     insert_frees         explicit frees of activation memory after its last use
     insert_stamps        per-action start / end timing points
 
-`lower_all` also runs `validate_programs` across ranks (matched sends / receives, no deadlock).
+`lower_all` then runs the cross-rank pass over all ranks' programs and checks them together:
+
+    order_p2p_by_pair    receives from each peer re-posted in that peer's send order (NCCL ignores tags)
+    validate_programs    matched sends / receives, no deadlock
+    check_pair_order     per pair (a -> b), b's receive order == a's send order
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ from zbcompile.program import RankProgram
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
 from zbcompile.passes.lower.emit import emit_fx
 from zbcompile.passes.lower.frees import insert_frees, insert_stamps
+from zbcompile.passes.lower.order_p2p import order_p2p_by_pair
 from zbcompile.passes.lower.p2p import insert_p2p
 from zbcompile.passes.lower.reduce import reduce_shared_grads
-from zbcompile.passes.lower.validate import validate_programs
+from zbcompile.passes.lower.validate import check_pair_order, validate_programs
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
-__all__ = ["LOWERING", "lower", "lower_all", "emit_fx", "validate_programs", "empty_program"]
+__all__ = ["LOWERING", "lower", "lower_all", "emit_fx", "validate_programs", "check_pair_order",
+           "order_p2p_by_pair", "empty_program"]
 
 Pass = Callable[[RankProgram], RankProgram]
 
@@ -59,11 +65,21 @@ def lower(schedule: Schedule, staged: StagedModel, rank: int, *, passes: Sequenc
 
 
 def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass] = LOWERING,
-              recv_lookahead: int = 1) -> tuple[RankProgram, ...]:
-    """Every rank's program, validated together."""
+              recv_lookahead: int = 1, pair_order: bool = True) -> tuple[RankProgram, ...]:
+    """Every rank's program, validated together.
+
+    pair_order: post receives in each peer's send order (order_p2p_by_pair), which NCCL needs and gloo
+    does not mind; on by default for every backend so that one schedule has one program. False leaves
+    receives in the receiver's own order (tag-matching backends only).
+    """
     programs = tuple(lower(schedule, staged, r, passes=passes, recv_lookahead=recv_lookahead)
                      for r in range(schedule.num_ranks))
+    if pair_order:
+        name = order_p2p_by_pair.__name__
+        programs = tuple(p.replace(passes=p.passes + (name,)).check(name) for p in order_p2p_by_pair(programs))
     validate_programs(programs)
+    if pair_order:
+        check_pair_order(programs)
     return programs
 
 

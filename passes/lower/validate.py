@@ -6,6 +6,9 @@ Checks, over all ranks at once:
 2. the programs cannot deadlock, running them under the strictest P2P model (a wait on a receive needs
    the peer to have posted the send; a wait on a send needs the peer to have posted the receive;
    posting never blocks). A stuck state is reported as the ops each rank is blocked on.
+
+`check_pair_order` adds the rule NCCL needs, which ignores tags: for every ordered pair (a -> b), rank b
+posts its receives from a in the order rank a posts its sends to b (each batch in its listed order).
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from zbcompile.errors import LoweringError
+from zbcompile.passes.lower.order_p2p import pair_sequences
 from zbcompile.program import OpKind, RankProgram
 
-__all__ = ["validate_programs"]
+__all__ = ["validate_programs", "check_pair_order"]
 
 
 def _endpoints(programs: Sequence[RankProgram]):
@@ -91,3 +95,31 @@ def _simulate(programs, sends, recvs) -> None:
     what = "; ".join(f"rank {r} waits at op {i} ({by_rank[r].ops[i]})" for r, i in stuck.items())
     raise LoweringError(f"the rank programs deadlock: {what}\n{pictures}\n"
                         f"fix: post the receive earlier (recv_lookahead) or reorder the schedule")
+
+
+def check_pair_order(programs: Sequence[RankProgram]) -> Sequence[RankProgram]:
+    """Raise LoweringError, with both ranks' sequences side by side, if for some pair (a -> b) rank b
+    posts its receives from a in another order than rank a posts its sends to b; returns them unchanged."""
+    sends, recvs = pair_sequences(programs)
+    for pair in sorted(set(sends) | set(recvs)):
+        sent, got = sends.get(pair, []), recvs.get(pair, [])
+        if [p.tag for p in sent] != [p.tag for p in got]:
+            raise LoweringError(_order_picture(pair, sent, got))
+    return programs
+
+
+def _order_picture(pair: tuple[int, int], sent, got, window: int = 4) -> str:
+    """The two ranks' sequences for one pair side by side around the first mismatch (marked >>)."""
+    a, b = pair
+    first = next((k for k, (x, y) in enumerate(zip(sent, got)) if x.tag != y.tag), min(len(sent), len(got)))
+    cells = [[f"op {p.op:4d}  tag {p.tag:4d}  {p.value}" for p in seq] for seq in (sent, got)]
+    head = f"rank {a} sends to rank {b}"
+    width = max(len(c) for c in cells[0] + [head])
+    rows = [f"{'':11}{head:<{width}} | rank {b} receives from rank {a}"]
+    for k in range(max(0, first - window), min(max(len(sent), len(got)), first + window + 1)):
+        left, right = (c[k] if k < len(c) else "-" for c in cells)
+        rows.append(f"{'>>' if k == first else '  '} {k:4d}.   {left:<{width}} | {right}")
+    return (f"rank {b} posts its receives from rank {a} in another order than rank {a} posts its sends to it, "
+            f"first at position {first}; NCCL matches them by order, not tag, so it would swap tensors or hang:\n"
+            + "\n".join(rows)
+            + "\nfix: lower with order_p2p_by_pair (lower_all does unless pair_order=False)")
