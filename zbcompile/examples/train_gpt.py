@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--microbatch-size", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--dim", type=int, default=128, help="model width")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--chunks", type=int, default=None, help="stages per rank for interleaved-1f1b")
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    cfg = GPTConfig(vocab=256, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers)
+    cfg = GPTConfig(vocab=256, seq=args.seq, d=args.dim, heads=args.heads, layers=args.layers)
     batch = args.microbatches * args.microbatch_size
     data = batches(corpus_tokens(), batch, args.seq, seed=args.seed + 1)
     x, y = next(data)
