@@ -306,7 +306,7 @@ class Schedule:
         where each stage's actions appear."""
         rows: list[tuple[Action, ...]] = []
         for r, cells in enumerate(csv.reader(io.StringIO(text))):
-            rows.append(tuple(_from_torch_cell(c, r) for c in cells if c.strip()))
+            rows.append(tuple(a for c in cells if c.strip() for a in _from_torch_cell(c, r)))
         placement: dict[int, int] = {}
         for r, row in enumerate(rows):
             for a in row:
@@ -325,17 +325,24 @@ class Schedule:
 _TO_TORCH = {Kind.F: "F", Kind.B: "I", Kind.W: "W", Kind.BW: "B"}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _TORCH_RE = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)\s*$")
+_TORCH_OVERLAP_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
 
-def _from_torch_cell(cell: str, rank: int) -> Action:
+def _from_torch_cell(cell: str, rank: int) -> tuple[Action, ...]:
+    """One cell of torch's CSV: an action, or DualPipeV's overlapped pair `(0F3;3B1)OVERLAP_F_B`, which we
+    run as its two actions in order."""
+    overlap = _TORCH_OVERLAP_RE.match(cell)
+    if overlap:
+        return tuple(a for part in overlap.group(1).split(";") for a in _from_torch_cell(part, rank))
     match = _TORCH_RE.match(cell)
     if not match or match.group(2) not in _FROM_TORCH:
         raise ScheduleError(
             f"torch CSV, rank {rank}: cannot read cell {cell!r}; only the compute-only format is supported "
-            f"(F, I, W, B actions such as '2F0', '1I3'); export comms-free schedules from torch"
+            f"(F, I, W, B actions such as '2F0', '1I3', and overlapped F/B pairs); export comms-free schedules "
+            f"from torch"
         )
     stage, kind, mb = match.groups()
-    return Action(_FROM_TORCH[kind], int(stage), int(mb))
+    return (Action(_FROM_TORCH[kind], int(stage), int(mb)),)
 
 
 def build(name: str, num_microbatches: int, placement: Sequence[int], ranks: Sequence[Sequence[Action]],
