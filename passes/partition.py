@@ -21,13 +21,18 @@ placeholders and outputs carry value names (params, buffers, data, received acts
 buffers out).
 
 Automatic cuts (`auto_split_points`) choose among "units": the children of the model's main repeated container
-(the ModuleList / Sequential with the most children, e.g. transformer blocks) and of its ancestors, weighted by
-estimated forward FLOPs, balanced to minimize the heaviest stage. Leaf modules are never cut inside.
+(the ModuleList / Sequential with the most children, e.g. transformer blocks) and of its ancestors, and, inside
+each block, its children where the cut sends no more bytes than a cut between blocks (a pre-norm block: before
+`ln2`, where only the residual crosses). Leaf modules are never cut inside. A unit weighs its estimated training
+time (`_node_time`: forward and backward, FLOPs plus bytes at FLOPS_PER_BYTE). The cuts minimize the heaviest
+pipeline rank given the stage -> rank placement (then the heaviest stage); a cut inside a block is taken only
+when it lowers the heaviest rank by more than WITHIN_BLOCK_GAIN over the best cut between blocks.
 """
 
 from __future__ import annotations
 
 import difflib
+import itertools
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -36,10 +41,11 @@ from torch import fx, nn
 
 from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
-from zbcompile.passes.balance import balance
+from zbcompile.passes.balance import balance_placed, placement_loads
 from zbcompile.passes.trace import Traced
 
-__all__ = ["StageGraph", "Partition", "partition", "auto_split_points", "cut_units", "module_path"]
+__all__ = ["StageGraph", "Partition", "partition", "auto_split_points", "cut_units", "module_path",
+           "FLOPS_PER_BYTE"]
 
 
 @dataclass(frozen=True)
@@ -75,21 +81,40 @@ def module_path(node: fx.Node) -> tuple[str, ...]:
 # ---------------------------------------------------------------------------------------------------------------
 # Choosing cuts
 
+# One byte moved costs about as much time as this many FLOPs. Calibrated on the development CPU (1 thread,
+# torch 2.13, the benchmark GPT): matmuls ran at ~65 GFLOP/s and memory-bound elementwise ops moved ~6 GB/s,
+# 65 / 6 ~= 11. A GPU's ratio is higher (an H100's roofline ridge is ~300 FLOPs per byte, though small ops stay
+# far below peak); re-measure before trusting the balance on another device.
+FLOPS_PER_BYTE = 11.0
 
-@dataclass(frozen=True)
-class _Unit:
-    name: str
-    first: int  # graph position of the module's first node
+# Backward ~= 2 forwards (grad wrt input and grad wrt weight each redo the forward's work). Two op families
+# break the ratio, measured on the F / B / W graphs of the benchmark GPT:
+#   embedding            backward zero-fills and scatter-adds a DENSE [num_embeddings, dim] weight gradient,
+#                        however few rows the forward gathered: + the weight's bytes
+#   cross_entropy_loss   one composite node in the trace; F materializes the log-probabilities and B writes the
+#                        one-hot gradient and runs log_softmax's backward: + ~5 passes over the logits
+BACKWARD_PER_FORWARD = 2.0
+_CROSS_ENTROPY_EXTRA_PASSES = 5.0
+
+# Take a cut inside a block only when it lowers the heaviest rank by more than this fraction.
+WITHIN_BLOCK_GAIN = 0.02
 
 
-def cut_units(model: nn.Module, traced: Traced) -> list[str]:
-    """Module names a cut may go before, in execution order (see the module docstring)."""
+def cut_units(model: nn.Module, traced: Traced, *, within_blocks: bool = False) -> list[str]:
+    """Module names a cut may go before, in execution order (see the module docstring).
+
+    within_blocks adds the children of each child of the main repeated container (`blocks.3.ln2`), without
+    checking how much such a cut sends (auto_split_points does).
+    """
     spine = _spine(model)
     allowed = set()
     for name, module in model.named_modules():
         if name == spine or (spine.startswith(name + ".") if name else True):
             for child, _ in module.named_children():
                 allowed.add(f"{name}.{child}" if name else child)
+    if within_blocks and spine:
+        for block, module in model.get_submodule(spine).named_children():
+            allowed.update(f"{spine}.{block}.{child}" for child, _ in module.named_children())
     first = _first_positions(traced)
     units: dict[int, str] = {}
     for position, name in sorted((first[n], n) for n in allowed if n in first):
@@ -120,22 +145,68 @@ def _first_positions(traced: Traced) -> dict[str, int]:
     return first
 
 
-def auto_split_points(model: nn.Module, traced: Traced, num_stages: int) -> tuple[str, ...]:
-    """Split points for `num_stages` stages balanced by estimated forward FLOPs over `cut_units`."""
+def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
+                      placement: Sequence[int] | None = None) -> tuple[str, ...]:
+    """Split points for `num_stages` stages balanced by estimated training time over `cut_units`.
+
+    placement[s] is the rank (any group id) running stage s; without it every stage is its own rank. The cuts
+    minimize the heaviest rank's summed weight, then the heaviest stage's.
+    """
+    placement = tuple(range(num_stages)) if placement is None else tuple(placement)
+    if len(placement) != num_stages:
+        raise PartitionError(f"placement {list(placement)} names {len(placement)} stages but {num_stages} were "
+                             "asked for: give one rank per stage")
     if num_stages == 1:
         return ()
-    units = cut_units(model, traced)
-    if len(units) < num_stages:
+    coarse = cut_units(model, traced)
+    if len(coarse) < num_stages:
         raise PartitionError(
-            f"cannot cut the model into {num_stages} stages: it has only {len(units)} cuttable units "
-            f"({', '.join(units) or 'none'}). Use fewer stages or a model with more layers."
+            f"cannot cut the model into {num_stages} stages: it has only {len(coarse)} cuttable units "
+            f"({', '.join(coarse) or 'none'}). Use fewer stages or a model with more layers."
         )
-    cuts = balance(_unit_weights(traced, units), num_stages)
+    units = _narrow_units(traced, coarse, cut_units(model, traced, within_blocks=True))
+    coarse_set = set(coarse)
+    weights = _unit_weights(traced, units)
+    between = [i for i, u in enumerate(units) if u in coarse_set]  # units[0] is always one
+    coarse_weights = [sum(weights[a:b]) for a, b in itertools.pairwise((*between, len(units)))]
+    coarse_cuts = balance_placed(coarse_weights, placement)
+    cuts = tuple(between[i] for i in coarse_cuts)
+    if len(units) > len(coarse):
+        fine_cuts = balance_placed(weights, placement)
+        fine = max(placement_loads(weights, fine_cuts, placement).values())
+        if fine < (1 - WITHIN_BLOCK_GAIN) * max(placement_loads(coarse_weights, coarse_cuts, placement).values()):
+            cuts = fine_cuts
     return tuple(units[i] for i in cuts)
 
 
+def _narrow_units(traced: Traced, coarse: Sequence[str], fine: Sequence[str]) -> list[str]:
+    """`fine` without the within-block cuts that would send more bytes than the widest cut between units."""
+    first = _first_positions(traced)
+    width = _boundary_bytes(traced)
+    limit = max((width[first[u]] for u in coarse[1:]), default=0)
+    keep = set(coarse)
+    return [u for u in fine if u in keep or width[first[u]] <= limit]
+
+
+def _boundary_bytes(traced: Traced) -> list[float]:
+    """Per graph position p, bytes of the computed values made before p and read at or after p."""
+    const = _constants(traced)
+    nodes = list(traced.gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    delta = [0.0] * (len(nodes) + 2)
+    for i, node in enumerate(nodes):
+        if node.op != "call_function" or const[node]:
+            continue
+        last = max((position[u] for u in node.users if u.op != "output"), default=i)
+        if last > i:
+            nbytes = float(cost.value_bytes(node))
+            delta[i + 1] += nbytes
+            delta[last + 1] -= nbytes
+    return list(itertools.accumulate(delta))
+
+
 def _unit_weights(traced: Traced, units: Sequence[str]) -> list[float]:
-    """Forward FLOPs of the nodes from each unit's first node up to the next unit's."""
+    """Estimated training time (`_node_time`) of the nodes from each unit's first node up to the next unit's."""
     starts = {name: i for i, name in enumerate(units)}
     weights = [0.0] * len(units)
     current = 0
@@ -144,9 +215,21 @@ def _unit_weights(traced: Traced, units: Sequence[str]) -> list[float]:
             if path in starts and starts[path] >= current:
                 current = starts[path]
         if node.op == "call_function":
-            # one FLOP per node keeps free modules (embeddings, dropout) from weighing nothing
-            weights[current] += float(cost.node_cost(node).flops) + 1.0
+            weights[current] += _node_time(node)
     return weights
+
+
+def _node_time(node: fx.Node) -> float:
+    """Forward + backward time of one node in FLOP-equivalents (see FLOPS_PER_BYTE, BACKWARD_PER_FORWARD)."""
+    c = cost.node_cost(node)
+    # one FLOP per node keeps free modules (embeddings, dropout) from weighing nothing
+    forward = float(c.flops) + FLOPS_PER_BYTE * float(c.bytes) + 1.0
+    extra = 0.0
+    if node.target is torch.ops.aten.embedding.default:
+        extra = float(cost.value_bytes(node.args[0]))
+    elif node.target is torch.ops.aten.cross_entropy_loss.default:
+        extra = _CROSS_ENTROPY_EXTRA_PASSES * float(cost.value_bytes(node.args[0]))
+    return (1.0 + BACKWARD_PER_FORWARD) * forward + FLOPS_PER_BYTE * extra
 
 
 # ---------------------------------------------------------------------------------------------------------------

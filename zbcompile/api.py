@@ -76,7 +76,7 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
 
     trace_example = _to_meta(example) if _is_meta(model) else example
     staged = split_model(model, loss_fn, trace_example, num_stages=sched.num_model_stages,
-                         split_points=split_points)
+                         split_points=split_points, placement=_model_stage_placement(sched))
     return PipelineModule.from_staged(model, staged, sched, group=pg, init_fn=init_fn, timeout=timeout,
                                       _resolved=(pg, rank, world))
 
@@ -191,6 +191,17 @@ def _schedule(schedule, pp, microbatches, chunks, costs, mem_limit) -> Schedule:
     from zbcompile.passes.schedules import generate
 
     return generate(schedule, pp, microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
+
+
+def _model_stage_placement(sched: Schedule) -> tuple[int, ...]:
+    """Per model stage, a group id for balancing the split: the set of ranks running it. Most schedules run each
+    model stage on one rank; DualPipe runs stage m on ranks m and p-1-m (half the microbatches each), so m and
+    p-1-m share one group, whose summed weight is then the load of both ranks."""
+    holders: list[set[int]] = [set() for _ in range(sched.num_model_stages)]
+    for s, r in enumerate(sched.placement):
+        holders[sched.model_stage(s)].add(r)
+    ids: dict[frozenset[int], int] = {}
+    return tuple(ids.setdefault(frozenset(h), len(ids)) for h in holders)
 
 
 def _resolve_group(group, timeout: float):

@@ -36,12 +36,17 @@ def split_model(
     *,
     num_stages: int | None = None,
     split_points: Sequence[str] | None = None,
+    placement: Sequence[int] | None = None,
 ) -> StagedModel:
     """Trace `loss_fn(model(*inputs), *targets)` for `example = (inputs, targets)` and cut it into stages.
 
-    `split_points` are module names to cut BEFORE, in execution order; without them, `num_stages` (default 1)
-    stages are balanced by estimated FLOPs, cutting only between children of the model's main repeated
-    container and its ancestors. Raises TraceError / PartitionError / SplitError; nothing is half-built.
+    `split_points` are module names to cut BEFORE, in execution order; without them, `num_stages` (default 1,
+    or len(placement)) stages are balanced by estimated training time (forward + backward FLOPs and bytes),
+    cutting between children of the model's main repeated container and its ancestors, or inside a block
+    where that balances clearly better (zbcompile.passes.partition). `placement[s]` is the pipeline rank (any
+    group id) that runs stage s: the cuts then balance the summed work per rank, e.g. a V over two ranks
+    `placement=(0, 1, 1, 0)`. Placement is ignored with explicit split points.
+    Raises TraceError / PartitionError / SplitError; nothing is half-built.
     """
     if split_points is not None:
         split_points = tuple(split_points)
@@ -53,19 +58,24 @@ def split_model(
             )
     elif num_stages is not None and num_stages < 1:
         raise PartitionError(f"num_stages must be at least 1, got {num_stages}")
+    elif placement is not None and num_stages is not None and len(placement) != num_stages:
+        raise PartitionError(f"placement {list(placement)} has {len(placement)} stages but num_stages={num_stages}")
     started = time.perf_counter()
     traced = trace(model, loss_fn, example)
-    staged = split_traced(model, traced, num_stages=num_stages, split_points=split_points)
+    staged = split_traced(model, traced, num_stages=num_stages, split_points=split_points, placement=placement)
     return StagedModel(staged.stages, staged.num_inputs, staged.num_targets, staged.tied,
                        {**staged.meta, "seconds": time.perf_counter() - started})
 
 
 def split_traced(
-    model: nn.Module, traced: Traced, *, num_stages: int | None = None, split_points: Sequence[str] | None = None
+    model: nn.Module, traced: Traced, *, num_stages: int | None = None, split_points: Sequence[str] | None = None,
+    placement: Sequence[int] | None = None,
 ) -> StagedModel:
     """`split_model` after the trace pass: partition and split an already traced step (cheap to repeat)."""
     if split_points is None:
-        split_points = auto_split_points(model, traced, num_stages or 1)
+        if num_stages is None and placement is not None:
+            num_stages = len(placement)
+        split_points = auto_split_points(model, traced, num_stages or 1, placement)
     cut = partition(traced, split_points)
     grads: dict[str, bool] = {}
     stages = []

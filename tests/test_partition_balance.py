@@ -1,0 +1,217 @@
+"""Placement-aware balancing and cuts inside blocks.
+
+balance_placed is checked against brute force on small instances (exact path) and against `balance` on large ones
+(hill climb); the partitioner's choice for the benchmark GPT is checked for per-rank balance, and stages cut
+inside a block are checked against eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import time
+
+import pytest
+import torch
+
+import models
+from test_split import check_against_eager
+from zbcompile.errors import PartitionError
+from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
+from zbcompile.passes import partition
+from zbcompile.passes.balance import balance, balance_placed, group_weights, placement_loads
+from zbcompile.passes.trace import trace
+from zbcompile.split import split_model, split_traced
+
+torch.set_num_threads(1)
+
+
+def v_placement(p: int) -> tuple[int, ...]:
+    return tuple(range(p)) + tuple(reversed(range(p)))
+
+
+def brute_force(weights, placement) -> tuple[float, float]:
+    """The best (heaviest device, heaviest group) over every cutting."""
+    n, parts = len(weights), len(placement)
+    return min(
+        (max(placement_loads(weights, cuts, placement).values()), max(group_weights(weights, cuts)))
+        for cuts in itertools.combinations(range(1, n), parts - 1)
+    )
+
+
+def score(weights, cuts, placement) -> tuple[float, float]:
+    return max(placement_loads(weights, cuts, placement).values()), max(group_weights(weights, cuts))
+
+
+def check_cuts(cuts, n: int, parts: int) -> None:
+    assert len(cuts) == parts - 1 and all(a < b for a, b in itertools.pairwise((0, *cuts, n)))
+
+
+# ---- balance_placed ----------------------------------------------------------------------------------
+
+
+def test_v_placement_is_exact_and_never_worse_than_per_stage_balance():
+    rng = random.Random(0)
+    for _ in range(300):
+        p = rng.choice((1, 2, 3))
+        placement = v_placement(p)
+        n = rng.randint(len(placement), 11)
+        weights = [rng.choice([0, 1, 2, 3, 5, 8, 13, 40]) for _ in range(n)]
+        cuts = balance_placed(weights, placement)
+        check_cuts(cuts, n, len(placement))
+        assert score(weights, cuts, placement) == brute_force(weights, placement), (weights, placement, cuts)
+        per_stage = balance(weights, len(placement))
+        assert score(weights, cuts, placement) <= score(weights, per_stage, placement)
+
+
+def test_other_placements_are_exact_on_float_weights():
+    rng = random.Random(1)
+    for placement in ((0, 1, 0, 1), (0, 1, 2, 0, 1, 2), (0, 0, 1), (0, 1, 1, 2, 2, 0)):
+        for _ in range(40):
+            n = rng.randint(len(placement), 10)
+            weights = [rng.random() * 10 for _ in range(n)]
+            cuts = balance_placed(weights, placement)
+            # float sums round differently in different orders: compare the heaviest device only
+            heaviest = score(weights, cuts, placement)[0]
+            assert heaviest == pytest.approx(brute_force(weights, placement)[0], rel=1e-12)
+
+
+def test_one_stage_per_device_is_plain_balance():
+    weights = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert balance_placed(weights, (7, 3, 5)) == balance(weights, 3) == (4, 6)
+    assert balance_placed([1, 1, 1, 1, 1, 1, 1, 6], (0, 1, 1, 0)) == (1, 2, 7)  # the module docstring's example
+
+
+def test_hill_climb_is_fast_and_never_worse_than_per_stage_balance():
+    rng = random.Random(2)
+    for placement in (v_placement(8), tuple(s % 4 for s in range(16))):
+        weights = [rng.random() * 10 for _ in range(100)]
+        started = time.perf_counter()
+        cuts = balance_placed(weights, placement)
+        assert time.perf_counter() - started < 0.5
+        check_cuts(cuts, len(weights), len(placement))
+        per_stage = balance(weights, len(placement))
+        assert score(weights, cuts, placement) <= score(weights, per_stage, placement)
+        assert max(placement_loads(weights, cuts, placement).values()) <= 1.05 * sum(weights) / len(set(placement))
+
+
+def test_hill_climb_on_small_instances_never_worse_than_per_stage_balance():
+    rng = random.Random(3)
+    for _ in range(100):
+        placement = v_placement(rng.choice((2, 3)))
+        weights = [rng.random() * 10 for _ in range(rng.randint(len(placement), 12))]
+        climbed = balance_placed(weights, placement, exact_limit=0)
+        check_cuts(climbed, len(weights), len(placement))
+        assert score(weights, climbed, placement) <= score(weights, balance(weights, len(placement)), placement)
+
+
+def test_balance_placed_rejects_what_balance_rejects():
+    with pytest.raises(PartitionError, match="at most 3"):
+        balance_placed([1, 2, 3], (0, 1, 1, 0))
+
+
+# ---- the partitioner -----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _benchmark_gpt():
+    """The benchmark's GPT (d=256, 8 blocks, seq 128, vocab 8192) with a batch-2 example, traced."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=8192, seq=128, d=256, heads=4, layers=8))
+    x, y = torch.randint(0, 8192, (2, 128)), torch.randint(0, 8192, (2, 128))
+    return model, trace(model, loss_fn, ((x,), (y,)))
+
+
+def _rank_loads(model, traced, points, placement):
+    units = partition.cut_units(model, traced, within_blocks=True)
+    weights = partition._unit_weights(traced, units)
+    return placement_loads(weights, [units.index(p) for p in points], placement)
+
+
+def test_benchmark_gpt_v_placement_balances_ranks():
+    model, traced = _benchmark_gpt()
+    placement = v_placement(2)
+    points = partition.auto_split_points(model, traced, 4, placement)
+    loads = _rank_loads(model, traced, points, placement)
+    assert max(loads.values()) <= 1.05 * min(loads.values()), (points, loads)
+    # the per-stage optimum leaves rank 1 (the V's middle) far heavier
+    per_stage = partition.auto_split_points(model, traced, 4)
+    assert max(_rank_loads(model, traced, per_stage, placement).values()) > 1.1 * max(loads.values())
+
+
+def test_benchmark_gpt_loop_placement_keeps_block_boundaries():
+    model, traced = _benchmark_gpt()
+    points = partition.auto_split_points(model, traced, 2, (0, 1))
+    assert points == ("blocks.5",)  # a cut inside a block would gain less than WITHIN_BLOCK_GAIN
+
+
+def test_cut_inside_a_block_only_where_one_tensor_crosses():
+    model, traced = _benchmark_gpt()
+    coarse = partition.cut_units(model, traced)
+    kept = partition._narrow_units(traced, coarse, partition.cut_units(model, traced, within_blocks=True))
+    assert [u for u in kept if u not in coarse] == [f"blocks.{i}.ln2" for i in range(8)]
+
+
+def test_unit_weights_count_backward_memory_work():
+    model, traced = _benchmark_gpt()
+    units = partition.cut_units(model, traced)
+    w = dict(zip(units, partition._unit_weights(traced, units)))
+    # the head (its matmul ~2.45 blocks of FLOPs) weighs more once the loss's [tokens, vocab] passes count
+    assert 2.45 < w["lm_head"] / w["blocks.3"] < 2.8
+    # the embedding's backward writes a dense [vocab, d] gradient, however few rows the forward gathered
+    assert w["wte"] > partition.FLOPS_PER_BYTE * 8192 * 256 * 4
+
+
+def test_small_gpt_v_split_with_a_cut_inside_a_block_matches_eager():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=512, seq=16, d=32, heads=2, layers=4))
+    x, y = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    case = models.Case(model, loss_fn, ((x,), (y,)), 4)
+    staged = split_model(model, loss_fn, case.example, placement=v_placement(2))
+    points = staged.meta["split_points"]
+    assert len(staged.stages) == 4 and any(p.endswith(".ln2") for p in points), points
+    check_against_eager(staged, case)
+
+
+def test_explicit_cut_before_ln2_matches_eager_and_sends_one_tensor():
+    case = models.gpt(layers=2)
+    staged = split_model(case.model, case.loss_fn, case.example, split_points=["blocks.1.ln2"])
+    assert [st.modules for st in staged.stages] == [
+        ("wte", "wpe", "drop", "blocks.0", "blocks.1.ln1", "blocks.1.attn"),
+        ("blocks.1.ln2", "blocks.1.mlp", "ln_f", "lm_head"),
+    ]
+    (send,) = staged.stages[0].send
+    assert send.shape == (2, 8, 32)
+    check_against_eager(staged, case)
+    check_against_eager(staged, case, fused=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _small_gpt():
+    case = models.gpt(layers=2)
+    return case, trace(case.model, case.loss_fn, case.example)
+
+
+def test_placement_must_name_every_stage():
+    case, traced = _small_gpt()
+    with pytest.raises(PartitionError, match="placement"):
+        split_model(case.model, case.loss_fn, case.example, num_stages=3, placement=(0, 1, 1, 0))
+    with pytest.raises(PartitionError, match="one rank per stage"):
+        partition.auto_split_points(case.model, traced, 3, (0, 1))
+
+
+def test_split_points_ignore_placement():
+    case, traced = _small_gpt()
+    staged = split_traced(case.model, traced, split_points=["blocks.1"], placement=(0, 0))
+    assert staged.meta["split_points"] == ("blocks.1",)
+
+
+def test_compile_balances_dualpipe_mirrored_stages_as_pairs():
+    from zbcompile.api import _model_stage_placement
+    from zbcompile.passes.schedules import generate
+
+    assert _model_stage_placement(generate("zbv", 2, 4)) == (0, 1, 1, 0)
+    assert _model_stage_placement(generate("1f1b", 2, 4)) == (0, 1)
+    # DualPipe: model stage m runs on ranks m and p-1-m, so m and p-1-m are one group
+    assert _model_stage_placement(generate("dualpipe", 4, 8)) == (0, 1, 1, 0)
