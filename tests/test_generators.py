@@ -125,3 +125,22 @@ def test_large_pipelines_are_valid() -> None:
     for name in HANDMADE:
         s = generate(name, 32, 256)
         assert s.num_ranks == 32 and sum(len(r) for r in s.ranks) >= 2 * 256 * s.num_model_stages
+
+
+UNEVEN = [Costs(1, 1.1, 0.6, 0.05), Costs(1, 2, 1, 0.1), Costs(1, 1, 0.5, 0.2)]
+
+
+@pytest.mark.parametrize("costs", UNEVEN, ids=str)
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 12), (8, 24)])
+def test_zbv_beats_zb_h1_at_no_more_memory_with_uneven_costs(costs, p, m):
+    """The ZB-V claim: ZB-H1's memory (p units), less time; checked for measured-looking cost profiles."""
+    zbv, h1 = simulate(generate("zbv", p, m), costs), simulate(generate("zb-h1", p, m), costs)
+    assert zbv.makespan <= h1.makespan and max(zbv.peak_memory) <= max(h1.peak_memory)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 12), (8, 24)])
+def test_zbv_beats_zb_h2_with_less_memory_on_the_issue_profile(p, m):
+    """F=1, B=1.1, W=0.6, comm=0.05: ZB-V is faster than ZB-H2 while holding p instead of 2p-1 units."""
+    costs = Costs(1, 1.1, 0.6, 0.05)
+    zbv, h2 = simulate(generate("zbv", p, m), costs), simulate(generate("zb-h2", p, m), costs)
+    assert zbv.makespan <= h2.makespan and max(zbv.peak_memory) < max(h2.peak_memory)
