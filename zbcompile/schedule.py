@@ -31,8 +31,9 @@ from zbcompile.errors import ScheduleError
 __all__ = ["Kind", "Action", "Schedule", "loop_placement", "v_placement", "dual_placement"]
 
 
-class Kind(enum.Enum):
-    """What an action computes for one (stage, microbatch)."""
+class Kind(str, enum.Enum):
+    """What an action computes for one (stage, microbatch). A str enum: actions are hashed millions of
+    times when large schedules are checked, and str's hash is C code where Enum's is Python."""
 
     F = "F"    # forward: stage inputs -> stage outputs, saving what the backward needs
     B = "B"    # backward for the stage input only (on the critical path)
@@ -184,6 +185,7 @@ class Schedule:
                 f"schedule {self.name!r}: placement {list(self.placement)} must use every rank 0..{p - 1}"
             )
         seen: dict[Action, tuple[int, int]] = {}
+        kinds: dict[tuple[int, int], set[Kind]] = {}
         for r, i, a in self.actions():
             if not 0 <= a.stage < n:
                 raise ScheduleError(self.at(r, i, f"stage {a.stage} does not exist (stages 0..{n - 1})"))
@@ -196,13 +198,13 @@ class Schedule:
                 raise ScheduleError(self.at(r, i, f"{a} appears twice (first at rank {seen[a][0]}, "
                                                       f"step {seen[a][1]})"))
             seen[a] = (r, i)
+            kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
         for s in range(n):
             for mb in self.microbatches_of(s):
-                self._check_cell(seen, s, mb)
+                self._check_cell(kinds.get((s, mb), set()), s, mb)
         return self
 
-    def _check_cell(self, seen: dict[Action, tuple[int, int]], s: int, mb: int) -> None:
-        has = {k for k in Kind if Action(k, s, mb) in seen}
+    def _check_cell(self, has: set[Kind], s: int, mb: int) -> None:
         if Kind.F not in has:
             raise ScheduleError(f"schedule {self.name!r}: {Action(Kind.F, s, mb)} is missing\n{self.format_grid()}")
         if has == {Kind.F, Kind.BW} or has == {Kind.F, Kind.B, Kind.W}:
