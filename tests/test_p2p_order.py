@@ -21,7 +21,7 @@ import torch
 
 from fake_group import FakeGroup, FakeWorld
 from models import gpt, mlp
-from threaded import max_grad_error
+from threaded import max_grad_error, run_ranks
 from zbcompile.errors import LoweringError, RuntimeFailure
 from zbcompile.passes.lower import check_pair_order, emit_fx, lower_all, order_p2p_by_pair, validate_programs
 from zbcompile.passes.lower.order_p2p import pair_sequences
@@ -201,13 +201,7 @@ def _run_fifo(programs, model, batch, world: FifoWorld, timeout: float = 20.0):
             errors.append(e)
             world.abort()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(pp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(run, pp, errors)
     return losses, models
 
 

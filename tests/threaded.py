@@ -40,6 +40,12 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
             errors.append(e)
             world.barrier.abort()
 
+    run_ranks(run, pp, errors)
+    return losses, models, runtimes
+
+
+def run_ranks(run, pp: int, errors: list) -> None:
+    """`run(rank)` for every rank in its own thread; re-raise the first error a rank recorded."""
     threads = [threading.Thread(target=run, args=(r,)) for r in range(pp)]
     for t in threads:
         t.start()
@@ -47,7 +53,6 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
         t.join()
     if errors:
         raise errors[0]
-    return losses, models, runtimes
 
 
 def max_grad_error(reference, models, owned) -> tuple[float, str]:
