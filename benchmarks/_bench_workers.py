@@ -394,6 +394,7 @@ def overhead_worker(rank: int, world: int, cfg: dict, port: int, outdir: str, ta
                                    losses=[] if last else None, return_outputs=False)
 
                     acts = torch_action_counts(sched, rank)
+                    install = (lambda acc, sched=sched, stages=stages: _install_torch_probes(acc, sched, stages))
                 else:
                     pm, _, _, _ = build_ours(cfg, name, rank, world)
                     x, y = make_batch(cfg)
@@ -403,6 +404,7 @@ def overhead_worker(rank: int, world: int, cfg: dict, port: int, outdir: str, ta
                         pm.step(x, y)
 
                     acts = our_action_counts(pm, rank)
+                    install = (lambda acc, pm=pm: _install_ours_probes(acc, pm))
 
                 def zero(params=params):
                     for p in params:
@@ -412,6 +414,8 @@ def overhead_worker(rank: int, world: int, cfg: dict, port: int, outdir: str, ta
                 rec.pop("extra")
                 rec.pop("first")
                 rec["actions"] = acts
+                rec["split"] = _timed_split(step, zero, cfg.get("split_steps", 20), install,
+                                            pm if side == "ours" else None, rank)
                 rec.update(_profile_split(step, zero, cfg.get("profile_steps", 10)))
                 res[key] = rec
             except Exception as e:  # noqa: BLE001
@@ -423,6 +427,155 @@ def overhead_worker(rank: int, world: int, cfg: dict, port: int, outdir: str, ta
     _write(outdir, f"overhead_{tag}_r{rank}.json", res)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+
+
+# ---- per-action overhead split: compute / communication wait / the runtime's own host work -------------
+class _Acc:
+    """Accumulators the probe wrappers add to (reset before every step)."""
+
+    __slots__ = ("comp", "comm", "ncomp", "ncomm")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.comp = self.comm = 0.0
+        self.ncomp = self.ncomm = 0
+
+
+def _wrap(acc: _Acc, fn, kind: str):
+    """fn, with its wall time (perf_counter) added to acc.comp or acc.comm."""
+    pc = time.perf_counter
+    if kind == "comp":
+        def w(*a, **k):
+            t0 = pc()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc.comp += pc() - t0
+                acc.ncomp += 1
+    else:
+        def w(*a, **k):
+            t0 = pc()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc.comm += pc() - t0
+                acc.ncomm += 1
+    return w
+
+
+# the gloo entry points both runtimes reach: posting (ProcessGroup methods, C++) and waiting (Work.wait, C++)
+_PG_METHODS = ("send", "recv", "recv_anysource", "allgather", "allreduce", "broadcast", "barrier", "gather",
+               "all_to_all", "alltoall_base")
+
+
+def _install_comm_probes(acc: _Acc):
+    C = torch._C._distributed_c10d
+    saved = []
+    for cls, names in ((C.ProcessGroup, _PG_METHODS), (C.Work, ("wait",))):
+        for n in names:
+            if n in cls.__dict__:
+                orig = cls.__dict__[n]
+                saved.append((cls, n, orig))
+                setattr(cls, n, _wrap(acc, orig, "comm"))
+
+    def undo():
+        for cls, n, orig in saved:
+            setattr(cls, n, orig)
+    return undo
+
+
+def _install_torch_probes(acc: _Acc, sched, stages):
+    """torch's model compute: each stage module's forward body (instance-level wrapper of submod.forward,
+    which PipelineStage calls through submod.__call__), the schedule's loss_fn, and every autograd engine
+    run (torch.autograd._engine_run_backward: backward_one_chunk / backward_input / backward_weight all end
+    in it; it includes AccumulateGrad into .grad and the hooks pipelining registers on the graph)."""
+    import torch.autograd as ag
+
+    undo = []
+    for st in stages:
+        m = st.submod
+        m.forward = _wrap(acc, m.forward, "comp")
+        undo.append(lambda m=m: m.__dict__.pop("forward", None))
+    if getattr(sched, "_loss_fn", None) is not None:
+        lf = sched._loss_fn
+        sched._loss_fn = _wrap(acc, lf, "comp")
+        undo.append(lambda lf=lf: setattr(sched, "_loss_fn", lf))
+    eng = ag._engine_run_backward
+    ag._engine_run_backward = _wrap(acc, eng, "comp")
+    undo.append(lambda: setattr(ag, "_engine_run_backward", eng))
+
+    def run_undo():
+        for u in undo:
+            u()
+    return run_undo
+
+
+def _install_ours_probes(acc: _Acc, pm):
+    """ours' model compute: the forward body of every stage graph (F / B / W / BW GraphModules, the
+    children of the rank's generated program), wrapped at the instance like torch's stage modules."""
+    prog = pm.runtime.program
+    mods = [m for _, m in prog.named_children() if isinstance(m, torch.fx.GraphModule)]
+    for m in mods:
+        m.forward = _wrap(acc, m.forward, "comp")
+
+    def undo():
+        for m in mods:
+            m.__dict__.pop("forward", None)
+    return undo
+
+
+def _wrapper_bias(n: int = 20000) -> float:
+    """Host time one probe wrapper adds outside its own timed window (seconds per call), on a no-op."""
+    acc = _Acc()
+    f = _wrap(acc, int, "comp")
+    best = float("inf")
+    for _ in range(5):
+        acc.reset()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        best = min(best, (time.perf_counter() - t0 - acc.comp) / n)
+    return best
+
+
+def _timed_split(step, zero, n: int, install, pm, rank: int) -> dict:
+    """Run `n` more steps with the probes in: per step, wall (perf_counter), the main thread's CPU time
+    (thread_time), the process's CPU time (all threads: gloo's I/O threads too), model compute and gloo
+    time (sums of the probed calls) and the probed call counts. Ours also gets its runtime's own per-action
+    stamps (stage-graph calls incl. nn.Module __call__) as a cross-check of the compute probe."""
+    acc = _Acc()
+    undo_comm = _install_comm_probes(acc)
+    undo_comp = install(acc)
+    rec: dict = {k: [] for k in ("wall", "tcpu", "pcpu", "comp", "comm", "ncomp", "ncomm", "stamp_comp")}
+    try:
+        for _ in range(2):  # one unmeasured step with the probes in
+            zero()
+            dist.barrier()
+            step()
+        for _ in range(n):
+            zero()
+            dist.barrier()
+            acc.reset()
+            c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
+            step()
+            t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
+            rec["wall"].append(t1 - t0)
+            rec["tcpu"].append(c1 - c0)
+            rec["pcpu"].append(p1 - p0)
+            rec["comp"].append(acc.comp)
+            rec["comm"].append(acc.comm)
+            rec["ncomp"].append(acc.ncomp)
+            rec["ncomm"].append(acc.ncomm)
+            if pm is not None:
+                ls = pm.last_step
+                rec["stamp_comp"].append(sum(e - s for _, s, e in ls.actions[rank]) if ls else None)
+    finally:
+        undo_comp()
+        undo_comm()
+    rec["bias_s"] = _wrapper_bias()
+    return rec
 
 
 def _profile_split(step, zero, n: int) -> dict:

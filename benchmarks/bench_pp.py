@@ -126,6 +126,35 @@ def grad_diff(ref: dict, got: dict) -> tuple[float, float, list]:
     return mx, (mx / mref if mref else float("nan")), missing
 
 
+def split_summary(splits: list, nacts: list) -> dict:
+    """Per-action split of the probed steps (see _bench_workers._timed_split), all ranks together: for each
+    step i, sum over ranks of the part / sum over ranks of the actions; the median over steps. Also each
+    rank's own median. The probe wrappers' own cost (calls x bias, measured on a no-op) is taken off the
+    overhead."""
+    n = min(len(sp["wall"]) for sp in splits)
+    tot = sum(nacts)
+
+    def parts(sp, i):
+        bias = sp["bias_s"] * (sp["ncomp"][i] + sp["ncomm"][i])
+        return dict(wall=sp["wall"][i], comp=sp["comp"][i], comm=sp["comm"][i],
+                    ovh_wall=sp["wall"][i] - sp["comp"][i] - sp["comm"][i] - bias,
+                    ovh_cpu=sp["tcpu"][i] - sp["comp"][i] - bias,
+                    ovh_pcpu=sp["pcpu"][i] - sp["comp"][i] - bias,
+                    calls=sp["ncomp"][i] + sp["ncomm"][i])
+
+    keys = ("wall", "comp", "comm", "ovh_wall", "ovh_cpu", "ovh_pcpu", "calls")
+    all_steps = [[parts(sp, i) for sp in splits] for i in range(n)]
+    res = {k: 1e6 * med([sum(p[k] for p in step) / tot for step in all_steps]) for k in keys}
+    res["calls"] /= 1e6
+    per_rank = {k: [(1e6 if k != "calls" else 1.0) * med([step[r][k] for step in all_steps]) / nacts[r]
+                    for r in range(len(splits))] for k in keys}
+    out = dict(split_us_per_action=res, split_per_rank=per_rank, split_steps=n,
+               probe_bias_us=1e6 * med([sp["bias_s"] for sp in splits]))
+    if splits[0].get("stamp_comp") and all(v is not None for v in splits[0]["stamp_comp"]):
+        out["stamp_comp_us_per_action_r0"] = 1e6 * med(splits[0]["stamp_comp"]) / nacts[0]
+    return out
+
+
 # ---- the driver -----------------------------------------------------------------------------------------
 class Bench:
     def __init__(self, args):
@@ -263,8 +292,13 @@ class Bench:
                     out[key].update(host_us_per_action=1e6 * rs[0]["prof_host_s"] / nact,
                                     comm_us_per_action=1e6 * rs[0]["prof_comm_s"] / nact,
                                     calls_per_action=rs[0]["prof_calls"] / nact)
+                if all(x.get("split") for x in rs):
+                    out[key].update(split_summary([x["split"] for x in rs], [a["compute"] + a["comm"] for a in acts]))
+                sp = out[key].get("split_us_per_action", {})
                 self.log(f"overhead {key}: {1e3 * step:.2f} ms/step, {acts[0]['compute']}+{acts[0]['comm']} actions "
-                         f"r0 -> {out[key]['us_per_action']:.0f} us/action")
+                         f"r0 -> {out[key]['us_per_action']:.0f} us/action; runtime host us/action: wall "
+                         f"{sp.get('ovh_wall', float('nan')):.1f}, CPU {sp.get('ovh_cpu', float('nan')):.1f} "
+                         f"(compute {sp.get('comp', float('nan')):.1f}, gloo {sp.get('comm', float('nan')):.1f})")
         err = proc(single_worker, (dict(ocfg, steps=20), "accum", 1, self.tmp, "null_single"), 120,
                    {"OMP_NUM_THREADS": "1"})
         out["single"] = load(os.path.join(self.tmp, "res_null_single.json")) or dict(error=err)
@@ -286,7 +320,7 @@ class Bench:
         singles = [("single_2t_full", "full", 2), ("single_1t_accum", "accum", 1)]
         res: dict = {}
         probes = []
-        for rnd in range(a.rounds):
+        for rnd in range(0 if a.only_overhead else a.rounds):
             if not a.no_probe:
                 probes.append(self.probe(f"round{rnd}"))
             seq = singles + order if rnd % 2 == 0 else list(reversed(order)) + list(reversed(singles))
@@ -301,7 +335,7 @@ class Bench:
                     tag = f"{side}_{name}"
                     r = self.run_pp(side, name, rnd)
                 res.setdefault(tag, dict(rounds=[]))["rounds"].append(r)
-        if not a.no_probe:
+        if not a.no_probe and not a.only_overhead:
             probes.append(self.probe("end"))
         self.report["probes"] = probes
         for tag, e in res.items():
@@ -312,7 +346,7 @@ class Bench:
             else:
                 e["error"] = next((r.get("error") for r in e["rounds"] if r.get("error")), "no data")
         self.report["results"] = res
-        if not a.no_overhead:
+        if not a.no_overhead or a.only_overhead:
             self.report["overhead"] = self.overhead([t for t in tors], ours)
         self.log("done measuring")
         return self.report
@@ -373,12 +407,15 @@ class Bench:
         lines.append(f"  ours split: {'same cut points as torch' if cfg['our_split'] == 'same' else 'automatic'}; "
                      f"ref loss (1 process, full batch) {ref_loss}")
         lines.append(tabulate(rows, headers=hdr, tablefmt="github"))
-        lines.append("step ms = median of the best round (rounds ms = each round's median, 2nd round in reverse "
-                     "order); x torch equiv = torch step / ours (>1: ours faster); x 1p-2t = single process 2 threads "
-                     "step / this step; bubble = ours, measured per rank (1 - busy/span), median of the measured "
-                     "steps; CPU ms/step = process CPU time per step summed over ranks, median of the best round (less sensitive to other "
-                     "jobs than wall time; a 2-thread process counts both threads); loss diff = |first-step loss - single-process loss|; grad diff = max |grad - "
-                     "single-process grad| after the first step (ours, all params incl. the tied wte).")
+        if self.args.only_overhead:
+            lines = []
+        else:
+            lines.append("step ms = median of the best round (rounds ms = each round's median, 2nd round in reverse "
+                         "order); x torch equiv = torch step / ours (>1: ours faster); x 1p-2t = single process 2 threads "
+                         "step / this step; bubble = ours, measured per rank (1 - busy/span), median of the measured "
+                         "steps; CPU ms/step = process CPU time per step summed over ranks, median of the best round (less sensitive to other "
+                         "jobs than wall time; a 2-thread process counts both threads); loss diff = |first-step loss - single-process loss|; grad diff = max |grad - "
+                         "single-process grad| after the first step (ours, all params incl. the tied wte).")
         # targets
         zb = best_ms("ours_zbv")
         tz = best_ms("torch_ZBVZeroBubble")
@@ -428,8 +465,70 @@ class Bench:
                          "cProfile of 10 more steps on rank 0, time outside / inside torch._C._distributed_c10d "
                          "(posting send/recv, waits, collectives); cProfile inflates call-heavy runtimes (torch) by "
                          "~1 us per call. Target: ours <= 0.20x torch's per action.")
+            lines.extend(self.split_table(ov))
         lines.append(f"total wall time {time.time() - self.T0:.0f} s")
         return "\n".join(lines)
+
+
+    def split_table(self, ov: dict) -> list:
+        """The runtime's own host cost per action (probed steps), next to compute and gloo time per action."""
+        rows = []
+        sums: dict = {}
+        for key, v in ov.items():
+            if ":" not in key or "split_us_per_action" not in v:
+                continue
+            side, name = key.split(":")
+            sp, pr = v["split_us_per_action"], v["split_per_rank"]
+            ratio = ""
+            tk = f"torch:{EQUIVALENT.get(name)}"
+            if side == "ours" and "split_us_per_action" in ov.get(tk, {}):
+                t = ov[tk]["split_us_per_action"]
+                ratio = (f"{sp['ovh_wall'] / t['ovh_wall']:.3f} / {sp['ovh_cpu'] / t['ovh_cpu']:.3f} "
+                         f"({EQUIVALENT[name]})")
+            sums.setdefault(side, []).append(sp)
+            rows.append([key, f"{sp['wall']:.0f}", f"{sp['comp']:.1f}", f"{sp['comm']:.1f}",
+                         f"{sp['ovh_wall']:.1f}", "/".join(f"{x:.1f}" for x in pr["ovh_wall"]),
+                         f"{sp['ovh_cpu']:.1f}", f"{sp['ovh_pcpu']:.1f}", f"{sp['calls']:.1f}",
+                         f"{pr['comp'][0]:.1f} / {v.get('stamp_comp_us_per_action_r0', float('nan')):.1f}"
+                         if side == "ours" else f"{pr['comp'][0]:.1f}", ratio])
+        out = ["", "runtime host overhead per action = (wall - model compute - gloo) / actions and (main-thread CPU "
+               "- model compute) / actions, probed steps:",
+               tabulate(rows, headers=["schedule", "wall us/act", "compute us/act", "gloo us/act",
+                                       "OVERHEAD wall us/act", "ovh wall r0/r1", "OVERHEAD CPU us/act",
+                                       "ovh proc-CPU us/act", "probed calls/act", "compute r0 probe / stamp",
+                                       "ours/torch ovh wall / CPU"], tablefmt="github")]
+        if "ours" in sums and "torch" in sums:
+            best = {k: min(x[k] for x in sums["ours"]) for k in ("ovh_wall", "ovh_cpu")}
+            worst = {k: max(x[k] for x in sums["ours"]) for k in ("ovh_wall", "ovh_cpu")}
+            tmin = {k: min(x[k] for x in sums["torch"]) for k in ("ovh_wall", "ovh_cpu")}
+            tmax = {k: max(x[k] for x in sums["torch"]) for k in ("ovh_wall", "ovh_cpu")}
+            ratios = [float(r[-1].split()[0]) for r in rows if r[0].startswith("ours:") and r[-1]]
+            cratios = [float(r[-1].split()[2]) for r in rows if r[0].startswith("ours:") and r[-1]]
+            met = ratios and max(ratios) <= 0.2 and max(cratios) <= 0.2
+            out.append(f"  ours {best['ovh_wall']:.1f}-{worst['ovh_wall']:.1f} us/act wall, {best['ovh_cpu']:.1f}-"
+                       f"{worst['ovh_cpu']:.1f} CPU; torch {tmin['ovh_wall']:.1f}-{tmax['ovh_wall']:.1f} wall, "
+                       f"{tmin['ovh_cpu']:.1f}-{tmax['ovh_cpu']:.1f} CPU. ours/torch (equivalent schedule): wall "
+                       f"{min(ratios, default=float('nan')):.3f}-{max(ratios, default=float('nan')):.3f}, CPU "
+                       f"{min(cratios, default=float('nan')):.3f}-{max(cratios, default=float('nan')):.3f}")
+            out.append(f"TARGET per-action runtime host overhead ours <= 0.20x torch (every schedule vs its torch "
+                       f"equivalent, wall and CPU): {'MET' if met else 'NOT MET'}")
+        bias = [v.get("probe_bias_us") for v in ov.values() if isinstance(v, dict) and v.get("probe_bias_us")]
+        out.append(
+            "  Method: after the timed and cProfile'd steps, 20 more steps per schedule with probes (perf_counter "
+            "wrappers). Model compute = ours: the forward body of every stage graph (F/B/W GraphModules, wrapped "
+            "per instance; nn.Module __call__ stays outside, i.e. counts as ours' overhead); torch: the stage "
+            "module's forward body (submod.forward wrapped per instance), the schedule's loss_fn, and every "
+            "autograd engine run (torch.autograd._engine_run_backward: full / input / weight backward, incl. "
+            "AccumulateGrad and pipelining's graph hooks, which thus count as torch's compute, not overhead). "
+            "gloo = time inside ProcessGroup.send/recv/allgather/... and Work.wait (C++ entry points, patched on "
+            "the pybind classes; the same for both). Per step, all ranks summed, divided by all ranks' actions "
+            "(compute + P2P ops, as in the table above); median over steps. CPU = main thread's thread_time "
+            "(blocked gloo waits cost none; gloo posting CPU stays in); proc-CPU = process_time (gloo's I/O "
+            "threads too). The probes' own cost (calls x "
+            f"{med(bias) if bias else float('nan'):.2f} us, measured on a no-op) is subtracted. compute r0 probe / stamp = "
+            "rank 0's compute per rank-0 action, probe / ours' runtime stamps around each stage-graph call (the stamp "
+            "window also holds nn.Module __call__ and the output unpacking), a cross-check of the probe.")
+        return out
 
 
 def main(argv=None) -> int:
@@ -447,6 +546,8 @@ def main(argv=None) -> int:
     ap.add_argument("--our-split", choices=["same", "auto"], default="same",
                     help="same: cut ours where torch's stages are cut; auto: zbcompile's own balancing")
     ap.add_argument("--no-overhead", action="store_true")
+    ap.add_argument("--only-overhead", action="store_true",
+                    help="run only (d), the per-action host overhead section (about 1-2 min)")
     ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--profile", type=int, default=0, help="cProfile N extra steps of ours per rank (pstats in tmp)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per config (seconds)")
