@@ -111,6 +111,11 @@ def check_errors(pp, results, timeout):
         out["not_divisible"] = "no error"
     except RuntimeFailure as e:
         out["not_divisible"] = str(e)
+    try:  # 8 rows split into 4 microbatches of 2, but the example was a microbatch of 1
+        pipe.step(torch.cat([x, x]), torch.cat([y, y]))
+        out["wrong_shape"] = "no error"
+    except RuntimeFailure as e:
+        out["wrong_shape"] = str(e)
     results["errors"] = out
 
 

@@ -101,6 +101,7 @@ def test_errors(run):
     assert f"pp={pp + 1}" in err["pp_mismatch"] and f"has {pp} ranks" in err["pp_mismatch"]
     assert "microbatches" in err["too_few"]
     assert "do not split into 4" in err["not_divisible"]
+    assert "compiled for microbatches of shape [1, 16]" in err["wrong_shape"], err["wrong_shape"]
 
 
 def test_meta_device_model_is_materialized_per_rank(run):

@@ -99,6 +99,7 @@ class PipelineModule:
         self.rank = rank
         self._owned = owned
         self._fx: dict[int, fx.GraphModule] = {rank: runtime.program}
+        self._data_specs = _data_specs(staged)
 
     @classmethod
     def from_staged(cls, model: nn.Module, staged: StagedModel, schedule: Schedule, *, group=None,
@@ -140,11 +141,24 @@ class PipelineModule:
                 rows = t.shape[0] if t.dim() else 0
                 raise RuntimeFailure(f"batch argument {i} has {rows} rows, which do not split into {m} equal "
                                      f"microbatches; use a batch size that is a multiple of {m}")
+        self._check_microbatch_shapes(batch, m)
         dev = self.runtime.device
         pieces = [torch.split(t.to(dev, non_blocking=True), t.shape[0] // m) for t in batch]
         return self.runtime.step(list(zip(*pieces)))
 
     __call__ = step
+
+    def _check_microbatch_shapes(self, batch: Sequence[torch.Tensor], m: int) -> None:
+        """The programs were traced for the example's shapes (static shapes, fixed P2P buffer sizes)."""
+        for i, (shape, dtype) in self._data_specs.items():
+            t = batch[i]
+            got = (t.shape[0] // m, *t.shape[1:])
+            if got != shape or t.dtype != dtype:
+                raise RuntimeFailure(
+                    f"batch argument {i}: {m} microbatches of shape {list(got)} ({t.dtype}), but the model was "
+                    f"compiled for microbatches of shape {list(shape)} ({dtype}) from `example`; pass a batch of "
+                    f"{m} x {shape[0]} rows with the example's other sizes, or compile again for this shape")
+
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for name in self._owned:
@@ -182,6 +196,17 @@ class PipelineModule:
 
 
 # ---- helpers --------------------------------------------------------------------------------------
+def _data_specs(staged: StagedModel) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+    """Microbatch shape and dtype of each flat user argument, read off the F graphs' data placeholders."""
+    specs = {}
+    for stage in staged.stages:
+        for name, node in zip(stage.f.inputs, stage.f.gm.graph.find_nodes(op="placeholder")):
+            val = node.meta.get("val")
+            if name.startswith("data:") and val is not None:
+                specs[int(name[len("data:"):])] = (tuple(val.shape), val.dtype)
+    return specs
+
+
 def _schedule(schedule, pp, microbatches, chunks, costs, mem_limit) -> Schedule:
     if isinstance(schedule, Schedule):
         if schedule.num_ranks != pp or schedule.num_microbatches != microbatches:

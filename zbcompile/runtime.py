@@ -63,7 +63,7 @@ def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: t
 def wait_recv(ctx: StepContext, handle) -> torch.Tensor:
     """Wait for a posted receive; returns the filled buffer."""
     buf, work, what, peer = handle
-    _wait(ctx, work, f"receiving {what} from rank {peer}")
+    _wait(ctx, work, "receiving", what, peer)
     return buf
 
 
@@ -71,7 +71,10 @@ def wait_recv(ctx: StepContext, handle) -> torch.Tensor:
 def send(ctx: StepContext, peers: tuple[int, ...], tags: tuple[int, ...], what: str, *tensors: torch.Tensor):
     """Post a batch of isends; returns a handle for wait_send (it keeps the tensors alive until then)."""
     try:
-        works = [ctx.pg.send([t], p, tag) for t, p, tag in zip(tensors, peers, tags)]
+        if len(tensors) == 1:  # the common case, without building the batch
+            works = (ctx.pg.send([tensors[0]], peers[0], tags[0]),)
+        else:
+            works = tuple(ctx.pg.send([t], p, tag) for t, p, tag in zip(tensors, peers, tags))
     except Exception as e:
         raise RuntimeFailure(f"rank {ctx.rank}: posting the send of {what} to ranks {list(peers)} failed: {e}") from e
     return works, what, peers
@@ -81,16 +84,27 @@ def send(ctx: StepContext, peers: tuple[int, ...], tags: tuple[int, ...], what: 
 def wait_send(ctx: StepContext, handle) -> None:
     works, what, peers = handle
     for work in works:
-        _wait(ctx, work, f"sending {what} to ranks {list(peers)}")
+        _wait(ctx, work, "sending", what, peers)
 
 
-def _wait(ctx: StepContext, work, what: str) -> None:
+def _wait(ctx: StepContext, work, doing: str, what: str, peer) -> None:
+    """Wait with the step's timeout; the message is only built when the wait fails (this is the hot path)."""
     try:
         ok = work.wait(ctx.timeout)
     except Exception as e:
-        raise RuntimeFailure(f"rank {ctx.rank}: {what} failed (peer dead or stalled?): {e}") from e
+        raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} failed (peer dead or stalled?): "
+                             f"{e}") from e
     if ok is False:
-        raise RuntimeFailure(f"rank {ctx.rank}: {what} did not finish within {ctx.timeout.total_seconds()} s")
+        raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} did not finish within "
+                             f"{ctx.timeout.total_seconds()} s")
+
+
+def _describe(doing: str, what: str, peer) -> str:
+    if doing == "receiving":
+        return f"receiving {what} from rank {peer}"
+    if doing == "sending":
+        return f"sending {what} to ranks {list(peer)}"
+    return f"{doing} {what}"
 
 
 @fx.node.has_side_effect
@@ -257,7 +271,7 @@ class RankRuntime:
                 work = self.pg.allgather([rows], [dev])
             except Exception as e:
                 raise RuntimeFailure(f"rank {self.ir.rank}: gathering the step's loss failed: {e}") from e
-            _wait(self.ctx, work, "gathering the step's loss and timings")
+            _wait(self.ctx, work, "gathering", "the step's loss and timings", None)
             rows = [r.cpu() for r in rows]
         self._rows = rows
         return float(sum(float(r[0]) for r in rows)) / self.ir.schedule.num_microbatches
