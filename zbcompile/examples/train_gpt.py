@@ -78,7 +78,13 @@ def main(argv=None) -> int:
         print("run me under torchrun, e.g. torchrun --nproc-per-node 2 -m zbcompile.examples.train_gpt",
               file=sys.stderr)
         return 2
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     cfg = GPTConfig(vocab=256, seq=args.seq, d=args.dim, heads=args.heads, layers=args.layers)
@@ -86,8 +92,8 @@ def main(argv=None) -> int:
     data = batches(corpus_tokens(), batch, args.seq, seed=args.seed + 1)
     x, y = next(data)
     mbs = args.microbatch_size
-    model = zb.compile(GPT(cfg), schedule=args.schedule, microbatches=args.microbatches, loss_fn=loss_fn,
-                       example=(x[:mbs], y[:mbs]), pp=world, chunks=args.chunks)
+    model = zb.compile(GPT(cfg).to(device), schedule=args.schedule, microbatches=args.microbatches, loss_fn=loss_fn,
+                       example=(x[:mbs].to(device), y[:mbs].to(device)), pp=world, chunks=args.chunks)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"zbcompile: {args.schedule} on {world} ranks, {args.microbatches} microbatches x {mbs} x {args.seq} "
