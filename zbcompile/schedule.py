@@ -154,9 +154,10 @@ class Schedule:
         own_f = Action(Kind.F, s, mb)
         if self.is_last(s):
             return (own_f,)
-        return (own_f, self._backward_of(s + 1, mb))
+        return (own_f, self.backward_of(s + 1, mb))
 
-    def _backward_of(self, stage: int, microbatch: int) -> Action:
+    def backward_of(self, stage: int, microbatch: int) -> Action:
+        """The action that computes `stage`'s input gradient for `microbatch`: its B, or its BW if fused."""
         return Action(self._backward_kind(stage, microbatch), stage, microbatch)
 
     def _backward_kind(self, stage: int, microbatch: int) -> Kind:

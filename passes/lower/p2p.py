@@ -64,7 +64,7 @@ def producer_action(schedule: Schedule, vid: str) -> Action:
     s, mb, name = split_value_id(vid)
     if name.startswith("act:"):
         return Action(Kind.F, s, mb)
-    return schedule._backward_of(s, mb)
+    return schedule.backward_of(s, mb)
 
 
 def _needs(program: RankProgram) -> list[str]:
