@@ -75,8 +75,9 @@ def generate(name: str, pp: int, microbatches: int, *, chunks: int | None = None
              mem_limit: float | None = None) -> Schedule:
     """Build schedule `name` for `pp` ranks and `microbatches`; raises ScheduleError on bad input.
 
-    `chunks` is read by interleaved-1f1b only; `costs` and `mem_limit` by zb-auto only (the hand-made
-    schedules are fixed orders, whatever the costs).
+    `chunks` is read by interleaved-1f1b only; `mem_limit` by zb-auto only; `costs` by zb-auto and by zbv
+    and v-zb (which polish their order for them under their own peak); the other hand-made schedules are
+    fixed orders, whatever the costs.
     """
     gen = GENERATORS.get(name)
     if gen is None:
@@ -89,4 +90,6 @@ def generate(name: str, pp: int, microbatches: int, *, chunks: int | None = None
                             f"drop --chunks, or pick interleaved-1f1b for a chosen number of chunks")
     if name == "zb-auto":
         return gen(pp, microbatches, costs=costs, mem_limit=mem_limit)
+    if name in ("zbv", "v-zb"):
+        return gen(pp, microbatches, costs=costs)
     return gen(pp, microbatches)

@@ -18,9 +18,10 @@ from zbcompile.schedule import Action, Kind, Schedule, build, v_placement
 
 from ._common import B, F, W, check_microbatches, check_pp
 from .v_blocks import block_schedule, reorder_schedule
+from .v_polish import polish
 
 
-def zbv(pp: int, microbatches: int) -> Schedule:
+def zbv(pp: int, microbatches: int, costs=None) -> Schedule:
     """Handcrafted ZB-V. Rank r, with n = max(2p-1, m) microbatches (those >= m are dropped at the end):
 
         1. 2(p-r)-1 x F0
@@ -37,17 +38,22 @@ def zbv(pp: int, microbatches: int) -> Schedule:
     For m < 2p the padded order leaves holes, so it is reordered under the same peak p
     (`v_blocks.reorder_schedule`: passes moved into free slots without raising memory, W's refilled
     into the gaps): 12.73% instead of 22.58% at p=8, m=8, as the authors' greedy ZB-V.
+
+    With `costs` (a `zbcompile.simulate.Costs`) other than unit-like ones, the order is then polished for
+    them under the same peak (`v_polish.polish`: bounded local moves, kept only when the makespan drops).
     """
     check_pp("zbv", pp)
     check_microbatches("zbv", pp, microbatches, 1, "1", "")
-    return _zbv("zbv", pp, microbatches)
+    return _zbv("zbv", pp, microbatches, costs)
 
 
-def _zbv(name: str, pp: int, m: int) -> Schedule:
+def _zbv(name: str, pp: int, m: int, costs=None) -> Schedule:
     n = max(2 * pp - 1, m)
     ranks = [[a for a in _zbv_rank(pp, r, n) if a.microbatch < m] for r in range(pp)]
     schedule = build(name, m, v_placement(pp), ranks)
-    return schedule if m >= 2 * pp else reorder_schedule(schedule, budget=2 * pp)
+    if m < 2 * pp:
+        schedule = reorder_schedule(schedule, budget=2 * pp)
+    return polish(schedule, costs)
 
 
 class _Chunk:
@@ -92,11 +98,12 @@ def _zbv_rank(pp: int, r: int, n: int) -> list[Action]:
     return row
 
 
-def v_zb(pp: int, microbatches: int) -> Schedule:
-    """V-ZB: the zero-bubble end of the controllable-memory family, peak p; same order as `zbv`."""
+def v_zb(pp: int, microbatches: int, costs=None) -> Schedule:
+    """V-ZB: the zero-bubble end of the controllable-memory family, peak p; same order as `zbv` (and the
+    same polish under `costs`)."""
     check_pp("v-zb", pp)
     check_microbatches("v-zb", pp, microbatches, 1, "1", "")
-    return _zbv("v-zb", pp, microbatches)
+    return _zbv("v-zb", pp, microbatches, costs)
 
 
 def v_min(pp: int, microbatches: int) -> Schedule:
