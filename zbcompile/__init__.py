@@ -8,12 +8,24 @@ straight-line fx program per rank and runs it; `split_model`, `generate`, `simul
 the pieces, usable on their own.
 """
 
-from zbcompile.api import PipelineModule, compile
+import importlib
+
 from zbcompile.errors import ZBCompileError
 from zbcompile.passes.schedules import generate
 from zbcompile.schedule import Action, Kind, Schedule
 from zbcompile.simulate import Costs, simulate
-from zbcompile.split import split_model
 
 __all__ = ["compile", "PipelineModule", "split_model", "generate", "simulate", "Costs", "Schedule", "Action",
            "Kind", "ZBCompileError"]
+
+# The tracing and runtime half pulls in torch.export and functorch (seconds); planning schedules needs
+# neither, so those names load on first use and `zbcompile plan` starts fast.
+_LAZY = {"compile": "zbcompile.api", "PipelineModule": "zbcompile.api", "split_model": "zbcompile.split"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zbcompile' has no attribute {name!r}")
