@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 from zbcompile.errors import ScheduleError, SimulationError
 from zbcompile.schedule import Action, Kind, Schedule
 
-__all__ = ["Costs", "MemoryModel", "SimResult", "simulate"]
+__all__ = ["Costs", "MemoryModel", "SimResult", "simulate", "list_schedule"]
 
 
 _COSTS_FORM = ("expected comma-separated KEY=VALUE pairs with keys F, B, W, comm (any subset, any case) "
@@ -194,18 +194,35 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = M
     table = costs.action_costs(schedule)
     cost = [table[a.kind, a.stage] for a in actions]
 
-    start = [0.0] * len(actions)
-    end: list[float | None] = [None] * len(actions)
-    free = [0.0] * schedule.num_ranks
-    pos = first[:-1]
+    orders = [range(first[r], first[r + 1]) for r in range(schedule.num_ranks)]
+    start, end, done = list_schedule(orders, deps, cost, rank_of, costs.comm)
+    if any(done[r] < len(orders[r]) for r in range(schedule.num_ranks)):
+        raise _deadlock(schedule, done, {a for a, e in zip(actions, end) if e is not None})
+    return _result(schedule, costs, memory, actions, first, start, end)
+
+
+def list_schedule(orders: Sequence[Sequence[int]], deps: Sequence[Sequence[int]], cost: Sequence[float],
+                  rank_of: Sequence[int], comm: float) -> tuple[list[float], list[float | None], list[int]]:
+    """The timing model on integer ids: each rank runs `orders[r]` in order; an action starts when its rank is
+    free and every dependency has ended (plus `comm` when the dependency ran on another rank).
+
+    Returns (start, end, done): per id its start and end (None if it never ran), per rank how many of its
+    actions ran; done[r] < len(orders[r]) on some rank means the order deadlocks. Generators that search
+    over orders (zbv's polish) call this directly, so their timing is the simulator's by construction.
+    """
+    n = len(cost)
+    start = [0.0] * n
+    end: list[float | None] = [None] * n
+    p = len(orders)
+    free = [0.0] * p
+    done = [0] * p
     waiting: dict[int, list[int]] = {}
-    ready = list(range(schedule.num_ranks))
-    comm = costs.comm
+    ready = list(range(p))
     while ready:
         r = ready.pop()
-        last = first[r + 1]
-        while pos[r] < last:
-            i = pos[r]
+        row = orders[r]
+        while done[r] < len(row):
+            i = row[done[r]]
             t = free[r]
             blocker = -1
             for d in deps[i]:
@@ -222,12 +239,9 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = M
                 break
             start[i] = t
             end[i] = free[r] = t + cost[i]
-            pos[r] = i + 1
+            done[r] += 1
             ready.extend(waiting.pop(i, ()))
-    if any(pos[r] < first[r + 1] for r in range(schedule.num_ranks)):
-        raise _deadlock(schedule, [pos[r] - first[r] for r in range(schedule.num_ranks)],
-                        {a for a, e in zip(actions, end) if e is not None})
-    return _result(schedule, costs, memory, actions, first, start, end)
+    return start, end, done
 
 
 def _index(schedule: Schedule) -> dict[Action, int]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from zbcompile.schedule import Kind, Schedule, build
-from zbcompile.simulate import Costs
+from zbcompile.simulate import Costs, list_schedule
 
 from .zb_auto import _EPS, _better
 
@@ -74,43 +74,11 @@ class _Problem:
         return top
 
     def retime(self, orders: list[list[int]]) -> tuple[list[float], float, float] | None:
-        """(start per id, makespan, bubble rate) exactly as `zbcompile.simulate`; None on a deadlock."""
-        deps, cost, rank_of, comm = self.deps, self.cost, self.rank_of, self.comm
-        n = len(cost)
-        start = [0.0] * n
-        end: list[float | None] = [None] * n
+        """(start per id, makespan, bubble rate) by the simulator's own timing model; None on a deadlock."""
+        cost = self.cost
+        start, end, done = list_schedule(orders, self.deps, cost, self.rank_of, self.comm)
         p = len(orders)
-        free = [0.0] * p
-        pos = [0] * p
-        waiting: dict[int, list[int]] = {}
-        ready = list(range(p))
-        while ready:
-            r = ready.pop()
-            row = orders[r]
-            last = len(row)
-            while pos[r] < last:
-                i = row[pos[r]]
-                t = free[r]
-                blocker = -1
-                for d in deps[i]:
-                    e = end[d]
-                    if e is None:
-                        blocker = d
-                        break
-                    if rank_of[d] != r:
-                        e += comm
-                    if e > t:
-                        t = e
-                if blocker >= 0:
-                    waiting.setdefault(blocker, []).append(r)
-                    break
-                start[i] = t
-                end[i] = free[r] = t + cost[i]
-                pos[r] += 1
-                woken = waiting.pop(i, None)
-                if woken:
-                    ready.extend(woken)
-        if any(pos[r] < len(orders[r]) for r in range(p)):
+        if any(done[r] < len(orders[r]) for r in range(p)):
             return None
         bubble = 0.0
         for row in orders:
@@ -119,7 +87,7 @@ class _Problem:
                 span = end[row[-1]] - start[row[0]]
                 if span > 0:
                     bubble = max(bubble, 1.0 - busy / span)
-        return start, max(free, default=0.0), bubble
+        return start, max((end[row[-1]] for row in orders if row), default=0.0), bubble
 
     def moves(self, orders: list[list[int]], start: list[float]) -> list[tuple[int, int, int]]:
         """Candidate moves (rank, from, to), most promising first (see the module docstring)."""
