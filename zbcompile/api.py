@@ -49,7 +49,10 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
     pp: pipeline ranks; defaults to the size of `group` and must equal it.
     group: a ProcessGroup, a 1-D DeviceMesh (or a named dimension of one, `mesh["pp"]`), or None for the
         default group (initialized here from the torchrun environment when needed: gloo on CPU, NCCL on CUDA).
-    costs / mem_limit: read by zb-auto. timeout: seconds any wait may block before RuntimeFailure.
+    costs / mem_limit: read by zb-auto (and zbv / v-zb, which polish their order for uneven costs).
+    timeout: seconds any wait may block before RuntimeFailure.
+    On CPU the runtime asks glibc to keep freed memory for reuse (`runtime.retain_freed_cpu_memory`, a
+    process-wide setting): large per-microbatch tensors then stop page-faulting fresh memory every time.
     init_fn: for a model built on the meta device. Each rank gives real storage (on its device) only to the
         parameters and buffers its own stages use, then calls `init_fn(module)` on every module that directly
         holds one of them — or, without init_fn, that module's `reset_parameters()`. Copies of one parameter
