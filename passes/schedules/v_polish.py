@@ -26,7 +26,7 @@ from typing import Any
 from zbcompile.schedule import Kind, Schedule, build
 from zbcompile.simulate import Costs, list_schedule
 
-from .zb_auto import _EPS, _better
+from .zb_auto import _EPS, _better, local_moves
 
 __all__ = ["polish"]
 
@@ -93,30 +93,13 @@ class _Problem:
         """Candidate moves (rank, from, to), most promising first (see the module docstring)."""
         kind_of = [a.kind for a in self.actions]
         cost = self.cost
-        gaps, moves = [], self.critical_moves(orders, start)
-        for r, row in enumerate(orders):
-            for i in range(1, len(row)):
-                hole = start[row[i]] - (start[row[i - 1]] + cost[row[i - 1]])
-                if hole > _EPS:
-                    gaps.append((-hole, r, i))
-        gaps.sort()
-        for _, r, i in gaps:
-            row, found = orders[r], set()
-            for j in range(i + 1, len(row)):
-                kind = kind_of[row[j]]
-                if kind not in found:
-                    found.add(kind)
-                    moves.append((r, j, i))
-                    if len(found) == 3:
-                        break
-        for r, row in enumerate(orders):
-            for i in range(1, len(row)):
-                if self.is_w[row[i - 1]]:
-                    moves.append((r, i - 1, i))
-        for r, row in enumerate(orders):
-            for i in range(1, len(row)):
-                moves.append((r, i, i - 1))
-        return moves
+
+        def hole(r: int, i: int) -> float:
+            row = orders[r]
+            return start[row[i]] - (start[row[i - 1]] + cost[row[i - 1]])
+
+        return self.critical_moves(orders, start) + local_moves(orders, hole, kind_of.__getitem__,
+                                                                 self.is_w.__getitem__)
 
     def critical_moves(self, orders: list[list[int]], start: list[float]) -> list[tuple[int, int, int]]:
         """Moves along the critical path: walk back from the action that ends last; where an action waits

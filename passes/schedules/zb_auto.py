@@ -398,33 +398,41 @@ def _greedy_seeds(p: int, m: int, cs: _Costs, limit: int) -> list[tuple[tuple[fl
 
 # ---- local improvement ----------------------------------------------------------------------------------
 def _moves(orders: Orders, timing: _Timing, m: int, cs: _Costs) -> list[tuple[int, int, int]]:
-    """Candidate moves (rank, from, to), most promising first.
+    """Candidate moves (rank, from, to) for the coded orders here (code // m is the kind)."""
+    def hole(r: int, i: int) -> float:
+        starts, row = timing.starts[r], orders[r]
+        return starts[i] - (starts[i - 1] + cs.of(r)[row[i - 1] // m])
 
-    Into every idle gap, largest first: the next W, F and B of that rank from later slots (any of them may
-    fill the hole). Then every W one slot later (a W may be in the way of a critical B or F). Then every
-    pass one slot earlier.
+    return local_moves(orders, hole, lambda code: code // m, lambda code: code // m == W)
+
+
+def local_moves(orders, hole, kind, is_w) -> list[tuple[int, int, int]]:
+    """Candidate moves (rank, from, to) of a local search over per-rank orders, most promising first.
+
+    Into every idle gap, largest first: the next pass of each kind from later slots of that rank (any of
+    them may fill the hole). Then every W one slot later (a W may be in the way of a critical B or F). Then
+    every pass one slot earlier. `hole(r, i)` is the idle time before slot i of rank r; `kind(x)` and
+    `is_w(x)` classify an order entry. Shared with zbv's polish.
     """
     gaps, moves = [], []
     for r, row in enumerate(orders):
-        starts, cost = timing.starts[r], cs.of(r)
         for i in range(1, len(row)):
-            hole = starts[i] - (starts[i - 1] + cost[row[i - 1] // m])
-            if hole > _EPS:
-                gaps.append((-hole, r, i))
+            idle = hole(r, i)
+            if idle > _EPS:
+                gaps.append((-idle, r, i))
     gaps.sort()
     for _, r, i in gaps:
-        row = orders[r]
-        found = set()
+        row, found = orders[r], set()
         for j in range(i + 1, len(row)):
-            kind = row[j] // m
-            if kind not in found:
-                found.add(kind)
+            k = kind(row[j])
+            if k not in found:
+                found.add(k)
                 moves.append((r, j, i))
                 if len(found) == 3:
                     break
     for r, row in enumerate(orders):
         for i in range(1, len(row)):
-            if row[i - 1] // m == W:
+            if is_w(row[i - 1]):
                 moves.append((r, i - 1, i))
     for r, row in enumerate(orders):
         for i in range(1, len(row)):
