@@ -203,7 +203,7 @@ def _data_specs(staged: StagedModel) -> dict[int, tuple[tuple[int, ...], torch.d
     """Microbatch shape and dtype of each flat user argument, read off the F graphs' data placeholders."""
     specs = {}
     for stage in staged.stages:
-        for name, node in zip(stage.f.inputs, stage.f.gm.graph.find_nodes(op="placeholder")):
+        for name, node in stage.f.input_nodes().items():
             val = node.meta.get("val")
             if name.startswith("data:") and val is not None:
                 specs[int(name[len("data:"):])] = (tuple(val.shape), val.dtype)

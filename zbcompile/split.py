@@ -127,8 +127,7 @@ def _stage(sg: StageGraph, program: StageProgram) -> Stage:
 
 def _state_aliases(f: Graph) -> set[str]:
     """saved:* outputs of F that are parameters / buffers or views of them: they cost no extra memory."""
-    state = {ph for name, ph in zip(f.inputs, f.gm.graph.find_nodes(op="placeholder"))
-             if name.startswith(("param:", "buffer:"))}
+    state = {ph for name, ph in f.input_nodes().items() if name.startswith(("param:", "buffer:"))}
     aliases = set()
     for name, node in zip(f.outputs, f.gm.graph.output_node().args[0]):
         while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
@@ -144,8 +143,7 @@ def _activation_bytes(names: Sequence[str], nodes: Sequence, prefixes, skip: set
 
 
 def _param_count(stage: Stage) -> tuple[int, int]:
-    phs = stage.f.gm.graph.find_nodes(op="placeholder")
-    vals = [ph.meta["val"] for name, ph in zip(stage.f.inputs, phs) if name.startswith("param:")]
+    vals = [ph.meta["val"] for name, ph in stage.f.input_nodes().items() if name.startswith("param:")]
     return sum(v.numel() for v in vals), sum(v.numel() * v.element_size() for v in vals)
 
 
@@ -172,8 +170,7 @@ def report(staged: StagedModel) -> str:
         count, nbytes = _param_count(st)
         free = _state_aliases(st.f)
         saves = _activation_bytes(st.f.outputs, st.f.gm.graph.output_node().args[0], "saved:", free)
-        w_alive = _activation_bytes(st.w.inputs, st.w.gm.graph.find_nodes(op="placeholder"),
-                                    ("saved:", "wsaved:", "grad:"), free)
+        w_alive = _activation_bytes(st.w.inputs, st.w.input_nodes().values(), ("saved:", "wsaved:", "grad:"), free)
         rows.append((
             st.index,
             _compact(st.modules),

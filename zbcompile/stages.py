@@ -69,6 +69,10 @@ class Graph:
         results = self.gm(*(env[name] for name in self.inputs))
         return dict(zip(self.outputs, results, strict=True))
 
+    def input_nodes(self) -> dict[str, fx.Node]:
+        """{input name: its placeholder node}; the node's meta["val"] holds the traced shape and dtype."""
+        return dict(zip(self.inputs, self.gm.graph.find_nodes(op="placeholder"), strict=True))
+
     @property
     def code(self) -> str:
         return self.gm.code

@@ -74,15 +74,11 @@ def _grad_spec(program: RankProgram, fqn: str, peer: int) -> TensorSpec:
     """Shape and dtype of parameter `fqn`, read off the fx metadata of a stage graph that uses it."""
     for stage in program.staged.stages:
         for graph in (stage.f, stage.w, stage.bw):
-            for name, node in zip(graph.inputs, _placeholders(graph)):
-                if name == f"param:{fqn}":
-                    return _spec_of(node, fqn)
+            node = graph.input_nodes().get(f"param:{fqn}")
+            if node is not None:
+                return _spec_of(node, fqn)
     raise LoweringError(f"rank {program.rank}: parameter {fqn!r} (shared with rank {peer}) is read by no stage "
                         f"graph, so its gradient shape is unknown")
-
-
-def _placeholders(graph) -> list:
-    return [n for n in graph.gm.graph.nodes if n.op == "placeholder"]
 
 
 def _spec_of(node, fqn: str) -> TensorSpec:
