@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from torch import fx
 
 from zbcompile.program import RankProgram
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
@@ -81,7 +80,3 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
     if pair_order:
         check_pair_order(programs)
     return programs
-
-
-def lower_to_fx(schedule: Schedule, staged: StagedModel, rank: int, **kw) -> fx.GraphModule:
-    return emit_fx(lower(schedule, staged, rank, **kw))
