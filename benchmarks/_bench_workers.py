@@ -514,15 +514,22 @@ def _install_torch_probes(acc: _Acc, sched, stages):
 
 def _install_ours_probes(acc: _Acc, pm):
     """ours' model compute: the forward body of every stage graph (F / B / W / BW GraphModules, the
-    children of the rank's generated program), wrapped at the instance like torch's stage modules."""
+    children of the rank's generated program), wrapped at the instance like torch's stage modules, and the
+    per-microbatch gradient sums (the program's foreach adds): torch does that work in AccumulateGrad inside
+    its engine runs, which count as torch's compute, so it counts as compute on both sides."""
     prog = pm.runtime.program
     mods = [m for _, m in prog.named_children() if isinstance(m, torch.fx.GraphModule)]
     for m in mods:
         m.forward = _wrap(acc, m.forward, "comp")
+    sums = {name: getattr(torch, name) for name in ("_foreach_add", "_foreach_add_")}
+    for name, fn in sums.items():  # the generated code looks these up on the torch module per call
+        setattr(torch, name, _wrap(acc, fn, "comp"))
 
     def undo():
         for m in mods:
             m.__dict__.pop("forward", None)
+        for name, fn in sums.items():
+            setattr(torch, name, fn)
     return undo
 
 

@@ -516,7 +516,8 @@ class Bench:
         out.append(
             "  Method: after the timed and cProfile'd steps, 20 more steps per schedule with probes (perf_counter "
             "wrappers). Model compute = ours: the forward body of every stage graph (F/B/W GraphModules, wrapped "
-            "per instance; nn.Module __call__ stays outside, i.e. counts as ours' overhead); torch: the stage "
+            "per instance; the call into it stays outside, i.e. counts as ours' overhead) and the foreach sums of "
+            "per-microbatch parameter gradients (the work torch's AccumulateGrad does); torch: the stage "
             "module's forward body (submod.forward wrapped per instance), the schedule's loss_fn, and every "
             "autograd engine run (torch.autograd._engine_run_backward: full / input / weight backward, incl. "
             "AccumulateGrad and pipelining's graph hooks, which thus count as torch's compute, not overhead). "
@@ -527,7 +528,7 @@ class Bench:
             "threads too). The probes' own cost (calls x "
             f"{med(bias) if bias else float('nan'):.2f} us, measured on a no-op) is subtracted. compute r0 probe / stamp = "
             "rank 0's compute per rank-0 action, probe / ours' runtime stamps around each stage-graph call (the stamp "
-            "window also holds nn.Module __call__ and the output unpacking), a cross-check of the probe.")
+            "window also holds the call and the output unpacking, not the gradient sums), a cross-check of the probe.")
         return out
 
 

@@ -131,6 +131,11 @@ def copy_buffer(buffer: torch.Tensor, value: torch.Tensor) -> None:
     buffer.copy_(value)
 
 
+# in-place gradient accumulation, called directly by the program (no wrapper frame); it mutates its first
+# argument, which fx cannot see on a builtin, so dead-code elimination must be told to keep it
+accumulate_ = fx.node.has_side_effect(torch._foreach_add_)
+
+
 def sum_in_order(*copies: torch.Tensor) -> torch.Tensor:
     """Sum one gradient's copies from several ranks in a fixed (rank) order: every holder gets equal bits."""
     total = copies[0] + copies[1]
@@ -142,7 +147,7 @@ def sum_in_order(*copies: torch.Tensor) -> torch.Tensor:
 PROGRAM_OPS = {
     OpKind.RECV: recv, OpKind.WAIT_RECV: wait_recv, OpKind.SEND: send, OpKind.WAIT_SEND: wait_send,
     OpKind.FREE: free, OpKind.STAMP: stamp, OpKind.SET_GRAD: set_grad, OpKind.COPY_BUFFER: copy_buffer,
-    OpKind.SUM: sum_in_order, OpKind.ADD_LOSS: torch.add,
+    OpKind.SUM: sum_in_order, OpKind.ADD_LOSS: torch.add, OpKind.ACCUM: accumulate_,
 }
 
 

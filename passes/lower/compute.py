@@ -102,6 +102,11 @@ def accumulate_grads(program: RankProgram) -> RankProgram:
 
     The first gradient is taken by reference ("first"), the second summed out of place ("add", so the sum
     owns its storage and never aliases a tensor another op still reads) and later ones in place ("add_").
+    One ACCUM op covers every gradient of one RUN op with the same mode, so the emitted program makes one
+    foreach call per W instead of one add per parameter (host time per action on small stages):
+
+        acc2.grad:param:a, acc2.grad:param:b = accum(acc1.grad:param:a, acc1.grad:param:b,
+                                                     s0.mb2.grad:param:a, s0.mb2.grad:param:b; add_)
     """
     counts: dict[str, int] = {}
     for op in program.run_ops():
@@ -117,19 +122,25 @@ def accumulate_grads(program: RankProgram) -> RankProgram:
         ops.append(op)
         if op.kind is not OpKind.RUN:
             continue
+        groups: dict[str, list[tuple[str, str, str]]] = {}   # mode -> [(param grad name, new value, old sum)]
         for v in op.outs:
             name = split_value_id(v)[2]
             if not name.startswith("grad:param:"):
                 continue
             k = seen[name] = seen.get(name, 0) + 1
             mode = "first" if k == 1 else "add" if k == 2 else "add_"
-            new = f"acc{k - 1}.{name}"
-            ops.append(Op(OpKind.ACCUM, ((acc[name],) if name in acc else ()) + (v,), (new,), action=op.action,
-                          arg=mode))
-            acc[name] = new
-            if k == counts[name]:
+            groups.setdefault(mode, []).append((v, f"acc{k - 1}.{name}", acc.get(name, "")))
+            acc[name] = f"acc{k - 1}.{name}"
+        for mode, items in groups.items():
+            olds = () if mode == "first" else tuple(old for _, _, old in items)
+            ops.append(Op(OpKind.ACCUM, olds + tuple(v for v, _, _ in items), tuple(new for _, new, _ in items),
+                          action=op.action, arg=mode))
+        for v in op.outs:
+            name = split_value_id(v)[2]
+            if name.startswith("grad:param:") and seen[name] == counts[name]:
                 param = name[len("grad:"):]
                 if param not in inputs:
                     inputs.append(param)
-                ops.append(Op(OpKind.SET_GRAD, (param, new), arg=k > 1, note=f"{k} microbatches"))
+                ops.append(Op(OpKind.SET_GRAD, (param, acc[name]), arg=counts[name] > 1,
+                              note=f"{counts[name]} microbatches"))
     return program.replace(ops=tuple(ops), inputs=tuple(inputs))

@@ -41,6 +41,11 @@ def emit_fx(program: RankProgram) -> fx.GraphModule:
     graph.output(env[program.output] if program.output else None)
     graph.lint()
     gm = fx.GraphModule(root, graph, class_name=f"Rank{program.rank}Program")
+    for name, stage_gm in root.items():  # after the GraphModule is built: building it recompiles its children
+        _fast_call(stage_gm)
+        # `self.stage0_f` in the generated code: a plain instance attribute instead of nn.Module.__getattr__'s
+        # search of _modules on every call (the module stays registered in _modules too)
+        object.__setattr__(gm, name, stage_gm)
     gm.meta["zb_program"] = program
     return gm
 
@@ -59,7 +64,7 @@ def _run(graph, env, root, ctx, op: Op, program: RankProgram, used) -> None:
     _, g = stage_graph(program, op.action)
     if op.graph in root and root[op.graph] is not g.gm:
         raise LoweringError(f"rank {program.rank}: two different graphs named {op.graph}")
-    root[op.graph] = _fast_call(g.gm)
+    root[op.graph] = g.gm
     node = graph.create_node("call_module", op.graph, tuple(env[v] for v in op.ins), {}, name=op.graph)
     for i, v in enumerate(op.outs):
         if v in used:
@@ -115,13 +120,21 @@ def _stamp(graph, env, root, ctx, op, program, used) -> None:
 
 
 def _accum(graph, env, root, ctx, op, program, used) -> None:
+    """first: the outs are the microbatch gradients themselves; add: one out-of-place foreach sum (fresh
+    storage); add_: one in-place foreach sum into the running sums, whose names the outs become."""
+    n = len(op.outs)
+    grads = [env[v] for v in op.ins[-n:]]
     if op.arg == "first":
-        env[op.outs[0]] = env[op.ins[0]]
-    elif op.arg == "add":
-        env[op.outs[0]] = _call(graph, torch.add, (env[op.ins[0]], env[op.ins[1]]), op.outs[0])
+        env.update(zip(op.outs, grads))
+        return
+    sums = [env[v] for v in op.ins[:n]]
+    if op.arg == "add":
+        node = _call(graph, torch._foreach_add, (sums, grads), f"sum_{op.outs[0]}")
+        for i, v in enumerate(op.outs):
+            env[v] = _call(graph, operator.getitem, (node, i), v)
     else:
-        env[op.outs[0]] = graph.create_node("call_method", "add_", (env[op.ins[0]], env[op.ins[1]]), {},
-                                            name=_ident(op.outs[0]))
+        _call(graph, PROGRAM_OPS[OpKind.ACCUM], (sums, grads))
+        env.update(zip(op.outs, sums))
 
 
 def _sum(graph, env, root, ctx, op, program, used) -> None:
