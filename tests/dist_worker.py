@@ -84,9 +84,17 @@ def check_schedules(tag, case, names, pp, m, results, timeout):
             results[f"{tag}/{name}"] = dict(loss=losses[0], loss_ref=loss_ref, grad_err=grad_err, where=where,
                                             param_err=param_err, n_params=len(list(pipe.parameters())),
                                             bubble=list(pipe.last_step.bubble),
+                                            directed=_directed(pipe),
                                             seconds=time.perf_counter() - t0)
         except Exception:
             results[f"{tag}/{name}"] = dict(error=traceback.format_exc())
+
+
+def _directed(pipe) -> bool:
+    """Messages to and from each peer go through two different process groups (one per direction)."""
+    ctx = pipe.runtime.ctx
+    peers = [q for q in range(pipe.schedule.num_ranks) if q != pipe.rank]
+    return all(ctx.send_pg[q] is not ctx.recv_pg[q] and ctx.send_pg[q] is not ctx.pg for q in peers)
 
 
 def check_errors(pp, results, timeout):

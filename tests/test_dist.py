@@ -89,6 +89,7 @@ def _check_model(run, model: str) -> None:
         assert val["grad_err"] <= TOL, (r, key, val)
         assert val["param_err"] <= TOL, (r, key, val)
         assert all(0.0 <= b < 1.0 for b in val["bubble"]), (r, key, val)
+        assert val["directed"], "P2P must use one process group per direction (NCCL streams)"
     assert seen == (set(SCHEDULES) if model == "gpt" else {"1f1b", "zbv", "dualpipev"})
     # every rank reports the same loss
     for key in {k for _, k, _ in _cases(results, model + "/")}:

@@ -127,7 +127,7 @@ class PipelineModule:
         params = {n: model.get_parameter(n) for n in owned_params}
         buffers = {n: model.get_buffer(n) for n in owned_buffers}
         runtime = RankRuntime(programs[rank], emit_fx(programs[rank]), pg=pg, device=device, params=params,
-                              buffers=buffers, timeout=timeout)
+                              buffers=buffers, timeout=timeout, channels=_p2p_channels(pg, timeout))
         return cls(model, staged, schedule, programs, runtime, rank, owned_params)
 
     # ---- training ------------------------------------------------------------------------------
@@ -250,6 +250,31 @@ def _resolve_group(group, timeout: float):
     if group is dist.group.WORLD:
         group = dist.distributed_c10d._get_default_group()
     return group, group.rank(), group.size()
+
+
+_CHANNELS: dict[tuple, tuple] = {}
+
+
+def _p2p_channels(pg, timeout: float) -> tuple | None:
+    """Two groups over the pipeline group's ranks, one per P2P direction (StepContext explains why), made
+    once per pipeline group and reused by every compile on it. None for a one-rank pipeline or a group that
+    is not a torch.distributed ProcessGroup (tests' stand-ins), which then carries both directions."""
+    if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
+        return None
+    ranks = dist.get_process_group_ranks(pg)
+    key = (dist.distributed_c10d._get_process_group_name(pg), tuple(ranks))
+    live = dist.distributed_c10d._world.pg_map
+    if key in _CHANNELS and all(c in live for c in _CHANNELS[key]):
+        return _CHANNELS[key]
+    backend = dist.get_backend(pg)
+    channels = tuple(dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)), backend=backend,
+                                    use_local_synchronization=True) for _ in ("up", "down"))
+    for c in channels:
+        if c.rank() != pg.rank():  # new_group numbers ranks in sorted order; programs use pg's numbering
+            raise LoweringError(f"the pipeline group's ranks {ranks} are not in ascending order, so P2P groups "
+                                f"over them would number the ranks differently; pass a group with sorted ranks")
+    _CHANNELS[key] = channels
+    return channels
 
 
 def _is_meta(model: nn.Module) -> bool:

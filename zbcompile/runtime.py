@@ -34,17 +34,28 @@ __all__ = ["StepContext", "RankRuntime", "StepTimings", "PROGRAM_OPS", "retain_f
 
 
 class StepContext:
-    """What the generated program needs besides tensors: the process group, the device, the timeout
-    and the timing slots. `pg` is a ProcessGroup (or anything with its send / recv); peers are its ranks."""
+    """What the generated program needs besides tensors: where to post P2P, the device, the timeout and the
+    timing slots.
 
-    __slots__ = ("pg", "rank", "device", "timeout", "t")
+    send_pg[q] / recv_pg[q]: the process group carrying messages to / from peer q. A device backend runs
+    each group's P2P on one stream per peer pair, so both directions of a pair on one group can deadlock
+    (see passes/lower/streams.py); `channels` gives each direction its own group: `up` carries messages to
+    higher ranks, `down` to lower ones. Without channels everything goes through `pg` (gloo matches by tag
+    and never blocks a stream, so one group is enough for it). Peers are the groups' ranks.
+    """
 
-    def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int):
+    __slots__ = ("pg", "rank", "device", "timeout", "t", "send_pg", "recv_pg")
+
+    def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
+                 ranks: int = 1, channels: tuple | None = None):
         self.pg = pg
         self.rank = rank
         self.device = device
         self.timeout = timedelta(seconds=timeout)
         self.t = [0.0] * slots
+        up, down = channels or (pg, pg)
+        self.send_pg = [up if q > rank else down for q in range(ranks)]
+        self.recv_pg = [down if q > rank else up for q in range(ranks)]
 
 
 # ---- ops the generated program calls (all marked side-effecting, so dead-code elimination keeps them) ----
@@ -53,7 +64,7 @@ def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: t
     """Post an irecv into a fresh buffer; returns a handle for wait_recv."""
     buf = torch.empty(shape, dtype=dtype, device=ctx.device)
     try:
-        work = ctx.pg.recv([buf], peer, tag)
+        work = ctx.recv_pg[peer].recv([buf], peer, tag)
     except Exception as e:  # a dead peer can fail the post itself
         raise RuntimeFailure(f"rank {ctx.rank}: posting the receive of {what} from rank {peer} failed: {e}") from e
     return buf, work, what, peer
@@ -72,9 +83,9 @@ def send(ctx: StepContext, peers: tuple[int, ...], tags: tuple[int, ...], what: 
     """Post a batch of isends; returns a handle for wait_send (it keeps the tensors alive until then)."""
     try:
         if len(tensors) == 1:  # the common case, without building the batch
-            works = (ctx.pg.send([tensors[0]], peers[0], tags[0]),)
+            works = (ctx.send_pg[peers[0]].send([tensors[0]], peers[0], tags[0]),)
         else:
-            works = tuple(ctx.pg.send([t], p, tag) for t, p, tag in zip(tensors, peers, tags))
+            works = tuple(ctx.send_pg[p].send([t], p, tag) for t, p, tag in zip(tensors, peers, tags))
     except Exception as e:
         raise RuntimeFailure(f"rank {ctx.rank}: posting the send of {what} to ranks {list(peers)} failed: {e}") from e
     return works, what, peers
@@ -217,11 +228,13 @@ class RankRuntime:
 
     params / buffers: canonical fqn -> live tensor for every param:/buffer: the program reads.
     pg: the pipeline's ProcessGroup (pipeline rank = its group rank); None runs a one-rank pipeline.
+    channels: (up, down) groups over the same ranks for P2P, one per direction (see StepContext).
     """
 
     def __init__(self, ir: RankProgram, program: fx.GraphModule, *, pg, device: torch.device,
                  params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                 timeout: float = 60.0, ranks: int | None = None, max_actions: int | None = None):
+                 timeout: float = 60.0, ranks: int | None = None, max_actions: int | None = None,
+                 channels: tuple | None = None):
         self.ir = ir
         self.program = program
         if device.type == "cpu":
@@ -232,7 +245,8 @@ class RankRuntime:
         self.num_ranks = ranks or ir.schedule.num_ranks
         self.names = tuple(str(op.action) for op in ir.run_ops())
         self.max_actions = max_actions or max(len(r) for r in ir.schedule.ranks)
-        self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * len(self.names))
+        self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * len(self.names), ranks=self.num_ranks,
+                               channels=channels)
         self.grad_loss = torch.full((), 1.0 / ir.schedule.num_microbatches, device=device)
         self._fixed = {n: params[n[6:]] for n in ir.inputs if n.startswith("param:")}
         self._fixed.update({n: buffers[n[7:]] for n in ir.inputs if n.startswith("buffer:")})

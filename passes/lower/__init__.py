@@ -16,6 +16,7 @@ reload, vocab-parallel reductions, static buffers for CUDA graphs, overlapped F&
     order_p2p_by_pair    receives from each peer re-posted in that peer's send order (NCCL ignores tags)
     validate_programs    matched sends / receives, no deadlock
     check_pair_order     per pair (a -> b), b's receive order == a's send order
+    check_streams        no deadlock on device streams either (NCCL: one stream per direction of a pair)
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from zbcompile.passes.lower.frees import insert_frees, insert_stamps
 from zbcompile.passes.lower.order_p2p import order_p2p_by_pair
 from zbcompile.passes.lower.p2p import insert_p2p
 from zbcompile.passes.lower.reduce import reduce_shared_grads
+from zbcompile.passes.lower.streams import check_streams
 from zbcompile.passes.lower.validate import check_pair_order, validate_programs
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
 __all__ = ["LOWERING", "lower", "lower_all", "emit_fx", "validate_programs", "check_pair_order",
-           "order_p2p_by_pair", "empty_program"]
+           "order_p2p_by_pair", "check_streams", "empty_program"]
 
 Pass = Callable[[RankProgram], RankProgram]
 
@@ -79,4 +81,5 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
     validate_programs(programs)
     if pair_order:
         check_pair_order(programs)
+        check_streams(programs)
     return programs

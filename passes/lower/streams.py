@@ -1,0 +1,136 @@
+"""check_streams: the rank programs cannot deadlock when every P2P op runs on a device stream (NCCL).
+
+Gloo blocks the host in each wait and matches messages by tag; `validate_programs` checks that model.
+NCCL is stricter. Posting a send or a receive enqueues it on the communicator's stream, behind everything
+posted on that stream before and behind the compute posted before it (the stream waits on the compute
+stream at post time). A send and its receive finish together, and a wait makes the compute stream wait on
+the op. One communicator per peer pair means one stream for both directions: rank 0 waiting on a receive
+of a gradient from rank 1, queued before its send of the next activation, while rank 1 has queued the
+receive of that activation before its send of the gradient, is a cycle no host can break.
+
+So the runtime gives every direction its own communicator (`channel`: 'directed', the default; 'pair'
+models a single process group) and this check proves, per schedule, that the event graph is acyclic:
+
+    nodes  one per compute op of each rank, one per message (its send and receive merged)
+    edges  compute i-1 -> compute i;  last compute before a post -> the message;
+           previous message on the same (rank, channel) stream -> the message;
+           a waited message -> the next compute op after the wait
+
+A cycle is reported as the chain of ops that wait on one another.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from zbcompile.errors import LoweringError
+from zbcompile.program import Op, OpKind, RankProgram
+
+__all__ = ["check_streams", "stream_cycle"]
+
+Key = tuple[int, int, int]          # a message: (source, destination, tag)
+Node = tuple                        # ("c", rank, op index) or ("m", source, destination, tag)
+
+P2P = (OpKind.SEND, OpKind.RECV)
+WAITS = (OpKind.WAIT_SEND, OpKind.WAIT_RECV)
+
+
+def _channel(src: int, dst: int, channel: str) -> tuple[int, int]:
+    if channel == "directed":
+        return src, dst
+    if channel == "pair":
+        return min(src, dst), max(src, dst)
+    raise LoweringError(f"unknown channel model {channel!r}; use 'directed' or 'pair'")
+
+
+def _messages(op: Op, rank: int) -> list[Key]:
+    if op.kind is OpKind.SEND:
+        return [(rank, q, t) for q, t in zip(op.peers, op.tags)]
+    return [(q, rank, t) for q, t in zip(op.peers, op.tags)]
+
+
+def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node]]:
+    """node -> the nodes it waits for."""
+    deps: dict[Node, set[Node]] = {}
+    for prog in programs:
+        r = prog.rank
+        last_compute: Node | None = None
+        last_on_stream: dict[tuple[int, int], Node] = {}
+        handles: dict[str, list[Key]] = {}
+        waited: list[Node] = []
+        for i, op in enumerate(prog.ops):
+            if op.kind in P2P:
+                keys = _messages(op, r)
+                handles[op.outs[0]] = keys
+                for key in keys:
+                    node = ("m",) + key
+                    stream = _channel(key[0], key[1], channel)
+                    before = deps.setdefault(node, set())
+                    if last_compute is not None:
+                        before.add(last_compute)
+                    if stream in last_on_stream:
+                        before.add(last_on_stream[stream])
+                    last_on_stream[stream] = node
+            elif op.kind in WAITS:
+                waited += [("m",) + key for key in handles[op.ins[0]]]
+            elif op.kind is not OpKind.STAMP:
+                node = ("c", r, i)
+                before = deps.setdefault(node, set(waited))
+                if last_compute is not None:
+                    before.add(last_compute)
+                last_compute, waited = node, []
+    return deps
+
+
+def stream_cycle(programs: Sequence[RankProgram], channel: str = "directed") -> list[Node] | None:
+    """A cycle of the stream event graph (each node waits for the next), or None if there is none."""
+    deps = _edges(programs, channel)
+    state: dict[Node, int] = {}          # 1: on the current path, 2: done
+    for root in deps:
+        if state.get(root):
+            continue
+        path, stack = [root], [iter(sorted(deps[root]))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+                continue
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):]
+            if not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(deps.get(nxt, ()))))
+    return None
+
+
+def check_streams(programs: Sequence[RankProgram], channel: str = "directed") -> Sequence[RankProgram]:
+    """Raise LoweringError, showing the ops that wait on one another, if the programs can deadlock on
+    device streams; returns them unchanged."""
+    cycle = stream_cycle(programs, channel)
+    if cycle is None:
+        return programs
+    by_rank = {p.rank: p for p in programs}
+    lines = [f"  {_describe(node, by_rank, channel)}" for node in cycle]
+    raise LoweringError(
+        "the rank programs can deadlock on device streams (NCCL): each of these waits for the next, and the "
+        "last for the first:\n" + "\n".join(lines)
+        + "\nfix: give each direction its own communicator (channel='directed'), or reorder the posts")
+
+
+def _describe(node: Node, by_rank: dict[int, RankProgram], channel: str) -> str:
+    if node[0] == "c":
+        _, r, i = node
+        return f"rank {r} op {i}: {by_rank[r].ops[i]}"
+    _, src, dst, tag = node
+    where = [f"rank {src} op {_op_of(by_rank[src], OpKind.SEND, dst, tag)}",
+             f"rank {dst} op {_op_of(by_rank[dst], OpKind.RECV, src, tag)}"]
+    a, b = _channel(src, dst, channel)
+    return f"message {src} -> {dst} tag {tag} on stream {a}-{b} (posted at {' and '.join(where)})"
+
+
+def _op_of(prog: RankProgram, kind: OpKind, peer: int, tag: int) -> int:
+    return next(i for i, op in enumerate(prog.ops)
+                if op.kind is kind and any(q == peer and t == tag for q, t in zip(op.peers, op.tags)))
