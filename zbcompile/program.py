@@ -128,7 +128,7 @@ class RankProgram:
     inputs: tuple[str, ...]
     ops: tuple[Op, ...]
     output: str | None = None
-    recv_lookahead: int = 1
+    recv_lookahead: int = 4          # see passes.lower.RECV_LOOKAHEAD
     passes: tuple[str, ...] = ()     # names of the passes applied so far
 
     def replace(self, **changes) -> RankProgram:
