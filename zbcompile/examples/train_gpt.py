@@ -114,6 +114,7 @@ def main(argv=None) -> int:
         model.chrome_trace(args.trace)
         say(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
     _summary(say, rows, world)
+    dist.barrier()  # tear the groups down together: a rank closing its sockets under a busy peer is a race
     dist.destroy_process_group()
     return 0
 
