@@ -71,6 +71,14 @@ class Op:
     arg: object = None
     note: str = ""
 
+    def messages(self, rank: int) -> list[tuple[int, int, int]]:
+        """(source, destination, tag) of each tensor this SEND / RECV op posts when `rank` runs it."""
+        if self.kind is OpKind.SEND:
+            return [(rank, q, t) for q, t in zip(self.peers, self.tags)]
+        if self.kind is OpKind.RECV:
+            return [(q, rank, t) for q, t in zip(self.peers, self.tags)]
+        return []
+
     def __str__(self) -> str:
         outs = ", ".join(self.outs)
         lhs = f"{outs} = " if outs else ""

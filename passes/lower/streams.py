@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from zbcompile.errors import LoweringError
-from zbcompile.program import Op, OpKind, RankProgram
+from zbcompile.program import OpKind, RankProgram
 
 __all__ = ["check_streams", "stream_cycle"]
 
@@ -43,12 +43,6 @@ def _channel(src: int, dst: int, channel: str) -> tuple[int, int]:
     raise LoweringError(f"unknown channel model {channel!r}; use 'directed' or 'pair'")
 
 
-def _messages(op: Op, rank: int) -> list[Key]:
-    if op.kind is OpKind.SEND:
-        return [(rank, q, t) for q, t in zip(op.peers, op.tags)]
-    return [(q, rank, t) for q, t in zip(op.peers, op.tags)]
-
-
 def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node]]:
     """node -> the nodes it waits for."""
     deps: dict[Node, set[Node]] = {}
@@ -60,7 +54,7 @@ def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node
         waited: list[Node] = []
         for i, op in enumerate(prog.ops):
             if op.kind in P2P:
-                keys = _messages(op, r)
+                keys = op.messages(r)
                 handles[op.outs[0]] = keys
                 for key in keys:
                     node = ("m",) + key
@@ -132,5 +126,5 @@ def _describe(node: Node, by_rank: dict[int, RankProgram], channel: str) -> str:
 
 
 def _op_of(prog: RankProgram, kind: OpKind, peer: int, tag: int) -> int:
-    return next(i for i, op in enumerate(prog.ops)
-                if op.kind is kind and any(q == peer and t == tag for q, t in zip(op.peers, op.tags)))
+    key = (prog.rank, peer, tag) if kind is OpKind.SEND else (peer, prog.rank, tag)
+    return next(i for i, op in enumerate(prog.ops) if op.kind is kind and key in op.messages(prog.rank))

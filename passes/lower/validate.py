@@ -30,12 +30,11 @@ def _endpoints(programs: Sequence[RankProgram]):
             if op.kind not in (OpKind.SEND, OpKind.RECV):
                 continue
             table = sends if op.kind is OpKind.SEND else recvs
-            for peer, tag, spec in zip(op.peers, op.tags, op.specs):
-                key = (prog.rank, peer, tag) if op.kind is OpKind.SEND else (peer, prog.rank, tag)
+            for key, spec in zip(op.messages(prog.rank), op.specs):
                 if key in table:
                     other = table[key]
                     raise LoweringError(
-                        f"two {op.kind.value}s with the same (source {key[0]}, destination {key[1]}, tag {tag}): "
+                        f"two {op.kind.value}s with the same (source {key[0]}, destination {key[1]}, tag {key[2]}): "
                         f"rank {other[0]} op {other[1]} and rank {prog.rank} op {i}\n"
                         f"{prog.to_text(mark=i, window=4)}")
                 table[key] = (prog.rank, i, spec)
@@ -76,8 +75,8 @@ def _simulate(programs, sends, recvs) -> None:
             while pos[r] < len(prog.ops):
                 op = prog.ops[pos[r]]
                 if op.kind in (OpKind.SEND, OpKind.RECV):
-                    keys = [("send", (r, q, t)) if op.kind is OpKind.SEND else ("recv", (q, r, t))
-                            for q, t in zip(op.peers, op.tags)]
+                    side = "send" if op.kind is OpKind.SEND else "recv"
+                    keys = [(side, key) for key in op.messages(r)]
                     posted.update(keys)
                     handles[(r, op.outs[0])] = keys
                 elif op.kind in (OpKind.WAIT_SEND, OpKind.WAIT_RECV):
