@@ -188,7 +188,7 @@ def _run_fifo(programs, model, batch, world: FifoWorld, timeout: float = 20.0):
     """One step of every rank's program as threads on `world`; (losses, models per rank)."""
     pp, m = len(programs), programs[0].schedule.num_microbatches
     models = [copy.deepcopy(model) for _ in range(pp)]
-    mbs = list(zip(*(t.chunk(m) for t in batch)))
+    data = [t.chunk(m) for t in batch]
     losses, errors = [None] * pp, []
 
     def run(r: int) -> None:
@@ -196,7 +196,7 @@ def _run_fifo(programs, model, batch, world: FifoWorld, timeout: float = 20.0):
             rt = RankRuntime(programs[r], emit_fx(programs[r]), pg=world.group(r), device=torch.device("cpu"),
                              params=dict(models[r].named_parameters()), buffers=dict(models[r].named_buffers()),
                              timeout=timeout)
-            losses[r] = rt.step(mbs)
+            losses[r] = rt.step(data)
         except BaseException as e:  # reported in the main thread
             errors.append(e)
             world.abort()

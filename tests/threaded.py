@@ -23,7 +23,7 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
     programs = lower_all(schedule, staged)
     models = [copy.deepcopy(model) for _ in range(pp)]
     world = FakeWorld(pp)
-    mbs = list(zip(*(t.chunk(m) for t in batch)))
+    data = [t.chunk(m) for t in batch]
     losses, runtimes, errors = [None] * pp, [None] * pp, []
 
     def run(r: int) -> None:
@@ -35,7 +35,7 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
             runtimes[r] = RankRuntime(programs[r], gm, pg=world.group(r),
                                       device=torch.device("cpu"), params=dict(mdl.named_parameters()),
                                       buffers=dict(mdl.named_buffers()), timeout=timeout)
-            losses[r] = runtimes[r].step(mbs)
+            losses[r] = runtimes[r].step(data)
         except BaseException as e:  # reported in the main thread
             errors.append(e)
             world.barrier.abort()

@@ -146,8 +146,11 @@ class PipelineModule:
                                      f"microbatches; use a batch size that is a multiple of {m}")
         self._check_microbatch_shapes(batch, m)
         dev = self.runtime.device
-        pieces = [torch.split(t.to(dev, non_blocking=True), t.shape[0] // m) for t in batch]
-        return self.runtime.step(list(zip(*pieces)))
+        data: list = [None] * want
+        for i in self.runtime.data_args:  # only what this rank's stages read: a last stage needs no inputs
+            t = batch[i].to(dev, non_blocking=True)
+            data[i] = t.view(m, t.shape[0] // m, *t.shape[1:]).unbind(0)
+        return self.runtime.step(data)
 
     __call__ = step
 

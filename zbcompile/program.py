@@ -15,7 +15,7 @@ rank boundary (the receiver's recv defines the same name the sender's compute de
     param:{fqn} / buffer:{fqn}  the live Parameter / buffer (program inputs; canonical names)
     grad_loss                   the seed gradient 1 / num_microbatches (a program input)
     acc{k}.grad:param:{fqn}     the k-th partial sum of a parameter's gradient on this rank
-    loss{k}                     the k-th partial sum of the microbatch losses on this rank
+    loss                        the sum of this rank's microbatch losses (the program's output)
     h:...                       a P2P handle (posted receive or batch of sends)
 
 A program prints one op per line (`RankProgram.to_text`); `emit_fx` prints it as Python.
@@ -46,7 +46,7 @@ class OpKind(enum.Enum):
     ACCUM = "accum"            # add a microbatch's parameter gradient into a running sum
     SUM = "sum"                # sum copies of one gradient from several ranks, in rank order
     SET_GRAD = "set_grad"      # accumulate a finished gradient into Parameter.grad
-    ADD_LOSS = "add_loss"      # add a microbatch loss into the running loss sum
+    ADD_LOSS = "add_loss"      # sum the microbatch losses; outs = ("loss",)
     COPY_BUFFER = "copy_buffer"  # copy a buffer's new value (F output) into the live buffer
     STAMP = "stamp"            # record perf_counter() into slot `arg` (action start / end)
 

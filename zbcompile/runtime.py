@@ -15,6 +15,7 @@ RuntimeFailure (naming the op and the peer) instead of hanging.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import ctypes.util
 import json
@@ -37,6 +38,9 @@ class StepContext:
     """What the generated program needs besides tensors: where to post P2P, the device, the timeout and the
     timing slots.
 
+    row: [loss sum, then the timing slots], float64 in an array.array that RankRuntime's gather sends as is
+    (a tensor over the same memory); t: a view of its timing slots, which `stamp` stores into as cheaply as
+    into a list.
     send_pg[q] / recv_pg[q]: the process group carrying messages to / from peer q. A device backend runs
     each group's P2P on one stream per peer pair, so both directions of a pair on one group can deadlock
     (see passes/lower/streams.py); `channels` gives each direction its own group: `up` carries messages to
@@ -44,7 +48,7 @@ class StepContext:
     and never blocks a stream, so one group is enough for it). Peers are the groups' ranks.
     """
 
-    __slots__ = ("pg", "rank", "device", "timeout", "t", "send_pg", "recv_pg")
+    __slots__ = ("pg", "rank", "device", "timeout", "row", "t", "send_pg", "recv_pg", "_like")
 
     def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
                  ranks: int = 1, channels: tuple | None = None):
@@ -52,17 +56,27 @@ class StepContext:
         self.rank = rank
         self.device = device
         self.timeout = timedelta(seconds=timeout)
-        self.t = [0.0] * slots
+        self.row = array.array("d", bytes(8 * (1 + slots)))
+        self.t = memoryview(self.row)[1:]
+        self._like: dict[tuple, torch.Tensor] = {}
         up, down = channels or (pg, pg)
         self.send_pg = [up if q > rank else down for q in range(ranks)]
         self.recv_pg = [down if q > rank else up for q in range(ranks)]
+
+    def like(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A storage-free tensor of `shape` (one element expanded): `torch.empty_like` of it allocates a contiguous
+        buffer in about half the host time of `torch.empty(shape, dtype=, device=)`, which parses its arguments."""
+        t = self._like.get((shape, dtype))
+        if t is None:
+            t = self._like[shape, dtype] = torch.empty((), dtype=dtype, device=self.device).expand(shape)
+        return t
 
 
 # ---- ops the generated program calls (all marked side-effecting, so dead-code elimination keeps them) ----
 @fx.node.has_side_effect
 def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype, what: str):
     """Post an irecv into a fresh buffer; returns a handle for wait_recv."""
-    buf = torch.empty(shape, dtype=dtype, device=ctx.device)
+    buf = torch.empty_like(ctx.like(shape, dtype), memory_format=torch.contiguous_format)
     try:
         work = ctx.recv_pg[peer].recv([buf], peer, tag)
     except Exception as e:  # a dead peer can fail the post itself
@@ -147,6 +161,11 @@ def copy_buffer(buffer: torch.Tensor, value: torch.Tensor) -> None:
 accumulate_ = fx.node.has_side_effect(torch._foreach_add_)
 
 
+def sum_losses(*losses: torch.Tensor) -> torch.Tensor:
+    """This rank's microbatch losses (0-dim), summed in one device-side reduction."""
+    return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+
+
 def sum_in_order(*copies: torch.Tensor) -> torch.Tensor:
     """Sum one gradient's copies from several ranks in a fixed (rank) order: every holder gets equal bits."""
     total = copies[0] + copies[1]
@@ -158,7 +177,7 @@ def sum_in_order(*copies: torch.Tensor) -> torch.Tensor:
 PROGRAM_OPS = {
     OpKind.RECV: recv, OpKind.WAIT_RECV: wait_recv, OpKind.SEND: send, OpKind.WAIT_SEND: wait_send,
     OpKind.FREE: free, OpKind.STAMP: stamp, OpKind.SET_GRAD: set_grad, OpKind.COPY_BUFFER: copy_buffer,
-    OpKind.SUM: sum_in_order, OpKind.ADD_LOSS: torch.add, OpKind.ACCUM: accumulate_,
+    OpKind.SUM: sum_in_order, OpKind.ADD_LOSS: sum_losses, OpKind.ACCUM: accumulate_,
 }
 
 
@@ -245,7 +264,10 @@ class RankRuntime:
         self.num_ranks = ranks or ir.schedule.num_ranks
         self.names = tuple(str(op.action) for op in ir.run_ops())
         self.max_actions = max_actions or max(len(r) for r in ir.schedule.ranks)
-        self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * len(self.names), ranks=self.num_ranks,
+        if len(self.names) > self.max_actions:
+            raise RuntimeFailure(f"rank {ir.rank} runs {len(self.names)} actions but max_actions={max_actions}")
+        # as many slots as the busiest rank has: every rank's gathered row has the same length
+        self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
                                channels=channels)
         self.grad_loss = torch.full((), 1.0 / ir.schedule.num_microbatches, device=device)
         self._fixed = {n: params[n[6:]] for n in ir.inputs if n.startswith("param:")}
@@ -254,46 +276,54 @@ class RankRuntime:
         self._data = [_parse_data(n) for n in ir.inputs]
         # every rank's action names, for the timings record; built once, not per step
         self._names = tuple(tuple(str(a) for a in row) for row in ir.schedule.ranks)
-        self._rows: list[torch.Tensor] | None = None
+        # the gather's buffers, made once; this rank's row is ctx.row: [loss sum, start / end of every action]
+        self._row = torch.frombuffer(self.ctx.row, dtype=torch.float64)
+        self._send_row = self._row if device.type == "cpu" else torch.zeros_like(self._row, device=device)
+        self._rows = [torch.zeros_like(self._send_row) for _ in range(self.num_ranks)]
+        self._stepped = False
 
     @property
     def last_step(self) -> StepTimings | None:
         """The last step's per-action times on every rank; assembled when asked for, not on every step."""
-        if self._rows is None:
+        if not self._stepped:
             return None
-        t0 = min(float(r[1]) for r, names in zip(self._rows, self._names) if names)
+        rows = [r.cpu() for r in self._rows]
+        t0 = min(float(r[1]) for r, names in zip(rows, self._names) if names)
         actions = tuple(
             tuple((name, float(r[1 + 2 * j]) - t0, float(r[2 + 2 * j]) - t0) for j, name in enumerate(names))
-            for r, names in zip(self._rows, self._names))
+            for r, names in zip(rows, self._names))
         span = max((row[-1][2] for row in actions if row), default=0.0)
         return StepTimings(actions, span)
 
-    def step(self, microbatches: Sequence[Sequence[torch.Tensor]]) -> float:
-        """Run this rank's program on `microbatches[mb][i]`; returns the batch's mean loss (same on all ranks)."""
-        args = [self._fixed[n] if d is None else microbatches[d[0]][d[1]]
-                for n, d in zip(self.ir.inputs, self._data)]
+    @property
+    def data_args(self) -> tuple[int, ...]:
+        """Which flat user arguments (model inputs, then targets) this rank's program reads."""
+        return tuple(sorted({d[1] for d in self._data if d is not None}))
+
+    def step(self, data: Sequence[Sequence[torch.Tensor] | None]) -> float:
+        """Run this rank's program on `data[i][mb]`, microbatch mb of flat user argument i (None for an argument
+        this rank does not read, see data_args); returns the batch's mean loss, the same on all ranks."""
+        args = [self._fixed[n] if d is None else data[d[1]][d[0]] for n, d in zip(self.ir.inputs, self._data)]
         with torch.no_grad():
             loss = self.program(self.ctx, *args)
         return self._gather(loss)
 
     def _gather(self, loss) -> float:
         """One all-gather per step carries every rank's loss sum and action times."""
-        row = torch.zeros(1 + 2 * self.max_actions, dtype=torch.float64)
-        row[0] = float(loss) if loss is not None else 0.0
-        row[1:1 + len(self.ctx.t)] = torch.tensor(self.ctx.t, dtype=torch.float64)
+        self.ctx.row[0] = float(loss) if loss is not None else 0.0
+        send = self._send_row
+        if send is not self._row:
+            send.copy_(self._row, non_blocking=True)
         if self.pg is None:
-            rows = [row]
+            self._rows[0].copy_(send)
         else:
-            dev = row.to(self.device)
-            rows = [torch.empty_like(dev) for _ in range(self.num_ranks)]
             try:
-                work = self.pg.allgather([rows], [dev])
+                work = self.pg.allgather([self._rows], [send])
             except Exception as e:
                 raise RuntimeFailure(f"rank {self.ir.rank}: gathering the step's loss failed: {e}") from e
             _wait(self.ctx, work, "gathering", "the step's loss and timings", None)
-            rows = [r.cpu() for r in rows]
-        self._rows = rows
-        return float(sum(float(r[0]) for r in rows)) / self.ir.schedule.num_microbatches
+        self._stepped = True
+        return sum(float(r[0]) for r in self._rows) / self.ir.schedule.num_microbatches
 
 
 def _parse_data(name: str):
@@ -303,4 +333,4 @@ def _parse_data(name: str):
     return int(mb[2:]), int(rest)
 
 
-__all__ += ["recv", "wait_recv", "send", "wait_send", "free", "stamp", "set_grad", "copy_buffer", "sum_in_order"]
+__all__ += ["recv", "wait_recv", "send", "wait_send", "free", "stamp", "set_grad", "copy_buffer", "sum_in_order", "sum_losses"]

@@ -7,7 +7,7 @@ name; values produced on another rank stay undefined here (insert_p2p receives t
                            s0.mb1.act:h, ...            = stage0.f(param:l0.weight, mb1.data:0)
                            s0.mb0.grad:act:x, ...       = stage0.b(s0.mb0.saved:0, s1.mb0.grad:act:h)
 
-It also adds the loss sum after each last-stage F and copies updated buffers right after their F.
+It also copies updated buffers right after their F and sums the microbatch losses at the end.
 accumulate_grads chains each parameter's per-microbatch gradients into one sum and hands it to .grad.
 """
 
@@ -59,10 +59,9 @@ def _resolve_input(program: RankProgram, action: Action, name: str) -> str:
 
 
 def build_compute(program: RankProgram) -> RankProgram:
-    """One RUN op per action of this rank, plus loss accumulation and buffer copies after F."""
+    """One RUN op per action of this rank, buffer copies after F, and the loss sum at the end."""
     ops: list[Op] = []
-    loss_acc: str | None = None
-    n_loss = 0
+    losses: list[str] = []
     for action in program.schedule.ranks[program.rank]:
         stage, graph = stage_graph(program, action)
         ins = tuple(_resolve_input(program, action, n) for n in graph.inputs)
@@ -72,14 +71,13 @@ def build_compute(program: RankProgram) -> RankProgram:
             continue
         for name, vid in zip(graph.outputs, outs):
             if name == "loss":
-                new = f"loss{n_loss}"
-                n_loss += 1
-                ops.append(Op(OpKind.ADD_LOSS, ((loss_acc,) if loss_acc else ()) + (vid,), (new,), action=action))
-                loss_acc = new
+                losses.append(vid)
             elif name.startswith("buffer:"):
                 ops.append(Op(OpKind.COPY_BUFFER, (name, vid), action=action, note="buffer update"))
+    if losses:  # one sum of every microbatch's (0-dim) loss: one call, not one add per microbatch
+        ops.append(Op(OpKind.ADD_LOSS, tuple(losses), ("loss",), note=f"{len(losses)} microbatches"))
     inputs = _program_inputs(ops)
-    return program.replace(ops=tuple(ops), inputs=inputs, output=loss_acc)
+    return program.replace(ops=tuple(ops), inputs=inputs, output="loss" if losses else None)
 
 
 def _program_inputs(ops: list[Op]) -> tuple[str, ...]:
@@ -87,7 +85,7 @@ def _program_inputs(ops: list[Op]) -> tuple[str, ...]:
     seen: dict[str, None] = {}
     for op in ops:
         for v in op.ins:
-            if split_value_id(v) is None and not v.startswith("loss"):
+            if split_value_id(v) is None and v != "loss":
                 seen.setdefault(v)
     order = {"grad_loss": 0, "param:": 1, "buffer:": 2}
 

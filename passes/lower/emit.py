@@ -146,10 +146,7 @@ def _set_grad(graph, env, root, ctx, op, program, used) -> None:
 
 
 def _add_loss(graph, env, root, ctx, op, program, used) -> None:
-    if len(op.ins) == 1:
-        env[op.outs[0]] = env[op.ins[0]]
-    else:
-        env[op.outs[0]] = _call(graph, torch.add, (env[op.ins[0]], env[op.ins[1]]), op.outs[0])
+    env[op.outs[0]] = _call(graph, PROGRAM_OPS[OpKind.ADD_LOSS], tuple(env[v] for v in op.ins), op.outs[0])
 
 
 def _copy_buffer(graph, env, root, ctx, op, program, used) -> None:
