@@ -35,7 +35,8 @@ def test_inspect_ops_view_and_bad_rank():
     assert "# rank 1 of 1f1b" in out.stdout and "irecv(from 0" in out.stdout and "free(" in out.stdout
     bad = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zbv",
                "--rank", "5")
-    assert bad.returncode == 2 and bad.stderr.startswith("zbcompile: error:") and "Traceback" not in bad.stderr
+    # our error is a line of its own; torch may log warnings of its own before it (a CUDA build without triton)
+    assert bad.returncode == 2 and "\nzbcompile: error:" in "\n" + bad.stderr and "Traceback" not in bad.stderr
     missing = _run("-m", "zbcompile", "inspect", "no_such_module:f", "--pp", "2", "--schedule", "zbv")
     assert missing.returncode == 2 and "cannot import module 'no_such_module'" in missing.stderr
 
