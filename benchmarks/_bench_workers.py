@@ -433,18 +433,20 @@ def overhead_worker(rank: int, world: int, cfg: dict, port: int, outdir: str, ta
 class _Acc:
     """Accumulators the probe wrappers add to (reset before every step)."""
 
-    __slots__ = ("comp", "comm", "ncomp", "ncomm")
+    __slots__ = ("comp", "comm", "comm_cpu", "ncomp", "ncomm")
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.comp = self.comm = 0.0
+        self.comp = self.comm = self.comm_cpu = 0.0
         self.ncomp = self.ncomm = 0
 
 
 def _wrap(acc: _Acc, fn, kind: str):
-    """fn, with its wall time (perf_counter) added to acc.comp or acc.comm."""
+    """fn, with its wall time (perf_counter) added to acc.comp or acc.comm; a gloo call also adds the main
+    thread's CPU time in it (thread_time) to acc.comm_cpu: posting a send or receive and waking from a wait
+    cost CPU in the backend, which is gloo's cost, not the runtime's."""
     pc = time.perf_counter
     if kind == "comp":
         def w(*a, **k):
@@ -455,12 +457,16 @@ def _wrap(acc: _Acc, fn, kind: str):
                 acc.comp += pc() - t0
                 acc.ncomp += 1
     else:
+        tt = time.thread_time
+
         def w(*a, **k):
+            c0 = tt()
             t0 = pc()
             try:
                 return fn(*a, **k)
             finally:
                 acc.comm += pc() - t0
+                acc.comm_cpu += tt() - c0
                 acc.ncomm += 1
     return w
 
@@ -533,17 +539,20 @@ def _install_ours_probes(acc: _Acc, pm):
     return undo
 
 
-def _wrapper_bias(n: int = 20000) -> float:
-    """Host time one probe wrapper adds outside its own timed window (seconds per call), on a no-op."""
+def _wrapper_bias(kind: str, n: int = 20000) -> tuple[float, float]:
+    """Host time one probe wrapper of `kind` adds outside its own timed windows, on a no-op: (wall, main-thread
+    CPU) seconds per call; the best of 5 runs."""
     acc = _Acc()
-    f = _wrap(acc, int, "comp")
-    best = float("inf")
+    f = _wrap(acc, int, kind)
+    best = (float("inf"), float("inf"))
     for _ in range(5):
         acc.reset()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         for _ in range(n):
             f()
-        best = min(best, (time.perf_counter() - t0 - acc.comp) / n)
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        inside = acc.comp + acc.comm
+        best = min(best, ((wall - inside) / n, (cpu - (acc.comp if kind == "comp" else acc.comm_cpu)) / n))
     return best
 
 
@@ -555,7 +564,8 @@ def _timed_split(step, zero, n: int, install, pm, rank: int) -> dict:
     acc = _Acc()
     undo_comm = _install_comm_probes(acc)
     undo_comp = install(acc)
-    rec: dict = {k: [] for k in ("wall", "tcpu", "pcpu", "comp", "comm", "ncomp", "ncomm", "stamp_comp")}
+    rec: dict = {k: [] for k in ("wall", "tcpu", "pcpu", "comp", "comm", "comm_cpu", "ncomp", "ncomm",
+                                 "stamp_comp")}
     try:
         for _ in range(2):  # one unmeasured step with the probes in
             zero()
@@ -573,6 +583,7 @@ def _timed_split(step, zero, n: int, install, pm, rank: int) -> dict:
             rec["pcpu"].append(p1 - p0)
             rec["comp"].append(acc.comp)
             rec["comm"].append(acc.comm)
+            rec["comm_cpu"].append(acc.comm_cpu)
             rec["ncomp"].append(acc.ncomp)
             rec["ncomm"].append(acc.ncomm)
             if pm is not None:
@@ -581,7 +592,8 @@ def _timed_split(step, zero, n: int, install, pm, rank: int) -> dict:
     finally:
         undo_comp()
         undo_comm()
-    rec["bias_s"] = _wrapper_bias()
+    rec["bias_s"], _ = _wrapper_bias("comp")
+    rec["comm_bias_s"], rec["comm_bias_cpu_s"] = _wrapper_bias("comm")
     return rec
 
 

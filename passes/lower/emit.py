@@ -3,15 +3,17 @@
     def forward(self, ctx, grad_loss, param_l0_weight, ..., mb0_data_0, ...):
         h_s1_mb0_grad_act_h = zbcompile_runtime_recv(ctx, 1, 9, (4, 8), torch.float32, '0B0 <- s1.mb0.grad:act:h')
         zbcompile_runtime_stamp(ctx, 0)
-        stage0_f = self.stage0_f(param_l0_weight, mb0_data_0)
+        stage0_f_in = list([param_l0_weight, mb0_data_0]);  mb0_data_0 = None
+        stage0_f = self.stage0_f(stage0_f_in);  stage0_f_in = None
         s0_mb0_act_h = stage0_f[0]; ...
         zbcompile_runtime_stamp(ctx, 1)
         h_send0 = zbcompile_runtime_send(ctx, (1,), (0,), '0F0 -> s0.mb0.act:h', s0_mb0_act_h)
         ...
 
-Stage graphs are call_module nodes (`stage{model_stage}_{f|b|w|bw}`); P2P, frees, stamps and gradient
-hand-off are calls of the side-effecting functions in zbcompile.runtime. fx's code generator drops each
-variable after its last use, which is the FREE op for activation memory.
+Stage graphs are call_module nodes (`stage{model_stage}_{f|b|w|bw}`, boxed: inputs in one list the graph
+empties, see _run); P2P, frees, stamps and gradient hand-off are calls of the side-effecting functions in
+zbcompile.runtime. fx's code generator drops each variable after its last use: a FREE op whose values a
+stage graph read last happens inside that graph, the others are free(...) calls where the IR puts them.
 """
 
 from __future__ import annotations
@@ -36,8 +38,15 @@ def emit_fx(program: RankProgram) -> fx.GraphModule:
     for name in program.inputs:
         env[name] = graph.create_node("placeholder", _ident(name), name=_ident(name))
     used = program.used()
-    for op in program.ops:
-        _EMIT[op.kind](graph, env, root, ctx, op, program, used)
+    handed = _handed_over(program)
+    gone = {v for vs in handed.values() for v in vs}
+    for i, op in enumerate(program.ops):
+        if op.kind is OpKind.RUN:
+            _run(graph, env, root, op, program, used, handed.get(i, ()))
+        elif op.kind is OpKind.FREE:
+            _free(graph, env, op, gone)
+        else:
+            _EMIT[op.kind](graph, env, root, ctx, op, program, used)
     graph.output(env[program.output] if program.output else None)
     graph.lint()
     gm = fx.GraphModule(root, graph, class_name=f"Rank{program.rank}Program")
@@ -58,17 +67,54 @@ def _call(graph: fx.Graph, fn, args, name: str | None = None) -> fx.Node:
     return graph.create_node("call_function", fn, tuple(args), {}, name=_ident(name) if name else None)
 
 
-def _run(graph, env, root, ctx, op: Op, program: RankProgram, used) -> None:
+def _handed_over(program: RankProgram) -> dict[int, tuple[str, ...]]:
+    """Per RUN op (by index), the values it is the last reader of (FREE ops aside): the program hands those
+    to the stage graph and keeps no reference of its own, so the graph frees each at its own last use."""
+    last: dict[str, int] = {}
+    for i, op in enumerate(program.ops):
+        if op.kind is not OpKind.FREE:
+            for v in op.ins:
+                last[v] = i
+    out: dict[int, list[str]] = {}
+    for v, i in last.items():
+        if program.ops[i].kind is OpKind.RUN and v != program.output:
+            out.setdefault(i, []).append(v)
+    return {i: tuple(vs) for i, vs in out.items()}
+
+
+def _run(graph, env, root, op: Op, program: RankProgram, used, handed: tuple[str, ...]) -> None:
+    """`self.stage0_b(stage0_b_in)`: the inputs go in one list that the (boxed) stage graph empties on entry.
+
+    `handed` (the values this op is the last reader of) appear in no later node, so fx's code drops the
+    program's names for them right after the list is built: the graph's locals then hold the only
+    references and fx frees each tensor inside the graph after its last use there. A B graph thus releases
+    F's saved tensors as it goes instead of all at once after it returns (lower peak memory), as autograd
+    does, and that release counts as the stage's compute time, as it does for autograd.
+    """
     from zbcompile.passes.lower.compute import stage_graph
 
     _, g = stage_graph(program, op.action)
-    if op.graph in root and root[op.graph] is not g.gm:
+    boxed = root.get(op.graph)
+    if boxed is None:
+        boxed = root[op.graph] = _boxed(g.gm)
+    elif boxed.meta.get("zb_unboxed") is not g.gm:
         raise LoweringError(f"rank {program.rank}: two different graphs named {op.graph}")
-    root[op.graph] = g.gm
-    node = graph.create_node("call_module", op.graph, tuple(env[v] for v in op.ins), {}, name=op.graph)
+    args = _call(graph, list, ([env[v] for v in op.ins],), f"{op.graph}_in")
+    node = graph.create_node("call_module", op.graph, (args,), {}, name=op.graph)
     for i, v in enumerate(op.outs):
         if v in used:
             env[v] = _call(graph, operator.getitem, (node, i), v)
+
+
+def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of stage graph `gm` that takes its inputs as one list and clears it (fx's boxed calling
+    convention, as AOTAutograd's compiled backward uses); `gm` itself keeps its positional signature."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(fx.graph._BoxedCodeGen())
+    boxed = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    boxed.meta["zb_unboxed"] = gm
+    return boxed
 
 
 def _fast_call(gm: fx.GraphModule) -> fx.GraphModule:
@@ -111,8 +157,11 @@ def _wait_send(graph, env, root, ctx, op, program, used) -> None:
     _call(graph, PROGRAM_OPS[OpKind.WAIT_SEND], (ctx, env[op.ins[0]]))
 
 
-def _free(graph, env, root, ctx, op, program, used) -> None:
-    _call(graph, PROGRAM_OPS[OpKind.FREE], tuple(env[v] for v in op.ins))
+def _free(graph, env, op, gone: set[str]) -> None:
+    """free(...) of what the program still holds; values handed to a stage graph were released in it."""
+    kept = [env[v] for v in op.ins if v not in gone]
+    if kept:
+        _call(graph, PROGRAM_OPS[OpKind.FREE], kept)
 
 
 def _stamp(graph, env, root, ctx, op, program, used) -> None:
@@ -154,7 +203,7 @@ def _copy_buffer(graph, env, root, ctx, op, program, used) -> None:
 
 
 _EMIT = {
-    OpKind.RUN: _run, OpKind.RECV: _recv, OpKind.WAIT_RECV: _wait_recv, OpKind.SEND: _send,
-    OpKind.WAIT_SEND: _wait_send, OpKind.FREE: _free, OpKind.STAMP: _stamp, OpKind.ACCUM: _accum,
+    OpKind.RECV: _recv, OpKind.WAIT_RECV: _wait_recv, OpKind.SEND: _send,
+    OpKind.WAIT_SEND: _wait_send, OpKind.STAMP: _stamp, OpKind.ACCUM: _accum,
     OpKind.SUM: _sum, OpKind.SET_GRAD: _set_grad, OpKind.ADD_LOSS: _add_loss, OpKind.COPY_BUFFER: _copy_buffer,
 }
