@@ -274,6 +274,8 @@ class RankRuntime:
         self._fixed.update({n: buffers[n[7:]] for n in ir.inputs if n.startswith("buffer:")})
         self._fixed["grad_loss"] = self.grad_loss
         self._data = [_parse_data(n) for n in ir.inputs]
+        # which flat user arguments (model inputs, then targets) this rank's program reads
+        self.data_args = tuple(sorted({d[1] for d in self._data if d is not None}))
         # every rank's action names, for the timings record; built once, not per step
         self._names = tuple(tuple(str(a) for a in row) for row in ir.schedule.ranks)
         # the gather's buffers, made once; this rank's row is ctx.row: [loss sum, start / end of every action]
@@ -295,10 +297,6 @@ class RankRuntime:
         span = max((row[-1][2] for row in actions if row), default=0.0)
         return StepTimings(actions, span)
 
-    @property
-    def data_args(self) -> tuple[int, ...]:
-        """Which flat user arguments (model inputs, then targets) this rank's program reads."""
-        return tuple(sorted({d[1] for d in self._data if d is not None}))
 
     def step(self, data: Sequence[Sequence[torch.Tensor] | None]) -> float:
         """Run this rank's program on `data[i][mb]`, microbatch mb of flat user argument i (None for an argument
@@ -310,10 +308,11 @@ class RankRuntime:
 
     def _gather(self, loss) -> float:
         """One all-gather per step carries every rank's loss sum and action times."""
+        self._stepped = False  # the rows are rewritten in place: a failed gather leaves no stale "last step"
         self.ctx.row[0] = float(loss) if loss is not None else 0.0
         send = self._send_row
         if send is not self._row:
-            send.copy_(self._row, non_blocking=True)
+            send.copy_(self._row)
         if self.pg is None:
             self._rows[0].copy_(send)
         else:
