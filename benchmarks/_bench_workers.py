@@ -80,6 +80,21 @@ def _write(outdir: str, name: str, obj: dict) -> None:
     os.replace(tmp, os.path.join(outdir, name))
 
 
+def _finish(outdir: str, name: str, obj: dict) -> None:
+    """A distributed worker's last act: write its record, then leave the process group (errors ignored)."""
+    _write(outdir, name, obj)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def _grad_clearer(params: list):
+    """The `zero` callable the measuring loops call between steps: set_to_none on exactly `params`."""
+    def zero():
+        for p in params:
+            p.grad = None
+    return zero
+
+
 def _measure_loop(cfg: dict, step_fn, zero_fn, distributed: bool, after_fn=None) -> dict:
     """Warm up for >= cfg['warmup'] steps AND >= cfg['warmup_s'] seconds, then measure up to cfg['steps']
     steps (at most cfg['max_measure_s'] s, at least 3). Returns step times, the first step's result and RSS."""
@@ -228,9 +243,7 @@ def torch_worker(rank: int, world: int, cfg: dict, name: str, port: int, outdir:
         first, last = 0 in local, (S - 1) in local
         params = [p for st in stages for p in st.submod.parameters()]
 
-        def zero():
-            for p in params:
-                p.grad = None
+        zero = _grad_clearer(params)
 
         def step():
             losses = [] if last else None
@@ -244,9 +257,7 @@ def torch_worker(rank: int, world: int, cfg: dict, name: str, port: int, outdir:
         out["actions"] = torch_action_counts(sched, rank)
     except Exception as e:  # noqa: BLE001
         out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-    _write(outdir, f"res_{tag}_r{rank}.json", out)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+    _finish(outdir, f"res_{tag}_r{rank}.json", out)
 
 
 # ---- zbcompile --------------------------------------------------------------------------------------
@@ -304,9 +315,7 @@ def ours_worker(rank: int, world: int, cfg: dict, name: str, port: int, outdir: 
         x, y = make_batch(cfg)
         params = list(pm.parameters())
 
-        def zero():
-            for p in params:
-                p.grad = None
+        zero = _grad_clearer(params)
 
         def step():
             loss = pm.step(x, y)
@@ -342,9 +351,7 @@ def ours_worker(rank: int, world: int, cfg: dict, name: str, port: int, outdir: 
             out["profile_total_calls"] = s.total_calls
     except Exception as e:  # noqa: BLE001
         out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-    _write(outdir, f"res_{tag}_r{rank}.json", out)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+    _finish(outdir, f"res_{tag}_r{rank}.json", out)
 
 
 # ---- per-action overhead on the null model: every schedule in one process group --------------------------
@@ -406,10 +413,7 @@ def overhead_worker(rank: int, world: int, cfg: dict, port: int, outdir: str, ta
                     acts = our_action_counts(pm, rank)
                     install = (lambda acc, pm=pm: _install_ours_probes(acc, pm))
 
-                def zero(params=params):
-                    for p in params:
-                        p.grad = None
-
+                zero = _grad_clearer(params)
                 rec = _measure_loop(cfg, step, zero, True)
                 rec.pop("extra")
                 rec.pop("first")
@@ -424,9 +428,7 @@ def overhead_worker(rank: int, world: int, cfg: dict, port: int, outdir: str, ta
                 with contextlib.suppress(Exception):
                     dist.barrier()
             _write(outdir, f"overhead_{tag}_r{rank}.json", res)  # after each schedule: partial results survive
-    _write(outdir, f"overhead_{tag}_r{rank}.json", res)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
+    _finish(outdir, f"overhead_{tag}_r{rank}.json", res)
 
 
 # ---- per-action overhead split: compute / communication wait / the runtime's own host work -------------
