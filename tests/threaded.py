@@ -16,14 +16,15 @@ from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.runtime import RankRuntime
 
 
-def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None):
-    """One step on `batch` (inputs then targets); returns (losses per rank, models per rank, runtimes).
-    `patch(rank, program)` may instrument a rank's GraphModule before it runs."""
+def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=()):
+    """One step on `batch` (inputs then targets), then one on each batch of `then`, gradients accumulating;
+    returns (last losses per rank, models per rank, runtimes). `patch(rank, program)` may instrument a rank's
+    GraphModule before it runs."""
     pp, m = schedule.num_ranks, schedule.num_microbatches
     programs = lower_all(schedule, staged)
     models = [copy.deepcopy(model) for _ in range(pp)]
     world = FakeWorld(pp)
-    data = [t.chunk(m) for t in batch]
+    steps = [[t.chunk(m) for t in b] for b in (batch, *then)]
     losses, runtimes, errors = [None] * pp, [None] * pp, []
 
     def run(r: int) -> None:
@@ -35,7 +36,8 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
             runtimes[r] = RankRuntime(programs[r], gm, pg=world.group(r),
                                       device=torch.device("cpu"), params=dict(mdl.named_parameters()),
                                       buffers=dict(mdl.named_buffers()), timeout=timeout)
-            losses[r] = runtimes[r].step(data)
+            for data in steps:
+                losses[r] = runtimes[r].step(data)
         except BaseException as e:  # reported in the main thread
             errors.append(e)
             world.barrier.abort()

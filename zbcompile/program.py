@@ -38,7 +38,7 @@ class OpKind(enum.Enum):
     """One kind of work in a rank program."""
 
     RUN = "run"                # run one stage graph (F, B, W or BW) for one action
-    RECV = "recv"              # post an irecv into a fresh buffer; outs = (handle,)
+    RECV = "recv"              # post an irecv (into a static buffer if arg is a slot); outs = (handle,)
     WAIT_RECV = "wait_recv"    # wait for a posted irecv; ins = (handle,), outs = (tensor,)
     SEND = "send"              # post a batch of isends; outs = (handle,)
     WAIT_SEND = "wait_send"    # wait for a batch of isends (the peer has the data; buffers may go)
@@ -56,7 +56,8 @@ class Op:
     """One op. `ins` / `outs` are value names; the other fields are static arguments of its kind.
 
     peers / tags / specs: for RECV and SEND, one entry per tensor (the other rank, the tag, the shape).
-    arg: kind-specific constant (ACCUM: "first" / "add" / "add_"; STAMP: slot; SET_GRAD: owned flag).
+    arg: kind-specific constant (ACCUM: "first" / "add" / "add_"; STAMP: slot; SET_GRAD: owned flag;
+    RECV: the slot of RankProgram.buffers it receives into, None for a fresh buffer).
     note: why the op is here, shown in the printed program.
     """
 
@@ -88,7 +89,8 @@ class Op:
         elif k is OpKind.RECV:
             body = "irecv(" + ", ".join(
                 f"from {p} tag {t} {list(s.shape)} {str(s.dtype).replace('torch.', '')}"
-                for p, t, s in zip(self.peers, self.tags, self.specs)) + ")"
+                for p, t, s in zip(self.peers, self.tags, self.specs))
+            body += f" -> buf {self.arg})" if self.arg is not None else ")"
         elif k is OpKind.SEND:
             body = "isend(" + ", ".join(
                 f"{v} -> {p} tag {t}" for v, p, t in zip(self.ins, self.peers, self.tags)) + ")"
@@ -128,6 +130,7 @@ class RankProgram:
 
     inputs: names the runtime passes, in order (after the step context): grad_loss, params, buffers,
     data. output: the value returned (this rank's sum of microbatch losses), or None.
+    buffers: the static receive buffers the runtime makes once (RECV ops with a slot in `arg` use them).
     """
 
     schedule: Schedule
@@ -137,6 +140,7 @@ class RankProgram:
     ops: tuple[Op, ...]
     output: str | None = None
     recv_lookahead: int = 4          # see passes.lower.RECV_LOOKAHEAD
+    buffers: tuple[TensorSpec, ...] = ()
     passes: tuple[str, ...] = ()     # names of the passes applied so far
 
     def replace(self, **changes) -> RankProgram:

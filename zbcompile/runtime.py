@@ -46,12 +46,13 @@ class StepContext:
     (see passes/lower/streams.py); `channels` gives each direction its own group: `up` carries messages to
     higher ranks, `down` to lower ones. Without channels everything goes through `pg` (gloo matches by tag
     and never blocks a stream, so one group is enough for it). Peers are the groups' ranks.
+    bufs: the static receive buffers, by slot (see passes/lower/buffers.py).
     """
 
-    __slots__ = ("pg", "rank", "device", "timeout", "row", "t", "send_pg", "recv_pg", "_like")
+    __slots__ = ("pg", "rank", "device", "timeout", "row", "t", "send_pg", "recv_pg", "_like", "bufs", "_specs")
 
     def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
-                 ranks: int = 1, channels: tuple | None = None):
+                 ranks: int = 1, channels: tuple | None = None, buffers: Sequence = ()):
         self.pg = pg
         self.rank = rank
         self.device = device
@@ -62,6 +63,13 @@ class StepContext:
         up, down = channels or (pg, pg)
         self.send_pg = [up if q > rank else down for q in range(ranks)]
         self.recv_pg = [down if q > rank else up for q in range(ranks)]
+        self._specs = tuple(buffers)
+        self.renew_buffers()
+
+    def renew_buffers(self) -> None:
+        """Make the static receive buffers (RankProgram.buffers) afresh: at start, and after a failed step,
+        whose receives may still be posted into the old ones."""
+        self.bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self._specs]
 
     def like(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A storage-free tensor of `shape` (one element expanded): `torch.empty_like` of it allocates a contiguous
@@ -76,7 +84,17 @@ class StepContext:
 @fx.node.has_side_effect
 def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype, what: str):
     """Post an irecv into a fresh buffer; returns a handle for wait_recv."""
-    buf = torch.empty_like(ctx.like(shape, dtype), memory_format=torch.contiguous_format)
+    return _post_recv(ctx, torch.empty_like(ctx.like(shape, dtype), memory_format=torch.contiguous_format),
+                      peer, tag, what)
+
+
+@fx.node.has_side_effect
+def recv_into(ctx: StepContext, peer: int, tag: int, slot: int, what: str):
+    """Post an irecv into static buffer `slot`, which nothing still uses (see passes/lower/buffers.py)."""
+    return _post_recv(ctx, ctx.bufs[slot], peer, tag, what)
+
+
+def _post_recv(ctx: StepContext, buf: torch.Tensor, peer: int, tag: int, what: str):
     try:
         work = ctx.recv_pg[peer].recv([buf], peer, tag)
     except Exception as e:  # a dead peer can fail the post itself
@@ -268,7 +286,7 @@ class RankRuntime:
             raise RuntimeFailure(f"rank {ir.rank} runs {len(self.names)} actions but max_actions={max_actions}")
         # as many slots as the busiest rank has: every rank's gathered row has the same length
         self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
-                               channels=channels)
+                               channels=channels, buffers=ir.buffers)
         self.grad_loss = torch.full((), 1.0 / ir.schedule.num_microbatches, device=device)
         self._fixed = {n: params[n[6:]] for n in ir.inputs if n.startswith("param:")}
         self._fixed.update({n: buffers[n[7:]] for n in ir.inputs if n.startswith("buffer:")})
@@ -302,8 +320,12 @@ class RankRuntime:
         """Run this rank's program on `data[i][mb]`, microbatch mb of flat user argument i (None for an argument
         this rank does not read, see data_args); returns the batch's mean loss, the same on all ranks."""
         args = [self._fixed[n] if d is None else data[d[1]][d[0]] for n, d in zip(self.ir.inputs, self._data)]
-        with torch.no_grad():
-            loss = self.program(self.ctx, *args)
+        try:
+            with torch.no_grad():
+                loss = self.program(self.ctx, *args)
+        except BaseException:
+            self.ctx.renew_buffers()  # receives of the failed step may still land in the old buffers
+            raise
         return self._gather(loss)
 
     def _gather(self, loss) -> float:
@@ -332,4 +354,4 @@ def _parse_data(name: str):
     return int(mb[2:]), int(rest)
 
 
-__all__ += ["recv", "wait_recv", "send", "wait_send", "free", "stamp", "set_grad", "copy_buffer", "sum_in_order", "sum_losses"]
+__all__ += ["recv", "recv_into", "wait_recv", "send", "wait_send", "free", "stamp", "set_grad", "copy_buffer", "sum_in_order", "sum_losses"]

@@ -14,6 +14,13 @@ reload, vocab-parallel reductions, static buffers for CUDA graphs, overlapped F&
 `lower_all` then runs the cross-rank pass over all ranks' programs and checks them together:
 
     order_p2p_by_pair    receives from each peer re-posted in that peer's send order (NCCL ignores tags)
+
+and the per-rank passes that need the final op order (FINISHING):
+
+    static_recv_buffers  receive buffers made once and reused, wherever nothing aliasing them outlives its use
+
+then checks all programs together:
+
     validate_programs    matched sends / receives, no deadlock
     check_pair_order     per pair (a -> b), b's receive order == a's send order
     check_streams        no deadlock on device streams either (NCCL: one stream per direction of a pair)
@@ -25,6 +32,7 @@ from typing import Callable, Sequence
 
 
 from zbcompile.program import RankProgram
+from zbcompile.passes.lower.buffers import static_recv_buffers
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
 from zbcompile.passes.lower.emit import emit_fx
 from zbcompile.passes.lower.frees import insert_frees, insert_stamps
@@ -36,7 +44,7 @@ from zbcompile.passes.lower.validate import check_pair_order, validate_programs
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
-__all__ = ["LOWERING", "lower", "lower_all", "emit_fx", "validate_programs", "check_pair_order",
+__all__ = ["LOWERING", "FINISHING", "lower", "lower_all", "emit_fx", "validate_programs", "check_pair_order",
            "order_p2p_by_pair", "check_streams", "empty_program", "RECV_LOOKAHEAD"]
 
 Pass = Callable[[RankProgram], RankProgram]
@@ -56,6 +64,11 @@ LOWERING: tuple[Pass, ...] = (
     insert_stamps,
 )
 
+# run on each rank's program after the cross-rank reordering: they depend on where every op finally sits
+FINISHING: tuple[Pass, ...] = (
+    static_recv_buffers,
+)
+
 
 def empty_program(schedule: Schedule, staged: StagedModel, rank: int, *,
                   recv_lookahead: int = RECV_LOOKAHEAD) -> RankProgram:
@@ -67,13 +80,17 @@ def lower(schedule: Schedule, staged: StagedModel, rank: int, *, passes: Sequenc
     """Run `passes` for one rank, checking the program after each."""
     program = empty_program(schedule, staged, rank, recv_lookahead=recv_lookahead)
     for p in passes:
-        program = p(program)
-        program = program.replace(passes=program.passes + (p.__name__,)).check(p.__name__)
+        program = _apply(p, program)
     return program
 
 
+def _apply(p: Pass, program: RankProgram) -> RankProgram:
+    return p(program).replace(passes=program.passes + (p.__name__,)).check(p.__name__)
+
+
 def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass] = LOWERING,
-              recv_lookahead: int = RECV_LOOKAHEAD, pair_order: bool = True) -> tuple[RankProgram, ...]:
+              recv_lookahead: int = RECV_LOOKAHEAD, pair_order: bool = True,
+              finishing: Sequence[Pass] = FINISHING) -> tuple[RankProgram, ...]:
     """Every rank's program, validated together.
 
     pair_order: post receives in each peer's send order (order_p2p_by_pair), which NCCL needs and gloo
@@ -85,6 +102,8 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
     if pair_order:
         name = order_p2p_by_pair.__name__
         programs = tuple(p.replace(passes=p.passes + (name,)).check(name) for p in order_p2p_by_pair(programs))
+    for f in finishing:
+        programs = tuple(_apply(f, p) for p in programs)
     validate_programs(programs)
     if pair_order:
         check_pair_order(programs)

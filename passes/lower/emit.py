@@ -25,7 +25,7 @@ from torch import fx
 
 from zbcompile.errors import LoweringError
 from zbcompile.program import Op, OpKind, RankProgram
-from zbcompile.runtime import PROGRAM_OPS
+from zbcompile.runtime import PROGRAM_OPS, recv_into
 
 __all__ = ["emit_fx"]
 
@@ -137,10 +137,15 @@ def _call_forward(self, *args):
 
 
 def _recv(graph, env, root, ctx, op, program, used) -> None:
+    """recv_into(ctx, peer, tag, slot, what) for a static buffer, recv(ctx, peer, tag, shape, dtype, what)
+    for a fresh one."""
     (peer,), (tag,), (spec,) = op.peers, op.tags, op.specs
-    env[op.outs[0]] = _call(graph, PROGRAM_OPS[OpKind.RECV],
-                            (ctx, peer, tag, tuple(spec.shape), spec.dtype, f"{op.outs[0][2:]} ({op.note})"),
-                            op.outs[0])
+    what = f"{op.outs[0][2:]} ({op.note})"
+    if op.arg is not None:
+        env[op.outs[0]] = _call(graph, recv_into, (ctx, peer, tag, op.arg, what), op.outs[0])
+    else:
+        env[op.outs[0]] = _call(graph, PROGRAM_OPS[OpKind.RECV],
+                                (ctx, peer, tag, tuple(spec.shape), spec.dtype, what), op.outs[0])
 
 
 def _wait_recv(graph, env, root, ctx, op, program, used) -> None:

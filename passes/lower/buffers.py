@@ -1,0 +1,205 @@
+"""static_recv_buffers: give receives buffers that live across steps instead of a fresh allocation each.
+
+Every receive used to allocate its buffer when posted. On a small model that allocation is a real share of
+the host time per action (a few microseconds each once gloo's threads have disturbed the caches), and for
+CUDA-graph capture every buffer must be static anyway. This pass assigns each receive a slot of a table of
+buffers the runtime makes once (`RankProgram.buffers`); receives whose busy times do not overlap share one.
+
+A buffer is busy from the post of its receive (the peer may write into it from then on) until the last use
+of every value that may alias it: the received tensor itself, and whatever a stage graph returns that may
+be a view of it. An F graph that saves its received input (or `view(x)`) for B and W keeps the buffer busy
+until W; a send of it keeps it busy until the send is waited; a W graph whose parameter gradient *is* the
+received gradient (`x + b`, b of x's whole shape) keeps it busy until the first microbatch's gradient is
+summed out of place. Aliasing inside a stage graph is read off the aten schemas of its nodes
+(`Tensor(a) self -> Tensor(a)`), conservatively: any node fx cannot vouch for aliases all of its inputs.
+
+A receive whose buffer may outlive the step keeps a fresh allocation per step: one that may become a
+Parameter's .grad (SET_GRAD takes ownership of the tensor), the program's output, or one read by an op
+kind this pass does not know (a later pass's new kind is assumed to keep its inputs).
+
+    h:s1.mb0.act:h = irecv(from 0 tag 0 [4, 8] float32 -> buf 0)
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from zbcompile.program import Op, OpKind, RankProgram
+from zbcompile.stages import TensorSpec
+
+__all__ = ["static_recv_buffers", "graph_output_aliases", "buffer_intervals"]
+
+# op kinds whose aliasing _op_aliases knows and that keep no reference to their inputs once the step is over
+# (SET_GRAD: unless it takes ownership); a kind added later is assumed to alias and keep everything it reads
+_KNOWN = frozenset({OpKind.RUN, OpKind.RECV, OpKind.WAIT_RECV, OpKind.SEND, OpKind.WAIT_SEND, OpKind.FREE,
+                    OpKind.ACCUM, OpKind.SUM, OpKind.SET_GRAD, OpKind.ADD_LOSS, OpKind.COPY_BUFFER, OpKind.STAMP})
+
+
+def static_recv_buffers(program: RankProgram) -> RankProgram:
+    intervals = buffer_intervals(program)
+    slots: list[TensorSpec] = []
+    busy_until: list[int] = []
+    ops = list(program.ops)
+    for i, op in enumerate(program.ops):
+        if op.kind is not OpKind.RECV or i not in intervals:
+            continue
+        spec = op.specs[0]
+        slot = _free_slot(slots, busy_until, spec, i)
+        if slot is None:
+            slot = len(slots)
+            slots.append(spec)
+            busy_until.append(0)
+        busy_until[slot] = intervals[i]
+        ops[i] = Op(op.kind, op.ins, op.outs, op.action, op.graph, op.peers, op.tags, op.specs, slot, op.note)
+    return program.replace(ops=tuple(ops), buffers=tuple(slots))
+
+
+def _free_slot(slots: list[TensorSpec], busy_until: list[int], spec: TensorSpec, at: int) -> int | None:
+    """A slot of the same shape and dtype whose last busy op is before `at` (receives come in post order,
+    so first-fit is an optimal interval colouring)."""
+    for k, s in enumerate(slots):
+        if s.shape == spec.shape and s.dtype == spec.dtype and busy_until[k] < at:
+            return k
+    return None
+
+
+def buffer_intervals(program: RankProgram) -> dict[int, int]:
+    """For each single-tensor RECV op (by index) whose buffer cannot outlive the step: the index of the last
+    op that uses a value which may alias the buffer."""
+    aliases = _alias_edges(program)
+    readers: dict[str, list[int]] = {}
+    for i, op in enumerate(program.ops):
+        for v in op.ins:
+            readers.setdefault(v, []).append(i)
+    out: dict[int, int] = {}
+    for i, op in enumerate(program.ops):
+        if op.kind is not OpKind.RECV or len(op.outs) != 1:
+            continue
+        last = _last_use(program, op.outs[0], aliases, readers)
+        if last is not None:
+            out[i] = max(last, i)
+    return out
+
+
+def _last_use(program: RankProgram, root: str, aliases: dict[str, set[str]],
+              readers: dict[str, list[int]]) -> int | None:
+    """The last op reading any value that may alias `root`; None when one of them may escape the step."""
+    seen, todo, last = {root}, [root], 0
+    while todo:
+        v = todo.pop()
+        if v == program.output:
+            return None
+        for i in readers.get(v, ()):
+            op = program.ops[i]
+            if _keeps(op):
+                return None
+            last = max(last, i)
+        for w in aliases.get(v, ()):
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return last
+
+
+def _keeps(op: Op) -> bool:
+    """True when `op` may hold on to its inputs beyond the step."""
+    if op.kind is OpKind.SET_GRAD:
+        return bool(op.arg)   # owned: the tensor itself becomes Parameter.grad
+    return op.kind not in _KNOWN
+
+
+def _alias_edges(program: RankProgram) -> dict[str, set[str]]:
+    """value -> the values that may alias it, one op at a time (outputs that may be views of inputs)."""
+    edges: dict[str, set[str]] = {}
+    for op in program.ops:
+        for src, dst in _op_aliases(program, op):
+            edges.setdefault(src, set()).add(dst)
+    return edges
+
+
+def _op_aliases(program: RankProgram, op: Op):
+    """(input, output) pairs of `op` that may share memory."""
+    from zbcompile.passes.lower.compute import stage_graph
+
+    k = op.kind
+    if k is OpKind.RUN:
+        _, g = stage_graph(program, op.action)
+        return [(op.ins[i], out) for out, ins in zip(op.outs, graph_output_aliases(g.gm)) for i in ins]
+    if k is OpKind.WAIT_RECV:      # the received tensor is the posted buffer
+        return [(op.ins[0], op.outs[0])]
+    if k is OpKind.SEND:           # the handle holds the sent tensors until WAIT_SEND
+        return [(v, op.outs[0]) for v in op.ins]
+    if k is OpKind.ACCUM:          # first: the microbatch gradients become the sums; add_: sums updated in place
+        n = len(op.outs)
+        if op.arg == "first":
+            return list(zip(op.ins, op.outs))
+        return list(zip(op.ins[:n], op.outs)) if op.arg == "add_" else []
+    if k is OpKind.ADD_LOSS and len(op.ins) == 1:    # one microbatch: the loss is returned as is
+        return [(op.ins[0], op.outs[0])]
+    return [(v, w) for v in op.ins for w in op.outs] if k not in _KNOWN else []
+
+
+def graph_output_aliases(gm: fx.GraphModule) -> tuple[frozenset[int], ...]:
+    """For each output of stage graph `gm`, the positions of the placeholders it may share memory with
+    (cached in gm.meta: every microbatch's RUN op asks about the same few graphs)."""
+    cached = gm.meta.get("zb_output_aliases")
+    if cached is None:
+        cached = gm.meta["zb_output_aliases"] = _output_aliases(gm)
+    return cached
+
+
+def _output_aliases(gm: fx.GraphModule) -> tuple[frozenset[int], ...]:
+    may: dict[fx.Node, frozenset[int]] = {}
+    outputs: tuple = ()
+    k = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            may[node] = frozenset({k})
+            k += 1
+        elif node.op in ("call_function", "call_method", "call_module"):
+            may[node] = _node_aliases(node, may)
+        elif node.op == "output":
+            out = node.args[0]
+            outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return tuple(may.get(o, frozenset()) if isinstance(o, fx.Node) else frozenset() for o in outputs)
+
+
+def _node_aliases(node: fx.Node, may: dict[fx.Node, frozenset[int]]) -> frozenset[int]:
+    """Placeholders `node`'s result may alias: none for an aten op whose schema returns fresh tensors and
+    writes none of its inputs, the aliased arguments' for a view op, every input's otherwise."""
+    args = [a for a in (*node.args, *node.kwargs.values()) for a in _flat(a)]
+    everything = frozenset().union(*(may.get(a, frozenset()) for a in args if isinstance(a, fx.Node)))
+    target = node.target
+    if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node):
+        parent = node.args[0]
+        src = parent.target
+        if isinstance(src, torch._ops.OpOverload) and isinstance(node.args[1], int):
+            rets = src._schema.returns
+            if node.args[1] < len(rets) and rets[node.args[1]].alias_info is None and not _mutates(src):
+                return frozenset()
+        return may.get(parent, frozenset())
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or _mutates(target):
+        return everything
+    rets = target._schema.returns
+    if all(r.alias_info is None for r in rets):
+        return frozenset()
+    aliased = [a for a, arg in zip(node.args, target._schema.arguments) if arg.alias_info is not None]
+    aliased += [v for name, v in node.kwargs.items()
+                for arg in target._schema.arguments if arg.name == name and arg.alias_info is not None]
+    return frozenset().union(*(may.get(a, frozenset()) for x in aliased for a in _flat(x) if isinstance(a, fx.Node)))
+
+
+def _mutates(op: torch._ops.OpOverload) -> bool:
+    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+def _flat(x):
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _flat(y)
+    else:
+        yield x
+

@@ -1,0 +1,161 @@
+"""Static receive buffers (passes/lower/buffers.py): the alias analysis of stage graphs, and, at run time,
+that no buffer is posted into while a tensor sharing its memory is still needed, and that a buffer whose
+contents may outlive the step (a gradient that *is* the received tensor) is not reused."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from models import gpt
+from threaded import max_grad_error, run_threaded
+from zbcompile.passes.lower import lower_all
+from zbcompile.passes.lower.buffers import graph_output_aliases
+from zbcompile.passes.lower.reduce import grad_holders
+from zbcompile.passes.schedules import generate
+from zbcompile.program import OpKind
+from zbcompile.split import split_model
+
+torch.set_num_threads(1)
+
+
+def test_aliases_are_read_off_aten_schemas():
+    def f(x, w):
+        top, _ = torch.max(x, 0)             # multi-output op, fresh results
+        a, b = torch.split(x, 2)             # multi-output view op
+        return x.view(-1), w.t(), x * 2, x, top, b, x.transpose(0, 1).contiguous(), w.t().t()
+
+    gm = make_fx(f)(torch.randn(4, 3), torch.randn(3, 3))
+    assert graph_output_aliases(gm) == (frozenset({0}), frozenset({1}), frozenset(), frozenset({0}), frozenset(),
+                                        frozenset({0}), frozenset(), frozenset({1}))
+
+
+def test_unknown_calls_and_mutations_alias_everything_they_touch():
+    def f(x, w):
+        y = x.clone()
+        y.add_(w)                            # mutates y: its result aliases what y may alias (nothing)
+        z = torch.ops.aten.add_(x, 1.0)      # mutates input 0
+        return y, z
+
+    gm = make_fx(f)(torch.randn(3), torch.randn(3))
+    y, z = graph_output_aliases(gm)
+    assert z == frozenset({0})
+    opaque = torch.fx.symbolic_trace(lambda x, w: torch.nn.functional.relu(x) + w)
+    assert graph_output_aliases(opaque) == (frozenset({0, 1}),)   # not aten: assume the worst
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt(stages: int):
+    model, loss_fn, (x, y), _ = gpt(layers=4, batch=4)
+    return model, loss_fn, (x, y), split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=stages)
+
+
+def _needed_after(program) -> dict[int, set[str]]:
+    """op index -> the values some op at or after it still reads (FREE ops aside)."""
+    last = {v: i for i, op in enumerate(program.ops) if op.kind is not OpKind.FREE for v in op.ins}
+    return {i: {v for v, j in last.items() if j >= i} for i in range(len(program.ops))}
+
+
+@pytest.mark.parametrize("name,pp", [("1f1b", 2), ("zbv", 2), ("zb-h1", 4), ("dualpipev", 2)])
+def test_no_buffer_is_reused_while_its_memory_is_needed(name, pp):
+    """Every tensor the program gets (stage-graph outputs, receives) is remembered; whenever a receive is
+    posted into a static buffer, no value still to be read may share that buffer's memory."""
+    sched = generate(name, pp, 2 * pp)
+    model, loss_fn, (x, y), staged = _gpt(sched.num_model_stages)
+    x, y = x.repeat(pp, 1)[: 2 * pp], y.repeat(pp, 1)[: 2 * pp]
+    programs = lower_all(sched, staged)
+    assert all(op.arg is not None for p in programs for op in p.of_kind(OpKind.RECV) if "act:" in op.outs[0])
+    assert sum(len(p.buffers) for p in programs) < sum(len(p.of_kind(OpKind.RECV)) for p in programs)
+    clashes, posts = [], []
+
+    def patch(rank, gm):
+        prog = programs[rank]
+        needed = _needed_after(prog)
+        recv_ops = [i for i, op in enumerate(prog.ops) if op.kind is OpKind.RECV and op.arg is not None]
+        waits = {op.ins[0]: op.outs[0] for op in prog.ops if op.kind is OpKind.WAIT_RECV}
+        runs = [op for op in prog.ops if op.kind is OpKind.RUN]
+        made: dict[str, torch.Tensor] = {}
+        at = {"recv": 0, "run": 0}
+        glb = gm.forward.__globals__
+        for gname, fn in list(glb.items()):
+            if getattr(fn, "__name__", "") == "recv_into":
+                def recv_into(ctx, peer, tag, slot, what, fn=fn):
+                    i = recv_ops[at["recv"]]
+                    at["recv"] += 1
+                    ptr = ctx.bufs[slot].untyped_storage().data_ptr()
+                    posts.append(ptr)
+                    clashes.extend((rank, str(prog.ops[i]), v) for v, t in made.items()
+                                   if v in needed[i] and t.untyped_storage().data_ptr() == ptr)
+                    handle = fn(ctx, peer, tag, slot, what)
+                    made[waits[prog.ops[i].outs[0]]] = handle[0]
+                    return handle
+                glb[gname] = recv_into
+        for child, mod in list(gm.named_children()):
+            def call(args, mod=mod):
+                op = runs[at["run"]]
+                at["run"] += 1
+                outs = mod(args)
+                made.update((v, t) for v, t in zip(op.outs, outs) if isinstance(t, torch.Tensor))
+                return outs
+            gm.__dict__[child] = call   # the program looks its stage graphs up as plain attributes
+        step = gm.forward
+
+        def forward(*args):   # each step starts with nothing made
+            made.clear()
+            at.update(recv=0, run=0)
+            return step(*args)
+        gm.forward = forward
+
+    ref = copy.deepcopy(model)
+    batches = [(x, y), (x.roll(1, 0), y.roll(1, 0))]
+    for bx, by in batches:
+        loss_fn(ref(bx), by).backward()
+    losses, models, _ = run_threaded(model, staged, sched, batches[0], patch=patch, then=batches[1:])
+    assert len(posts) > len(set(posts)) and not clashes, clashes[:5]
+    holders = grad_holders(sched, staged)
+    err, where = max_grad_error(ref, models, [[f for f, rs in holders.items() if r in rs] for r in range(pp)])
+    assert err <= 1e-5, where
+
+
+class _FullBias(torch.nn.Module):
+    """tanh(Linear(x)) + b with b of the activation's whole per-microbatch shape: d loss / d b is the incoming
+    gradient itself, so the received gradient tensor becomes (part of) the parameter's .grad."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+        self.b = torch.nn.Parameter(torch.randn(1, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) + self.b
+
+
+def test_a_gradient_that_is_the_received_tensor_keeps_its_buffer_until_summed():
+    """Rank 0's W returns the received gradient itself as 0.b's gradient; for microbatch 0 that tensor becomes
+    the running sum until microbatch 1's gradient is added out of place, so its buffer must stay unused until
+    then, though the receive's own last reader is long done."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_FullBias(4), _FullBias(4), torch.nn.Linear(4, 3))
+    loss_fn = torch.nn.functional.cross_entropy
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    staged = split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=2)
+    sched = generate("1f1b", 2, 4)
+    r0, _ = lower_all(sched, staged)
+    ops = r0.ops
+    first = next(i for i, op in enumerate(ops) if op.kind is OpKind.RECV and ".mb0.grad:" in op.outs[0])
+    summed = next(i for i, op in enumerate(ops) if op.kind is OpKind.ACCUM and op.arg == "add"
+                  and any("grad:param:0.b" in v for v in op.ins))
+    assert ops[first].arg is not None
+    assert all(op.arg != ops[first].arg for op in ops[first + 1: summed] if op.kind is OpKind.RECV)
+    ref = copy.deepcopy(model)
+    batches = [(x, y), (-x, y.flip(0)), (x.roll(1, 0), y)]
+    for bx, by in batches:
+        loss_fn(ref(bx), by).backward()
+    _, models, _ = run_threaded(model, staged, sched, batches[0], then=batches[1:])
+    holders = grad_holders(sched, staged)
+    err, where = max_grad_error(ref, models, [[f for f, rs in holders.items() if r in rs] for r in range(2)])
+    assert err <= 1e-5, where
