@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from models import gpt
 from threaded import max_grad_error, run_threaded
 from zbcompile.passes.lower import lower_all
-from zbcompile.passes.lower.buffers import graph_output_aliases
+from zbcompile.passes.lower.aliases import graph_output_aliases, graph_output_owned
 from zbcompile.passes.lower.reduce import grad_holders
 from zbcompile.passes.schedules import generate
 from zbcompile.program import OpKind
@@ -26,26 +26,29 @@ torch.set_num_threads(1)
 def test_aliases_are_read_off_aten_schemas():
     def f(x, w):
         top, _ = torch.max(x, 0)             # multi-output op, fresh results
-        a, b = torch.split(x, 2)             # multi-output view op
+        a, b = torch.split(x, 2)             # list of views
         return x.view(-1), w.t(), x * 2, x, top, b, x.transpose(0, 1).contiguous(), w.t().t()
 
     gm = make_fx(f)(torch.randn(4, 3), torch.randn(3, 3))
     assert graph_output_aliases(gm) == (frozenset({0}), frozenset({1}), frozenset(), frozenset({0}), frozenset(),
                                         frozenset({0}), frozenset(), frozenset({1}))
+    assert graph_output_owned(gm) == (False, False, True, False, True, False, True, False)
 
 
-def test_unknown_calls_and_mutations_alias_everything_they_touch():
+def test_in_place_results_alias_what_they_write_and_unknown_calls_alias_everything():
     def f(x, w):
         y = x.clone()
-        y.add_(w)                            # mutates y: its result aliases what y may alias (nothing)
-        z = torch.ops.aten.add_(x, 1.0)      # mutates input 0
-        return y, z
+        y.add_(w)                            # writes y: the result is y's memory, not w's
+        z = torch.ops.aten.add_(x, 1.0)      # writes input 0
+        s = x * 3
+        return y, z, s, s.view(-1)           # s and its view share memory: neither is owned
 
     gm = make_fx(f)(torch.randn(3), torch.randn(3))
-    y, z = graph_output_aliases(gm)
-    assert z == frozenset({0})
+    assert graph_output_aliases(gm) == (frozenset(), frozenset({0}), frozenset(), frozenset())
+    assert graph_output_owned(gm) == (True, False, False, False)
     opaque = torch.fx.symbolic_trace(lambda x, w: torch.nn.functional.relu(x) + w)
     assert graph_output_aliases(opaque) == (frozenset({0, 1}),)   # not aten: assume the worst
+    assert graph_output_owned(opaque) == (False,)
 
 
 @functools.lru_cache(maxsize=None)

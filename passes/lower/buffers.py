@@ -10,8 +10,7 @@ of every value that may alias it: the received tensor itself, and whatever a sta
 be a view of it. An F graph that saves its received input (or `view(x)`) for B and W keeps the buffer busy
 until W; a send of it keeps it busy until the send is waited; a W graph whose parameter gradient *is* the
 received gradient (`x + b`, b of x's whole shape) keeps it busy until the first microbatch's gradient is
-summed out of place. Aliasing inside a stage graph is read off the aten schemas of its nodes
-(`Tensor(a) self -> Tensor(a)`), conservatively: any node fx cannot vouch for aliases all of its inputs.
+summed out of place. Aliasing inside a stage graph is read off the aten schemas of its nodes (aliases.py).
 
 A receive whose buffer may outlive the step keeps a fresh allocation per step: one that may become a
 Parameter's .grad (SET_GRAD takes ownership of the tensor), the program's output, or one read by an op
@@ -22,15 +21,11 @@ kind this pass does not know (a later pass's new kind is assumed to keep its inp
 
 from __future__ import annotations
 
-import operator
-
-import torch
-from torch import fx
-
+from zbcompile.passes.lower.aliases import graph_output_aliases
 from zbcompile.program import Op, OpKind, RankProgram
 from zbcompile.stages import TensorSpec
 
-__all__ = ["static_recv_buffers", "graph_output_aliases", "buffer_intervals"]
+__all__ = ["static_recv_buffers", "buffer_intervals"]
 
 # op kinds whose aliasing _op_aliases knows and that keep no reference to their inputs once the step is over
 # (SET_GRAD: unless it takes ownership); a kind added later is assumed to alias and keep everything it reads
@@ -140,66 +135,3 @@ def _op_aliases(program: RankProgram, op: Op):
     if k is OpKind.ADD_LOSS and len(op.ins) == 1:    # one microbatch: the loss is returned as is
         return [(op.ins[0], op.outs[0])]
     return [(v, w) for v in op.ins for w in op.outs] if k not in _KNOWN else []
-
-
-def graph_output_aliases(gm: fx.GraphModule) -> tuple[frozenset[int], ...]:
-    """For each output of stage graph `gm`, the positions of the placeholders it may share memory with
-    (cached in gm.meta: every microbatch's RUN op asks about the same few graphs)."""
-    cached = gm.meta.get("zb_output_aliases")
-    if cached is None:
-        cached = gm.meta["zb_output_aliases"] = _output_aliases(gm)
-    return cached
-
-
-def _output_aliases(gm: fx.GraphModule) -> tuple[frozenset[int], ...]:
-    may: dict[fx.Node, frozenset[int]] = {}
-    outputs: tuple = ()
-    k = 0
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            may[node] = frozenset({k})
-            k += 1
-        elif node.op in ("call_function", "call_method", "call_module"):
-            may[node] = _node_aliases(node, may)
-        elif node.op == "output":
-            out = node.args[0]
-            outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    return tuple(may.get(o, frozenset()) if isinstance(o, fx.Node) else frozenset() for o in outputs)
-
-
-def _node_aliases(node: fx.Node, may: dict[fx.Node, frozenset[int]]) -> frozenset[int]:
-    """Placeholders `node`'s result may alias: none for an aten op whose schema returns fresh tensors and
-    writes none of its inputs, the aliased arguments' for a view op, every input's otherwise."""
-    args = [a for a in (*node.args, *node.kwargs.values()) for a in _flat(a)]
-    everything = frozenset().union(*(may.get(a, frozenset()) for a in args if isinstance(a, fx.Node)))
-    target = node.target
-    if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node):
-        parent = node.args[0]
-        src = parent.target
-        if isinstance(src, torch._ops.OpOverload) and isinstance(node.args[1], int):
-            rets = src._schema.returns
-            if node.args[1] < len(rets) and rets[node.args[1]].alias_info is None and not _mutates(src):
-                return frozenset()
-        return may.get(parent, frozenset())
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or _mutates(target):
-        return everything
-    rets = target._schema.returns
-    if all(r.alias_info is None for r in rets):
-        return frozenset()
-    aliased = [a for a, arg in zip(node.args, target._schema.arguments) if arg.alias_info is not None]
-    aliased += [v for name, v in node.kwargs.items()
-                for arg in target._schema.arguments if arg.name == name and arg.alias_info is not None]
-    return frozenset().union(*(may.get(a, frozenset()) for x in aliased for a in _flat(x) if isinstance(a, fx.Node)))
-
-
-def _mutates(op: torch._ops.OpOverload) -> bool:
-    return any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
-
-
-def _flat(x):
-    if isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _flat(y)
-    else:
-        yield x
-
