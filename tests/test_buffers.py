@@ -154,6 +154,9 @@ def test_a_gradient_that_is_the_received_tensor_keeps_its_buffer_until_summed():
                   and any("grad:param:0.b" in v for v in op.ins))
     assert ops[first].arg is not None
     assert all(op.arg != ops[first].arg for op in ops[first + 1: summed] if op.kind is OpKind.RECV)
+    # that sum is fresh memory: from microbatch 2 on the W graph adds into it in place
+    bws = [op for op in ops if op.kind is OpKind.RUN and op.action.kind.value == "BW"]
+    assert [op.arg for op in bws] == [None, None, "accumulate", "accumulate"]
     ref = copy.deepcopy(model)
     batches = [(x, y), (-x, y.flip(0)), (x.roll(1, 0), y)]
     for bx, by in batches:

@@ -86,6 +86,21 @@ def test_tied_weights_are_summed_across_ranks_and_accumulated_on_one():
     assert grad_holders(generate("zbv", 2, 4), staged4)["wte.weight"] == (0,)
 
 
+def test_gradients_are_summed_inside_the_stage_graphs():
+    """The first microbatch's gradients are fresh tensors (taken as the sums); from the second on, the
+    W / BW graph's accumulating variant adds into them: no ACCUM adds, no per-microbatch gradient values."""
+    *_, staged = _mlp_split(2)
+    for name in ("1f1b", "zb-h1"):
+        for prog in lower_all(generate(name, 2, 4), staged):
+            grads = [op for op in prog.run_ops() if op.action.kind.value in ("W", "BW")]
+            assert [op.arg for op in grads] == [None] + ["accumulate"] * 3, name
+            assert [op.arg for op in prog.of_kind(OpKind.ACCUM)] == ["first"]
+            later = [v for op in grads[1:] for v in op.outs if "grad:param:" in v]
+            assert later and all(v.startswith("acc") for v in later)
+    gm = emit_fx(lower_all(generate("zb-h1", 2, 4), staged)[0])
+    assert "self.stage0_w_acc(" in gm.code and "add_" in gm.stage0_w_acc.code
+
+
 def test_frees_come_right_after_last_use():
     *_, staged = _mlp_split(4)
     for prog in lower_all(generate("zb-h1", 4, 8), staged):

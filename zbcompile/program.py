@@ -57,6 +57,7 @@ class Op:
 
     peers / tags / specs: for RECV and SEND, one entry per tensor (the other rank, the tag, the shape).
     arg: kind-specific constant (ACCUM: "first" / "add" / "add_"; STAMP: slot; SET_GRAD: owned flag;
+    RUN: None, or "accumulate" for the stage graph's variant that adds its parameter gradients into sums;
     RECV: the slot of RankProgram.buffers it receives into, None for a fresh buffer).
     note: why the op is here, shown in the printed program.
     """
@@ -85,7 +86,8 @@ class Op:
         lhs = f"{outs} = " if outs else ""
         k = self.kind
         if k is OpKind.RUN:
-            body = f"{self.graph}({', '.join(self.ins)})"
+            variant = f".{self.arg}" if self.arg else ""
+            body = f"{self.graph}{variant}({', '.join(self.ins)})"
         elif k is OpKind.RECV:
             body = "irecv(" + ", ".join(
                 f"from {p} tag {t} {list(s.shape)} {str(s.dtype).replace('torch.', '')}"

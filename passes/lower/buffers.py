@@ -117,12 +117,12 @@ def _alias_edges(program: RankProgram) -> dict[str, set[str]]:
 
 def _op_aliases(program: RankProgram, op: Op):
     """(input, output) pairs of `op` that may share memory."""
-    from zbcompile.passes.lower.compute import stage_graph
+    from zbcompile.passes.lower.compute import run_graph
 
     k = op.kind
     if k is OpKind.RUN:
-        _, g = stage_graph(program, op.action)
-        return [(op.ins[i], out) for out, ins in zip(op.outs, graph_output_aliases(g.gm)) for i in ins]
+        return [(op.ins[i], out) for out, ins in zip(op.outs, graph_output_aliases(run_graph(program, op)))
+                for i in ins]
     if k is OpKind.WAIT_RECV:      # the received tensor is the posted buffer
         return [(op.ins[0], op.outs[0])]
     if k is OpKind.SEND:           # the handle holds the sent tensors until WAIT_SEND

@@ -13,12 +13,20 @@ accumulate_grads chains each parameter's per-microbatch gradients into one sum a
 
 from __future__ import annotations
 
+import torch
+from torch import fx
+
 from zbcompile.errors import LoweringError
+from zbcompile.passes.lower.aliases import graph_output_owned
 from zbcompile.program import Op, OpKind, RankProgram, data_id, split_value_id, value_id
 from zbcompile.schedule import Action, Kind
 from zbcompile.stages import Graph, Stage
 
-__all__ = ["build_compute", "accumulate_grads", "stage_graph", "graph_module_name"]
+__all__ = ["build_compute", "accumulate_grads", "stage_graph", "graph_module_name", "run_graph",
+           "accumulating_graph", "ACCUMULATING"]
+
+# RUN op arg: the op runs the stage graph's accumulating variant (see accumulating_graph)
+ACCUMULATING = "accumulate"
 
 _GRAPH_ATTR = {Kind.F: "f", Kind.B: "b", Kind.W: "w", Kind.BW: "bw"}
 
@@ -26,6 +34,48 @@ _GRAPH_ATTR = {Kind.F: "f", Kind.B: "b", Kind.W: "w", Kind.BW: "bw"}
 def stage_graph(program: RankProgram, action: Action) -> tuple[Stage, Graph]:
     stage = program.staged.stages[program.schedule.model_stage(action.stage)]
     return stage, getattr(stage, _GRAPH_ATTR[action.kind])
+
+
+def run_graph(program: RankProgram, op: Op) -> fx.GraphModule:
+    """The GraphModule RUN op `op` calls: its stage graph, or that graph's accumulating variant."""
+    _, g = stage_graph(program, op.action)
+    return accumulating_graph(g) if op.arg == ACCUMULATING else g.gm
+
+
+def accumulating_graph(g: Graph) -> fx.GraphModule:
+    """Stage graph `g` taking, after its own inputs, the running sum of each parameter gradient it returns
+    (in output order); it adds the gradient into the sum in place and returns the sum in its place:
+
+        def forward(self, saved_0, grad_act_h, acc_grad_param_w):
+            mm = aten.mm(...)
+            add_ = aten.add_.Tensor(acc_grad_param_w, mm)
+            return (add_,)
+
+    The sum is then the gradient accumulator autograd's AccumulateGrad would keep: the program calls no
+    separate add, holds no per-microbatch gradient tensor, and the gradient's memory goes inside the graph.
+    """
+    cached = g.gm.meta.get("zb_accumulating")
+    if cached is None:
+        cached = g.gm.meta["zb_accumulating"] = _build_accumulating(g)
+    return cached
+
+
+def _build_accumulating(g: Graph) -> fx.GraphModule:
+    graph = fx.Graph()
+    outs = list(graph.graph_copy(g.gm.graph, {}))
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    sums = {}
+    for i, name in enumerate(g.outputs):
+        if name.startswith("grad:param:"):
+            with graph.inserting_after(anchor):
+                anchor = sums[i] = graph.placeholder("acc_" + "".join(c if c.isalnum() else "_" for c in name))
+    for i, acc in sums.items():
+        # right after the gradient is computed, so that its memory goes as soon as it is summed
+        where = anchor if outs[i].op == "placeholder" else outs[i]
+        with graph.inserting_after(where):
+            outs[i] = graph.call_function(torch.ops.aten.add_.Tensor, (acc, outs[i]))
+    graph.output(tuple(outs))
+    return fx.GraphModule(g.gm, graph, class_name=type(g.gm).__name__ + "Accumulating")
 
 
 def graph_module_name(program: RankProgram, action: Action) -> str:
@@ -98,13 +148,15 @@ def _program_inputs(ops: list[Op]) -> tuple[str, ...]:
 def accumulate_grads(program: RankProgram) -> RankProgram:
     """Sum each parameter's per-microbatch gradients; after the last one, accumulate into .grad.
 
-    The first gradient is taken by reference ("first"), the second summed out of place ("add", so the sum
-    owns its storage and never aliases a tensor another op still reads) and later ones in place ("add_").
-    One ACCUM op covers every gradient of one RUN op with the same mode, so the emitted program makes one
-    foreach call per W instead of one add per parameter (host time per action on small stages):
+    The first gradient is taken by reference ("first"). Once the running sum is memory of its own (the
+    first gradient when the stage graph returns it fresh and unshared, see aliases.graph_output_owned;
+    else the out-of-place sum of the first two, "add"), later gradients are added into it in place. Where
+    every gradient a RUN op returns goes into such a sum, the op runs the stage graph's accumulating
+    variant, which takes the sums and adds into them itself; otherwise one ACCUM op per mode follows it
+    ("add_": one foreach call into the sums):
 
-        acc2.grad:param:a, acc2.grad:param:b = accum(acc1.grad:param:a, acc1.grad:param:b,
-                                                     s0.mb2.grad:param:a, s0.mb2.grad:param:b; add_)
+        [0W2] acc2.grad:param:a, acc2.grad:param:b = stage0_w.accumulate(s0.mb2.saved:0, ..., acc1.grad:param:a,
+                                                                          acc1.grad:param:b)
     """
     counts: dict[str, int] = {}
     for op in program.run_ops():
@@ -114,31 +166,66 @@ def accumulate_grads(program: RankProgram) -> RankProgram:
                 counts[name] = counts.get(name, 0) + 1
     seen: dict[str, int] = {}
     acc: dict[str, str] = {}
+    owned: dict[str, bool] = {}   # is the running sum memory of its own (may be written in place)?
     ops: list[Op] = []
     inputs = list(program.inputs)
     for op in program.ops:
-        ops.append(op)
         if op.kind is not OpKind.RUN:
+            ops.append(op)
             continue
-        groups: dict[str, list[tuple[str, str, str]]] = {}   # mode -> [(param grad name, new value, old sum)]
-        for v in op.outs:
-            name = split_value_id(v)[2]
-            if not name.startswith("grad:param:"):
-                continue
-            k = seen[name] = seen.get(name, 0) + 1
-            mode = "first" if k == 1 else "add" if k == 2 else "add_"
-            groups.setdefault(mode, []).append((v, f"acc{k - 1}.{name}", acc.get(name, "")))
-            acc[name] = f"acc{k - 1}.{name}"
-        for mode, items in groups.items():
-            olds = () if mode == "first" else tuple(old for _, _, old in items)
-            ops.append(Op(OpKind.ACCUM, olds + tuple(v for v, _, _ in items), tuple(new for _, new, _ in items),
-                          action=op.action, arg=mode))
-        for v in op.outs:
-            name = split_value_id(v)[2]
-            if name.startswith("grad:param:") and seen[name] == counts[name]:
+        grads = _grad_outputs(op)
+        in_place = bool(grads) and all(owned.get(name, False) for _, name in grads) and _computed(program, op, grads)
+        if in_place:
+            ops.append(_accumulating_run(op, grads, acc, seen))
+        else:
+            ops.append(op)
+            ops.extend(_accum_ops(program, op, grads, acc, seen, owned))
+        for _, name in grads:
+            if seen[name] == counts[name]:
                 param = name[len("grad:"):]
                 if param not in inputs:
                     inputs.append(param)
                 ops.append(Op(OpKind.SET_GRAD, (param, acc[name]), arg=counts[name] > 1,
                               note=f"{counts[name]} microbatches"))
     return program.replace(ops=tuple(ops), inputs=tuple(inputs))
+
+
+def _grad_outputs(op: Op) -> list[tuple[int, str]]:
+    """(output position, name) of each parameter gradient a RUN op returns."""
+    out = []
+    for i, v in enumerate(op.outs):
+        name = split_value_id(v)[2]
+        if name.startswith("grad:param:"):
+            out.append((i, name))
+    return out
+
+
+def _computed(program: RankProgram, op: Op, grads) -> bool:
+    """Every gradient output of op's stage graph is a tensor the graph computes (not a constant / None)."""
+    out = run_graph(program, op).graph.output_node().args[0]
+    return all(isinstance(out[i], fx.Node) for i, _ in grads)
+
+
+def _accumulating_run(op: Op, grads, acc: dict, seen: dict) -> Op:
+    olds, outs = [], list(op.outs)
+    for i, name in grads:
+        k = seen[name] = seen[name] + 1
+        olds.append(acc[name])
+        outs[i] = acc[name] = f"acc{k - 1}.{name}"
+    return Op(OpKind.RUN, op.ins + tuple(olds), tuple(outs), action=op.action, graph=op.graph,
+              arg=ACCUMULATING, note=op.note)
+
+
+def _accum_ops(program: RankProgram, op: Op, grads, acc: dict, seen: dict, owned: dict) -> list[Op]:
+    fresh = graph_output_owned(run_graph(program, op))
+    groups: dict[str, list[tuple[str, str, str]]] = {}   # mode -> [(microbatch grad, new sum, old sum)]
+    for i, name in grads:
+        v = op.outs[i]
+        k = seen[name] = seen.get(name, 0) + 1
+        mode = "first" if k == 1 else "add_" if owned[name] else "add"
+        owned[name] = fresh[i] if k == 1 else True
+        groups.setdefault(mode, []).append((v, f"acc{k - 1}.{name}", acc.get(name, "")))
+        acc[name] = f"acc{k - 1}.{name}"
+    return [Op(OpKind.ACCUM, (() if mode == "first" else tuple(old for _, _, old in items))
+               + tuple(v for v, _, _ in items), tuple(new for _, new, _ in items), action=op.action, arg=mode)
+            for mode, items in groups.items()]

@@ -91,16 +91,17 @@ def _run(graph, env, root, op: Op, program: RankProgram, used, handed: tuple[str
     F's saved tensors as it goes instead of all at once after it returns (lower peak memory), as autograd
     does, and that release counts as the stage's compute time, as it does for autograd.
     """
-    from zbcompile.passes.lower.compute import stage_graph
+    from zbcompile.passes.lower.compute import ACCUMULATING, run_graph
 
-    _, g = stage_graph(program, op.action)
-    boxed = root.get(op.graph)
+    gm = run_graph(program, op)
+    name = op.graph + ("_acc" if op.arg == ACCUMULATING else "")
+    boxed = root.get(name)
     if boxed is None:
-        boxed = root[op.graph] = _boxed(g.gm)
-    elif boxed.meta.get("zb_unboxed") is not g.gm:
-        raise LoweringError(f"rank {program.rank}: two different graphs named {op.graph}")
-    args = _call(graph, list, ([env[v] for v in op.ins],), f"{op.graph}_in")
-    node = graph.create_node("call_module", op.graph, (args,), {}, name=op.graph)
+        boxed = root[name] = _boxed(gm)
+    elif boxed.meta.get("zb_unboxed") is not gm:
+        raise LoweringError(f"rank {program.rank}: two different graphs named {name}")
+    args = _call(graph, list, ([env[v] for v in op.ins],), f"{name}_in")
+    node = graph.create_node("call_module", name, (args,), {}, name=name)
     for i, v in enumerate(op.outs):
         if v in used:
             env[v] = _call(graph, operator.getitem, (node, i), v)
