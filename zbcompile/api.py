@@ -139,32 +139,37 @@ class PipelineModule:
             raise RuntimeFailure(f"step() takes {self.staged.num_inputs} model input(s) then "
                                  f"{self.staged.num_targets} target(s), {want} tensors; got {len(batch)}")
         m = self.schedule.num_microbatches
-        for i, t in enumerate(batch):
-            if t.dim() == 0 or t.shape[0] % m:
-                rows = t.shape[0] if t.dim() else 0
-                raise RuntimeFailure(f"batch argument {i} has {rows} rows, which do not split into {m} equal "
-                                     f"microbatches; use a batch size that is a multiple of {m}")
         self._check_microbatch_shapes(batch, m)
         dev = self.runtime.device
         data: list = [None] * want
         for i in self.runtime.data_args:  # only what this rank's stages read: a last stage needs no inputs
-            t = batch[i].to(dev, non_blocking=True)
-            data[i] = t.view(m, t.shape[0] // m, *t.shape[1:]).unbind(0)
+            t = batch[i]
+            if t.device != dev:
+                t = t.to(dev, non_blocking=True)
+            data[i] = t.split(t.shape[0] // m)   # m views, one call
         return self.runtime.step(data)
 
     __call__ = step
 
     def _check_microbatch_shapes(self, batch: Sequence[torch.Tensor], m: int) -> None:
-        """The programs were traced for the example's shapes (static shapes, fixed P2P buffer sizes)."""
-        for i, (shape, dtype) in self._data_specs.items():
-            t = batch[i]
-            got = (t.shape[0] // m, *t.shape[1:])
-            if got != shape or t.dtype != dtype:
+        """Every argument splits into m microbatches of the shape the programs were traced for (static
+        shapes, fixed P2P buffer sizes)."""
+        specs = self._data_specs
+        for i, t in enumerate(batch):
+            if t.dim() == 0 or t.shape[0] % m:
+                rows = t.shape[0] if t.dim() else 0
+                raise RuntimeFailure(f"batch argument {i} has {rows} rows, which do not split into {m} equal "
+                                     f"microbatches; use a batch size that is a multiple of {m}")
+            spec = specs.get(i)
+            if spec is None:
+                continue
+            shape, dtype = spec
+            if t.dtype != dtype or t.shape[0] // m != shape[0] or t.shape[1:] != shape[1:]:
+                got = (t.shape[0] // m, *t.shape[1:])
                 raise RuntimeFailure(
                     f"batch argument {i}: {m} microbatches of shape {list(got)} ({t.dtype}), but the model was "
                     f"compiled for microbatches of shape {list(shape)} ({dtype}) from `example`; pass a batch of "
                     f"{m} x {shape[0]} rows with the example's other sizes, or compile again for this shape")
-
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for name in self._owned:

@@ -6,8 +6,8 @@ side-effecting ops that code calls (posting and waiting P2P, frees, gradient han
 and exports them as a Chrome trace.
 
 Host overhead per action is kept to a few Python calls: the program is generated code (no interpreter,
-no per-action dispatch tables), P2P goes straight to the ProcessGroup's send / recv, and a timing stamp is
-one `perf_counter()` into a preallocated list.
+no per-action dispatch tables), P2P goes straight to the ProcessGroup's send / recv, receives land in
+buffers made once, and a timing stamp is one `perf_counter()` stored into a preallocated array.
 
 Failures: every wait is bounded by `timeout` seconds; a peer that dies or stalls makes the others raise
 RuntimeFailure (naming the op and the peer) instead of hanging.
@@ -21,7 +21,6 @@ import ctypes.util
 import json
 from dataclasses import dataclass
 from datetime import timedelta
-from time import perf_counter
 from typing import Mapping, Sequence
 
 import torch
@@ -39,8 +38,8 @@ class StepContext:
     timing slots.
 
     row: [loss sum, then the timing slots], float64 in an array.array that RankRuntime's gather sends as is
-    (a tensor over the same memory); t: a view of its timing slots, which `stamp` stores into as cheaply as
-    into a list.
+    (a tensor over the same memory); t: a view of its timing slots, which the program's stamps
+    (`stamps[k] = perf_counter()`, emitted inline) store into as cheaply as into a list.
     send_pg[q] / recv_pg[q]: the process group carrying messages to / from peer q. A device backend runs
     each group's P2P on one stream per peer pair, so both directions of a pair on one group can deadlock
     (see passes/lower/streams.py); `channels` gives each direction its own group: `up` carries messages to
@@ -91,7 +90,12 @@ def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: t
 @fx.node.has_side_effect
 def recv_into(ctx: StepContext, peer: int, tag: int, slot: int, what: str):
     """Post an irecv into static buffer `slot`, which nothing still uses (see passes/lower/buffers.py)."""
-    return _post_recv(ctx, ctx.bufs[slot], peer, tag, what)
+    buf = ctx.bufs[slot]
+    try:  # _post_recv's body, inlined: this is the hot path
+        work = ctx.recv_pg[peer].recv([buf], peer, tag)
+    except Exception as e:
+        raise RuntimeFailure(f"rank {ctx.rank}: posting the receive of {what} from rank {peer} failed: {e}") from e
+    return buf, work, what, peer
 
 
 def _post_recv(ctx: StepContext, buf: torch.Tensor, peer: int, tag: int, what: str):
@@ -106,8 +110,12 @@ def _post_recv(ctx: StepContext, buf: torch.Tensor, peer: int, tag: int, what: s
 def wait_recv(ctx: StepContext, handle) -> torch.Tensor:
     """Wait for a posted receive; returns the filled buffer."""
     buf, work, what, peer = handle
-    _wait(ctx, work, "receiving", what, peer)
-    return buf
+    try:  # the wait inlined (see _wait): one Python frame per wait on the hot path
+        if work.wait(ctx.timeout) is not False:
+            return buf
+    except Exception as e:
+        _wait_failed(ctx, "receiving", what, peer, e)
+    _wait_failed(ctx, "receiving", what, peer, None)
 
 
 @fx.node.has_side_effect
@@ -127,19 +135,30 @@ def send(ctx: StepContext, peers: tuple[int, ...], tags: tuple[int, ...], what: 
 def wait_send(ctx: StepContext, handle) -> None:
     works, what, peers = handle
     for work in works:
-        _wait(ctx, work, "sending", what, peers)
+        try:
+            if work.wait(ctx.timeout) is not False:
+                continue
+        except Exception as e:
+            _wait_failed(ctx, "sending", what, peers, e)
+        _wait_failed(ctx, "sending", what, peers, None)
 
 
 def _wait(ctx: StepContext, work, doing: str, what: str, peer) -> None:
-    """Wait with the step's timeout; the message is only built when the wait fails (this is the hot path)."""
+    """Wait with the step's timeout; the message is only built when the wait fails."""
     try:
         ok = work.wait(ctx.timeout)
     except Exception as e:
-        raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} failed (peer dead or stalled?): "
-                             f"{e}") from e
+        _wait_failed(ctx, doing, what, peer, e)
     if ok is False:
-        raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} did not finish within "
-                             f"{ctx.timeout.total_seconds()} s")
+        _wait_failed(ctx, doing, what, peer, None)
+
+
+def _wait_failed(ctx: StepContext, doing: str, what: str, peer, error: Exception | None):
+    if error is not None:
+        raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} failed (peer dead or stalled?): "
+                             f"{error}") from error
+    raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} did not finish within "
+                         f"{ctx.timeout.total_seconds()} s")
 
 
 def _describe(doing: str, what: str, peer) -> str:
@@ -153,11 +172,6 @@ def _describe(doing: str, what: str, peer) -> str:
 @fx.node.has_side_effect
 def free(*tensors: torch.Tensor) -> None:
     """The last use of `tensors`: the generated code drops its references right after this call."""
-
-
-@fx.node.has_side_effect
-def stamp(ctx: StepContext, slot: int) -> None:
-    ctx.t[slot] = perf_counter()
 
 
 @fx.node.has_side_effect
@@ -194,7 +208,7 @@ def sum_in_order(*copies: torch.Tensor) -> torch.Tensor:
 
 PROGRAM_OPS = {
     OpKind.RECV: recv, OpKind.WAIT_RECV: wait_recv, OpKind.SEND: send, OpKind.WAIT_SEND: wait_send,
-    OpKind.FREE: free, OpKind.STAMP: stamp, OpKind.SET_GRAD: set_grad, OpKind.COPY_BUFFER: copy_buffer,
+    OpKind.FREE: free, OpKind.SET_GRAD: set_grad, OpKind.COPY_BUFFER: copy_buffer,
     OpKind.SUM: sum_in_order, OpKind.ADD_LOSS: sum_losses, OpKind.ACCUM: accumulate_,
 }
 
@@ -320,12 +334,17 @@ class RankRuntime:
         """Run this rank's program on `data[i][mb]`, microbatch mb of flat user argument i (None for an argument
         this rank does not read, see data_args); returns the batch's mean loss, the same on all ranks."""
         args = [self._fixed[n] if d is None else data[d[1]][d[0]] for n, d in zip(self.ir.inputs, self._data)]
+        # grad mode off by the C switch and the generated forward called directly: the no_grad object and
+        # nn.Module.__call__ cost tens of microseconds per step when the caches are cold after a barrier
+        grad_was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
         try:
-            with torch.no_grad():
-                loss = self.program(self.ctx, *args)
+            loss = self.program.forward(self.ctx, *args)  # the emitted program has no hooks to run
         except BaseException:
             self.ctx.renew_buffers()  # receives of the failed step may still land in the old buffers
             raise
+        finally:
+            torch._C._set_grad_enabled(grad_was)
         return self._gather(loss)
 
     def _gather(self, loss) -> float:
@@ -354,4 +373,4 @@ def _parse_data(name: str):
     return int(mb[2:]), int(rest)
 
 
-__all__ += ["recv", "recv_into", "wait_recv", "send", "wait_send", "free", "stamp", "set_grad", "copy_buffer", "sum_in_order", "sum_losses"]
+__all__ += ["recv", "recv_into", "wait_recv", "send", "wait_send", "free", "set_grad", "copy_buffer", "sum_in_order", "sum_losses"]

@@ -19,6 +19,7 @@ stage graph read last happens inside that graph, the others are free(...) calls 
 from __future__ import annotations
 
 import operator
+from time import perf_counter
 
 import torch
 from torch import fx
@@ -29,6 +30,8 @@ from zbcompile.runtime import PROGRAM_OPS, recv_into
 
 __all__ = ["emit_fx"]
 
+_STAMPS = "<ctx.t>"   # env key of the program's handle on the step's timing slots
+
 
 def emit_fx(program: RankProgram) -> fx.GraphModule:
     graph = fx.Graph()
@@ -38,6 +41,7 @@ def emit_fx(program: RankProgram) -> fx.GraphModule:
     for name in program.inputs:
         env[name] = graph.create_node("placeholder", _ident(name), name=_ident(name))
     used = program.used()
+    env[_STAMPS] = _call(graph, getattr, (ctx, "t"), "stamps")
     handed = _handed_over(program)
     gone = {v for vs in handed.values() for v in vs}
     for i, op in enumerate(program.ops):
@@ -171,7 +175,8 @@ def _free(graph, env, op, gone: set[str]) -> None:
 
 
 def _stamp(graph, env, root, ctx, op, program, used) -> None:
-    _call(graph, PROGRAM_OPS[OpKind.STAMP], (ctx, op.arg))
+    """`stamps[slot] = perf_counter()` (the runtime's StepContext.t): two C calls, no Python frame."""
+    _call(graph, operator.setitem, (env[_STAMPS], op.arg, _call(graph, perf_counter, (), "now")), "stamp")
 
 
 def _accum(graph, env, root, ctx, op, program, used) -> None:
