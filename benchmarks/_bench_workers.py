@@ -435,32 +435,34 @@ def overhead_worker(rank: int, world: int, cfg: dict, port: int, outdir: str, ta
 class _Acc:
     """Accumulators the probe wrappers add to (reset before every step)."""
 
-    __slots__ = ("comp", "comm", "comm_cpu", "ncomp", "ncomm")
+    __slots__ = ("comp", "comp_cpu", "comm", "comm_cpu", "ncomp", "ncomm")
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self.comp = self.comm = self.comm_cpu = 0.0
+        self.comp = self.comp_cpu = self.comm = self.comm_cpu = 0.0
         self.ncomp = self.ncomm = 0
 
 
 def _wrap(acc: _Acc, fn, kind: str):
-    """fn, with its wall time (perf_counter) added to acc.comp or acc.comm; a gloo call also adds the main
-    thread's CPU time in it (thread_time) to acc.comm_cpu: posting a send or receive and waking from a wait
-    cost CPU in the backend, which is gloo's cost, not the runtime's."""
-    pc = time.perf_counter
+    """fn, with its wall time (perf_counter) and the main thread's CPU time in it (thread_time) added to
+    acc.comp / acc.comp_cpu (model compute) or acc.comm / acc.comm_cpu (a gloo call: posting a send or
+    receive and waking from a wait cost CPU in the backend, which is gloo's cost, not the runtime's).
+    Compute's CPU time, not its wall time, is what the CPU overhead subtracts: while gloo's I/O threads
+    hold a core, compute's wall time runs ahead of its CPU time."""
+    pc, tt = time.perf_counter, time.thread_time
     if kind == "comp":
         def w(*a, **k):
+            c0 = tt()
             t0 = pc()
             try:
                 return fn(*a, **k)
             finally:
                 acc.comp += pc() - t0
+                acc.comp_cpu += tt() - c0
                 acc.ncomp += 1
     else:
-        tt = time.thread_time
-
         def w(*a, **k):
             c0 = tt()
             t0 = pc()
@@ -554,7 +556,7 @@ def _wrapper_bias(kind: str, n: int = 20000) -> tuple[float, float]:
             f()
         wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
         inside = acc.comp + acc.comm
-        best = min(best, ((wall - inside) / n, (cpu - (acc.comp if kind == "comp" else acc.comm_cpu)) / n))
+        best = min(best, ((wall - inside) / n, (cpu - acc.comp_cpu - acc.comm_cpu) / n))
     return best
 
 
@@ -566,8 +568,8 @@ def _timed_split(step, zero, n: int, install, pm, rank: int) -> dict:
     acc = _Acc()
     undo_comm = _install_comm_probes(acc)
     undo_comp = install(acc)
-    rec: dict = {k: [] for k in ("wall", "tcpu", "pcpu", "comp", "comm", "comm_cpu", "ncomp", "ncomm",
-                                 "stamp_comp")}
+    rec: dict = {k: [] for k in ("wall", "tcpu", "pcpu", "comp", "comp_cpu", "comm", "comm_cpu", "ncomp",
+                                 "ncomm", "stamp_comp")}
     try:
         for _ in range(2):  # one unmeasured step with the probes in
             zero()
@@ -584,6 +586,7 @@ def _timed_split(step, zero, n: int, install, pm, rank: int) -> dict:
             rec["tcpu"].append(c1 - c0)
             rec["pcpu"].append(p1 - p0)
             rec["comp"].append(acc.comp)
+            rec["comp_cpu"].append(acc.comp_cpu)
             rec["comm"].append(acc.comm)
             rec["comm_cpu"].append(acc.comm_cpu)
             rec["ncomp"].append(acc.ncomp)
@@ -594,7 +597,7 @@ def _timed_split(step, zero, n: int, install, pm, rank: int) -> dict:
     finally:
         undo_comp()
         undo_comm()
-    rec["bias_s"], _ = _wrapper_bias("comp")
+    rec["bias_s"], rec["bias_cpu_s"] = _wrapper_bias("comp")
     rec["comm_bias_s"], rec["comm_bias_cpu_s"] = _wrapper_bias("comm")
     return rec
 

@@ -135,13 +135,12 @@ def split_summary(splits: list, nacts: list) -> dict:
     tot = sum(nacts)
 
     def parts(sp, i):
-        bias = sp["bias_s"] * sp["ncomp"][i]
-        wall_bias = bias + sp["comm_bias_s"] * sp["ncomm"][i]
-        cpu_bias = bias + sp["comm_bias_cpu_s"] * sp["ncomm"][i]
+        wall_bias = sp["bias_s"] * sp["ncomp"][i] + sp["comm_bias_s"] * sp["ncomm"][i]
+        cpu_bias = sp["bias_cpu_s"] * sp["ncomp"][i] + sp["comm_bias_cpu_s"] * sp["ncomm"][i]
         return dict(wall=sp["wall"][i], comp=sp["comp"][i], comm=sp["comm"][i],
                     ovh_wall=sp["wall"][i] - sp["comp"][i] - sp["comm"][i] - wall_bias,
-                    ovh_cpu=sp["tcpu"][i] - sp["comp"][i] - sp["comm_cpu"][i] - cpu_bias,
-                    ovh_pcpu=sp["pcpu"][i] - sp["comp"][i] - cpu_bias,
+                    ovh_cpu=sp["tcpu"][i] - sp["comp_cpu"][i] - sp["comm_cpu"][i] - cpu_bias,
+                    ovh_pcpu=sp["pcpu"][i] - sp["comp_cpu"][i] - cpu_bias,
                     calls=sp["ncomp"][i] + sp["ncomm"][i])
 
     keys = ("wall", "comp", "comm", "ovh_wall", "ovh_cpu", "ovh_pcpu", "calls")
@@ -520,17 +519,21 @@ class Bench:
         out.append(
             "  Method: after the timed and cProfile'd steps, 20 more steps per schedule with probes (perf_counter "
             "wrappers). Model compute = ours: the forward body of every stage graph (F/B/W GraphModules, wrapped "
-            "per instance; the call into it stays outside, i.e. counts as ours' overhead) and the foreach sums of "
-            "per-microbatch parameter gradients (the work torch's AccumulateGrad does); torch: the stage "
+            "per instance; the call into it stays outside, i.e. counts as ours' overhead; W / BW graphs add their "
+            "parameter gradients into the running sums inside, the work torch's AccumulateGrad does) and any "
+            "foreach gradient sums the program makes outside a graph; torch: the stage "
             "module's forward body (submod.forward wrapped per instance), the schedule's loss_fn, and every "
             "autograd engine run (torch.autograd._engine_run_backward: full / input / weight backward, incl. "
             "AccumulateGrad and pipelining's graph hooks, which thus count as torch's compute, not overhead). "
             "gloo = time inside ProcessGroup.send/recv/allgather/... and Work.wait (C++ entry points, patched on "
             "the pybind classes; the same for both). Per step, all ranks summed, divided by all ranks' actions "
-            "(compute + P2P ops, as in the table above); median over steps. CPU = main thread's thread_time "
-            "outside model compute and outside gloo calls (gloo's own CPU for posting sends / receives and waking "
-            "from waits is the backend's cost, the same per message for both runtimes); proc-CPU = process_time "
-            "minus compute (gloo's I/O threads and gloo's main-thread CPU included). The probes' own cost (compute "
+            "(compute + P2P ops, as in the table above); median over steps. OVERHEAD wall = wall - compute wall - "
+            "gloo wall: it includes the time the main thread is runnable but not running (2 ranks' main and gloo "
+            "I/O threads share 2 cores). OVERHEAD CPU = the main thread's thread_time minus its thread_time inside "
+            "model compute and inside gloo calls (gloo's own CPU for posting sends / receives and waking from "
+            "waits is the backend's cost, the same per message for both runtimes): the runtime's own host work. "
+            "proc-CPU = process_time minus compute CPU (gloo's I/O threads and gloo's main-thread CPU included). "
+            "The probes' own cost (compute "
             f"probe {med(bias) if bias else float('nan'):.2f} us per call, gloo probe "
             f"{med(cbias) if cbias else float('nan'):.2f} us, each measured on a no-op) is subtracted. "
             "compute r0 probe / stamp = "

@@ -200,6 +200,8 @@ class RankProgram:
             lo, hi = max(0, mark - window), min(len(self.ops), mark + window + 1)
             width = width or 160
         head = f"# rank {self.rank} of {self.schedule.name}: inputs {len(self.inputs)}, ops {len(self.ops)}"
+        if self.buffers:
+            head += f", static receive buffers {len(self.buffers)} ({_mib(self.buffers):.2f} MiB)"
         lines = [head] + [_cut(f"{'>>' if i == mark else '  '} {i:4d}  {self.ops[i]}", width) for i in range(lo, hi)]
         lines.append(f"     return {self.output}")
         return "\n".join(lines)
@@ -217,3 +219,7 @@ def first_use(ops: Iterable[Op], value: str) -> int | None:
         if value in op.ins:
             return i
     return None
+
+
+def _mib(specs: Iterable[TensorSpec]) -> float:
+    return sum(s.nbytes for s in specs) / 2**20
