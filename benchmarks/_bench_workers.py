@@ -418,7 +418,7 @@ def overhead_worker(rank: int, world: int, cfg: dict, port: int, outdir: str, ta
                 rec.pop("extra")
                 rec.pop("first")
                 rec["actions"] = acts
-                rec["split"] = _timed_split(step, zero, cfg.get("split_steps", 20), install,
+                rec["split"] = _timed_split(step, zero, cfg.get("split_steps", 40), install,
                                             pm if side == "ours" else None, rank)
                 rec.update(_profile_split(step, zero, cfg.get("profile_steps", 10)))
                 res[key] = rec

@@ -260,13 +260,14 @@ class Bench:
         mx, rel, missing = grad_diff(ref, got)
         rr.update(grad_max_abs_diff=mx, grad_rel_diff=rel, grad_missing=missing)
 
-    def overhead(self, torch_names: list, our_names: list) -> dict:
+    def overhead(self, torch_names: list, our_names: list, reverse: bool = False) -> dict:
         ocfg = dict(self.cfg, model="null", d=4, layers=4, heads=1, seq=1, vocab=8, mbs=1, n_mb=16, warmup=3,
                     warmup_s=0.3 if self.args.quick else 1.0, steps=30, max_measure_s=1.0 if self.args.quick else 2.5,
                     spin_s=0.5 if self.args.quick else 2.0, split="even", our_split="same", save_grads=False)
         out: dict = dict(cfg=ocfg)
         os.environ["OMP_NUM_THREADS"] = "1"
-        for side, names in (("torch", torch_names), ("ours", our_names)):
+        sides = (("torch", torch_names), ("ours", our_names))
+        for side, names in reversed(sides) if reverse else sides:
             if not names:
                 continue
             tag = f"ov_{side}"
@@ -349,7 +350,11 @@ class Bench:
                 e["error"] = next((r.get("error") for r in e["rounds"] if r.get("error")), "no data")
         self.report["results"] = res
         if not a.no_overhead or a.only_overhead:
-            self.report["overhead"] = self.overhead([t for t in tors], ours)
+            # the overhead split of one round moves by 20-40% on this shared machine: several rounds (every
+            # other one running ours first), the target judged on the median ratio
+            rounds = [self.overhead(list(tors), ours, reverse=k % 2 == 1) for k in range(a.overhead_rounds)]
+            self.report["overhead"] = rounds[0]
+            self.report["overhead_rounds"] = rounds
         self.log("done measuring")
         return self.report
 
@@ -472,6 +477,33 @@ class Bench:
         return "\n".join(lines)
 
 
+    def round_table(self) -> list:
+        """ours/torch overhead ratios (wall / CPU) per round of (d) and their medians; the target on the medians."""
+        rounds = self.report.get("overhead_rounds") or []
+        rows, met = [], True
+        for key in rounds[0] if rounds else ():
+            if not key.startswith("ours:") or EQUIVALENT.get(key[5:]) is None:
+                continue
+            tk = f"torch:{EQUIVALENT[key[5:]]}"
+            ratios = []
+            for ov in rounds:
+                a, b = ov.get(key, {}).get("split_us_per_action"), ov.get(tk, {}).get("split_us_per_action")
+                if a and b:
+                    ratios.append((a["ovh_wall"] / b["ovh_wall"], a["ovh_cpu"] / b["ovh_cpu"]))
+            if not ratios:
+                met = False
+                continue
+            mw, mc = med([r[0] for r in ratios]), med([r[1] for r in ratios])
+            met = met and mw <= 0.2 and mc <= 0.2
+            rows.append([f"{key} vs {tk}", "  ".join(f"{w:.3f} / {c:.3f}" for w, c in ratios), f"{mw:.3f}", f"{mc:.3f}"])
+        if not rows:
+            return []
+        return ["", f"ours/torch runtime host overhead per action, {len(rounds)} round(s) of (d):",
+                tabulate(rows, headers=["schedule", "per round: wall / CPU", "median wall", "median CPU"],
+                         tablefmt="github"),
+                f"TARGET per-action runtime host overhead ours <= 0.20x torch (every schedule vs its torch "
+                f"equivalent, median over rounds, wall and CPU): {'MET' if met else 'NOT MET'}"]
+
     def split_table(self, ov: dict) -> list:
         """The runtime's own host cost per action (probed steps), next to compute and gloo time per action."""
         rows = []
@@ -504,20 +536,14 @@ class Bench:
             worst = {k: max(x[k] for x in sums["ours"]) for k in ("ovh_wall", "ovh_cpu")}
             tmin = {k: min(x[k] for x in sums["torch"]) for k in ("ovh_wall", "ovh_cpu")}
             tmax = {k: max(x[k] for x in sums["torch"]) for k in ("ovh_wall", "ovh_cpu")}
-            ratios = [float(r[-1].split()[0]) for r in rows if r[0].startswith("ours:") and r[-1]]
-            cratios = [float(r[-1].split()[2]) for r in rows if r[0].startswith("ours:") and r[-1]]
-            met = ratios and max(ratios) <= 0.2 and max(cratios) <= 0.2
-            out.append(f"  ours {best['ovh_wall']:.1f}-{worst['ovh_wall']:.1f} us/act wall, {best['ovh_cpu']:.1f}-"
+            out.append(f"  round 1: ours {best['ovh_wall']:.1f}-{worst['ovh_wall']:.1f} us/act wall, {best['ovh_cpu']:.1f}-"
                        f"{worst['ovh_cpu']:.1f} CPU; torch {tmin['ovh_wall']:.1f}-{tmax['ovh_wall']:.1f} wall, "
-                       f"{tmin['ovh_cpu']:.1f}-{tmax['ovh_cpu']:.1f} CPU. ours/torch (equivalent schedule): wall "
-                       f"{min(ratios, default=float('nan')):.3f}-{max(ratios, default=float('nan')):.3f}, CPU "
-                       f"{min(cratios, default=float('nan')):.3f}-{max(cratios, default=float('nan')):.3f}")
-            out.append(f"TARGET per-action runtime host overhead ours <= 0.20x torch (every schedule vs its torch "
-                       f"equivalent, wall and CPU): {'MET' if met else 'NOT MET'}")
+                       f"{tmin['ovh_cpu']:.1f}-{tmax['ovh_cpu']:.1f} CPU")
+        out.extend(self.round_table())
         bias = [v.get("probe_bias_us") for v in ov.values() if isinstance(v, dict) and v.get("probe_bias_us")]
         cbias = [v["comm_probe_bias_us"] for v in ov.values() if isinstance(v, dict) and v.get("comm_probe_bias_us")]
         out.append(
-            "  Method: after the timed and cProfile'd steps, 20 more steps per schedule with probes (perf_counter "
+            "  Method: after the timed and cProfile'd steps, 40 more steps per schedule with probes (perf_counter "
             "wrappers). Model compute = ours: the forward body of every stage graph (F/B/W GraphModules, wrapped "
             "per instance; the call into it stays outside, i.e. counts as ours' overhead; W / BW graphs add their "
             "parameter gradients into the running sums inside, the work torch's AccumulateGrad does) and any "
@@ -559,6 +585,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--only-overhead", action="store_true",
                     help="run only (d), the per-action host overhead section (about 1-2 min)")
+    ap.add_argument("--overhead-rounds", type=int, default=None, help="rounds of (d), default 3 (--quick: 1)")
     ap.add_argument("--no-probe", action="store_true")
     ap.add_argument("--profile", type=int, default=0, help="cProfile N extra steps of ours per rank (pstats in tmp)")
     ap.add_argument("--timeout", type=float, default=300.0, help="per config (seconds)")
@@ -573,6 +600,8 @@ def main(argv=None) -> int:
         args.torch_schedules = QUICK_TORCH if args.quick else DEFAULT_TORCH
     if args.rounds is None:
         args.rounds = 1 if args.quick else 2
+    if args.overhead_rounds is None:
+        args.overhead_rounds = 1 if args.quick else 3
     bench.run()
     text = bench.table()
     print(text)
