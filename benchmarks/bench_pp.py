@@ -126,17 +126,17 @@ def grad_diff(ref: dict, got: dict) -> tuple[float, float, list]:
     return mx, (mx / mref if mref else float("nan")), missing
 
 
-def split_summary(splits: list, nacts: list) -> dict:
+def split_summary(splits: list, nacts: list, bias: tuple[float, float]) -> dict:
     """Per-action split of the probed steps (see _bench_workers._timed_split), all ranks together: for each
     step i, sum over ranks of the part / sum over ranks of the actions; the median over steps. Also each
-    rank's own median. The probe wrappers' own cost (calls x bias, measured on a no-op) is taken off the
-    overhead."""
+    rank's own median. The probe wrappers' own cost (calls x `bias`, (wall, CPU) seconds per probed call,
+    measured in place) is taken off the overhead."""
     n = min(len(sp["wall"]) for sp in splits)
     tot = sum(nacts)
 
     def parts(sp, i):
-        wall_bias = sp["bias_s"] * sp["ncomp"][i] + sp["comm_bias_s"] * sp["ncomm"][i]
-        cpu_bias = sp["bias_cpu_s"] * sp["ncomp"][i] + sp["comm_bias_cpu_s"] * sp["ncomm"][i]
+        wall_bias = bias[0] * (sp["ncomp"][i] + sp["ncomm"][i])
+        cpu_bias = bias[1] * (sp["ncomp"][i] + sp["ncomm"][i])
         return dict(wall=sp["wall"][i], comp=sp["comp"][i], comm=sp["comm"][i],
                     ovh_wall=sp["wall"][i] - sp["comp"][i] - sp["comm"][i] - wall_bias,
                     ovh_cpu=sp["tcpu"][i] - sp["comp_cpu"][i] - sp["comm_cpu"][i] - cpu_bias,
@@ -151,7 +151,9 @@ def split_summary(splits: list, nacts: list) -> dict:
                     for r in range(len(splits))] for k in keys}
     out = dict(split_us_per_action=res, split_per_rank=per_rank, split_steps=n,
                probe_bias_us=1e6 * med([sp["bias_s"] for sp in splits]),
-               comm_probe_bias_us=1e6 * med([sp["comm_bias_s"] for sp in splits]))
+               probe_bias_cpu_us=1e6 * med([sp["bias_cpu_s"] for sp in splits]),
+               used_bias_us=(1e6 * bias[0], 1e6 * bias[1]),
+               warm_bias_us=1e6 * med([sp.get("warm_comm_bias_s", float("nan")) for sp in splits]))
     if splits[0].get("stamp_comp") and all(v is not None for v in splits[0]["stamp_comp"]):
         out["stamp_comp_us_per_action_r0"] = 1e6 * med(splits[0]["stamp_comp"]) / nacts[0]
     return out
@@ -265,6 +267,7 @@ class Bench:
                     warmup_s=0.3 if self.args.quick else 1.0, steps=30, max_measure_s=1.0 if self.args.quick else 2.5,
                     spin_s=0.5 if self.args.quick else 2.0, split="even", our_split="same", save_grads=False)
         out: dict = dict(cfg=ocfg)
+        splits: dict = {}
         os.environ["OMP_NUM_THREADS"] = "1"
         sides = (("torch", torch_names), ("ours", our_names))
         for side, names in reversed(sides) if reverse else sides:
@@ -296,12 +299,18 @@ class Bench:
                                     comm_us_per_action=1e6 * rs[0]["prof_comm_s"] / nact,
                                     calls_per_action=rs[0]["prof_calls"] / nact)
                 if all(x.get("split") for x in rs):
-                    out[key].update(split_summary([x["split"] for x in rs], [a["compute"] + a["comm"] for a in acts]))
-                sp = out[key].get("split_us_per_action", {})
+                    splits[key] = ([x["split"] for x in rs], [a["compute"] + a["comm"] for a in acts])
                 self.log(f"overhead {key}: {1e3 * step:.2f} ms/step, {acts[0]['compute']}+{acts[0]['comm']} actions "
-                         f"r0 -> {out[key]['us_per_action']:.0f} us/action; runtime host us/action: wall "
-                         f"{sp.get('ovh_wall', float('nan')):.1f}, CPU {sp.get('ovh_cpu', float('nan')):.1f} "
-                         f"(compute {sp.get('comp', float('nan')):.1f}, gloo {sp.get('comm', float('nan')):.1f})")
+                         f"r0 -> {out[key]['us_per_action']:.0f} us/action")
+        # the probes are the same code in both runtimes: one in-place cost per call for the round, the median
+        # of every schedule's and rank's own estimate (each alone moves by +-1 us)
+        bias = (med([sp["bias_s"] for sps, _ in splits.values() for sp in sps] or [0.0]),
+                med([sp["bias_cpu_s"] for sps, _ in splits.values() for sp in sps] or [0.0]))
+        for key, (sps, nacts) in splits.items():
+            out[key].update(split_summary(sps, nacts, bias))
+            sp = out[key]["split_us_per_action"]
+            self.log(f"overhead {key}: runtime host us/action: wall {sp['ovh_wall']:.1f}, CPU {sp['ovh_cpu']:.1f} "
+                     f"(compute {sp['comp']:.1f}, gloo {sp['comm']:.1f}; probe cost {1e6 * bias[0]:.2f} us/call)")
         err = proc(single_worker, (dict(ocfg, steps=20), "accum", 1, self.tmp, "null_single"), 120,
                    {"OMP_NUM_THREADS": "1"})
         out["single"] = load(os.path.join(self.tmp, "res_null_single.json")) or dict(error=err)
@@ -521,6 +530,7 @@ class Bench:
                          f"({EQUIVALENT[name]})")
             sums.setdefault(side, []).append(sp)
             rows.append([key, f"{sp['wall']:.0f}", f"{sp['comp']:.1f}", f"{sp['comm']:.1f}",
+                         f"{v['probe_bias_us']:.2f} / {v['probe_bias_cpu_us']:.2f}",
                          f"{sp['ovh_wall']:.1f}", "/".join(f"{x:.1f}" for x in pr["ovh_wall"]),
                          f"{sp['ovh_cpu']:.1f}", f"{sp['ovh_pcpu']:.1f}", f"{sp['calls']:.1f}",
                          f"{pr['comp'][0]:.1f} / {v.get('stamp_comp_us_per_action_r0', float('nan')):.1f}"
@@ -528,7 +538,7 @@ class Bench:
         out = ["", "runtime host overhead per action = (wall - model compute - gloo) / actions and (main-thread CPU "
                "- model compute - main-thread CPU in gloo) / actions, probed steps:",
                tabulate(rows, headers=["schedule", "wall us/act", "compute us/act", "gloo us/act",
-                                       "OVERHEAD wall us/act", "ovh wall r0/r1", "OVERHEAD CPU us/act",
+                                       "probe us/call wall / CPU", "OVERHEAD wall us/act", "ovh wall r0/r1", "OVERHEAD CPU us/act",
                                        "ovh proc-CPU us/act", "probed calls/act", "compute r0 probe / stamp",
                                        "ours/torch ovh wall / CPU"], tablefmt="github")]
         if "ours" in sums and "torch" in sums:
@@ -540,8 +550,9 @@ class Bench:
                        f"{worst['ovh_cpu']:.1f} CPU; torch {tmin['ovh_wall']:.1f}-{tmax['ovh_wall']:.1f} wall, "
                        f"{tmin['ovh_cpu']:.1f}-{tmax['ovh_cpu']:.1f} CPU")
         out.extend(self.round_table())
-        bias = [v.get("probe_bias_us") for v in ov.values() if isinstance(v, dict) and v.get("probe_bias_us")]
-        cbias = [v["comm_probe_bias_us"] for v in ov.values() if isinstance(v, dict) and v.get("comm_probe_bias_us")]
+        warm = [v["warm_bias_us"] for v in ov.values() if isinstance(v, dict) and v.get("warm_bias_us")]
+        used = next((v["used_bias_us"] for v in ov.values() if isinstance(v, dict) and v.get("used_bias_us")), None)
+        ov_bias = f"{used[0]:.2f} us wall, {used[1]:.2f} us CPU" if used else "n/a"
         out.append(
             "  Method: after the timed and cProfile'd steps, 40 more steps per schedule with probes (perf_counter "
             "wrappers). Model compute = ours: the forward body of every stage graph (F/B/W GraphModules, wrapped "
@@ -559,9 +570,10 @@ class Bench:
             "model compute and inside gloo calls (gloo's own CPU for posting sends / receives and waking from "
             "waits is the backend's cost, the same per message for both runtimes): the runtime's own host work. "
             "proc-CPU = process_time minus compute CPU (gloo's I/O threads and gloo's main-thread CPU included). "
-            "The probes' own cost (compute "
-            f"probe {med(bias) if bias else float('nan'):.2f} us per call, gloo probe "
-            f"{med(cbias) if cbias else float('nan'):.2f} us, each measured on a no-op) is subtracted. "
+            "The probes' own cost is subtracted, measured in place: 40 more steps with every probe wrapped twice "
+            "cost that much more per probed call (probe us/call, each schedule's estimate; the median over all "
+            "schedules of both runtimes, the same probe code, is what is subtracted for the round: "
+            f"{ov_bias}; the same wrapper on a warm no-op: {med(warm) if warm else float('nan'):.2f} us). "
             "compute r0 probe / stamp = "
             "rank 0's compute per rank-0 action, probe / ours' runtime stamps around each stage-graph call (the stamp "
             "window also holds the call and the output unpacking, not the gradient sums), a cross-check of the probe.")
