@@ -427,11 +427,13 @@ class Bench:
             lines = []
         else:
             lines.append("step ms = median of the best round (rounds ms = each round's median, 2nd round in reverse "
-                         "order); x torch equiv = torch step / ours (>1: ours faster); x 1p-2t = single process 2 threads "
-                         "step / this step; bubble = ours, measured per rank (1 - busy/span), median of the measured "
-                         "steps; CPU ms/step = process CPU time per step summed over ranks, median of the best round (less sensitive to other "
-                         "jobs than wall time; a 2-thread process counts both threads); loss diff = |first-step loss - single-process loss|; grad diff = max |grad - "
-                         "single-process grad| after the first step (ours, all params incl. the tied wte).")
+                         "order); x torch equiv = torch step / ours (>1: ours faster); x 1p-2t = single process 2 "
+                         "threads step / this step; bubble = ours, measured per rank (1 - busy/span), median of the "
+                         "measured steps; CPU ms/step = process CPU time per step summed over ranks, median of "
+                         "the best round (less sensitive to other jobs than wall time; a 2-thread process counts "
+                         "both threads); loss diff = |first-step loss - single-process loss|; grad diff = "
+                         "max |grad - single-process grad| after the first step (ours, all params incl. the "
+                         "tied wte).")
         # targets
         zb = best_ms("ours_zbv")
         tz = best_ms("torch_ZBVZeroBubble")
@@ -504,7 +506,8 @@ class Bench:
                 continue
             mw, mc = med([r[0] for r in ratios]), med([r[1] for r in ratios])
             met = met and mw <= 0.2 and mc <= 0.2
-            rows.append([f"{key} vs {tk}", "  ".join(f"{w:.3f} / {c:.3f}" for w, c in ratios), f"{mw:.3f}", f"{mc:.3f}"])
+            rows.append([f"{key} vs {tk}", "  ".join(f"{w:.3f} / {c:.3f}" for w, c in ratios), f"{mw:.3f}",
+                         f"{mc:.3f}"])
         if not rows:
             return []
         return ["", f"ours/torch runtime host overhead per action, {len(rounds)} round(s) of (d):",
@@ -538,7 +541,8 @@ class Bench:
         out = ["", "runtime host overhead per action = (wall - model compute - gloo) / actions and (main-thread CPU "
                "- model compute - main-thread CPU in gloo) / actions, probed steps:",
                tabulate(rows, headers=["schedule", "wall us/act", "compute us/act", "gloo us/act",
-                                       "probe us/call wall / CPU", "OVERHEAD wall us/act", "ovh wall r0/r1", "OVERHEAD CPU us/act",
+                                       "probe us/call wall / CPU", "OVERHEAD wall us/act", "ovh wall r0/r1",
+                                       "OVERHEAD CPU us/act",
                                        "ovh proc-CPU us/act", "probed calls/act", "compute r0 probe / stamp",
                                        "ours/torch ovh wall / CPU"], tablefmt="github")]
         if "ours" in sums and "torch" in sums:
@@ -546,8 +550,9 @@ class Bench:
             worst = {k: max(x[k] for x in sums["ours"]) for k in ("ovh_wall", "ovh_cpu")}
             tmin = {k: min(x[k] for x in sums["torch"]) for k in ("ovh_wall", "ovh_cpu")}
             tmax = {k: max(x[k] for x in sums["torch"]) for k in ("ovh_wall", "ovh_cpu")}
-            out.append(f"  round 1: ours {best['ovh_wall']:.1f}-{worst['ovh_wall']:.1f} us/act wall, {best['ovh_cpu']:.1f}-"
-                       f"{worst['ovh_cpu']:.1f} CPU; torch {tmin['ovh_wall']:.1f}-{tmax['ovh_wall']:.1f} wall, "
+            out.append(f"  round 1: ours {best['ovh_wall']:.1f}-{worst['ovh_wall']:.1f} us/act wall, "
+                       f"{best['ovh_cpu']:.1f}-{worst['ovh_cpu']:.1f} CPU; torch "
+                       f"{tmin['ovh_wall']:.1f}-{tmax['ovh_wall']:.1f} wall, "
                        f"{tmin['ovh_cpu']:.1f}-{tmax['ovh_cpu']:.1f} CPU")
         out.extend(self.round_table())
         warm = [v["warm_bias_us"] for v in ov.values() if isinstance(v, dict) and v.get("warm_bias_us")]

@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from zbcompile.split import report, split_model
 
     if args.rank is not None and not 0 <= args.rank < args.pp:
-        raise ZBCompileError(f"inspect: --rank {args.rank} is not a rank of a {args.pp}-rank pipeline (0..{args.pp - 1})")
+        raise ZBCompileError(f"inspect: --rank {args.rank} is not a rank of a {args.pp}-rank pipeline "
+                             f"(0..{args.pp - 1})")
     model, loss_fn, example = _build(load_factory(args.target))
     m = args.microbatches or 2 * args.pp
     schedule = generate(args.schedule, args.pp, m, chunks=args.chunks)

@@ -373,4 +373,5 @@ def _parse_data(name: str):
     return int(mb[2:]), int(rest)
 
 
-__all__ += ["recv", "recv_into", "wait_recv", "send", "wait_send", "free", "set_grad", "copy_buffer", "sum_in_order", "sum_losses"]
+__all__ += ["recv", "recv_into", "wait_recv", "send", "wait_send", "free", "set_grad", "copy_buffer", "sum_in_order",
+            "sum_losses"]

@@ -174,7 +174,8 @@ def accumulate_grads(program: RankProgram) -> RankProgram:
             ops.append(op)
             continue
         grads = _grad_outputs(op)
-        in_place = bool(grads) and all(owned.get(name, False) for _, name in grads) and _computed(program, op, grads)
+        in_place = (bool(grads) and all(owned.get(name, False) for _, name in grads)
+                    and _computed(program, op, grads))
         if in_place:
             ops.append(_accumulating_run(op, grads, acc, seen))
         else:
