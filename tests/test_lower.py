@@ -12,6 +12,7 @@ import weakref
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from models import gpt, mlp
 from threaded import max_grad_error, run_threaded
@@ -99,6 +100,72 @@ def test_gradients_are_summed_inside_the_stage_graphs():
             assert later and all(v.startswith("acc") for v in later)
     gm = emit_fx(lower_all(generate("zb-h1", 2, 4), staged)[0])
     assert "self.stage0_w_acc(" in gm.code and "add_" in gm.stage0_w_acc.code
+
+
+def test_accumulating_graphs_add_exactly_the_gradients():
+    """A W / BW graph's accumulating variant, with its fusions (addmm_ for GEMM gradients, index_add_ for the
+    embedding's), leaves acc + the gradient the plain graph computes and the same other outputs; fed the
+    inputs a real step gave the plain graphs (GPT: embedding, Linear layers, tied head)."""
+    from zbcompile.passes.lower.compute import accumulating_graph
+
+    model, loss_fn, (x, y), staged = _gpt_split(2)
+    seen: dict = {}
+
+    def patch(rank, gm):
+        for child, mod in list(gm.named_children()):
+            if child.endswith(("_w", "_bw")) and child not in seen:
+                def record(args, mod=mod, child=child):
+                    seen.setdefault(child, [a.clone() for a in args])
+                    return mod(args)
+                gm.__dict__[child] = record
+
+    for name in ("zb-h1", "1f1b"):   # W graphs, then BW graphs
+        run_threaded(model, staged, generate(name, 2, 4), (x, y), patch=patch)
+    assert len(seen) == 4
+    fused = []
+    for child, args in seen.items():
+        stage = staged.stages[int(child[5])]
+        g = getattr(stage, child.split("_")[1])
+        plain = g.gm(*args)
+        sums = [torch.randn_like(plain[i]) for i, n in enumerate(g.outputs) if n.startswith("grad:param:")]
+        acc = accumulating_graph(g)
+        got = acc(*args, *[t.clone() for t in sums])
+        fused += [n.target.__name__ for n in acc.graph.nodes if n.op == "call_function"]
+        k = 0
+        for i, name in enumerate(g.outputs):
+            want = plain[i] + sums[k] if name.startswith("grad:param:") else plain[i]
+            k += name.startswith("grad:param:")
+            torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-6, msg=f"{child} {name}")
+    assert "addmm_.default" in fused and "index_add_.default" in fused
+    assert "embedding_dense_backward.default" not in fused
+
+
+def test_accumulating_fusions_on_hand_made_graphs():
+    """The fusion cases real stage graphs may not hit: a GEMM gradient under one transpose, a GEMM another
+    output also reads (not fused: it must stay), an embedding with a padding row (not fused: the padding row
+    gets no gradient)."""
+    from zbcompile.passes.lower.compute import accumulating_graph
+    from zbcompile.stages import Graph
+
+    def f(a, b, go, ids):
+        m = torch.mm(a, b)
+        emb = torch.ops.aten.embedding_dense_backward(go, ids, 6, -1, False)
+        padded = torch.ops.aten.embedding_dense_backward(go, ids, 6, 2, False)
+        return torch.mm(a, b).t(), m, m * 2, emb, padded
+
+    args = (torch.randn(3, 5), torch.randn(5, 4), torch.randn(2, 3, 4), torch.tensor([[0, 2, 5], [2, 2, 1]]))
+    names = ("grad:param:t", "grad:param:m", "wsaved:m2", "grad:param:e", "grad:param:p")
+    g = Graph(make_fx(f)(*args), ("a", "b", "go", "ids"), names)
+    acc = accumulating_graph(g)
+    called = [n.target.__name__ for n in acc.graph.nodes if n.op == "call_function"]
+    assert called.count("addmm_.default") == 1 and called.count("index_add_.default") == 1
+    assert called.count("embedding_dense_backward.default") == 1   # the padded one stays
+    plain = g.gm(*args)
+    sums = [torch.randn_like(plain[i]) for i in (0, 1, 3, 4)]
+    got = acc(*args, *[t.clone() for t in sums])
+    for i, want in zip(range(5), (plain[0] + sums[0], plain[1] + sums[1], plain[2], plain[3] + sums[2],
+                                  plain[4] + sums[3])):
+        torch.testing.assert_close(got[i], want, msg=names[i])
 
 
 def test_frees_come_right_after_last_use():

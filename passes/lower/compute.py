@@ -70,12 +70,66 @@ def _build_accumulating(g: Graph) -> fx.GraphModule:
             with graph.inserting_after(anchor):
                 anchor = sums[i] = graph.placeholder("acc_" + "".join(c if c.isalnum() else "_" for c in name))
     for i, acc in sums.items():
-        # right after the gradient is computed, so that its memory goes as soon as it is summed
-        where = anchor if outs[i].op == "placeholder" else outs[i]
-        with graph.inserting_after(where):
-            outs[i] = graph.call_function(torch.ops.aten.add_.Tensor, (acc, outs[i]))
+        outs[i] = _sum_into(graph, acc, outs[i], anchor, outs)
     graph.output(tuple(outs))
+    graph.lint()
     return fx.GraphModule(g.gm, graph, class_name=type(g.gm).__name__ + "Accumulating")
+
+
+def _sum_into(graph: fx.Graph, acc: fx.Node, grad: fx.Node, last_input: fx.Node, outs: list) -> fx.Node:
+    """`acc += grad`, placed right after grad is computed (its memory goes as soon as it is summed) and, where
+    grad is made by a GEMM or an embedding's backward that nothing else reads, fused into it:
+
+        t(mm(a, b))                           ->  addmm_(acc, t(b), t(a))     no temporary, one pass less
+        embedding_dense_backward(go, ids, ..) ->  index_add_(acc, 0, ids, go)  no dense zeros + scatter
+    """
+    aten = torch.ops.aten
+    where = [last_input if grad.op == "placeholder" else grad]
+
+    def emit(target, args):   # each new node after the previous one (fx's inserting_after does not advance)
+        with graph.inserting_after(where[0]):
+            where[0] = graph.call_function(target, args)
+        return where[0]
+
+    chain = _private_chain(grad, outs) if grad.op != "placeholder" else []
+    root = chain[-1] if chain else None
+    if root is not None and root.target is aten.mm.default:
+        a, b = root.args
+        if len(chain) % 2 == 0:   # an odd number of transposes above the mm: (a b)^T = b^T a^T
+            a, b = emit(aten.t.default, (b,)), emit(aten.t.default, (a,))
+        fused = emit(aten.addmm_.default, (acc, a, b))
+    elif root is not None and _plain_embedding_backward(root) and len(chain) == 1:
+        go, ids = root.args[:2]
+        rows = emit(aten.flatten.using_ints, (go, 0, -2))
+        fused = emit(aten.index_add_.default, (acc, 0, emit(aten.reshape.default, (ids, [-1])), rows))
+    else:
+        return emit(aten.add_.Tensor, (acc, grad))
+    for node in chain:   # grad first: each one's only reader is gone before it goes
+        graph.erase_node(node)
+    return fused
+
+
+def _private_chain(grad: fx.Node, outs: list) -> list[fx.Node]:
+    """grad, then the nodes below it through transposes (t(t(mm))), as long as each is read by nothing but
+    the one above it (grad itself: by nothing but this output), so that fusing may delete them all."""
+    aten = torch.ops.aten
+    if grad.users or sum(o is grad for o in outs) != 1:
+        return []
+    chain = [grad]
+    while chain[-1].target is aten.t.default:
+        below = chain[-1].args[0]
+        if not isinstance(below, fx.Node) or len(below.users) != 1 or any(o is below for o in outs):
+            return []
+        chain.append(below)
+    return chain
+
+
+def _plain_embedding_backward(node: fx.Node) -> bool:
+    """embedding_dense_backward without a padding row or frequency scaling: a plain scatter-add of rows."""
+    if node.target is not torch.ops.aten.embedding_dense_backward.default or node.kwargs:
+        return False
+    padding_idx, scale_by_freq = node.args[3], node.args[4]
+    return padding_idx < 0 and not scale_by_freq
 
 
 def graph_module_name(program: RankProgram, action: Action) -> str:
