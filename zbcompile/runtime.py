@@ -48,7 +48,7 @@ class StepContext:
     bufs: the static receive buffers, by slot (see passes/lower/buffers.py).
     """
 
-    __slots__ = ("pg", "rank", "device", "timeout", "row", "t", "send_pg", "recv_pg", "_like", "bufs", "_specs")
+    __slots__ = ("pg", "rank", "device", "timeout", "row", "t", "send_pg", "recv_pg", "bufs", "_specs")
 
     def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
                  ranks: int = 1, channels: tuple | None = None, buffers: Sequence = ()):
@@ -58,7 +58,6 @@ class StepContext:
         self.timeout = timedelta(seconds=timeout)
         self.row = array.array("d", bytes(8 * (1 + slots)))
         self.t = memoryview(self.row)[1:]
-        self._like: dict[tuple, torch.Tensor] = {}
         up, down = channels or (pg, pg)
         self.send_pg = [up if q > rank else down for q in range(ranks)]
         self.recv_pg = [down if q > rank else up for q in range(ranks)]
@@ -70,32 +69,18 @@ class StepContext:
         whose receives may still be posted into the old ones."""
         self.bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self._specs]
 
-    def like(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A storage-free tensor of `shape` (one element expanded): `torch.empty_like` of it allocates a contiguous
-        buffer in about half the host time of `torch.empty(shape, dtype=, device=)`, which parses its arguments."""
-        t = self._like.get((shape, dtype))
-        if t is None:
-            t = self._like[shape, dtype] = torch.empty((), dtype=dtype, device=self.device).expand(shape)
-        return t
-
 
 # ---- ops the generated program calls (all marked side-effecting, so dead-code elimination keeps them) ----
 @fx.node.has_side_effect
 def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype, what: str):
     """Post an irecv into a fresh buffer; returns a handle for wait_recv."""
-    return _post_recv(ctx, torch.empty_like(ctx.like(shape, dtype), memory_format=torch.contiguous_format),
-                      peer, tag, what)
+    return _post_recv(ctx, torch.empty(shape, dtype=dtype, device=ctx.device), peer, tag, what)
 
 
 @fx.node.has_side_effect
 def recv_into(ctx: StepContext, peer: int, tag: int, slot: int, what: str):
     """Post an irecv into static buffer `slot`, which nothing still uses (see passes/lower/buffers.py)."""
-    buf = ctx.bufs[slot]
-    try:  # _post_recv's body, inlined: this is the hot path
-        work = ctx.recv_pg[peer].recv([buf], peer, tag)
-    except Exception as e:
-        raise RuntimeFailure(f"rank {ctx.rank}: posting the receive of {what} from rank {peer} failed: {e}") from e
-    return buf, work, what, peer
+    return _post_recv(ctx, ctx.bufs[slot], peer, tag, what)
 
 
 def _post_recv(ctx: StepContext, buf: torch.Tensor, peer: int, tag: int, what: str):
@@ -110,12 +95,8 @@ def _post_recv(ctx: StepContext, buf: torch.Tensor, peer: int, tag: int, what: s
 def wait_recv(ctx: StepContext, handle) -> torch.Tensor:
     """Wait for a posted receive; returns the filled buffer."""
     buf, work, what, peer = handle
-    try:  # the wait inlined (see _wait): one Python frame per wait on the hot path
-        if work.wait(ctx.timeout) is not False:
-            return buf
-    except Exception as e:
-        _wait_failed(ctx, "receiving", what, peer, e)
-    _wait_failed(ctx, "receiving", what, peer, None)
+    _wait(ctx, work, "receiving", what, peer)
+    return buf
 
 
 @fx.node.has_side_effect
@@ -135,30 +116,19 @@ def send(ctx: StepContext, peers: tuple[int, ...], tags: tuple[int, ...], what: 
 def wait_send(ctx: StepContext, handle) -> None:
     works, what, peers = handle
     for work in works:
-        try:
-            if work.wait(ctx.timeout) is not False:
-                continue
-        except Exception as e:
-            _wait_failed(ctx, "sending", what, peers, e)
-        _wait_failed(ctx, "sending", what, peers, None)
+        _wait(ctx, work, "sending", what, peers)
 
 
 def _wait(ctx: StepContext, work, doing: str, what: str, peer) -> None:
-    """Wait with the step's timeout; the message is only built when the wait fails."""
+    """Wait with the step's timeout; the message is only built when the wait fails (this is the hot path)."""
     try:
         ok = work.wait(ctx.timeout)
     except Exception as e:
-        _wait_failed(ctx, doing, what, peer, e)
-    if ok is False:
-        _wait_failed(ctx, doing, what, peer, None)
-
-
-def _wait_failed(ctx: StepContext, doing: str, what: str, peer, error: Exception | None):
-    if error is not None:
         raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} failed (peer dead or stalled?): "
-                             f"{error}") from error
-    raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} did not finish within "
-                         f"{ctx.timeout.total_seconds()} s")
+                             f"{e}") from e
+    if ok is False:
+        raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} did not finish within "
+                             f"{ctx.timeout.total_seconds()} s")
 
 
 def _describe(doing: str, what: str, peer) -> str:

@@ -52,7 +52,7 @@ Pass = Callable[[RankProgram], RankProgram]
 # A receive is posted this many compute actions before its consumer. Gloo (and NCCL for large messages)
 # moves the data only once the receive is posted, so a late post puts a round trip on the critical path;
 # on the near-zero-compute benchmark model, 3-4 instead of 1 cut the step time by 15-25% (1f1b, zb-h1,
-# zbv at pp=2). The price is each boundary buffer allocated up to this many actions before it is needed.
+# zbv at pp=2). The price is more receive buffers live at once (static_recv_buffers keeps that many more).
 RECV_LOOKAHEAD = 4
 
 LOWERING: tuple[Pass, ...] = (

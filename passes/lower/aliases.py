@@ -25,6 +25,7 @@ from torch import fx
 
 __all__ = ["graph_output_aliases", "graph_output_owned"]
 
+
 def graph_output_aliases(gm: fx.GraphModule) -> tuple[frozenset[int], ...]:
     """For each output of `gm`, the positions of the placeholders it may share memory with."""
     return tuple(frozenset(r for r in roots if isinstance(r, int)) for roots in _output_roots(gm))
@@ -89,12 +90,12 @@ def _schema_roots(node: fx.Node, rets, roots: dict[fx.Node, frozenset], fresh: s
     if not sets:
         return frozenset({fresh})
     wanted = set().union(*sets)
-    out = frozenset()
+    out: set = set()
     for schema_arg, value in _bound_args(node):
         info = schema_arg.alias_info
         if info is not None and (info.before_set & wanted or not wanted):
-            out |= frozenset().union(*(roots.get(v, frozenset()) for v in _flat(value) if isinstance(v, fx.Node)))
-    return out
+            fx.node.map_arg(value, lambda n: out.update(roots.get(n, ())))
+    return frozenset(out)
 
 
 def _bound_args(node: fx.Node):
@@ -108,17 +109,9 @@ def _bound_args(node: fx.Node):
 
 
 def _all_roots(node: fx.Node, roots: dict[fx.Node, frozenset]) -> frozenset:
-    values = [*node.args, *node.kwargs.values()]
-    return frozenset().union(*(roots.get(v, frozenset()) for a in values for v in _flat(a) if isinstance(v, fx.Node)))
+    return frozenset().union(*(roots.get(n, frozenset()) for n in node.all_input_nodes))
 
 
 def _is_list(ret) -> bool:
-    return isinstance(ret.type, torch.ListType) or isinstance(ret.type, torch.OptionalType)
-
-
-def _flat(x):
-    if isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _flat(y)
-    else:
-        yield x
+    """A list or optional result: which element aliases what, the schema's annotation does not say."""
+    return isinstance(ret.type, (torch.ListType, torch.OptionalType))

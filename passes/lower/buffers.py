@@ -21,6 +21,8 @@ kind this pass does not know (a later pass's new kind is assumed to keep its inp
 
 from __future__ import annotations
 
+import dataclasses
+
 from zbcompile.passes.lower.aliases import graph_output_aliases
 from zbcompile.program import Op, OpKind, RankProgram
 from zbcompile.stages import TensorSpec
@@ -48,7 +50,7 @@ def static_recv_buffers(program: RankProgram) -> RankProgram:
             slots.append(spec)
             busy_until.append(0)
         busy_until[slot] = intervals[i]
-        ops[i] = Op(op.kind, op.ins, op.outs, op.action, op.graph, op.peers, op.tags, op.specs, slot, op.note)
+        ops[i] = dataclasses.replace(op, arg=slot)
     return program.replace(ops=tuple(ops), buffers=tuple(slots))
 
 

@@ -13,6 +13,8 @@ accumulate_grads chains each parameter's per-microbatch gradients into one sum a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import fx
 
@@ -267,8 +269,7 @@ def _accumulating_run(op: Op, grads, acc: dict, seen: dict) -> Op:
         k = seen[name] = seen[name] + 1
         olds.append(acc[name])
         outs[i] = acc[name] = f"acc{k - 1}.{name}"
-    return Op(OpKind.RUN, op.ins + tuple(olds), tuple(outs), action=op.action, graph=op.graph,
-              arg=ACCUMULATING, note=op.note)
+    return dataclasses.replace(op, ins=op.ins + tuple(olds), outs=tuple(outs), arg=ACCUMULATING)
 
 
 def _accum_ops(program: RankProgram, op: Op, grads, acc: dict, seen: dict, owned: dict) -> list[Op]:
