@@ -34,8 +34,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-def reference(model, loss_fn, batch, steps: int = 3):
-    """Eager single-process: loss and grads of step 1, parameters after `steps` AdamW steps.
+def step_batches(x, y, steps: int = 3) -> list:
+    """A different batch for every step, so that a runtime reading a stale batch (static input buffers)
+    shows up in the parameters after the AdamW steps: inputs and targets paired differently (reordering
+    both alike would not do: the batch's mean loss does not depend on the order of its rows)."""
+    return [(x, y), (x, y.roll(1, 0)), (x.roll(1, 0), y)][:steps]
+
+
+def reference(model, loss_fn, batches: list):
+    """Eager single-process: loss and grads of the first batch, parameters after one AdamW step per batch.
 
     eps=1e-3, not 1e-8: where |grad| is near eps Adam's step is grad / (|grad| + eps), so a 1e-8 change
     in a gradient (float summation order across microbatches) moves the parameter by lr * 1e-8 / eps; some
@@ -45,7 +52,7 @@ def reference(model, loss_fn, batch, steps: int = 3):
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
     loss = grads = None
-    for i in range(steps):
+    for i, batch in enumerate(batches):
         out = loss_fn(ref(*batch[:1]), *batch[1:])
         out.backward()
         if i == 0:
@@ -57,8 +64,8 @@ def reference(model, loss_fn, batch, steps: int = 3):
 
 def check_schedules(tag, case, names, pp, m, results, timeout):
     model, loss_fn, (x, y), _ = case
-    batch = (x, y)
-    loss_ref, grads_ref, params_ref = reference(model, loss_fn, batch)
+    batches = step_batches(x, y)
+    loss_ref, grads_ref, params_ref = reference(model, loss_fn, batches)
     splits = {}
     for name in names:
         t0 = time.perf_counter()
@@ -71,7 +78,7 @@ def check_schedules(tag, case, names, pp, m, results, timeout):
             pipe = zb.PipelineModule.from_staged(copy.deepcopy(model), splits[n], sched, timeout=timeout)
             opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=1e-3)
             losses, grad_err, where = [], 0.0, ""
-            for i in range(3):
+            for i, batch in enumerate(batches):
                 losses.append(pipe.step(*batch))
                 if i == 0:
                     for pname, p in pipe.named_parameters():
@@ -137,7 +144,7 @@ def check_meta(pp, results, timeout):
     model, loss_fn, (x, y), _ = mlp(layers=4, batch=4)
     for mod in model.modules():
         init_fn(mod)
-    _, grads_ref, _ = reference(model, loss_fn, (x, y), steps=1)
+    _, grads_ref, _ = reference(model, loss_fn, [(x, y)])
     with torch.device("meta"):
         meta_model = mlp(layers=4, batch=4).model.to("meta")
     called = []

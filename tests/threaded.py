@@ -16,15 +16,19 @@ from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.runtime import RankRuntime
 
 
-def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=()):
+def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
+                 staged_inputs: bool = True):
     """One step on `batch` (inputs then targets), then one on each batch of `then`, gradients accumulating;
     returns (last losses per rank, models per rank, runtimes). `patch(rank, program)` may instrument a rank's
-    GraphModule before it runs."""
-    pp, m = schedule.num_ranks, schedule.num_microbatches
+    GraphModule before it runs. staged_inputs=False makes the runtime cut every batch into fresh microbatch
+    slices even where the lowering found static input buffers safe."""
+    pp = schedule.num_ranks
     programs = lower_all(schedule, staged)
+    if not staged_inputs:
+        programs = tuple(p.replace(staged_inputs=False) for p in programs)
     models = [copy.deepcopy(model) for _ in range(pp)]
     world = FakeWorld(pp)
-    steps = [[t.chunk(m) for t in b] for b in (batch, *then)]
+    steps = (batch, *then)
     losses, runtimes, errors = [None] * pp, [None] * pp, []
 
     def run(r: int) -> None:
@@ -36,8 +40,8 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
             runtimes[r] = RankRuntime(programs[r], gm, pg=world.group(r),
                                       device=torch.device("cpu"), params=dict(mdl.named_parameters()),
                                       buffers=dict(mdl.named_buffers()), timeout=timeout)
-            for data in steps:
-                losses[r] = runtimes[r].step(data)
+            for b in steps:
+                losses[r] = runtimes[r].step_batch(b)
         except BaseException as e:  # reported in the main thread
             errors.append(e)
             world.barrier.abort()

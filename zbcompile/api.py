@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from zbcompile.errors import LoweringError, RuntimeFailure
 from zbcompile.passes.lower import emit_fx, lower_all
-from zbcompile.runtime import RankRuntime, StepTimings
+from zbcompile.runtime import RankRuntime, StepTimings, data_specs
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
@@ -102,7 +102,12 @@ class PipelineModule:
         self.rank = rank
         self._owned = owned
         self._fx: dict[int, fx.GraphModule] = {rank: runtime.program}
-        self._data_specs = _data_specs(staged)
+        self._data_specs = data_specs(staged)
+        m = schedule.num_microbatches
+        # per flat argument: the whole batch's shape and dtype, for step()'s one-comparison check
+        self._batch_specs = tuple(
+            (torch.Size((m * spec[0][0], *spec[0][1:])), spec[1]) if spec else None
+            for spec in (self._data_specs.get(i) for i in range(staged.num_inputs + staged.num_targets)))
 
     @classmethod
     def from_staged(cls, model: nn.Module, staged: StagedModel, schedule: Schedule, *, group=None,
@@ -134,20 +139,15 @@ class PipelineModule:
     def step(self, *batch: torch.Tensor) -> float:
         """One training step on the whole batch (model inputs, then loss targets; split on dim 0 into
         microbatches). Returns the batch's mean loss, the same value on every rank."""
-        want = self.staged.num_inputs + self.staged.num_targets
-        if len(batch) != want:
+        specs = self._batch_specs
+        if len(batch) != len(specs):
             raise RuntimeFailure(f"step() takes {self.staged.num_inputs} model input(s) then "
-                                 f"{self.staged.num_targets} target(s), {want} tensors; got {len(batch)}")
-        m = self.schedule.num_microbatches
-        self._check_microbatch_shapes(batch, m)
-        dev = self.runtime.device
-        data: list = [None] * want
-        for i in self.runtime.data_args:  # only what this rank's stages read: a last stage needs no inputs
-            t = batch[i]
-            if t.device != dev:
-                t = t.to(dev, non_blocking=True)
-            data[i] = t.chunk(m)   # m views in one C++ call (Tensor.split adds a Python layer)
-        return self.runtime.step(data)
+                                 f"{self.staged.num_targets} target(s), {len(specs)} tensors; got {len(batch)}")
+        for t, spec in zip(batch, specs):
+            if spec is None or t.shape != spec[0] or t.dtype != spec[1]:
+                self._check_microbatch_shapes(batch, self.schedule.num_microbatches)   # raises what is wrong
+                break
+        return self.runtime.step_batch(batch)
 
     __call__ = step
 
@@ -207,17 +207,6 @@ class PipelineModule:
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-def _data_specs(staged: StagedModel) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
-    """Microbatch shape and dtype of each flat user argument, read off the F graphs' data placeholders."""
-    specs = {}
-    for stage in staged.stages:
-        for name, node in stage.f.input_nodes().items():
-            val = node.meta.get("val")
-            if name.startswith("data:") and val is not None:
-                specs[int(name[len("data:"):])] = (tuple(val.shape), val.dtype)
-    return specs
-
-
 def _schedule(schedule, pp, microbatches, chunks, costs, mem_limit) -> Schedule:
     if isinstance(schedule, Schedule):
         if schedule.num_ranks != pp or schedule.num_microbatches != microbatches:

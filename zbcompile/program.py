@@ -31,7 +31,7 @@ from zbcompile.errors import LoweringError
 from zbcompile.schedule import Action, Schedule
 from zbcompile.stages import StagedModel, TensorSpec
 
-__all__ = ["OpKind", "Op", "RankProgram", "value_id", "data_id", "split_value_id"]
+__all__ = ["OpKind", "Op", "RankProgram", "value_id", "data_id", "split_data_id", "split_value_id"]
 
 
 class OpKind(enum.Enum):
@@ -115,6 +115,14 @@ def data_id(microbatch: int, index: int) -> str:
     return f"mb{microbatch}.data:{index}"
 
 
+def split_data_id(vid: str) -> tuple[int, int] | None:
+    """Inverse of data_id: (microbatch, index), or None for other values."""
+    mb, sep, index = vid.partition(".data:")
+    if not (sep and mb.startswith("mb") and mb[2:].isdigit() and index.isdigit()):
+        return None
+    return int(mb[2:]), int(index)
+
+
 def split_value_id(vid: str) -> tuple[int, int, str] | None:
     """Inverse of value_id: (stage, microbatch, name), or None for other values."""
     if not vid.startswith("s"):
@@ -133,6 +141,8 @@ class RankProgram:
     inputs: names the runtime passes, in order (after the step context): grad_loss, params, buffers,
     data. output: the value returned (this rank's sum of microbatch losses), or None.
     buffers: the static receive buffers the runtime makes once (RECV ops with a slot in `arg` use them).
+    staged_inputs: the runtime copies each step's batch into input buffers it makes once and passes fixed
+    microbatch views of them (nothing that may alias a data input outlives the step); False: fresh slices.
     """
 
     schedule: Schedule
@@ -143,6 +153,7 @@ class RankProgram:
     output: str | None = None
     recv_lookahead: int = 4          # see passes.lower.RECV_LOOKAHEAD
     buffers: tuple[TensorSpec, ...] = ()
+    staged_inputs: bool = False
     passes: tuple[str, ...] = ()     # names of the passes applied so far
 
     def replace(self, **changes) -> RankProgram:
@@ -202,6 +213,8 @@ class RankProgram:
         head = f"# rank {self.rank} of {self.schedule.name}: inputs {len(self.inputs)}, ops {len(self.ops)}"
         if self.buffers:
             head += f", static receive buffers {len(self.buffers)} ({_mib(self.buffers):.2f} MiB)"
+        if self.staged_inputs:
+            head += ", batch staged in static input buffers"
         lines = [head] + [_cut(f"{'>>' if i == mark else '  '} {i:4d}  {self.ops[i]}", width) for i in range(lo, hi)]
         lines.append(f"     return {self.output}")
         return "\n".join(lines)

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import fx
 
 from zbcompile.errors import RuntimeFailure
-from zbcompile.program import OpKind, RankProgram
+from zbcompile.program import OpKind, RankProgram, split_data_id
+from zbcompile.stages import StagedModel
 
-__all__ = ["StepContext", "RankRuntime", "StepTimings", "PROGRAM_OPS", "retain_freed_cpu_memory"]
+__all__ = ["StepContext", "RankRuntime", "StepTimings", "PROGRAM_OPS", "retain_freed_cpu_memory", "data_specs"]
 
 
 class StepContext:
@@ -275,9 +276,10 @@ class RankRuntime:
         self._fixed = {n: params[n[6:]] for n in ir.inputs if n.startswith("param:")}
         self._fixed.update({n: buffers[n[7:]] for n in ir.inputs if n.startswith("buffer:")})
         self._fixed["grad_loss"] = self.grad_loss
-        self._data = [_parse_data(n) for n in ir.inputs]
+        self._data = [split_data_id(n) for n in ir.inputs]
         # which flat user arguments (model inputs, then targets) this rank's program reads
         self.data_args = tuple(sorted({d[1] for d in self._data if d is not None}))
+        self._staged = self._stage_inputs(ir, device)
         # every rank's action names, for the timings record; built once, not per step
         self._names = tuple(tuple(str(a) for a in row) for row in ir.schedule.ranks)
         # the gather's buffers, made once; this rank's row is ctx.row: [loss sum, start / end of every action]
@@ -300,10 +302,42 @@ class RankRuntime:
         return StepTimings(actions, span)
 
 
+    def _stage_inputs(self, ir: RankProgram, device: torch.device):
+        """With ir.staged_inputs: ((argument index, input buffer) pairs, the program's arguments with fixed
+        microbatch views of the buffers); None runs on fresh slices of each batch."""
+        if not ir.staged_inputs:
+            return None
+        m = ir.schedule.num_microbatches
+        specs = data_specs(ir.staged)
+        if any(i not in specs for i in self.data_args):
+            return None
+        bufs = {i: torch.empty((m * specs[i][0][0], *specs[i][0][1:]), dtype=specs[i][1], device=device)
+                for i in self.data_args}
+        views = {i: b.chunk(m) for i, b in bufs.items()}
+        args = [self._fixed[n] if d is None else views[d[1]][d[0]] for n, d in zip(ir.inputs, self._data)]
+        return tuple(bufs.items()), args
+
+    def step_batch(self, batch: Sequence[torch.Tensor]) -> float:
+        """Run this rank's program on the whole batch (flat user arguments, already checked against the traced
+        microbatch shapes, split on dim 0 into num_microbatches); returns the batch's mean loss."""
+        if self._staged is None:
+            m = self.ir.schedule.num_microbatches
+            data: list = [None] * len(batch)
+            for i in self.data_args:   # only what this rank's stages read: a last stage needs no inputs
+                data[i] = batch[i].to(self.device, non_blocking=True).chunk(m)   # m views in one C++ call
+            return self.step(data)
+        bufs, args = self._staged
+        for i, buf in bufs:   # one copy per argument; the microbatch views were cut when the buffers were made
+            buf.copy_(batch[i])
+        return self._run(args)
+
     def step(self, data: Sequence[Sequence[torch.Tensor] | None]) -> float:
         """Run this rank's program on `data[i][mb]`, microbatch mb of flat user argument i (None for an argument
         this rank does not read, see data_args); returns the batch's mean loss, the same on all ranks."""
-        args = [self._fixed[n] if d is None else data[d[1]][d[0]] for n, d in zip(self.ir.inputs, self._data)]
+        return self._run([self._fixed[n] if d is None else data[d[1]][d[0]]
+                          for n, d in zip(self.ir.inputs, self._data)])
+
+    def _run(self, args: list) -> float:
         # grad mode off by the C switch and the generated forward called directly: the no_grad object and
         # nn.Module.__call__ cost tens of microseconds per step when the caches are cold after a barrier
         grad_was = torch.is_grad_enabled()
@@ -336,11 +370,15 @@ class RankRuntime:
         return sum(float(r[0]) for r in self._rows) / self.ir.schedule.num_microbatches
 
 
-def _parse_data(name: str):
-    if not name.startswith("mb"):
-        return None
-    mb, _, rest = name.partition(".data:")
-    return int(mb[2:]), int(rest)
+def data_specs(staged: StagedModel) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+    """Microbatch shape and dtype of each flat user argument, read off the F graphs' data placeholders."""
+    specs = {}
+    for stage in staged.stages:
+        for name, node in stage.f.input_nodes().items():
+            val = node.meta.get("val")
+            if name.startswith("data:") and val is not None:
+                specs[int(name[len("data:"):])] = (tuple(val.shape), val.dtype)
+    return specs
 
 
 __all__ += ["recv", "recv_into", "wait_recv", "send", "wait_send", "free", "set_grad", "copy_buffer", "sum_in_order",

@@ -18,6 +18,7 @@ reload, vocab-parallel reductions, static buffers for CUDA graphs, overlapped F&
 and the per-rank passes that need the final op order (FINISHING):
 
     static_recv_buffers  receive buffers made once and reused, wherever nothing aliasing them outlives its use
+    static_input_buffers the batch copied into input buffers made once, if nothing aliasing it outlives the step
 
 then checks all programs together:
 
@@ -32,7 +33,7 @@ from typing import Callable, Sequence
 
 
 from zbcompile.program import RankProgram
-from zbcompile.passes.lower.buffers import static_recv_buffers
+from zbcompile.passes.lower.buffers import static_input_buffers, static_recv_buffers
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
 from zbcompile.passes.lower.emit import emit_fx
 from zbcompile.passes.lower.frees import insert_frees, insert_stamps
@@ -67,6 +68,7 @@ LOWERING: tuple[Pass, ...] = (
 # run on each rank's program after the cross-rank reordering: they depend on where every op finally sits
 FINISHING: tuple[Pass, ...] = (
     static_recv_buffers,
+    static_input_buffers,
 )
 
 

@@ -17,6 +17,11 @@ Parameter's .grad (SET_GRAD takes ownership of the tensor), the program's output
 kind this pass does not know (a later pass's new kind is assumed to keep its inputs).
 
     h:s1.mb0.act:h = irecv(from 0 tag 0 [4, 8] float32 -> buf 0)
+
+static_input_buffers applies the same test to the batch: when nothing that may alias a data input outlives
+the step, the runtime copies each batch into input buffers it makes once and hands the program views of
+them fixed at build time, instead of cutting the batch into fresh microbatch views every step (tens of
+microseconds of host time per step; CUDA-graph capture needs static inputs too).
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ from __future__ import annotations
 import dataclasses
 
 from zbcompile.passes.lower.aliases import graph_output_aliases
-from zbcompile.program import Op, OpKind, RankProgram
+from zbcompile.program import Op, OpKind, RankProgram, split_data_id
 from zbcompile.stages import TensorSpec
 
-__all__ = ["static_recv_buffers", "buffer_intervals"]
+__all__ = ["static_recv_buffers", "static_input_buffers", "buffer_intervals"]
 
 # op kinds whose aliasing _op_aliases knows and that keep no reference to their inputs once the step is over
 # (SET_GRAD: unless it takes ownership); a kind added later is assumed to alias and keep everything it reads
@@ -54,6 +59,16 @@ def static_recv_buffers(program: RankProgram) -> RankProgram:
     return program.replace(ops=tuple(ops), buffers=tuple(slots))
 
 
+def static_input_buffers(program: RankProgram) -> RankProgram:
+    """staged_inputs=True when no value that may alias a microbatch of the batch can outlive the step (the
+    next step's batch overwrites the input buffers)."""
+    aliases = _alias_edges(program)
+    readers = _readers(program)
+    data = [v for v in program.inputs if split_data_id(v) is not None]
+    staged = all(_last_use(program, v, aliases, readers) is not None for v in data)
+    return program.replace(staged_inputs=staged)
+
+
 def _free_slot(slots: list[TensorSpec], busy_until: list[int], spec: TensorSpec, at: int) -> int | None:
     """A slot of the same shape and dtype whose last busy op is before `at` (receives come in post order,
     so first-fit is an optimal interval colouring)."""
@@ -67,10 +82,7 @@ def buffer_intervals(program: RankProgram) -> dict[int, int]:
     """For each single-tensor RECV op (by index) whose buffer cannot outlive the step: the index of the last
     op that uses a value which may alias the buffer."""
     aliases = _alias_edges(program)
-    readers: dict[str, list[int]] = {}
-    for i, op in enumerate(program.ops):
-        for v in op.ins:
-            readers.setdefault(v, []).append(i)
+    readers = _readers(program)
     out: dict[int, int] = {}
     for i, op in enumerate(program.ops):
         if op.kind is not OpKind.RECV or len(op.outs) != 1:
@@ -79,6 +91,14 @@ def buffer_intervals(program: RankProgram) -> dict[int, int]:
         if last is not None:
             out[i] = max(last, i)
     return out
+
+
+def _readers(program: RankProgram) -> dict[str, list[int]]:
+    readers: dict[str, list[int]] = {}
+    for i, op in enumerate(program.ops):
+        for v in op.ins:
+            readers.setdefault(v, []).append(i)
+    return readers
 
 
 def _last_use(program: RankProgram, root: str, aliases: dict[str, set[str]],
