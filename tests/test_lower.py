@@ -7,6 +7,7 @@ zbcompile.passes.schedules.generate. The eager model's autograd is the reference
 from __future__ import annotations
 
 import copy
+import re
 import functools
 import weakref
 
@@ -322,3 +323,50 @@ def test_threaded_step_matches_eager(name, pp):
     assert len(timings.bubble) == pp and all(0 <= b < 1 for b in timings.bubble)
     trace = timings.chrome_trace()
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == sum(len(r) for r in sched.ranks)
+
+
+class _Stalled:
+    """A Work whose wait fails (raises `error`) or times out (returns False, as some backends do)."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+
+    def wait(self, timeout) -> bool:
+        if self.error is not None:
+            raise self.error
+        return False
+
+
+class _Posting:
+    """A process group stand-in whose posts return `work`, or raise."""
+
+    def __init__(self, work=None) -> None:
+        self.work = work
+
+    def send(self, tensors, peer, tag):
+        return self.work
+
+    def recv(self, tensors, peer, tag):
+        if self.work is None:
+            raise RuntimeError("connection reset")
+        return self.work
+
+
+@pytest.mark.parametrize("error", [RuntimeError("peer closed"), None])
+def test_failed_waits_name_the_op_and_the_peer(error):
+    from zbcompile.errors import RuntimeFailure
+    from zbcompile.stages import TensorSpec
+    from zbcompile.runtime import StepContext, recv_into, send, wait_recv, wait_send
+
+    pg = _Posting(_Stalled(error))
+    ctx = StepContext(pg, 1, torch.device("cpu"), 2.0, 4, ranks=3, buffers=(TensorSpec("h", (2,), torch.float32),))
+    want = "failed (peer dead or stalled?): peer closed" if error else "did not finish within 2.0 s"
+    h = recv_into(ctx, 0, 7, 0, "s0.mb3.act:h")
+    with pytest.raises(RuntimeFailure, match=r"rank 1: receiving s0\.mb3\.act:h from rank 0 " + re.escape(want)):
+        wait_recv(ctx, h)
+    h = send(ctx, (2,), (9,), "s1.mb3.act:h", torch.zeros(2))
+    with pytest.raises(RuntimeFailure, match=r"rank 1: sending s1\.mb3\.act:h to ranks \[2\] " + re.escape(want)):
+        wait_send(ctx, h)
+    ctx.recv_pg = [_Posting(None)] * 3
+    with pytest.raises(RuntimeFailure, match="rank 1: posting the receive of x from rank 0 failed: connection reset"):
+        recv_into(ctx, 0, 7, 0, "x")
