@@ -504,11 +504,7 @@ def _install_torch_probes(acc: _Acc, sched, stages):
     in it; it includes AccumulateGrad into .grad and the hooks pipelining registers on the graph)."""
     import torch.autograd as ag
 
-    undo = []
-    for st in stages:
-        m = st.submod
-        m.forward = _wrap(acc, m.forward, "comp")
-        undo.append(lambda m=m: m.__dict__.pop("forward", None))
+    undo = [_wrap_forward(acc, st.submod) for st in stages]
     if getattr(sched, "_loss_fn", None) is not None:
         lf = sched._loss_fn
         sched._loss_fn = _wrap(acc, lf, "comp")
@@ -529,18 +525,30 @@ def _install_ours_probes(acc: _Acc, pm):
     per-microbatch gradient sums (the program's foreach adds): torch does that work in AccumulateGrad inside
     its engine runs, which count as torch's compute, so it counts as compute on both sides."""
     prog = pm.runtime.program
-    mods = [m for _, m in prog.named_children() if isinstance(m, torch.fx.GraphModule)]
-    for m in mods:
-        m.forward = _wrap(acc, m.forward, "comp")
+    undo_forwards = [_wrap_forward(acc, m) for _, m in prog.named_children() if isinstance(m, torch.fx.GraphModule)]
     sums = {name: getattr(torch, name) for name in ("_foreach_add", "_foreach_add_")}
     for name, fn in sums.items():  # the generated code looks these up on the torch module per call
         setattr(torch, name, _wrap(acc, fn, "comp"))
 
     def undo():
-        for m in mods:
-            m.__dict__.pop("forward", None)
+        for u in undo_forwards:
+            u()
         for name, fn in sums.items():
             setattr(torch, name, fn)
+    return undo
+
+
+def _wrap_forward(acc: _Acc, m: torch.nn.Module):
+    """Probe m.forward at the instance; the returned undo puts back what was there (a probe of another
+    layer, or nothing)."""
+    before = m.__dict__.get("forward")
+    m.forward = _wrap(acc, m.forward, "comp")
+
+    def undo():
+        if before is None:
+            m.__dict__.pop("forward", None)
+        else:
+            m.forward = before
     return undo
 
 
@@ -567,19 +575,31 @@ def _timed_split(step, zero, n: int, install, pm, rank: int) -> dict:
     time (sums of the probed calls) and the probed call counts. Ours also gets its runtime's own per-action
     stamps (stage-graph calls incl. nn.Module __call__) as a cross-check of the compute probe.
 
-    The probes' own cost is measured in place: `n` more steps with every probe wrapped a second time (the
-    outer layer records into a discarded accumulator) cost (overhead with two layers - with one) / calls
-    more per probed call. On a warm no-op the two agree: one layer costs 1.76-1.82 us outside its own timed
-    window and a second layer adds 1.76-1.83 us. In place the cost is higher (about 3 us): between gloo
-    waits the caches are cold and the wrapper's own code runs slower there, so the warm no-op figure
-    (_wrapper_bias, kept in the record) would leave part of the probes' cost in the overhead."""
-    acc = _Acc()
+    The probes' own cost is measured in place: interleaved with those steps, `n` steps with every probe
+    wrapped a second time (the outer layer records into a discarded accumulator) cost (overhead with two
+    layers - with one) / calls more per probed call. Interleaving (one step each way, in turn) keeps the
+    machine's drift out of the difference; measured as two blocks of steps, the estimate moved by 1-2 us
+    per call from round to round, as much as ours' whole overhead per action moved with it. On a warm
+    no-op the two measures agree: one layer costs 1.76-1.82 us outside its own timed window and a second
+    layer adds 1.76-1.83 us. In place the cost is higher (about 3 us): between gloo waits the caches are
+    cold and the wrapper's own code runs slower there, so the warm no-op figure (_wrapper_bias, kept in the
+    record) would leave part of the probes' cost in the overhead."""
+    acc, spare = _Acc(), _Acc()
     undo = [_install_comm_probes(acc), install(acc)]
+    rec, twice = _new_rec(), _new_rec()
     try:
-        rec = _probed_steps(step, zero, n, acc, pm, rank)
-        spare = _Acc()
-        undo += [_install_comm_probes(spare), install(spare)]
-        twice = _probed_steps(step, zero, n, acc, None, rank)
+        for _ in range(2):  # unmeasured steps with the probes in
+            zero()
+            dist.barrier()
+            step()
+        for _ in range(n):
+            _probed_step(step, zero, acc, pm, rank, rec)
+            second = [_install_comm_probes(spare), install(spare)]
+            try:
+                _probed_step(step, zero, acc, None, rank, twice)
+            finally:
+                for u in reversed(second):
+                    u()
     finally:
         for u in reversed(undo):
             u()
@@ -599,33 +619,30 @@ def _outside(rec: dict, cpu: bool) -> list:
     return [t - a - b for t, a, b in zip(rec["wall"], rec["comp"], rec["comm"])]
 
 
-def _probed_steps(step, zero, n: int, acc: _Acc, pm, rank: int) -> dict:
-    rec: dict = {k: [] for k in ("wall", "tcpu", "pcpu", "comp", "comp_cpu", "comm", "comm_cpu", "ncomp",
-                                 "ncomm", "stamp_comp")}
-    for _ in range(2):  # unmeasured steps with the probes in
-        zero()
-        dist.barrier()
-        step()
-    for _ in range(n):
-        zero()
-        dist.barrier()
-        acc.reset()
-        c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
-        step()
-        t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
-        rec["wall"].append(t1 - t0)
-        rec["tcpu"].append(c1 - c0)
-        rec["pcpu"].append(p1 - p0)
-        rec["comp"].append(acc.comp)
-        rec["comp_cpu"].append(acc.comp_cpu)
-        rec["comm"].append(acc.comm)
-        rec["comm_cpu"].append(acc.comm_cpu)
-        rec["ncomp"].append(acc.ncomp)
-        rec["ncomm"].append(acc.ncomm)
-        if pm is not None:
-            ls = pm.last_step
-            rec["stamp_comp"].append(sum(e - s for _, s, e in ls.actions[rank]) if ls else None)
-    return rec
+def _new_rec() -> dict:
+    return {k: [] for k in ("wall", "tcpu", "pcpu", "comp", "comp_cpu", "comm", "comm_cpu", "ncomp", "ncomm",
+                            "stamp_comp")}
+
+
+def _probed_step(step, zero, acc: _Acc, pm, rank: int, rec: dict) -> None:
+    zero()
+    dist.barrier()
+    acc.reset()
+    c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
+    step()
+    t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
+    rec["wall"].append(t1 - t0)
+    rec["tcpu"].append(c1 - c0)
+    rec["pcpu"].append(p1 - p0)
+    rec["comp"].append(acc.comp)
+    rec["comp_cpu"].append(acc.comp_cpu)
+    rec["comm"].append(acc.comm)
+    rec["comm_cpu"].append(acc.comm_cpu)
+    rec["ncomp"].append(acc.ncomp)
+    rec["ncomm"].append(acc.ncomm)
+    if pm is not None:
+        ls = pm.last_step
+        rec["stamp_comp"].append(sum(e - s for _, s, e in ls.actions[rank]) if ls else None)
 
 
 def _profile_split(step, zero, n: int) -> dict:

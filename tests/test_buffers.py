@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import enum
 import functools
+import types
 
 import pytest
 import torch
@@ -108,7 +109,8 @@ def test_no_buffer_is_reused_while_its_memory_is_needed(name, pp):
                 outs = mod(args)
                 made.update((v, t) for v, t in zip(op.outs, outs) if isinstance(t, torch.Tensor))
                 return outs
-            gm.__dict__[child] = call   # the program looks its stage graphs up as plain attributes
+            # the program looks its stage graphs up as plain attributes and calls their forward
+            gm.__dict__[child] = types.SimpleNamespace(forward=call)
         step = gm.forward
 
         def forward(*args):   # each step starts with nothing made

@@ -1,19 +1,22 @@
 """emit_fx: a RankProgram as an fx GraphModule, straight-line Python the runtime calls once per step.
 
-    def forward(self, ctx, grad_loss, param_l0_weight, ..., mb0_data_0, ...):
-        h_s1_mb0_grad_act_h = zbcompile_runtime_recv(ctx, 1, 9, (4, 8), torch.float32, '0B0 <- s1.mb0.grad:act:h')
-        zbcompile_runtime_stamp(ctx, 0)
+    def forward(self, ctx, param_l0_weight, ..., mb0_data_0, ...):
+        stamps = ctx.t
+        h_s1_mb0_grad_act_h = zbcompile_runtime_recv_into(ctx, 1, 3, 0, 's1.mb0.grad:act:h (for 0B0)')
+        now = time_perf_counter()
+        stamps[0] = now; ...
         stage0_f_in = list([param_l0_weight, mb0_data_0]);  mb0_data_0 = None
-        stage0_f = self.stage0_f(stage0_f_in);  stage0_f_in = None
-        s0_mb0_act_h = stage0_f[0]; ...
-        zbcompile_runtime_stamp(ctx, 1)
-        h_send0 = zbcompile_runtime_send(ctx, (1,), (0,), '0F0 -> s0.mb0.act:h', s0_mb0_act_h)
+        stage0_f = self.stage0_f
+        stage0_f_out = stage0_f.forward(stage0_f_in);  stage0_f = stage0_f_in = None
+        s0_mb0_act_h = stage0_f_out[0]; ...
+        h_send0 = zbcompile_runtime_send(ctx, (1,), (0,), 's0.mb0.act:h', s0_mb0_act_h)
         ...
 
-Stage graphs are call_module nodes (`stage{model_stage}_{f|b|w|bw}`, boxed: inputs in one list the graph
-empties, see _run); P2P, frees, stamps and gradient hand-off are calls of the side-effecting functions in
-zbcompile.runtime. fx's code generator drops each variable after its last use: a FREE op whose values a
-stage graph read last happens inside that graph, the others are free(...) calls where the IR puts them.
+Stage graphs are submodules (`stage{model_stage}_{f|b|w|bw}[_acc]`) whose forward the program calls directly
+(boxed: inputs in one list the graph empties, see _run); P2P, frees and gradient hand-off are calls of the
+side-effecting functions in zbcompile.runtime, timing stamps are inline. fx's code generator drops each
+variable after its last use: a FREE op whose values a stage graph read last happens inside that graph, the
+others are free(...) calls where the IR puts them.
 """
 
 from __future__ import annotations
@@ -54,8 +57,7 @@ def emit_fx(program: RankProgram) -> fx.GraphModule:
     graph.output(env[program.output] if program.output else None)
     graph.lint()
     gm = fx.GraphModule(root, graph, class_name=f"Rank{program.rank}Program")
-    for name, stage_gm in root.items():  # after the GraphModule is built: building it recompiles its children
-        _fast_call(stage_gm)
+    for name, stage_gm in root.items():  # after the GraphModule is built
         # `self.stage0_f` in the generated code: a plain instance attribute instead of nn.Module.__getattr__'s
         # search of _modules on every call (the module stays registered in _modules too)
         object.__setattr__(gm, name, stage_gm)
@@ -105,7 +107,11 @@ def _run(graph, env, root, op: Op, program: RankProgram, used, handed: tuple[str
     elif boxed.meta.get("zb_unboxed") is not gm:
         raise LoweringError(f"rank {program.rank}: two different graphs named {name}")
     args = _call(graph, list, ([env[v] for v in op.ins],), f"{name}_in")
-    node = graph.create_node("call_module", name, (args,), {}, name=name)
+    # `self.stage0_f.forward(...)`, not `self.stage0_f(...)`: nn.Module's call machinery (hooks, fx's
+    # error-reporting wrapper) is four Python frames per call, stage graphs carry no hooks, and every frame
+    # counts right after a gloo wait, when the caches are cold
+    mod = graph.get_attr(name)
+    node = graph.create_node("call_method", "forward", (mod, args), {}, name=f"{name}_out")
     for i, v in enumerate(op.outs):
         if v in used:
             env[v] = _call(graph, operator.getitem, (node, i), v)
@@ -120,25 +126,6 @@ def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
     boxed = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
     boxed.meta["zb_unboxed"] = gm
     return boxed
-
-
-def _fast_call(gm: fx.GraphModule) -> fx.GraphModule:
-    """Let `self.stage0_f(...)` in the rank program call the stage graph's generated forward directly.
-
-    fx's own `__call__` (set on the class by every recompile) goes through nn.Module's call machinery and an
-    error-reporting wrapper: four Python frames and hook checks per call, a measurable share of the host
-    time per action on small models; stage graphs carry no hooks. fx gives every GraphModule a class of its
-    own, so this touches no other module, and `forward` is looked up per call. A later recompile puts fx's
-    `__call__` back, which is only slower.
-    """
-    cls = type(gm)
-    if cls is not fx.GraphModule:
-        cls.__call__ = _call_forward
-    return gm
-
-
-def _call_forward(self, *args):
-    return self.forward(*args)
 
 
 def _recv(graph, env, root, ctx, op, program, used) -> None:
