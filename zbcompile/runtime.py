@@ -80,14 +80,8 @@ def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: t
 
 @fx.node.has_side_effect
 def recv_into(ctx: StepContext, peer: int, tag: int, slot: int, what: str):
-    """Post an irecv into static buffer `slot`, which nothing still uses (see passes/lower/buffers.py).
-    _post_recv inlined: the hot path, one frame less."""
-    buf = ctx.bufs[slot]
-    try:
-        work = ctx.recv_pg[peer].recv([buf], peer, tag)
-    except Exception as e:  # a dead peer can fail the post itself
-        raise RuntimeFailure(f"rank {ctx.rank}: posting the receive of {what} from rank {peer} failed: {e}") from e
-    return buf, work, what, peer
+    """Post an irecv into static buffer `slot`, which nothing still uses (see passes/lower/buffers.py)."""
+    return _post_recv(ctx, ctx.bufs[slot], peer, tag, what)
 
 
 def _post_recv(ctx: StepContext, buf: torch.Tensor, peer: int, tag: int, what: str):
@@ -102,12 +96,8 @@ def _post_recv(ctx: StepContext, buf: torch.Tensor, peer: int, tag: int, what: s
 def wait_recv(ctx: StepContext, handle) -> torch.Tensor:
     """Wait for a posted receive; returns the filled buffer."""
     buf, work, what, peer = handle
-    try:
-        if work.wait(ctx.timeout) is not False:
-            return buf
-    except Exception as e:
-        _failed(ctx, e, "receiving", what, peer)
-    _failed(ctx, None, "receiving", what, peer)
+    _wait(ctx, work, "receiving", what, peer)
+    return buf
 
 
 @fx.node.has_side_effect
@@ -127,33 +117,19 @@ def send(ctx: StepContext, peers: tuple[int, ...], tags: tuple[int, ...], what: 
 def wait_send(ctx: StepContext, handle) -> None:
     works, what, peers = handle
     for work in works:
-        try:
-            if work.wait(ctx.timeout) is not False:
-                continue
-        except Exception as e:
-            _failed(ctx, e, "sending", what, peers)
-        _failed(ctx, None, "sending", what, peers)
+        _wait(ctx, work, "sending", what, peers)
 
 
 def _wait(ctx: StepContext, work, doing: str, what: str, peer) -> None:
-    """Wait with the step's timeout (wait_recv / wait_send inline this: one Python frame less per op, which
-    counts right after a gloo wait, when the caches are cold)."""
+    """Wait with the step's timeout; the message is only built when the wait fails (this is the hot path)."""
     try:
-        if work.wait(ctx.timeout) is not False:
-            return
+        ok = work.wait(ctx.timeout)
     except Exception as e:
-        _failed(ctx, e, doing, what, peer)
-    _failed(ctx, None, doing, what, peer)
-
-
-def _failed(ctx: StepContext, e: Exception | None, doing: str, what: str, peer):
-    """Raise what went wrong in a wait: the peer's failure `e`, or the timeout (the message is only built
-    here, off the hot path)."""
-    if e is not None:
         raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} failed (peer dead or stalled?): "
                              f"{e}") from e
-    raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} did not finish within "
-                         f"{ctx.timeout.total_seconds()} s")
+    if ok is False:
+        raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} did not finish within "
+                             f"{ctx.timeout.total_seconds()} s")
 
 
 def _describe(doing: str, what: str, peer) -> str:
@@ -324,7 +300,6 @@ class RankRuntime:
             for r, names in zip(rows, self._names))
         span = max((row[-1][2] for row in actions if row), default=0.0)
         return StepTimings(actions, span)
-
 
     def _stage_inputs(self, ir: RankProgram, device: torch.device):
         """With ir.staged_inputs: ((argument index, input buffer) pairs, the program's arguments with fixed
