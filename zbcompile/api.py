@@ -28,7 +28,7 @@ from torch import fx, nn
 
 from zbcompile.errors import LoweringError, RuntimeFailure
 from zbcompile.passes.lower import emit_fx, lower_all
-from zbcompile.runtime import RankRuntime, StepTimings, data_specs
+from zbcompile.runtime import RankRuntime, StepTimings
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
@@ -102,12 +102,8 @@ class PipelineModule:
         self.rank = rank
         self._owned = owned
         self._fx: dict[int, fx.GraphModule] = {rank: runtime.program}
-        self._data_specs = data_specs(staged)
-        m = schedule.num_microbatches
-        # per flat argument: the whole batch's shape and dtype, for step()'s one-comparison check
-        self._batch_specs = tuple(
-            (torch.Size((m * spec[0][0], *spec[0][1:])), spec[1]) if spec else None
-            for spec in (self._data_specs.get(i) for i in range(staged.num_inputs + staged.num_targets)))
+        # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
+        self._batch_specs = tuple(runtime.batch_specs.get(i) for i in range(staged.num_inputs + staged.num_targets))
 
     @classmethod
     def from_staged(cls, model: nn.Module, staged: StagedModel, schedule: Schedule, *, group=None,
@@ -154,7 +150,7 @@ class PipelineModule:
     def _check_microbatch_shapes(self, batch: Sequence[torch.Tensor], m: int) -> None:
         """Every argument splits into m microbatches of the shape the programs were traced for (static
         shapes, fixed P2P buffer sizes)."""
-        specs = self._data_specs
+        specs = self.runtime.data_specs
         for i, t in enumerate(batch):
             if t.dim() == 0 or t.shape[0] % m:
                 rows = t.shape[0] if t.dim() else 0

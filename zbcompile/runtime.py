@@ -31,7 +31,7 @@ from zbcompile.errors import RuntimeFailure
 from zbcompile.program import OpKind, RankProgram, split_data_id
 from zbcompile.stages import StagedModel
 
-__all__ = ["StepContext", "RankRuntime", "StepTimings", "PROGRAM_OPS", "retain_freed_cpu_memory", "data_specs"]
+__all__ = ["StepContext", "RankRuntime", "StepTimings", "PROGRAM_OPS", "retain_freed_cpu_memory"]
 
 
 class StepContext:
@@ -279,6 +279,11 @@ class RankRuntime:
         self._data = [split_data_id(n) for n in ir.inputs]
         # which flat user arguments (model inputs, then targets) this rank's program reads
         self.data_args = tuple(sorted({d[1] for d in self._data if d is not None}))
+        m = ir.schedule.num_microbatches
+        # per flat argument the traced microbatch's (shape, dtype), and the whole batch's (m microbatches)
+        self.data_specs = _data_specs(ir.staged)
+        self.batch_specs = {i: (torch.Size((m * shape[0], *shape[1:])), dtype)
+                            for i, (shape, dtype) in self.data_specs.items()}
         self._staged = self._stage_inputs(ir, device)
         # every rank's action names, for the timings record; built once, not per step
         self._names = tuple(tuple(str(a) for a in row) for row in ir.schedule.ranks)
@@ -304,15 +309,11 @@ class RankRuntime:
     def _stage_inputs(self, ir: RankProgram, device: torch.device):
         """With ir.staged_inputs: ((argument index, input buffer) pairs, the program's arguments with fixed
         microbatch views of the buffers); None runs on fresh slices of each batch."""
-        if not ir.staged_inputs:
+        if not ir.staged_inputs or any(i not in self.batch_specs for i in self.data_args):
             return None
-        m = ir.schedule.num_microbatches
-        specs = data_specs(ir.staged)
-        if any(i not in specs for i in self.data_args):
-            return None
-        bufs = {i: torch.empty((m * specs[i][0][0], *specs[i][0][1:]), dtype=specs[i][1], device=device)
+        bufs = {i: torch.empty(self.batch_specs[i][0], dtype=self.batch_specs[i][1], device=device)
                 for i in self.data_args}
-        views = {i: b.chunk(m) for i, b in bufs.items()}
+        views = {i: b.chunk(ir.schedule.num_microbatches) for i, b in bufs.items()}
         args = [self._fixed[n] if d is None else views[d[1]][d[0]] for n, d in zip(ir.inputs, self._data)]
         return tuple(bufs.items()), args
 
@@ -369,7 +370,7 @@ class RankRuntime:
         return sum(float(r[0]) for r in self._rows) / self.ir.schedule.num_microbatches
 
 
-def data_specs(staged: StagedModel) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+def _data_specs(staged: StagedModel) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
     """Microbatch shape and dtype of each flat user argument, read off the F graphs' data placeholders."""
     specs = {}
     for stage in staged.stages:
