@@ -31,7 +31,8 @@ from zbcompile.errors import LoweringError
 from zbcompile.schedule import Action, Schedule
 from zbcompile.stages import StagedModel, TensorSpec
 
-__all__ = ["OpKind", "Op", "RankProgram", "value_id", "data_id", "split_data_id", "split_value_id"]
+__all__ = ["OpKind", "Op", "RankProgram", "value_id", "data_id", "split_data_id", "split_value_id",
+           "python_name"]
 
 
 class OpKind(enum.Enum):
@@ -121,6 +122,11 @@ def split_data_id(vid: str) -> tuple[int, int] | None:
     if not (sep and mb.startswith("mb") and mb[2:].isdigit() and index.isdigit()):
         return None
     return int(mb[2:]), int(index)
+
+
+def python_name(vid: str) -> str:
+    """A Python identifier for value id `vid` in generated code (every non-alphanumeric character becomes _)."""
+    return "".join(c if c.isalnum() else "_" for c in vid)
 
 
 def split_value_id(vid: str) -> tuple[int, int, str] | None:

@@ -20,7 +20,7 @@ from torch import fx
 
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower.aliases import graph_output_owned
-from zbcompile.program import Op, OpKind, RankProgram, data_id, split_value_id, value_id
+from zbcompile.program import Op, OpKind, RankProgram, data_id, python_name, split_value_id, value_id
 from zbcompile.schedule import Action, Kind
 from zbcompile.stages import Graph, Stage
 
@@ -70,7 +70,7 @@ def _build_accumulating(g: Graph) -> fx.GraphModule:
     for i, name in enumerate(g.outputs):
         if name.startswith("grad:param:"):
             with graph.inserting_after(anchor):
-                anchor = sums[i] = graph.placeholder("acc_" + "".join(c if c.isalnum() else "_" for c in name))
+                anchor = sums[i] = graph.placeholder("acc_" + python_name(name))
     for i, acc in sums.items():
         outs[i] = _sum_into(graph, acc, outs[i], anchor, outs)
     graph.output(tuple(outs))

@@ -28,7 +28,7 @@ import torch
 from torch import fx
 
 from zbcompile.errors import LoweringError
-from zbcompile.program import Op, OpKind, RankProgram
+from zbcompile.program import Op, OpKind, RankProgram, python_name
 from zbcompile.runtime import PROGRAM_OPS, recv_into
 
 __all__ = ["emit_fx"]
@@ -42,7 +42,7 @@ def emit_fx(program: RankProgram) -> fx.GraphModule:
     env: dict[str, fx.Node] = {}
     ctx = graph.placeholder("ctx")
     for name in program.inputs:
-        env[name] = graph.create_node("placeholder", _ident(name), name=_ident(name))
+        env[name] = graph.create_node("placeholder", python_name(name), name=python_name(name))
     used = program.used()
     env[_STAMPS] = _call(graph, getattr, (ctx, "t"), "stamps")
     handed = _handed_over(program)
@@ -65,12 +65,8 @@ def emit_fx(program: RankProgram) -> fx.GraphModule:
     return gm
 
 
-def _ident(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
-
-
 def _call(graph: fx.Graph, fn, args, name: str | None = None) -> fx.Node:
-    return graph.create_node("call_function", fn, tuple(args), {}, name=_ident(name) if name else None)
+    return graph.create_node("call_function", fn, tuple(args), {}, name=python_name(name) if name else None)
 
 
 def _handed_over(program: RankProgram) -> dict[int, tuple[str, ...]]:
