@@ -433,8 +433,8 @@ class Bench:
                          "in reverse order); x torch equiv = torch step / ours (>1: ours faster); x 1p-2t = single "
                          "process 2 threads step / this step; bubble = ours, measured per rank (1 - busy/span), "
                          "median of the measured steps; CPU ms/step = process CPU time per step summed over ranks, "
-                         "median of the best round (less sensitive to other jobs than wall time; a 2-thread process counts "
-                         "both threads); loss diff = |first-step loss - single-process loss|; grad diff = "
+                         "median of the best round (less sensitive to other jobs than wall time; a 2-thread "
+                         "process counts both threads); loss diff = |first-step loss - single-process loss|; grad diff = "
                          "max |grad - single-process grad| after the first step (ours, all params incl. the "
                          "tied wte).")
         # targets
