@@ -434,9 +434,9 @@ class Bench:
                          "process 2 threads step / this step; bubble = ours, measured per rank (1 - busy/span), "
                          "median of the measured steps; CPU ms/step = process CPU time per step summed over ranks, "
                          "median of the best round (less sensitive to other jobs than wall time; a 2-thread "
-                         "process counts both threads); loss diff = |first-step loss - single-process loss|; grad diff = "
-                         "max |grad - single-process grad| after the first step (ours, all params incl. the "
-                         "tied wte).")
+                         "process counts both threads); loss diff = |first-step loss - single-process loss|; "
+                         "grad diff = max |grad - single-process grad| after the first step (ours, all params "
+                         "incl. the tied wte).")
         # targets
         zb = best_ms("ours_zbv")
         tz = best_ms("torch_ZBVZeroBubble")
