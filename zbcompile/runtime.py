@@ -374,10 +374,11 @@ def _data_specs(staged: StagedModel) -> dict[int, tuple[tuple[int, ...], torch.d
     """Microbatch shape and dtype of each flat user argument, read off the F graphs' data placeholders."""
     specs = {}
     for stage in staged.stages:
-        for name, node in stage.f.input_nodes().items():
-            val = node.meta.get("val")
-            if name.startswith("data:") and val is not None:
-                specs[int(name[len("data:"):])] = (tuple(val.shape), val.dtype)
+        nodes = stage.f.input_nodes()
+        for i in stage.data:   # the split's list of the flat arguments the stage reads, as placeholders data:<i>
+            val = nodes[f"data:{i}"].meta.get("val")
+            if val is not None:
+                specs[i] = (tuple(val.shape), val.dtype)
     return specs
 
 
