@@ -142,6 +142,30 @@ def test_accumulating_graphs_add_exactly_the_gradients():
     assert "embedding_dense_backward.default" not in fused
 
 
+
+def test_boxed_stage_graphs_call_ops_directly(monkeypatch):
+    """The rank program's stage graphs call each op's C++ entry point (OpOverload._op), not
+    OpOverload.__call__: same values, no Python frame per op, and code that still reads op by op."""
+    from zbcompile.passes.lower.emit import _boxed
+
+    x, w, b = torch.randn(3, 4), torch.randn(4, 5), torch.randn(5)
+    gm = make_fx(lambda x, w, b: (torch.addmm(b, x, w).relu().sum(0, keepdim=True), x.t()))(x, w, b)
+    want = gm(x, w, b)
+    boxed = _boxed(gm)
+    assert "torch.ops." not in boxed.code and " = aten_addmm_default(b_1, x_1, w_1)" in boxed.code
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"{self} went through OpOverload.__call__")
+
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", refuse)
+    args = [x, w, b]
+    got = boxed.forward(args)
+    assert args == []   # boxed: the graph emptied its input list
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
+    with pytest.raises(AssertionError, match="OpOverload.__call__"):
+        gm(x, w, b)   # the plain graph does use __call__: the check above can fail
+
 def test_accumulating_fusions_on_hand_made_graphs():
     """The fusion cases real stage graphs may not hit: a GEMM gradient under one transpose, a GEMM another
     output also reads (not fused: it must stay), an embedding with a padding row (not fused: the padding row
