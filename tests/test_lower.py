@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import re
 import types
+import warnings
 import functools
 import weakref
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from models import gpt, mlp
+from models import convnet, gpt, mlp
 from threaded import max_grad_error, run_threaded
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower import LOWERING, emit_fx, lower, lower_all, validate_programs
@@ -349,6 +350,54 @@ def test_threaded_step_matches_eager(name, pp):
     trace = timings.chrome_trace()
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == sum(len(r) for r in sched.ranks)
 
+
+
+@pytest.mark.parametrize("name,pp", [("1f1b", 2), ("zbv", 2), ("dualpipev", 2), ("zb-h2", 4)])
+def test_threaded_step_updates_buffers_as_eager_microbatches(name, pp):
+    """BatchNorm running statistics after a step equal eager training over the same microbatches in order
+    (each F copies its stage's buffer updates into the rank's real buffers before the next microbatch's F)."""
+    sched = generate(name, pp, 2 * pp)
+    model, loss_fn, (x, y), _ = convnet(blocks=2 * sched.num_model_stages, batch=2 * pp)
+    staged = split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=sched.num_model_stages)
+    ref = copy.deepcopy(model)
+    for xm, ym in zip(x.chunk(2 * pp), y.chunk(2 * pp)):
+        loss_fn(ref(xm), ym).backward()
+    _, models, _ = run_threaded(model, staged, sched, (x, y))
+    want = dict(ref.named_buffers())
+    for r in range(pp):
+        mine = {n for s, rank in enumerate(sched.placement) if rank == r
+                for n in staged.stages[sched.model_stage(s)].buffers}
+        assert mine
+        for n, buf in models[r].named_buffers():
+            if n in mine:
+                torch.testing.assert_close(buf, want[n], rtol=1e-5, atol=1e-6, msg=f"{name} rank {r}: {n}")
+            else:
+                assert torch.equal(buf, dict(model.named_buffers())[n]), f"rank {r} changed {n}, not its own"
+
+
+def test_dualpipe_warns_that_mirrored_copies_update_buffers_apart():
+    """DualPipe's two copies of a stage each see half of the microbatches: their BatchNorm statistics drift
+    apart from eager training (gradients do not); compiling says so, and only where it happens."""
+    from zbcompile import ZBCompileWarning
+    from zbcompile.api import _warn_mirrored_buffer_updates
+
+    sched = generate("dualpipe", 2, 4)
+    model, loss_fn, (x, y), _ = convnet(blocks=4, batch=4)
+    staged = split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=sched.num_model_stages)
+    with pytest.warns(ZBCompileWarning, match=r"model stage 0 on ranks \[0, 1\].*features\.0\.bn\.running_mean"):
+        _warn_mirrored_buffer_updates(staged, sched)
+    # the warning is true: the mirrored copies' statistics are not eager's
+    ref = copy.deepcopy(model)
+    for xm, ym in zip(x.chunk(4), y.chunk(4)):
+        loss_fn(ref(xm), ym).backward()
+    _, models, _ = run_threaded(model, staged, sched, (x, y))
+    name = "features.0.bn.running_mean"
+    assert not torch.allclose(dict(models[0].named_buffers())[name], dict(ref.named_buffers())[name])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zbv = generate("zbv", 2, 4)   # no mirrored stages
+        _warn_mirrored_buffer_updates(split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=4), zbv)
+        _warn_mirrored_buffer_updates(_gpt_split(2)[3], generate("dualpipe", 2, 4))   # no buffers
 
 class _Stalled:
     """A Work whose wait fails (raises `error`) or times out (returns False, as some backends do)."""

@@ -10,13 +10,13 @@ the pieces, usable on their own.
 
 import importlib
 
-from zbcompile.errors import ZBCompileError
+from zbcompile.errors import ZBCompileError, ZBCompileWarning
 from zbcompile.passes.schedules import generate
 from zbcompile.schedule import Action, Kind, Schedule
 from zbcompile.simulate import Costs, simulate
 
 __all__ = ["compile", "PipelineModule", "split_model", "generate", "simulate", "Costs", "Schedule", "Action",
-           "Kind", "ZBCompileError"]
+           "Kind", "ZBCompileError", "ZBCompileWarning"]
 
 # The tracing and runtime half pulls in torch.export and functorch (seconds); planning schedules needs
 # neither, so those names load on first use and `zbcompile plan` starts fast.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from datetime import timedelta
 from typing import Callable, Iterator, Sequence
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from zbcompile.errors import LoweringError, RuntimeFailure
+from zbcompile.errors import LoweringError, RuntimeFailure, ZBCompileWarning
 from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.runtime import RankRuntime, StepTimings
 from zbcompile.schedule import Schedule
@@ -118,6 +119,7 @@ class PipelineModule:
             raise LoweringError(f"schedule {schedule.name!r} needs {schedule.num_model_stages} model stages but the "
                                 f"split made {len(staged.stages)}")
         programs = lower_all(schedule, staged)
+        _warn_mirrored_buffer_updates(staged, schedule)
         mine = [staged.stages[schedule.model_stage(s)] for s, r in enumerate(schedule.placement) if r == rank]
         owned_params = tuple(dict.fromkeys(p for st in mine for p in st.params))
         owned_buffers = tuple(dict.fromkeys(b for st in mine for b in st.buffers))
@@ -224,6 +226,27 @@ def _model_stage_placement(sched: Schedule) -> tuple[int, ...]:
     ids: dict[frozenset[int], int] = {}
     return tuple(ids.setdefault(frozenset(h), len(ids)) for h in holders)
 
+
+
+def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> None:
+    """DualPipe runs each model stage on two ranks, each copy for half of the microbatches. Gradients and
+    losses are exact, but buffers the forward updates (BatchNorm running statistics) then follow two halves
+    of the step on two ranks instead of all microbatches in order on one: say so, once per compile."""
+    holders: dict[int, set[int]] = {}
+    for s, r in enumerate(schedule.placement):
+        holders.setdefault(schedule.model_stage(s), set()).add(r)
+    for k, ranks in sorted(holders.items()):
+        updated = [n[len("buffer:"):] for n in staged.stages[k].f.outputs if n.startswith("buffer:")]
+        if len(ranks) > 1 and updated:
+            more = f" and {len(updated) - 3} more" if len(updated) > 3 else ""
+            warnings.warn(
+                f"schedule {schedule.name!r} runs model stage {k} on ranks {sorted(ranks)}, each copy for half of "
+                f"the microbatches, and that stage's forward updates buffers ({', '.join(updated[:3])}{more}, e.g. "
+                "BatchNorm running statistics): each rank's copy follows only its own half of every step, so the "
+                "copies drift apart and differ from eager training. Gradients and losses are not affected. For "
+                "buffers that match eager training use a schedule without mirrored stages (e.g. dualpipev).",
+                ZBCompileWarning, stacklevel=3)
+            return
 
 def _resolve_group(group, timeout: float):
     """(ProcessGroup or None, pipeline rank, pipeline size)."""

@@ -13,6 +13,7 @@ __all__ = [
     "SplitError",
     "LoweringError",
     "RuntimeFailure",
+    "ZBCompileWarning",
 ]
 
 
@@ -46,3 +47,7 @@ class LoweringError(ZBCompileError):
 
 class RuntimeFailure(ZBCompileError, RuntimeError):
     """A pipeline step failed at run time (a peer died, a timeout, a wrong batch size)."""
+
+
+class ZBCompileWarning(UserWarning):
+    """The step is right, but something the user may rely on behaves differently from eager training."""
