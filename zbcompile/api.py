@@ -227,11 +227,10 @@ def _model_stage_placement(sched: Schedule) -> tuple[int, ...]:
     return tuple(ids.setdefault(frozenset(h), len(ids)) for h in holders)
 
 
-
 def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> None:
     """DualPipe runs each model stage on two ranks, each copy for half of the microbatches. Gradients and
     losses are exact, but buffers the forward updates (BatchNorm running statistics) then follow two halves
-    of the step on two ranks instead of all microbatches in order on one: say so, once per compile."""
+    of the step on two ranks instead of all microbatches in order on one: say so (once per compile)."""
     holders: dict[int, set[int]] = {}
     for s, r in enumerate(schedule.placement):
         holders.setdefault(schedule.model_stage(s), set()).add(r)
@@ -247,6 +246,7 @@ def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> No
                 "buffers that match eager training use a schedule without mirrored stages (e.g. dualpipev).",
                 ZBCompileWarning, stacklevel=3)
             return
+
 
 def _resolve_group(group, timeout: float):
     """(ProcessGroup or None, pipeline rank, pipeline size)."""

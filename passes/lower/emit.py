@@ -125,7 +125,6 @@ def _boxed(gm: fx.GraphModule) -> fx.GraphModule:
     return boxed
 
 
-
 class _DirectOpsCodeGen(fx.graph._BoxedCodeGen):
     """fx's boxed calling convention, with every dispatcher op called through its C++ entry point.
 
@@ -149,6 +148,7 @@ class _DirectOpsCodeGen(fx.graph._BoxedCodeGen):
                 bound[alias] = target._op
                 src = src.replace(call, f" = {alias}(")
         return dataclasses.replace(code, src=src, globals=bound)
+
 
 def _recv(graph, env, root, ctx, op, program, used) -> None:
     """recv_into(ctx, peer, tag, slot, what) for a static buffer, recv(ctx, peer, tag, shape, dtype, what)
