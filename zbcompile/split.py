@@ -43,9 +43,10 @@ def split_model(
     `split_points` are module names to cut BEFORE, in execution order; without them, `num_stages` (default 1,
     or len(placement)) stages are balanced by estimated training time (forward + backward FLOPs and bytes),
     cutting between children of the model's main repeated container and its ancestors, or inside a block
-    where that balances clearly better (zbcompile.passes.partition). `placement[s]` is the pipeline rank (any
-    group id) that runs stage s: the cuts then balance the summed work per rank, e.g. a V over two ranks
-    `placement=(0, 1, 1, 0)`. Placement is ignored with explicit split points.
+    where that balances better (before `ln2` or an attention projection; zbcompile.passes.partition).
+    `placement[s]` is the pipeline rank (any group id) that runs stage s: the cuts then balance the summed
+    work per rank, e.g. a V over two ranks `placement=(0, 1, 1, 0)`. Placement is ignored with explicit split
+    points.
     Raises TraceError / PartitionError / SplitError; nothing is half-built.
     """
     if split_points is not None:
