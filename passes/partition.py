@@ -115,6 +115,12 @@ WITHIN_BLOCK_GAIN = 0.02
 # extra boundary tensor costs one more P2P message per microbatch each way.
 REFINE_WIDTH = 2.0
 REFINE_GAIN = 0.005
+# A boundary byte is passed over 4 times a microbatch, 2 on each side: the activation sent and received, its
+# gradient sent back and received. The refinement charges those passes (at FLOPS_PER_BYTE) to the stages on
+# either side of a cut, so a wider cut must pay for its extra bytes (on the benchmark GPT they come to ~0.1%
+# of a rank's load; they weigh more where activations are large next to the compute: short hidden sizes,
+# long sequences).
+_BOUNDARY_PASSES_PER_SIDE = 2.0
 
 
 def cut_units(model: nn.Module, traced: Traced, *, within_blocks: int = 0) -> list[str]:
@@ -215,7 +221,15 @@ def _refine(traced: Traced, coarse: Sequence[str], chosen: Sequence[str], finest
     cuts = [index[u] for u in chosen]
 
     def heaviest(cs: Sequence[int]) -> tuple[float, float]:
-        return max(placement_loads(weights, cs, placement).values()), max(group_weights(weights, cs))
+        groups = list(group_weights(weights, cs))
+        for g, c in enumerate(cs):   # cut g sits between groups g and g + 1
+            transfer = _BOUNDARY_PASSES_PER_SIDE * FLOPS_PER_BYTE * width[first[units[c]]]
+            groups[g] += transfer
+            groups[g + 1] += transfer
+        loads: dict[int, float] = {}
+        for device, w in zip(placement, groups):
+            loads[device] = loads.get(device, 0.0) + w
+        return max(loads.values()), max(groups)
 
     best = heaviest(cuts)
     while True:

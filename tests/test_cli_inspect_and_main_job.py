@@ -26,6 +26,15 @@ def test_inspect_prints_every_rank_program_with_p2p_and_frees():
                "zbcompile_runtime_free", "self.stage1_b", "self.stage3_w"):
         assert op in text, op
     assert "tied parameters" in text and "wte.weight" in text  # the stage report comes first
+    # the stages are the ones zb.compile makes for this schedule: balanced per rank for the V placement
+    from zbcompile.api import _model_stage_placement
+    from zbcompile.examples.train_gpt import tiny
+    from zbcompile.passes.schedules import generate
+    from zbcompile.split import report, split_model
+
+    model, loss_fn, example = tiny()
+    staged = split_model(model, loss_fn, example, placement=_model_stage_placement(generate("zbv", 2, 4)))
+    assert report(staged) in text
 
 
 def test_inspect_ops_view_and_bad_rank():
