@@ -212,24 +212,15 @@ def _refine(traced: Traced, coarse: Sequence[str], chosen: Sequence[str], finest
     sizes the balance gave them; one best move at a time, until none helps."""
     first = _first_positions(traced)
     width = _boundary_bytes(traced)
-    limit = REFINE_WIDTH * max((width[first[u]] for u in coarse[1:]), default=0)
-    keep = set(coarse) | set(chosen)
-    units = [u for u in finest if u in keep or width[first[u]] <= limit]
+    units = _narrow_units(traced, coarse, finest, factor=REFINE_WIDTH, keep=chosen)
     weights = _unit_weights(traced, units)
+    transfer = [_BOUNDARY_PASSES_PER_SIDE * FLOPS_PER_BYTE * width[first[u]] for u in units]
     index = {u: i for i, u in enumerate(units)}
     walls = [index[u] for u in coarse] + [len(units)]
     cuts = [index[u] for u in chosen]
 
     def heaviest(cs: Sequence[int]) -> tuple[float, float]:
-        groups = list(group_weights(weights, cs))
-        for g, c in enumerate(cs):   # cut g sits between groups g and g + 1
-            transfer = _BOUNDARY_PASSES_PER_SIDE * FLOPS_PER_BYTE * width[first[units[c]]]
-            groups[g] += transfer
-            groups[g + 1] += transfer
-        loads: dict[int, float] = {}
-        for device, w in zip(placement, groups):
-            loads[device] = loads.get(device, 0.0) + w
-        return max(loads.values()), max(groups)
+        return _heaviest_with_transfer(weights, cs, placement, transfer)
 
     best = heaviest(cuts)
     while True:
@@ -247,13 +238,28 @@ def _refine(traced: Traced, coarse: Sequence[str], chosen: Sequence[str], finest
     return tuple(units[c] for c in cuts)
 
 
-def _narrow_units(traced: Traced, coarse: Sequence[str], fine: Sequence[str]) -> list[str]:
-    """`fine` without the within-block cuts that would send more bytes than the widest cut between units."""
+def _heaviest_with_transfer(weights: Sequence[float], cuts: Sequence[int], placement: Sequence[int],
+                            transfer: Sequence[float]) -> tuple[float, float]:
+    """(heaviest rank, heaviest stage) for `cuts`, the cut at unit c charging transfer[c] to both its sides."""
+    groups = list(group_weights(weights, cuts))
+    for g, c in enumerate(cuts):   # cut g sits between stages g and g + 1
+        groups[g] += transfer[c]
+        groups[g + 1] += transfer[c]
+    loads: dict[int, float] = {}
+    for device, w in zip(placement, groups, strict=True):
+        loads[device] = loads.get(device, 0.0) + w
+    return max(loads.values()), max(groups)
+
+
+def _narrow_units(traced: Traced, coarse: Sequence[str], fine: Sequence[str], *, factor: float = 1.0,
+                  keep: Sequence[str] = ()) -> list[str]:
+    """`fine` without the within-block cuts that would send more than `factor` times the bytes of the widest
+    cut between units (`coarse` and `keep` stay whatever they send)."""
     first = _first_positions(traced)
     width = _boundary_bytes(traced)
-    limit = max((width[first[u]] for u in coarse[1:]), default=0)
-    keep = set(coarse)
-    return [u for u in fine if u in keep or width[first[u]] <= limit]
+    limit = factor * max((width[first[u]] for u in coarse[1:]), default=0)
+    kept = set(coarse) | set(keep)
+    return [u for u in fine if u in kept or width[first[u]] <= limit]
 
 
 def _boundary_bytes(traced: Traced) -> list[float]:

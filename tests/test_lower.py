@@ -143,7 +143,6 @@ def test_accumulating_graphs_add_exactly_the_gradients():
     assert "embedding_dense_backward.default" not in fused
 
 
-
 def test_boxed_stage_graphs_call_ops_directly(monkeypatch):
     """The rank program's stage graphs call each op's C++ entry point (OpOverload._op), not
     OpOverload.__call__: same values, no Python frame per op, and code that still reads op by op."""
@@ -166,6 +165,7 @@ def test_boxed_stage_graphs_call_ops_directly(monkeypatch):
         assert torch.equal(g, e)
     with pytest.raises(AssertionError, match="OpOverload.__call__"):
         gm(x, w, b)   # the plain graph does use __call__: the check above can fail
+
 
 def test_accumulating_fusions_on_hand_made_graphs():
     """The fusion cases real stage graphs may not hit: a GEMM gradient under one transpose, a GEMM another
@@ -351,7 +351,6 @@ def test_threaded_step_matches_eager(name, pp):
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == sum(len(r) for r in sched.ranks)
 
 
-
 @pytest.mark.parametrize("name,pp", [("1f1b", 2), ("zbv", 2), ("dualpipev", 2), ("zb-h2", 4)])
 def test_threaded_step_updates_buffers_as_eager_microbatches(name, pp):
     """BatchNorm running statistics after a step equal eager training over the same microbatches in order
@@ -398,6 +397,7 @@ def test_dualpipe_warns_that_mirrored_copies_update_buffers_apart():
         zbv = generate("zbv", 2, 4)   # no mirrored stages
         _warn_mirrored_buffer_updates(split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=4), zbv)
         _warn_mirrored_buffer_updates(_gpt_split(2)[3], generate("dualpipe", 2, 4))   # no buffers
+
 
 class _Stalled:
     """A Work whose wait fails (raises `error`) or times out (returns False, as some backends do)."""
