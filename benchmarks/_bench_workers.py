@@ -573,7 +573,7 @@ def _timed_split(step, zero, n: int, install, pm, rank: int) -> dict:
     """Run `n` more steps with the probes in: per step, wall (perf_counter), the main thread's CPU time
     (thread_time), the process's CPU time (all threads: gloo's I/O threads too), model compute and gloo
     time (sums of the probed calls) and the probed call counts. Ours also gets its runtime's own per-action
-    stamps (stage-graph calls incl. nn.Module __call__) as a cross-check of the compute probe.
+    stamps (around each stage-graph forward call and its output unpacking) as a cross-check of the compute probe.
 
     The probes' own cost is measured in place: interleaved with those steps, `n` steps with every probe
     wrapped a second time (the outer layer records into a discarded accumulator) cost (overhead with two

@@ -220,21 +220,23 @@ def _model_stage_placement(sched: Schedule) -> tuple[int, ...]:
     """Per model stage, a group id for balancing the split: the set of ranks running it. Most schedules run each
     model stage on one rank; DualPipe runs stage m on ranks m and p-1-m (half the microbatches each), so m and
     p-1-m share one group, whose summed weight is then the load of both ranks."""
+    ids: dict[frozenset[int], int] = {}
+    return tuple(ids.setdefault(frozenset(h), len(ids)) for h in _model_stage_ranks(sched))
+
+
+def _model_stage_ranks(sched: Schedule) -> list[set[int]]:
+    """Per model stage, the ranks that run it (two for DualPipe's mirrored stages, one otherwise)."""
     holders: list[set[int]] = [set() for _ in range(sched.num_model_stages)]
     for s, r in enumerate(sched.placement):
         holders[sched.model_stage(s)].add(r)
-    ids: dict[frozenset[int], int] = {}
-    return tuple(ids.setdefault(frozenset(h), len(ids)) for h in holders)
+    return holders
 
 
 def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> None:
     """DualPipe runs each model stage on two ranks, each copy for half of the microbatches. Gradients and
     losses are exact, but buffers the forward updates (BatchNorm running statistics) then follow two halves
     of the step on two ranks instead of all microbatches in order on one: say so (once per compile)."""
-    holders: dict[int, set[int]] = {}
-    for s, r in enumerate(schedule.placement):
-        holders.setdefault(schedule.model_stage(s), set()).add(r)
-    for k, ranks in sorted(holders.items()):
+    for k, ranks in enumerate(_model_stage_ranks(schedule)):
         updated = [n[len("buffer:"):] for n in staged.stages[k].f.outputs if n.startswith("buffer:")]
         if len(ranks) > 1 and updated:
             more = f" and {len(updated) - 3} more" if len(updated) > 3 else ""
