@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -23,6 +24,7 @@ from models import gpt, hf_gpt2, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 from zbcompile.errors import LoweringError, RuntimeFailure, ScheduleError  # noqa: E402
+from zbcompile.runtime import process_threads  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
 from zbcompile.split import split_model  # noqa: E402
 
@@ -198,6 +200,8 @@ def main() -> None:
 
     m = 2 * pp
     check_schedules("gpt", gpt(layers=2 * pp, batch=m), SCHEDULES, pp, m, results, args.timeout)
+    results["thread_nice"] = {str(t): os.getpriority(os.PRIO_PROCESS, t) for t in process_threads()}
+    results["main_tid"] = threading.get_native_id()
     dump()
     if args.hf:
         check_schedules("hf", hf_gpt2(layers=2 * pp, batch=m), ["1f1b", "zbv", "dualpipev"], pp, m, results,

@@ -96,6 +96,24 @@ def _check_model(run, model: str) -> None:
         assert len({res[key]["loss"] for res in results}) == 1
 
 
+def test_p2p_groups_threads_run_at_lower_priority(run):
+    """The threads the two P2P groups started (gloo's loop threads, whose spin on a held pair lock would
+    starve the main threads, see runtime.py) get GLOO_IO_NICE; the main thread and the default group's
+    threads, which zbcompile did not start, keep their priority."""
+    from zbcompile.runtime import GLOO_IO_NICE
+
+    pp, results = run
+    for res in results:
+        nice = res["thread_nice"]
+        assert nice.pop(str(res["main_tid"])) == 0
+        lowered = [n for n in nice.values() if n > 0]
+        if GLOO_IO_NICE > 0:
+            assert len(lowered) >= 2 and min(lowered) >= GLOO_IO_NICE, nice   # a loop thread per P2P group
+            assert 0 in nice.values(), nice                                  # the default group's threads
+        else:   # ZBCOMPILE_GLOO_IO_NICE=0 turns it off
+            assert not lowered, nice
+
+
 def test_errors(run):
     pp, results = run
     err = results[0]["errors"]

@@ -105,6 +105,21 @@ def test_gradients_are_summed_inside_the_stage_graphs():
     assert "self.stage0_w_acc\n" in gm.code and "add_" in gm.stage0_w_acc.code
 
 
+def test_last_gradient_is_sent_before_the_hand_off_to_grad():
+    """The last B of a stage sends its input gradient before setting .grad: the peer waits on that message
+    (its own last B), the hand-off is host time only this rank needs."""
+    *_, staged = _mlp_split(2)
+    for name in ("1f1b", "zb-h1"):
+        _, r1 = lower_all(generate(name, 2, 4), staged)
+        kinds = [op.kind for op in r1.ops]
+        last_send = max(i for i, k in enumerate(kinds) if k is OpKind.SEND)
+        first_set = min(i for i, k in enumerate(kinds) if k is OpKind.SET_GRAD)
+        assert last_send < first_set, name
+        # and nothing but the sends of that RUN (and frees, stamps) sits between it and the hand-off
+        run = max(i for i, k in enumerate(kinds[:first_set]) if k is OpKind.RUN)
+        assert set(kinds[run + 1:first_set]) <= {OpKind.SEND, OpKind.STAMP, OpKind.FREE}, kinds[run + 1:first_set]
+
+
 def test_accumulating_graphs_add_exactly_the_gradients():
     """A W / BW graph's accumulating variant, with its fusions (addmm_ for GEMM gradients, index_add_ for the
     embedding's), leaves acc + the gradient the plain graph computes and the same other outputs; fed the

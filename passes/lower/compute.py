@@ -209,7 +209,8 @@ def accumulate_grads(program: RankProgram) -> RankProgram:
     else the out-of-place sum of the first two, "add"), later gradients are added into it in place. Where
     every gradient a RUN op returns goes into such a sum, the op runs the stage graph's accumulating
     variant, which takes the sums and adds into them itself; otherwise one ACCUM op per mode follows it
-    ("add_": one foreach call into the sums):
+    ("add_": one foreach call into the sums). The hand-off to .grad waits until the RUN's sends are posted:
+    a peer may be waiting on them (the last B of a pipeline), and setting .grad is host time.
 
         [0W2] acc2.grad:param:a, acc2.grad:param:b = stage0_w.accumulate(s0.mb2.saved:0, ..., acc1.grad:param:a,
                                                                           acc1.grad:param:b)
@@ -225,10 +226,16 @@ def accumulate_grads(program: RankProgram) -> RankProgram:
     owned: dict[str, bool] = {}   # is the running sum memory of its own (may be written in place)?
     ops: list[Op] = []
     inputs = list(program.inputs)
+    handoff: list[Op] = []   # SET_GRADs of the last RUN, held back until its sends are posted
     for op in program.ops:
         if op.kind is not OpKind.RUN:
+            if op.kind is not OpKind.SEND:
+                ops.extend(handoff)
+                handoff.clear()
             ops.append(op)
             continue
+        ops.extend(handoff)
+        handoff.clear()
         grads = _grad_outputs(op)
         in_place = (bool(grads) and all(owned.get(name, False) for _, name in grads)
                     and _computed(program, op, grads))
@@ -242,8 +249,9 @@ def accumulate_grads(program: RankProgram) -> RankProgram:
                 param = name[len("grad:"):]
                 if param not in inputs:
                     inputs.append(param)
-                ops.append(Op(OpKind.SET_GRAD, (param, acc[name]), arg=counts[name] > 1,
-                              note=f"{counts[name]} microbatches"))
+                handoff.append(Op(OpKind.SET_GRAD, (param, acc[name]), arg=counts[name] > 1,
+                                  note=f"{counts[name]} microbatches"))
+    ops.extend(handoff)
     return program.replace(ops=tuple(ops), inputs=tuple(inputs))
 
 
