@@ -200,8 +200,10 @@ def main() -> None:
 
     m = 2 * pp
     check_schedules("gpt", gpt(layers=2 * pp, batch=m), SCHEDULES, pp, m, results, args.timeout)
-    results["thread_nice"] = {str(t): os.getpriority(os.PRIO_PROCESS, t) for t in process_threads()}
+    results["threads"] = {str(t): (os.getpriority(os.PRIO_PROCESS, t), os.sched_getscheduler(t) == os.SCHED_BATCH)
+                          for t in process_threads()}
     results["main_tid"] = threading.get_native_id()
+    results["one_thread"] = torch.get_num_threads() == 1
     dump()
     if args.hf:
         check_schedules("hf", hf_gpt2(layers=2 * pp, batch=m), ["1f1b", "zbv", "dualpipev"], pp, m, results,

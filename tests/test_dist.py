@@ -96,22 +96,25 @@ def _check_model(run, model: str) -> None:
         assert len({res[key]["loss"] for res in results}) == 1
 
 
-def test_p2p_groups_threads_run_at_lower_priority(run):
-    """The threads the two P2P groups started (gloo's loop threads, whose spin on a held pair lock would
-    starve the main threads, see runtime.py) get GLOO_IO_NICE; the main thread and the default group's
-    threads, which zbcompile did not start, keep their priority."""
-    from zbcompile.runtime import GLOO_IO_NICE
+def test_p2p_groups_threads_are_scheduled_below_the_main_thread(run):
+    """The threads the two P2P groups started (gloo's loop threads: their spin on a held pair lock and their
+    wake-up preemptions starved the main threads, see runtime.py) get GLOO_IO_NICE and, in a one-thread
+    rank, SCHED_BATCH; the main thread and the default group's threads, which zbcompile did not start, keep
+    their scheduling."""
+    from zbcompile.runtime import GLOO_IO_BATCH, GLOO_IO_NICE
 
     pp, results = run
     for res in results:
-        nice = res["thread_nice"]
-        assert nice.pop(str(res["main_tid"])) == 0
-        lowered = [n for n in nice.values() if n > 0]
-        if GLOO_IO_NICE > 0:
-            assert len(lowered) >= 2 and min(lowered) >= GLOO_IO_NICE, nice   # a loop thread per P2P group
-            assert 0 in nice.values(), nice                                  # the default group's threads
-        else:   # ZBCOMPILE_GLOO_IO_NICE=0 turns it off
-            assert not lowered, nice
+        threads = res["threads"]
+        assert threads.pop(str(res["main_tid"])) == [0, False]
+        batch = GLOO_IO_BATCH == "1" or (GLOO_IO_BATCH == "auto" and res["one_thread"])
+        tuned = [t for t in threads.values() if t[0] > 0 or t[1]]
+        if GLOO_IO_NICE > 0 or batch:
+            assert len(tuned) >= 2, threads   # a loop thread per P2P group, at least
+            assert all(n >= GLOO_IO_NICE and b == batch for n, b in tuned), threads
+            assert [0, False] in threads.values(), threads   # the default group's threads
+        else:   # both turned off by the environment
+            assert not tuned, threads
 
 
 def test_errors(run):

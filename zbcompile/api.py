@@ -29,7 +29,7 @@ from torch import fx, nn
 
 from zbcompile.errors import LoweringError, RuntimeFailure, ZBCompileWarning
 from zbcompile.passes.lower import emit_fx, lower_all
-from zbcompile.runtime import GLOO_IO_NICE, RankRuntime, StepTimings, lower_io_priority, process_threads
+from zbcompile.runtime import RankRuntime, StepTimings, process_threads, tune_io_threads
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
@@ -288,8 +288,8 @@ def _p2p_channels(pg, timeout: float) -> tuple | None:
     before = process_threads() if backend == "gloo" else set()
     channels = tuple(dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)), backend=backend,
                                     use_local_synchronization=True) for _ in ("up", "down"))
-    if backend == "gloo" and GLOO_IO_NICE > 0:   # only the threads these groups started (runtime.py says why)
-        lower_io_priority(process_threads() - before)
+    if backend == "gloo":   # only the threads these groups started (runtime.py says why)
+        tune_io_threads(process_threads() - before)
     for c in channels:
         if c.rank() != pg.rank():  # new_group numbers ranks in sorted order; programs use pg's numbering
             raise LoweringError(f"the pipeline group's ranks {ranks} are not in ascending order, so P2P groups "
