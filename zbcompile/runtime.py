@@ -7,7 +7,8 @@ and exports them as a Chrome trace.
 
 Host overhead per action is kept to a few Python calls: the program is generated code (no interpreter,
 no per-action dispatch tables), P2P goes straight to the ProcessGroup's send / recv, receives land in
-buffers made once, and a timing stamp is one `perf_counter()` stored into a preallocated array.
+buffers made once, and a timing stamp is one `perf_counter()` stored into a preallocated array. On gloo the
+threads of the P2P groups run below the main thread (tune_io_threads), which had lost its core to them.
 
 Failures: every wait is bounded by `timeout` seconds; a peer that dies or stalls makes the others raise
 RuntimeFailure (naming the op and the peer) instead of hanging.
