@@ -220,13 +220,13 @@ def retain_freed_cpu_memory() -> bool:
 # epoll_wait, where the unread socket is still readable: it spins while the main thread holds the pair to
 # post a send or receive. Worse, the loop thread a loopback write wakes is often placed on the writer's core
 # and preempts it at once, lock held or not. With 2 vCPUs, on the null model (pp=2), a rank's loop threads
-# made ~100k epoll_wait calls per second (5 ms CPU per 13 ms step) and each main thread waited 3-4 ms per step
-# for a core. So the threads zbcompile's P2P groups start get
+# made 40-120k epoll_wait calls per second each (5 ms CPU per 13 ms step) and each main thread waited 3-4 ms
+# per step for a core. So the threads zbcompile's P2P groups start get
 #   * a lower priority (nice GLOO_IO_NICE): the spin yields to the threads doing the work, while real I/O
-#     still gets its share (nice 10: ~10% of a core against one busy thread); steps 15-25% shorter;
+#     still gets its share (nice 10: ~10% of a core against one busy thread); steps 8-23% shorter;
 #   * SCHED_BATCH where the rank computes on one thread (torchrun's default): a woken loop thread no longer
 #     preempts the running main thread; it runs when a core frees up, which a one-thread rank's core does as
-#     soon as its main thread waits. Steps another 35-50% shorter. With an intra-op thread pool, whose
+#     soon as its main thread waits. Steps another 39-53% shorter. With an intra-op thread pool, whose
 #     threads keep the cores busy, it measured up to 11% slower (2 threads per rank on 2 cores), so not there.
 # The benchmark GPT's steps (compute-bound, one thread per rank) are unchanged within 1% by either.
 GLOO_IO_NICE = int(os.environ.get("ZBCOMPILE_GLOO_IO_NICE", "10"))       # 0: leave the priority alone
@@ -348,7 +348,7 @@ class RankRuntime:
         self._send_row = self._row if device.type == "cpu" else torch.zeros_like(self._row, device=device)
         # on CPU the gathered rows are tensors over Python arrays too: the step reads every rank's loss as a
         # float from its array, where indexing and converting a tensor per rank took ~30 us per step with the
-        # caches cold after the gather's wait (2-3% of ours' whole per-step host overhead on the null model)
+        # caches cold after the gather's wait (2-3% of the runtime's own host time per step, null model)
         self._row_arrays = None
         if device.type == "cpu":
             self._row_arrays = [array.array("d", bytes(len(self.ctx.row) * 8)) for _ in range(self.num_ranks)]
