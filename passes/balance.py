@@ -31,7 +31,7 @@ from typing import Sequence
 
 from zbcompile.errors import PartitionError
 
-__all__ = ["balance", "balance_placed", "group_weights", "placement_loads"]
+__all__ = ["balance", "balance_placed", "group_weights", "placement_loads", "device_loads"]
 
 
 def _check(weights: Sequence[float], parts: int) -> None:
@@ -94,8 +94,13 @@ def group_weights(weights: Sequence[float], cuts: Sequence[int]) -> tuple[float,
 
 def placement_loads(weights: Sequence[float], cuts: Sequence[int], placement: Sequence[int]) -> dict[int, float]:
     """Summed weight per device: group g (as cut by `cuts`) adds its weight to device `placement[g]`."""
+    return device_loads(group_weights(weights, cuts), placement)
+
+
+def device_loads(groups: Sequence[float], placement: Sequence[int]) -> dict[int, float]:
+    """Summed weight per device of groups already weighed: group g adds groups[g] to device `placement[g]`."""
     loads: dict[int, float] = {}
-    for device, w in zip(placement, group_weights(weights, cuts), strict=True):
+    for device, w in zip(placement, groups, strict=True):
         loads[device] = loads.get(device, 0.0) + w
     return loads
 

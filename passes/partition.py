@@ -48,7 +48,7 @@ from torch import fx, nn
 
 from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
-from zbcompile.passes.balance import balance_placed, group_weights, placement_loads
+from zbcompile.passes.balance import balance_placed, device_loads, group_weights, placement_loads
 from zbcompile.passes.trace import Traced
 
 __all__ = ["StageGraph", "Partition", "partition", "auto_split_points", "cut_units", "module_path",
@@ -245,10 +245,7 @@ def _heaviest_with_transfer(weights: Sequence[float], cuts: Sequence[int], place
     for g, c in enumerate(cuts):   # cut g sits between stages g and g + 1
         groups[g] += transfer[c]
         groups[g + 1] += transfer[c]
-    loads: dict[int, float] = {}
-    for device, w in zip(placement, groups, strict=True):
-        loads[device] = loads.get(device, 0.0) + w
-    return max(loads.values()), max(groups)
+    return max(device_loads(groups, placement).values()), max(groups)
 
 
 def _narrow_units(traced: Traced, coarse: Sequence[str], fine: Sequence[str], *, factor: float = 1.0,
