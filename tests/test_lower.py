@@ -7,6 +7,9 @@ zbcompile.passes.schedules.generate. The eager model's autograd is the reference
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import re
 import types
 import warnings
@@ -118,6 +121,16 @@ def test_last_gradient_is_sent_before_the_hand_off_to_grad():
         # and nothing but the sends of that RUN (and frees, stamps) sits between it and the hand-off
         run = max(i for i, k in enumerate(kinds[:first_set]) if k is OpKind.RUN)
         assert set(kinds[run + 1:first_set]) <= {OpKind.SEND, OpKind.STAMP, OpKind.FREE}, kinds[run + 1:first_set]
+
+
+@pytest.mark.parametrize("setting", ["ZBCOMPILE_GLOO_IO_NICE=abc", "ZBCOMPILE_GLOO_IO_NICE=25",
+                                     "ZBCOMPILE_GLOO_IO_BATCH=yes"])
+def test_bad_gloo_thread_settings_say_what_is_valid(setting):
+    name, value = setting.split("=")
+    env = dict(os.environ, **{name: value})
+    out = subprocess.run([sys.executable, "-c", "import zbcompile.runtime"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert f"ZBCompileError: {name}={value!r} is not a valid setting; give " in out.stderr, out.stderr[-500:]
 
 
 def test_accumulating_graphs_add_exactly_the_gradients():

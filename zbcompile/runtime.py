@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from zbcompile.errors import RuntimeFailure
+from zbcompile.errors import RuntimeFailure, ZBCompileError
 from zbcompile.program import OpKind, RankProgram, split_data_id
 from zbcompile.stages import StagedModel
 
@@ -229,8 +229,19 @@ def retain_freed_cpu_memory() -> bool:
 #     soon as its main thread waits. Steps another 39-53% shorter. With an intra-op thread pool, whose
 #     threads keep the cores busy, it measured up to 11% slower (2 threads per rank on 2 cores), so not there.
 # The benchmark GPT's steps (compute-bound, one thread per rank) are unchanged within 1% by either.
-GLOO_IO_NICE = int(os.environ.get("ZBCOMPILE_GLOO_IO_NICE", "10"))       # 0: leave the priority alone
-GLOO_IO_BATCH = os.environ.get("ZBCOMPILE_GLOO_IO_BATCH", "auto")        # "auto", "1" (always) or "0"
+def _io_setting(name: str, default: str, valid) -> str:
+    value = os.environ.get(name, default).strip()
+    if not valid(value):
+        raise ZBCompileError(f"{name}={value!r} is not a valid setting; {_IO_SETTINGS_HELP[name]}")
+    return value
+
+
+_IO_SETTINGS_HELP = {
+    "ZBCOMPILE_GLOO_IO_NICE": "give a nice value from 0 (leave the priority alone) to 19, e.g. 10",
+    "ZBCOMPILE_GLOO_IO_BATCH": "give auto (SCHED_BATCH in one-thread ranks), 1 (always) or 0 (never)",
+}
+GLOO_IO_NICE = int(_io_setting("ZBCOMPILE_GLOO_IO_NICE", "10", lambda v: v.isdigit() and int(v) <= 19))
+GLOO_IO_BATCH = _io_setting("ZBCOMPILE_GLOO_IO_BATCH", "auto", lambda v: v in ("auto", "1", "0"))
 
 
 def process_threads() -> set[int]:
@@ -242,21 +253,19 @@ def process_threads() -> set[int]:
         return set()
 
 
-def tune_io_threads(tids, nice: int | None = None, batch: bool | None = None) -> int:
+def tune_io_threads(tids) -> int:
     """Apply the scheduling above to threads `tids` (api._p2p_channels passes the threads its P2P groups
     started: each group's loop thread and its collective workers, idle since P2P runs on the calling thread).
     Never raises a thread's priority (that would need privileges); returns how many threads it changed.
     A scheduling hint, not a requirement: threads gone meanwhile, or a system refusing, are left as they are."""
-    nice = GLOO_IO_NICE if nice is None else nice
-    if batch is None:
-        batch = GLOO_IO_BATCH == "1" or (GLOO_IO_BATCH == "auto" and torch.get_num_threads() == 1)
+    batch = GLOO_IO_BATCH == "1" or (GLOO_IO_BATCH == "auto" and torch.get_num_threads() == 1)
     batch = batch and hasattr(os, "SCHED_BATCH")
     changed = 0
     for tid in tids:
         try:
             done = False
-            if nice > 0 and os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            if GLOO_IO_NICE > 0 and os.getpriority(os.PRIO_PROCESS, tid) < GLOO_IO_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, GLOO_IO_NICE)
                 done = True
             if batch and os.sched_getscheduler(tid) == os.SCHED_OTHER:
                 os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
