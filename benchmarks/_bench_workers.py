@@ -293,7 +293,7 @@ def build_ours(cfg: dict, name: str, rank: int, world: int, group=None):
 def our_action_counts(pm, rank: int) -> dict:
     """Compute actions (F/B/W/BW stage-graph runs) and P2P ops (tensors sent or received) in this rank's
     program (the RankProgram IR the lowering made)."""
-    from zbcompile.program import OpKind
+    from zbcompile.program.ops import OpKind
 
     prog = pm.programs[rank]
     comp = comm = 0
@@ -301,7 +301,7 @@ def our_action_counts(pm, rank: int) -> dict:
         if op.kind is OpKind.RUN:
             comp += 1
         elif op.kind in (OpKind.SEND, OpKind.RECV):
-            comm += max(1, len(op.peers))
+            comm += len(op.messages(rank))
     return dict(compute=comp, comm=comm)
 
 

@@ -23,8 +23,8 @@ torch.set_num_threads(1)
 from models import gpt, hf_gpt2, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
-from zbcompile.errors import LoweringError, RuntimeFailure, ScheduleError  # noqa: E402
-from zbcompile.runtime import process_threads  # noqa: E402
+from zbcompile.errors import RuntimeFailure, ScheduleError, UsageError  # noqa: E402
+from zbcompile.runtime.host import process_threads  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
 from zbcompile.split import split_model  # noqa: E402
 
@@ -113,7 +113,7 @@ def check_errors(pp, results, timeout):
         zb.compile(copy.deepcopy(model), schedule="1f1b", microbatches=4, loss_fn=loss_fn,
                    example=((x[:1],), (y[:1],)), pp=pp + 1, timeout=timeout)
         out["pp_mismatch"] = "no error"
-    except LoweringError as e:
+    except UsageError as e:
         out["pp_mismatch"] = str(e)
     try:
         zb.compile(copy.deepcopy(model), schedule="dualpipe", microbatches=1, loss_fn=loss_fn,
@@ -126,12 +126,12 @@ def check_errors(pp, results, timeout):
     try:
         pipe.step(torch.cat([x, x[:1]]), torch.cat([y, y[:1]]))
         out["not_divisible"] = "no error"
-    except RuntimeFailure as e:
+    except UsageError as e:
         out["not_divisible"] = str(e)
     try:  # 8 rows split into 4 microbatches of 2, but the example was a microbatch of 1
         pipe.step(torch.cat([x, x]), torch.cat([y, y]))
         out["wrong_shape"] = "no error"
-    except RuntimeFailure as e:
+    except UsageError as e:
         out["wrong_shape"] = str(e)
     results["errors"] = out
 

@@ -16,13 +16,14 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from models import gpt
-from threaded import max_grad_error, run_threaded
+from threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.lower.buffers import static_input_buffers
 from zbcompile.passes.lower.aliases import graph_output_aliases, graph_output_owned
-from zbcompile.passes.lower.reduce import grad_holders
+
 from zbcompile.passes.schedules import generate
-from zbcompile.program import Op, OpKind
+from zbcompile.errors import LoweringError
+from zbcompile.program.ops import Op, OpKind, SetGradArgs
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)
@@ -76,14 +77,14 @@ def test_no_buffer_is_reused_while_its_memory_is_needed(name, pp):
     model, loss_fn, (x, y), staged = _gpt(sched.num_model_stages)
     x, y = x.repeat(pp, 1)[: 2 * pp], y.repeat(pp, 1)[: 2 * pp]
     programs = lower_all(sched, staged)
-    assert all(op.arg is not None for p in programs for op in p.of_kind(OpKind.RECV) if "act:" in op.outs[0])
+    assert all(op.args.slot is not None for p in programs for op in p.of_kind(OpKind.RECV) if "act:" in op.outs[0])
     assert sum(len(p.buffers) for p in programs) < sum(len(p.of_kind(OpKind.RECV)) for p in programs)
     clashes, posts = [], []
 
     def patch(rank, gm):
         prog = programs[rank]
         needed = _needed_after(prog)
-        recv_ops = [i for i, op in enumerate(prog.ops) if op.kind is OpKind.RECV and op.arg is not None]
+        recv_ops = [i for i, op in enumerate(prog.ops) if op.kind is OpKind.RECV and op.args.slot is not None]
         waits = {op.ins[0]: op.outs[0] for op in prog.ops if op.kind is OpKind.WAIT_RECV}
         runs = [op for op in prog.ops if op.kind is OpKind.RUN]
         made: dict[str, torch.Tensor] = {}
@@ -125,7 +126,7 @@ def test_no_buffer_is_reused_while_its_memory_is_needed(name, pp):
         loss_fn(ref(bx), by).backward()
     losses, models, _ = run_threaded(model, staged, sched, batches[0], patch=patch, then=batches[1:])
     assert len(posts) > len(set(posts)) and not clashes, clashes[:5]
-    holders = grad_holders(sched, staged)
+    holders = param_holders(sched, staged)
     err, where = max_grad_error(ref, models, [[f for f, rs in holders.items() if r in rs] for r in range(pp)])
     assert err <= 1e-5, where
 
@@ -156,19 +157,19 @@ def test_a_gradient_that_is_the_received_tensor_keeps_its_buffer_until_summed():
     r0, _ = lower_all(sched, staged)
     ops = r0.ops
     first = next(i for i, op in enumerate(ops) if op.kind is OpKind.RECV and ".mb0.grad:" in op.outs[0])
-    summed = next(i for i, op in enumerate(ops) if op.kind is OpKind.ACCUM and op.arg == "add"
+    summed = next(i for i, op in enumerate(ops) if op.kind is OpKind.ACCUM and op.args.mode.value == "add"
                   and any("grad:param:0.b" in v for v in op.ins))
-    assert ops[first].arg is not None
-    assert all(op.arg != ops[first].arg for op in ops[first + 1: summed] if op.kind is OpKind.RECV)
+    assert ops[first].args.slot is not None
+    assert all(op.args.slot != ops[first].args.slot for op in ops[first + 1: summed] if op.kind is OpKind.RECV)
     # that sum is fresh memory: from microbatch 2 on the W graph adds into it in place
     bws = [op for op in ops if op.kind is OpKind.RUN and op.action.kind.value == "BW"]
-    assert [op.arg for op in bws] == [None, None, "accumulate", "accumulate"]
+    assert [op.args.graph.endswith("_acc") for op in bws] == [False, False, True, True]
     ref = copy.deepcopy(model)
     batches = [(x, y), (-x, y.flip(0)), (x.roll(1, 0), y)]
     for bx, by in batches:
         loss_fn(ref(bx), by).backward()
     _, models, _ = run_threaded(model, staged, sched, batches[0], then=batches[1:])
-    holders = grad_holders(sched, staged)
+    holders = param_holders(sched, staged)
     err, where = max_grad_error(ref, models, [[f for f, rs in holders.items() if r in rs] for r in range(2)])
     assert err <= 1e-5, where
 
@@ -182,9 +183,13 @@ def test_the_batch_is_staged_in_static_input_buffers_unless_it_may_outlive_the_s
     assert "batch staged in static input buffers" in programs[0].to_text().splitlines()[0]
     first = programs[0]
     assert not static_input_buffers(first.replace(output="mb1.data:0")).staged_inputs
-    # an op kind this pass does not know is assumed to keep what it reads
+    # an op kind without a spec is refused, not guessed at
     keep = Op(_Unknown.KEEP, ins=("mb0.data:0",))
-    assert not static_input_buffers(first.replace(ops=first.ops + (keep,))).staged_inputs
+    with pytest.raises(LoweringError, match="has no OpSpec"):
+        static_input_buffers(first.replace(ops=first.ops + (keep,)))
+    # a SET_GRAD that takes ownership keeps its tensor beyond the step
+    owned = Op(OpKind.SET_GRAD, ("param:wte.weight", "mb0.data:0"), args=SetGradArgs(True))
+    assert not static_input_buffers(first.replace(ops=first.ops + (owned,))).staged_inputs
     assert static_input_buffers(first).staged_inputs
 
 
@@ -205,6 +210,6 @@ def test_staged_and_fresh_batches_give_the_eager_gradients(staged_inputs):
     _, models, runtimes = run_threaded(model, staged, sched, batches[0], then=batches[1:],
                                        staged_inputs=staged_inputs)
     assert all((rt._staged is not None) == staged_inputs for rt in runtimes)
-    holders = grad_holders(sched, staged)
+    holders = param_holders(sched, staged)
     err, where = max_grad_error(ref, models, [[f for f, rs in holders.items() if r in rs] for r in range(2)])
     assert err <= 1e-5, where

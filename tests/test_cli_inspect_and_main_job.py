@@ -22,18 +22,18 @@ def test_inspect_prints_every_rank_program_with_p2p_and_frees():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "rank 0: stages [0, 3]" in text and "rank 1: stages [1, 2]" in text
-    for op in ("zbcompile_runtime_send", "zbcompile_runtime_recv", "zbcompile_runtime_wait_recv",
-               "zbcompile_runtime_free", "self.stage1_b", "self.stage3_w"):
+    for op in ("zbcompile_runtime_abi_send", "zbcompile_runtime_abi_recv", "zbcompile_runtime_abi_wait_recv",
+               "zbcompile_runtime_abi_free", "self.stage1_b", "self.stage3_w"):
         assert op in text, op
     assert "tied parameters" in text and "wte.weight" in text  # the stage report comes first
     # the stages are the ones zb.compile makes for this schedule: balanced per rank for the V placement
-    from zbcompile.api import _model_stage_placement
+    from zbcompile.api import model_stage_placement
     from zbcompile.examples.train_gpt import tiny
     from zbcompile.passes.schedules import generate
     from zbcompile.split import report, split_model
 
     model, loss_fn, example = tiny()
-    staged = split_model(model, loss_fn, example, placement=_model_stage_placement(generate("zbv", 2, 4)))
+    staged = split_model(model, loss_fn, example, placement=model_stage_placement(generate("zbv", 2, 4)))
     assert report(staged) in text
 
 

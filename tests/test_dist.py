@@ -101,7 +101,7 @@ def test_p2p_groups_threads_are_scheduled_below_the_main_thread(run):
     wake-up preemptions starved the main threads, see runtime.py) get GLOO_IO_NICE and, in a one-thread
     rank, SCHED_BATCH; the main thread and the default group's threads, which zbcompile did not start, keep
     their scheduling."""
-    from zbcompile.runtime import GLOO_IO_BATCH, GLOO_IO_NICE
+    from zbcompile.runtime.host import GLOO_IO_BATCH, GLOO_IO_NICE
 
     pp, results = run
     for res in results:

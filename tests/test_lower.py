@@ -7,6 +7,7 @@ zbcompile.passes.schedules.generate. The eager model's autograd is the reference
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,12 +22,13 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from models import convnet, gpt, mlp
-from threaded import max_grad_error, run_threaded
+from threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.errors import LoweringError
-from zbcompile.passes.lower import LOWERING, emit_fx, lower, lower_all, validate_programs
+from zbcompile.passes.lower import LOWERING, build_compute, emit_fx, lower_all, validate_programs
 from zbcompile.passes.lower.reduce import grad_holders
 from zbcompile.passes.schedules import generate
-from zbcompile.program import OpKind, split_value_id
+from zbcompile.program.ops import OpKind
+from zbcompile.program.values import parse
 from zbcompile.schedule import Action, Schedule
 from zbcompile.split import split_model
 
@@ -46,18 +48,22 @@ def _gpt_split(stages: int):
 
 
 def _count(program, kind):
-    return sum(len(op.peers) if kind in (OpKind.SEND, OpKind.RECV) else 1 for op in program.ops if op.kind is kind)
+    return sum(len(op.messages(program.rank)) if kind in (OpKind.SEND, OpKind.RECV) else 1
+               for op in program.ops if op.kind is kind)
 
 
 def test_passes_are_named_and_pure():
-    assert [p.__name__ for p in LOWERING] == ["build_compute", "insert_p2p", "accumulate_grads",
-                                             "reduce_shared_grads", "insert_frees", "insert_stamps"]
+    assert [p.__name__ for p in LOWERING] == ["insert_p2p", "accumulate_grads", "reduce_shared_grads",
+                                             "insert_frees", "insert_stamps", "order_p2p_by_pair"]
     *_, staged = _mlp_split(2)
     sched = generate("1f1b", 2, 4)
-    before = lower(sched, staged, 0, passes=LOWERING[:1])
-    ops = before.ops
-    LOWERING[1](before)
-    assert before.ops == ops  # the input program is not mutated
+    before = tuple(build_compute(sched, staged, r) for r in range(2))
+    texts = [p.to_text() for p in before]
+    programs = before
+    for p in LOWERING:
+        programs = p(programs)
+    assert [p.to_text() for p in before] == texts  # the input programs are not mutated
+    assert all(p.rank == r for r, p in enumerate(programs))
 
 
 def test_1f1b_p2p_counts_and_tags_match():
@@ -67,8 +73,8 @@ def test_1f1b_p2p_counts_and_tags_match():
     assert (_count(r0, OpKind.SEND), _count(r0, OpKind.RECV)) == (4, 4)  # 4 activations out, 4 grads in
     assert (_count(r1, OpKind.SEND), _count(r1, OpKind.RECV)) == (4, 4)
     assert _count(r0, OpKind.WAIT_RECV) == 4 and _count(r0, OpKind.WAIT_SEND) == 4
-    sent = {(0, p, t) for op in r0.of_kind(OpKind.SEND) for p, t in zip(op.peers, op.tags)}
-    recv = {(p, 1, t) for op in r1.of_kind(OpKind.RECV) for p, t in zip(op.peers, op.tags)}
+    sent = {key for op in r0.of_kind(OpKind.SEND) for key in op.messages(0)}
+    recv = {key for op in r1.of_kind(OpKind.RECV) for key in op.messages(1)}
     assert sent == recv
     assert len(r0.of_kind(OpKind.STAMP)) == 2 * len(sched.ranks[0])
 
@@ -77,8 +83,8 @@ def test_same_rank_neighbours_need_no_p2p():
     *_, staged = _mlp_split(4)
     sched = generate("zbv", 2, 4)  # rank 1 holds stages 1 and 2: their boundary stays local
     r0, r1 = lower_all(sched, staged)
-    assert not any(split_value_id(v)[0] == 1 and "act:" in v for op in r1.of_kind(OpKind.RECV) for v in op.outs
-                   if split_value_id(v))
+    assert not any(parse(v.removeprefix("h:")).stage == 1 and "act:" in v
+                   for op in r1.of_kind(OpKind.RECV) for v in op.outs)
     # rank 0 -> 1: act of stage 0 and grad of stage 3, per microbatch
     assert _count(r0, OpKind.SEND) == 8 and _count(r1, OpKind.SEND) == 8
 
@@ -90,7 +96,7 @@ def test_tied_weights_are_summed_across_ranks_and_accumulated_on_one():
     *_, staged4 = _gpt_split(4)
     v0, _ = lower_all(generate("zbv", 2, 4), staged4)  # stages 0 and 3 both on rank 0
     assert not v0.of_kind(OpKind.SUM)
-    assert grad_holders(generate("zbv", 2, 4), staged4)["wte.weight"] == (0,)
+    assert grad_holders(lower_all(generate("zbv", 2, 4), staged4))["wte.weight"] == (0,)
 
 
 def test_gradients_are_summed_inside_the_stage_graphs():
@@ -100,8 +106,8 @@ def test_gradients_are_summed_inside_the_stage_graphs():
     for name in ("1f1b", "zb-h1"):
         for prog in lower_all(generate(name, 2, 4), staged):
             grads = [op for op in prog.run_ops() if op.action.kind.value in ("W", "BW")]
-            assert [op.arg for op in grads] == [None] + ["accumulate"] * 3, name
-            assert [op.arg for op in prog.of_kind(OpKind.ACCUM)] == ["first"]
+            assert [op.args.graph.endswith("_acc") for op in grads] == [False] + [True] * 3, name
+            assert [op.args.mode.value for op in prog.of_kind(OpKind.ACCUM)] == ["first"]
             later = [v for op in grads[1:] for v in op.outs if "grad:param:" in v]
             assert later and all(v.startswith("acc") for v in later)
     gm = emit_fx(lower_all(generate("zb-h1", 2, 4), staged)[0])
@@ -138,6 +144,7 @@ def test_accumulating_graphs_add_exactly_the_gradients():
     embedding's), leaves acc + the gradient the plain graph computes and the same other outputs; fed the
     inputs a real step gave the plain graphs (GPT: embedding, Linear layers, tied head)."""
     from zbcompile.passes.lower.compute import accumulating_graph
+    from zbcompile.program import ProgramGraph
 
     model, loss_fn, (x, y), staged = _gpt_split(2)
     seen: dict = {}
@@ -159,7 +166,7 @@ def test_accumulating_graphs_add_exactly_the_gradients():
         g = getattr(stage, child.split("_")[1])
         plain = g.gm(*args)
         sums = [torch.randn_like(plain[i]) for i, n in enumerate(g.outputs) if n.startswith("grad:param:")]
-        acc = accumulating_graph(g)
+        acc = accumulating_graph(ProgramGraph(g.gm, g.inputs, g.outputs)).gm
         got = acc(*args, *[t.clone() for t in sums])
         fused += [n.target.__name__ for n in acc.graph.nodes if n.op == "call_function"]
         k = 0
@@ -174,12 +181,13 @@ def test_accumulating_graphs_add_exactly_the_gradients():
 def test_boxed_stage_graphs_call_ops_directly(monkeypatch):
     """The rank program's stage graphs call each op's C++ entry point (OpOverload._op), not
     OpOverload.__call__: same values, no Python frame per op, and code that still reads op by op."""
-    from zbcompile.passes.lower.emit import _boxed
+    from zbcompile.passes.lower.variants import boxed as box
+    from zbcompile.program import ProgramGraph
 
     x, w, b = torch.randn(3, 4), torch.randn(4, 5), torch.randn(5)
     gm = make_fx(lambda x, w, b: (torch.addmm(b, x, w).relu().sum(0, keepdim=True), x.t()))(x, w, b)
     want = gm(x, w, b)
-    boxed = _boxed(gm)
+    boxed = box(ProgramGraph(gm, ("x", "w", "b"), ("y", "t"))).gm
     assert "torch.ops." not in boxed.code and " = aten_addmm_default(b_1, x_1, w_1)" in boxed.code
 
     def refuse(self, *args, **kwargs):
@@ -200,7 +208,7 @@ def test_accumulating_fusions_on_hand_made_graphs():
     output also reads (not fused: it must stay), an embedding with a padding row (not fused: the padding row
     gets no gradient)."""
     from zbcompile.passes.lower.compute import accumulating_graph
-    from zbcompile.stages import Graph
+    from zbcompile.program import ProgramGraph
 
     def f(a, b, go, ids):
         m = torch.mm(a, b)
@@ -210,8 +218,8 @@ def test_accumulating_fusions_on_hand_made_graphs():
 
     args = (torch.randn(3, 5), torch.randn(5, 4), torch.randn(2, 3, 4), torch.tensor([[0, 2, 5], [2, 2, 1]]))
     names = ("grad:param:t", "grad:param:m", "wsaved:m2", "grad:param:e", "grad:param:p")
-    g = Graph(make_fx(f)(*args), ("a", "b", "go", "ids"), names)
-    acc = accumulating_graph(g)
+    g = ProgramGraph(make_fx(f)(*args), ("a", "b", "go", "ids"), names)
+    acc = accumulating_graph(g).gm
     called = [n.target.__name__ for n in acc.graph.nodes if n.op == "call_function"]
     assert called.count("addmm_.default") == 1 and called.count("index_add_.default") == 1
     assert called.count("embedding_dense_backward.default") == 1   # the padded one stays
@@ -239,7 +247,7 @@ def test_frees_come_right_after_last_use():
         # a B frees what its W does not need
         for i, op in enumerate(prog.ops):
             if op.kind is OpKind.RUN and op.action.kind.value == "W":
-                assert all(split_value_id(v)[1] == op.action.microbatch for v in op.ins if split_value_id(v))
+                assert all(parse(v).microbatch == op.action.microbatch for v in op.ins if parse(v).scope == "stage")
 
 
 def test_frees_really_release_memory():
@@ -320,13 +328,13 @@ def test_frees_really_release_memory():
 
 def test_dce_keeps_side_effecting_ops():
     *_, staged = _mlp_split(2)
-    gm = emit_fx(lower(generate("1f1b", 2, 4), staged, 0))
+    gm = emit_fx(lower_all(generate("1f1b", 2, 4), staged)[0])
     before = len(gm.graph.nodes)
     gm.graph.eliminate_dead_code()
     assert len(gm.graph.nodes) == before
     code = gm.code
-    for word in ("zbcompile_runtime_recv", "zbcompile_runtime_wait_recv", "zbcompile_runtime_send",
-                 "zbcompile_runtime_free", "zbcompile_runtime_set_grad", "self.stage0_f"):
+    for word in ("zbcompile_runtime_abi_recv", "zbcompile_runtime_abi_wait_recv", "zbcompile_runtime_abi_send",
+                 "zbcompile_runtime_abi_free", "zbcompile_runtime_abi_set_grad", "self.stage0_f"):
         assert word in code
 
 
@@ -338,9 +346,9 @@ def test_validation_reports_unmatched_and_mismatched_p2p():
         validate_programs([no_send, r1])
     i = next(i for i, op in enumerate(r1.ops) if op.kind is OpKind.RECV)
     bad = r1.ops[i]
-    spec = bad.specs[0]
-    wrong = type(spec)(spec.name, (*spec.shape, 2), spec.dtype)
-    r1_bad = r1.replace(ops=r1.ops[:i] + (type(bad)(**{**bad.__dict__, "specs": (wrong,)}),) + r1.ops[i + 1:])
+    t = bad.args.type
+    wrong = dataclasses.replace(bad, args=bad.args._replace(type=t._replace(shape=(*t.shape, 2))))
+    r1_bad = r1.replace(ops=r1.ops[:i] + (wrong,) + r1.ops[i + 1:])
     with pytest.raises(LoweringError, match="receives"):
         validate_programs([r0, r1_bad])
 
@@ -352,9 +360,8 @@ def test_validation_reports_deadlock_with_picture():
     order = {0: ["0F0", "0BW0", "0F1", "0BW1"], 1: ["1F0", "1F1", "1BW0", "1BW1"]}
     rows = tuple(tuple(Action.parse(a) for a in order[r]) for r in range(2))
     bad = Schedule(good.name, good.num_microbatches, good.placement, rows)
-    programs = [lower(bad, staged, r) for r in range(2)]
     with pytest.raises(LoweringError, match="deadlock") as info:
-        validate_programs(programs)
+        lower_all(bad, staged)
     assert ">>" in str(info.value)
 
 
@@ -369,7 +376,7 @@ def test_threaded_step_matches_eager(name, pp):
     loss.backward()
     losses, models, runtimes = run_threaded(model, staged, sched, (x, y))
     assert all(abs(v - loss.item()) <= 1e-5 * loss.item() for v in losses)
-    holders = grad_holders(sched, staged)
+    holders = param_holders(sched, staged)
     owned = [[f for f, rs in holders.items() if r in rs] for r in range(pp)]
     err, where = max_grad_error(ref, models, owned)
     assert err <= 1e-5, where
@@ -457,11 +464,11 @@ class _Posting:
 @pytest.mark.parametrize("error", [RuntimeError("peer closed"), None])
 def test_failed_waits_name_the_op_and_the_peer(error):
     from zbcompile.errors import RuntimeFailure
-    from zbcompile.stages import TensorSpec
-    from zbcompile.runtime import StepContext, recv_into, send, wait_recv, wait_send
+    from zbcompile.program.ops import TensorType
+    from zbcompile.runtime.abi import StepContext, recv_into, send, wait_recv, wait_send
 
     pg = _Posting(_Stalled(error))
-    ctx = StepContext(pg, 1, torch.device("cpu"), 2.0, 4, ranks=3, buffers=(TensorSpec("h", (2,), torch.float32),))
+    ctx = StepContext(pg, 1, torch.device("cpu"), 2.0, 4, ranks=3, buffers=(TensorType((2,), torch.float32),))
     want = "failed (peer dead or stalled?): peer closed" if error else "did not finish within 2.0 s"
     h = recv_into(ctx, 0, 7, 0, "s0.mb3.act:h")
     with pytest.raises(RuntimeFailure, match=r"rank 1: receiving s0\.mb3\.act:h from rank 0 " + re.escape(want)):

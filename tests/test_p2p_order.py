@@ -19,16 +19,16 @@ from datetime import timedelta
 import pytest
 import torch
 
-from fake_group import FakeGroup, FakeWorld
 from models import gpt, mlp
-from threaded import max_grad_error, run_ranks
+from threaded import max_grad_error, param_holders, run_ranks
 from zbcompile.errors import LoweringError, RuntimeFailure
 from zbcompile.passes.lower import check_pair_order, emit_fx, lower_all, order_p2p_by_pair, validate_programs
 from zbcompile.passes.lower.order_p2p import pair_sequences
-from zbcompile.passes.lower.reduce import grad_holders
+
 from zbcompile.passes.schedules import GENERATORS, generate
-from zbcompile.program import OpKind
+from zbcompile.program.ops import OpKind
 from zbcompile.runtime import RankRuntime
+from zbcompile.runtime.loopback import LoopbackGroup, LoopbackWorld
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)
@@ -115,7 +115,7 @@ def test_without_the_pass_v_schedules_mismatch_with_a_picture(name):
 
 
 # ---- execution against NCCL's matching rule ------------------------------------------------------
-class FifoWorld(FakeWorld):
+class FifoWorld(LoopbackWorld):
     """Matches like NCCL: per (source, destination), the k-th receive posted takes the k-th tensor sent,
     tags ignored. `strict`: a receive whose tag differs from the arriving send's raises at its wait
     (else it takes the wrong tensor silently, as NCCL would). Each arrival is logged as
@@ -154,7 +154,7 @@ class _Arrival:
         return True
 
 
-class FifoGroup(FakeGroup):
+class FifoGroup(LoopbackGroup):
     world: FifoWorld
 
     def send(self, tensors, dst: int, tag: int):
@@ -186,7 +186,7 @@ class FifoGroup(FakeGroup):
 
 def _run_fifo(programs, model, batch, world: FifoWorld, timeout: float = 20.0):
     """One step of every rank's program as threads on `world`; (losses, models per rank)."""
-    pp, m = len(programs), programs[0].schedule.num_microbatches
+    pp, m = len(programs), programs[0].microbatches
     models = [copy.deepcopy(model) for _ in range(pp)]
     data = [t.chunk(m) for t in batch]
     losses, errors = [None] * pp, []
@@ -195,7 +195,7 @@ def _run_fifo(programs, model, batch, world: FifoWorld, timeout: float = 20.0):
         try:
             rt = RankRuntime(programs[r], emit_fx(programs[r]), pg=world.group(r), device=torch.device("cpu"),
                              params=dict(models[r].named_parameters()), buffers=dict(models[r].named_buffers()),
-                             timeout=timeout)
+                             timeout=timeout, peers=programs)
             losses[r] = rt.step(data)
         except BaseException as e:  # reported in the main thread
             errors.append(e)
@@ -219,7 +219,7 @@ def _step_error(name: str, pp: int, factory, *, pair_order: bool = True, strict:
     loss.backward()
     world = FifoWorld(pp, strict=strict)
     losses, models = _run_fifo(lower_all(sched, staged, pair_order=pair_order), model, batch, world)
-    holders = grad_holders(sched, staged)
+    holders = param_holders(sched, staged)
     owned = [[f for f, rs in holders.items() if r in rs] for r in range(pp)]
     loss_err = max(abs(v - loss.item()) for v in losses) / abs(loss.item())
     return loss_err, max_grad_error(ref, models, owned)[0], world

@@ -18,8 +18,8 @@ from zbcompile.errors import LoweringError
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.lower.streams import check_streams, stream_cycle
 from zbcompile.passes.schedules import GENERATORS, generate
-from zbcompile.program import OpKind
-from zbcompile.runtime import StepContext, recv, send
+from zbcompile.program.ops import OpKind
+from zbcompile.runtime.abi import StepContext, recv, send
 from zbcompile.split import split_model
 
 
@@ -66,7 +66,7 @@ def _run_streams(programs, channel: str) -> bool:
         r, ops, waited, handles, posted = prog.rank, [], [], {}, 0
         for op in prog.ops:
             if op.kind in (OpKind.SEND, OpKind.RECV):
-                keys = [(r, q, t) if op.kind is OpKind.SEND else (q, r, t) for q, t in zip(op.peers, op.tags)]
+                keys = op.messages(r)
                 handles[op.outs[0]] = keys
                 for key in keys:
                     a, b = key[:2]

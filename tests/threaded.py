@@ -1,4 +1,4 @@
-"""Run every rank's program of a schedule as threads of this process (FakeWorld instead of torch.distributed).
+"""Run every rank's program of a schedule as threads of this process (a LoopbackWorld instead of torch.distributed).
 
 This checks the lowering end to end — P2P matching, gradient accumulation and the shared-gradient sums —
 without starting processes; tests/test_dist.py runs the same under torch.distributed.
@@ -11,9 +11,9 @@ import threading
 
 import torch
 
-from fake_group import FakeWorld
 from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.runtime import RankRuntime
+from zbcompile.runtime.loopback import LoopbackWorld
 
 
 def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
@@ -27,7 +27,7 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
     if not staged_inputs:
         programs = tuple(p.replace(staged_inputs=False) for p in programs)
     models = [copy.deepcopy(model) for _ in range(pp)]
-    world = FakeWorld(pp)
+    world = LoopbackWorld(pp)
     steps = (batch, *then)
     losses, runtimes, errors = [None] * pp, [None] * pp, []
 
@@ -39,7 +39,8 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
                 patch(r, gm)
             runtimes[r] = RankRuntime(programs[r], gm, pg=world.group(r),
                                       device=torch.device("cpu"), params=dict(mdl.named_parameters()),
-                                      buffers=dict(mdl.named_buffers()), timeout=timeout)
+                                      buffers=dict(mdl.named_buffers()), timeout=timeout,
+                                      peers=programs)
             for b in steps:
                 losses[r] = runtimes[r].step_batch(b)
         except BaseException as e:  # reported in the main thread
@@ -75,3 +76,10 @@ def max_grad_error(reference, models, owned) -> tuple[float, str]:
             if err > worst:
                 worst, where = err, f"rank {r}: {name}"
     return worst, where
+
+
+def param_holders(schedule, staged) -> dict[str, tuple[int, ...]]:
+    """Parameter fqn -> the ranks whose stages use it (buffers left out)."""
+    from zbcompile.distributed import holders
+
+    return {n: rs for n, rs in holders(schedule, staged).items() if not n.startswith("buffer:")}

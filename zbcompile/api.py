@@ -17,23 +17,42 @@ rank in `group`. `compile` runs split -> schedule -> lower and keeps only this r
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import os
 import warnings
-from datetime import timedelta
 from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import fx, nn
 
-from zbcompile.errors import LoweringError, RuntimeFailure, ZBCompileWarning
+from zbcompile.distributed import (device_for, is_meta, keep_only, p2p_channels, resolve_group, stage_ranks,
+                                   sync_copies, to_device)
+from zbcompile.errors import UsageError, ZBCompileWarning
 from zbcompile.passes.lower import emit_fx, lower_all
-from zbcompile.runtime import RankRuntime, StepTimings, process_threads, tune_io_threads
+from zbcompile.runtime import RankRuntime, StepTimings
+from zbcompile.runtime import abi
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
-__all__ = ["compile", "PipelineModule"]
+__all__ = ["compile", "PipelineModule", "CompileOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """Everything `compile` takes besides the model (see its docstring for each)."""
+
+    schedule: str | Schedule
+    microbatches: int
+    loss_fn: Callable[..., torch.Tensor]
+    example: object
+    pp: int | None = None
+    chunks: int | None = None
+    split_points: Sequence[str] | None = None
+    group: object = None
+    costs: object = None
+    mem_limit: float | None = None
+    init_fn: Callable[[nn.Module], None] | None = None
+    timeout: float = 60.0
 
 
 def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microbatches: int,
@@ -52,37 +71,69 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
         default group (initialized here from the torchrun environment when needed: gloo on CPU, NCCL on CUDA).
     costs / mem_limit: read by zb-auto (and zbv / v-zb, which polish their order for uneven costs).
     timeout: seconds any wait may block before RuntimeFailure.
-    On CPU the runtime asks glibc to keep freed memory for reuse (`runtime.retain_freed_cpu_memory`, a
+    On CPU the runtime asks glibc to keep freed memory for reuse (`runtime.host.retain_freed_cpu_memory`, a
     process-wide setting): large per-microbatch tensors then stop page-faulting fresh memory every time.
     init_fn: for a model built on the meta device. Each rank gives real storage (on its device) only to the
         parameters and buffers its own stages use, then calls `init_fn(module)` on every module that directly
         holds one of them — or, without init_fn, that module's `reset_parameters()`. Copies of one parameter
         on several ranks (tied weights, DualPipe's mirrored stages) are then made equal from the lowest rank.
     """
-    options = dict(schedule=schedule, microbatches=microbatches, loss_fn=loss_fn, example=example, pp=pp,
-                   chunks=chunks, split_points=split_points, group=group, costs=costs, mem_limit=mem_limit,
-                   init_fn=init_fn, timeout=timeout)
+    options = CompileOptions(schedule=schedule, microbatches=microbatches, loss_fn=loss_fn, example=example,
+                             pp=pp, chunks=chunks, split_points=split_points, group=group, costs=costs,
+                             mem_limit=mem_limit, init_fn=init_fn, timeout=timeout)
     if model is None:
-        def decorate(cls: type[nn.Module]):
-            @functools.wraps(cls, updated=())
-            def build(*args, **kwargs) -> PipelineModule:
-                return compile(cls(*args, **kwargs), **options)
-            build.__wrapped__ = cls
-            return build
-        return decorate
-    pg, rank, world = _resolve_group(group, timeout)
-    pp = world if pp is None else pp
-    if pp != world:
-        raise LoweringError(f"pp={pp} but the process group has {world} ranks; launch with "
-                            f"`torchrun --nproc-per-node {pp}` (or pass a group of {pp} ranks)")
-    sched = _schedule(schedule, pp, microbatches, chunks, costs, mem_limit)
+        return functools.partial(_decorate, options=options)
+    return compile_with(model, options)
+
+
+def _decorate(cls: type[nn.Module], *, options: CompileOptions):
+    @functools.wraps(cls, updated=())
+    def build(*args, **kwargs) -> PipelineModule:
+        return compile_with(cls(*args, **kwargs), options)
+    build.__wrapped__ = cls
+    return build
+
+
+def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
+    """split -> schedule -> lower -> runtime for this rank, under `options`."""
     from zbcompile.split import split_model
 
-    trace_example = _to_meta(example) if _is_meta(model) else example
-    staged = split_model(model, loss_fn, trace_example, num_stages=sched.num_model_stages,
-                         split_points=split_points, placement=_model_stage_placement(sched))
-    return PipelineModule.from_staged(model, staged, sched, group=pg, init_fn=init_fn, timeout=timeout,
-                                      _resolved=(pg, rank, world))
+    resolved = resolve_group(options.group, options.timeout)
+    _, _, world = resolved
+    pp = world if options.pp is None else options.pp
+    if pp != world:
+        raise UsageError(f"pp={pp} but the process group has {world} ranks; launch with "
+                         f"`torchrun --nproc-per-node {pp}` (or pass a group of {pp} ranks)")
+    sched = _schedule(options, pp)
+    example = options.example
+    if is_meta(model):   # traced on meta; the graphs' tensor factories then target the device the rank runs on
+        example = to_device(example, device_for(model, resolved[0]))
+    staged = split_model(model, options.loss_fn, example, num_stages=sched.num_model_stages,
+                         split_points=options.split_points, placement=model_stage_placement(sched))
+    return _build(model, staged, sched, resolved, options.init_fn, options.timeout)
+
+
+def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, init_fn, timeout: float):
+    pg, rank, world = resolved
+    if schedule.num_ranks != world:
+        raise UsageError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
+                         f"has {world}")
+    if schedule.num_model_stages != len(staged.stages):
+        raise UsageError(f"schedule {schedule.name!r} needs {schedule.num_model_stages} model stages but the "
+                         f"split made {len(staged.stages)}")
+    programs = lower_all(schedule, staged)
+    _warn_mirrored_buffer_updates(staged, schedule)
+    mine = [staged.stages[schedule.model_stage(s)] for s, r in enumerate(schedule.placement) if r == rank]
+    owned_params = tuple(dict.fromkeys(p for st in mine for p in st.params))
+    owned_buffers = tuple(dict.fromkeys(b for st in mine for b in st.buffers))
+    device = device_for(model, pg)
+    keep_only(model, owned_params, owned_buffers, device, init_fn)
+    sync_copies(model, staged, schedule, rank, pg, timeout)
+    params = {n: model.get_parameter(n) for n in owned_params}
+    buffers = {n: model.get_buffer(n) for n in owned_buffers}
+    runtime = RankRuntime(programs[rank], emit_fx(programs[rank], abi), pg=pg, device=device, params=params,
+                          buffers=buffers, timeout=timeout, channels=p2p_channels(pg, timeout), peers=programs)
+    return PipelineModule(model, staged, schedule, programs, runtime, rank, owned_params)
 
 
 class PipelineModule:
@@ -108,30 +159,11 @@ class PipelineModule:
 
     @classmethod
     def from_staged(cls, model: nn.Module, staged: StagedModel, schedule: Schedule, *, group=None,
-                    init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0,
-                    _resolved=None) -> PipelineModule:
-        """Build from an already split model (split once, try several schedules)."""
-        pg, rank, world = _resolved or _resolve_group(group, timeout)
-        if schedule.num_ranks != world:
-            raise LoweringError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
-                                f"has {world}")
-        if schedule.num_model_stages != len(staged.stages):
-            raise LoweringError(f"schedule {schedule.name!r} needs {schedule.num_model_stages} model stages but the "
-                                f"split made {len(staged.stages)}")
-        programs = lower_all(schedule, staged)
-        _warn_mirrored_buffer_updates(staged, schedule)
-        mine = [staged.stages[schedule.model_stage(s)] for s, r in enumerate(schedule.placement) if r == rank]
-        owned_params = tuple(dict.fromkeys(p for st in mine for p in st.params))
-        owned_buffers = tuple(dict.fromkeys(b for st in mine for b in st.buffers))
-        device = _device_for(model, pg)
-        _keep_only(model, owned_params, owned_buffers, device, init_fn)
-        _retarget(staged, device)
-        _sync_copies(model, staged, schedule, rank, pg, timeout)
-        params = {n: model.get_parameter(n) for n in owned_params}
-        buffers = {n: model.get_buffer(n) for n in owned_buffers}
-        runtime = RankRuntime(programs[rank], emit_fx(programs[rank]), pg=pg, device=device, params=params,
-                              buffers=buffers, timeout=timeout, channels=_p2p_channels(pg, timeout))
-        return cls(model, staged, schedule, programs, runtime, rank, owned_params)
+                    init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0) -> PipelineModule:
+        """Build from an already split model (split once, try several schedules). The split's stage graphs
+        create tensors (masks, positions) on the device they were traced for: the example's, or for a model on
+        the meta device the device `compile` runs on."""
+        return _build(model, staged, schedule, resolve_group(group, timeout), init_fn, timeout)
 
     # ---- training ------------------------------------------------------------------------------
     def step(self, *batch: torch.Tensor) -> float:
@@ -139,7 +171,7 @@ class PipelineModule:
         microbatches). Returns the batch's mean loss, the same value on every rank."""
         specs = self._batch_specs
         if len(batch) != len(specs):
-            raise RuntimeFailure(f"step() takes {self.staged.num_inputs} model input(s) then "
+            raise UsageError(f"step() takes {self.staged.num_inputs} model input(s) then "
                                  f"{self.staged.num_targets} target(s), {len(specs)} tensors; got {len(batch)}")
         for t, spec in zip(batch, specs):
             if spec is None or t.shape != spec[0] or t.dtype != spec[1]:
@@ -156,7 +188,7 @@ class PipelineModule:
         for i, t in enumerate(batch):
             if t.dim() == 0 or t.shape[0] % m:
                 rows = t.shape[0] if t.dim() else 0
-                raise RuntimeFailure(f"batch argument {i} has {rows} rows, which do not split into {m} equal "
+                raise UsageError(f"batch argument {i} has {rows} rows, which do not split into {m} equal "
                                      f"microbatches; use a batch size that is a multiple of {m}")
             spec = specs.get(i)
             if spec is None:
@@ -164,7 +196,7 @@ class PipelineModule:
             shape, dtype = spec
             if t.dtype != dtype or t.shape[0] // m != shape[0] or t.shape[1:] != shape[1:]:
                 got = (t.shape[0] // m, *t.shape[1:])
-                raise RuntimeFailure(
+                raise UsageError(
                     f"batch argument {i}: {m} microbatches of shape {list(got)} ({t.dtype}), but the model was "
                     f"compiled for microbatches of shape {list(shape)} ({dtype}) from `example`; pass a batch of "
                     f"{m} x {shape[0]} rows with the example's other sizes, or compile again for this shape")
@@ -189,7 +221,7 @@ class PipelineModule:
         """The generated program of `rank` (default: this rank); `.code` prints sends, receives, frees."""
         rank = self.rank if rank is None else rank
         if rank not in self._fx:
-            self._fx[rank] = emit_fx(self.programs[rank])
+            self._fx[rank] = emit_fx(self.programs[rank], abi)
         return self._fx[rank]
 
     @property
@@ -200,43 +232,36 @@ class PipelineModule:
     def chrome_trace(self, path: str) -> str:
         """Write the last step as a Chrome trace (open in Perfetto / chrome://tracing)."""
         if self.runtime.last_step is None:
-            raise RuntimeFailure("no step has run yet; call step() first")
+            raise UsageError("no step has run yet; call step() first")
         return self.runtime.last_step.save_chrome_trace(path)
 
 
 # ---- helpers --------------------------------------------------------------------------------------
-def _schedule(schedule, pp, microbatches, chunks, costs, mem_limit) -> Schedule:
+def _schedule(options: CompileOptions, pp: int) -> Schedule:
+    schedule, m = options.schedule, options.microbatches
     if isinstance(schedule, Schedule):
-        if schedule.num_ranks != pp or schedule.num_microbatches != microbatches:
-            raise LoweringError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and "
-                                f"{schedule.num_microbatches} microbatches, not pp={pp}, microbatches={microbatches}")
+        if schedule.num_ranks != pp or schedule.num_microbatches != m:
+            raise UsageError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and "
+                             f"{schedule.num_microbatches} microbatches, not pp={pp}, microbatches={m}")
         return schedule.validate().check_order()
     from zbcompile.passes.schedules import generate
 
-    return generate(schedule, pp, microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
+    return generate(schedule, pp, m, chunks=options.chunks, costs=options.costs, mem_limit=options.mem_limit)
 
 
-def _model_stage_placement(sched: Schedule) -> tuple[int, ...]:
+def model_stage_placement(sched: Schedule) -> tuple[int, ...]:
     """Per model stage, a group id for balancing the split: the set of ranks running it. Most schedules run each
     model stage on one rank; DualPipe runs stage m on ranks m and p-1-m (half the microbatches each), so m and
     p-1-m share one group, whose summed weight is then the load of both ranks."""
     ids: dict[frozenset[int], int] = {}
-    return tuple(ids.setdefault(frozenset(h), len(ids)) for h in _model_stage_ranks(sched))
-
-
-def _model_stage_ranks(sched: Schedule) -> list[set[int]]:
-    """Per model stage, the ranks that run it (two for DualPipe's mirrored stages, one otherwise)."""
-    holders: list[set[int]] = [set() for _ in range(sched.num_model_stages)]
-    for s, r in enumerate(sched.placement):
-        holders[sched.model_stage(s)].add(r)
-    return holders
+    return tuple(ids.setdefault(frozenset(h), len(ids)) for h in stage_ranks(sched))
 
 
 def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> None:
     """DualPipe runs each model stage on two ranks, each copy for half of the microbatches. Gradients and
     losses are exact, but buffers the forward updates (BatchNorm running statistics) then follow two halves
     of the step on two ranks instead of all microbatches in order on one: say so (once per compile)."""
-    for k, ranks in enumerate(_model_stage_ranks(schedule)):
+    for k, ranks in enumerate(stage_ranks(schedule)):
         updated = [n[len("buffer:"):] for n in staged.stages[k].f.outputs if n.startswith("buffer:")]
         if len(ranks) > 1 and updated:
             more = f" and {len(updated) - 3} more" if len(updated) > 3 else ""
@@ -248,148 +273,3 @@ def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> No
                 "buffers that match eager training use a schedule without mirrored stages (e.g. dualpipev).",
                 ZBCompileWarning, stacklevel=3)
             return
-
-
-def _resolve_group(group, timeout: float):
-    """(ProcessGroup or None, pipeline rank, pipeline size)."""
-    if group is not None and hasattr(group, "get_group") and hasattr(group, "mesh"):
-        if group.ndim != 1:
-            raise LoweringError(f"a {group.ndim}-D DeviceMesh was given; pass its pipeline dimension, mesh['pp']")
-        group = group.get_group()
-    if group is None:
-        if not dist.is_initialized():
-            if "WORLD_SIZE" not in os.environ:
-                return None, 0, 1
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend, timeout=timedelta(seconds=max(timeout, 1.0)))
-        group = dist.group.WORLD
-    if group is dist.group.WORLD:
-        group = dist.distributed_c10d._get_default_group()
-    return group, group.rank(), group.size()
-
-
-_CHANNELS: dict[tuple, tuple] = {}
-
-
-def _p2p_channels(pg, timeout: float) -> tuple | None:
-    """Two groups over the pipeline group's ranks, one per P2P direction (StepContext explains why), made
-    once per pipeline group and reused by every compile on it. None for a one-rank pipeline or a group that
-    is not a torch.distributed ProcessGroup (tests' stand-ins), which then carries both directions."""
-    if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
-        return None
-    ranks = dist.get_process_group_ranks(pg)
-    key = (dist.distributed_c10d._get_process_group_name(pg), tuple(ranks))
-    live = dist.distributed_c10d._world.pg_map
-    if key in _CHANNELS and all(c in live for c in _CHANNELS[key]):
-        return _CHANNELS[key]
-    backend = dist.get_backend(pg)
-    before = process_threads() if backend == "gloo" else set()
-    channels = tuple(dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)), backend=backend,
-                                    use_local_synchronization=True) for _ in ("up", "down"))
-    if backend == "gloo":   # only the threads these groups started (runtime.py says why)
-        tune_io_threads(process_threads() - before)
-    for c in channels:
-        if c.rank() != pg.rank():  # new_group numbers ranks in sorted order; programs use pg's numbering
-            raise LoweringError(f"the pipeline group's ranks {ranks} are not in ascending order, so P2P groups "
-                                f"over them would number the ranks differently; pass a group with sorted ranks")
-    _CHANNELS[key] = channels
-    return channels
-
-
-def _is_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
-
-
-def _to_meta(example):
-    return torch.utils._pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)
-
-
-def _device_for(model: nn.Module, pg) -> torch.device:
-    for p in model.parameters():
-        if not p.is_meta:
-            return p.device
-    if pg is not None and dist.get_backend(pg) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _keep_only(model: nn.Module, params: Sequence[str], buffers: Sequence[str], device: torch.device,
-               init_fn) -> None:
-    """Drop (to meta) what this rank does not use; give real storage to owned meta tensors and initialize them."""
-    keep = {id(model.get_parameter(n)) for n in params}
-    keep_buf = {id(model.get_buffer(n)) for n in buffers}
-    swapped: dict[int, torch.Tensor] = {}
-    to_init: dict[int, nn.Module] = {}
-    with torch.no_grad():
-        for mod in model.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is None:
-                    continue
-                if id(p) not in swapped:
-                    if id(p) in keep:
-                        swapped[id(p)] = p if not p.is_meta else nn.Parameter(
-                            torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-                    else:
-                        swapped[id(p)] = p if p.is_meta else nn.Parameter(
-                            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-                new = swapped[id(p)]
-                if new is not p:
-                    mod._parameters[name] = new
-                    if not new.is_meta:
-                        to_init[id(mod)] = mod
-            for name, b in list(mod._buffers.items()):
-                if b is None:
-                    continue
-                if id(b) in keep_buf and b.is_meta:
-                    mod._buffers[name] = torch.zeros_like(b, device=device)
-                    to_init[id(mod)] = mod
-                elif id(b) not in keep_buf and not b.is_meta:
-                    mod._buffers[name] = torch.empty_like(b, device="meta")
-        for mod in to_init.values():
-            if init_fn is not None:
-                init_fn(mod)
-            elif hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
-            else:
-                raise LoweringError(f"cannot initialize {type(mod).__name__} built on the meta device: it has no "
-                                    f"reset_parameters(); pass init_fn=... to zbcompile.compile")
-
-
-def _retarget(staged: StagedModel, device: torch.device) -> None:
-    """Stage graphs traced on the meta device create tensors there (arange, masks): point them at `device`."""
-    for stage in staged.stages:
-        for graph in (stage.f, stage.b, stage.w, stage.bw):
-            changed = False
-            for node in graph.gm.graph.nodes:
-                dev = node.kwargs.get("device")
-                if dev is not None and torch.device(dev).type == "meta":
-                    node.kwargs = {**node.kwargs, "device": device}
-                    changed = True
-            if changed:
-                graph.gm.recompile()
-
-
-def _sync_copies(model: nn.Module, staged: StagedModel, schedule: Schedule, rank: int, pg, timeout: float) -> None:
-    """Make every copy of a parameter / buffer held by several ranks equal to the lowest rank's copy."""
-    if pg is None:
-        return
-    holders: dict[str, set[int]] = {}
-    for s, r in enumerate(schedule.placement):
-        stage = staged.stages[schedule.model_stage(s)]
-        for n in stage.params + tuple(f"buffer:{b}" for b in stage.buffers):
-            holders.setdefault(n, set()).add(r)
-    works = []
-    for tag, (name, ranks) in enumerate(sorted(holders.items())):
-        if len(ranks) < 2 or rank not in ranks:
-            continue
-        t = model.get_buffer(name[7:]) if name.startswith("buffer:") else model.get_parameter(name)
-        first = min(ranks)
-        if rank == first:
-            works += [pg.send([t.detach()], q, tag) for q in sorted(ranks) if q != rank]
-        else:
-            works.append(pg.recv([t.detach()], first, tag))
-    for w in works:
-        if w.wait(timedelta(seconds=timeout)) is False:
-            raise RuntimeFailure(f"rank {rank}: making shared parameter copies equal timed out")

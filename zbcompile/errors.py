@@ -12,6 +12,7 @@ __all__ = [
     "PartitionError",
     "SplitError",
     "LoweringError",
+    "UsageError",
     "RuntimeFailure",
     "ZBCompileWarning",
 ]
@@ -45,8 +46,13 @@ class LoweringError(ZBCompileError):
     """A schedule and the stage graphs cannot be lowered into rank programs."""
 
 
+class UsageError(ZBCompileError, ValueError):
+    """A call's arguments do not fit together: pp against the process group, a 2-D mesh, a batch of another
+    shape than the compiled one, a meta-device model that nothing can initialize."""
+
+
 class RuntimeFailure(ZBCompileError, RuntimeError):
-    """A pipeline step failed at run time (a peer died, a timeout, a wrong batch size)."""
+    """A pipeline step failed at run time (a peer died or stalled, a wait timed out)."""
 
 
 class ZBCompileWarning(UserWarning):

@@ -51,7 +51,7 @@ def load_factory(target: str) -> Callable[[], tuple]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zbcompile.api import _model_stage_placement
+    from zbcompile.api import model_stage_placement
     from zbcompile.passes.lower import emit_fx, lower_all
     from zbcompile.passes.schedules import generate
     from zbcompile.split import report, split_model
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     split_points = args.split_points.split(",") if args.split_points else None
     # the cuts zb.compile would make: balanced per rank for this schedule's placement
     staged = split_model(model, loss_fn, example, num_stages=None if split_points else schedule.num_model_stages,
-                         split_points=split_points, placement=_model_stage_placement(schedule))
+                         split_points=split_points, placement=model_stage_placement(schedule))
     if len(staged.stages) != schedule.num_model_stages:
         raise ZBCompileError(f"inspect: --split-points gives {len(staged.stages)} stages but schedule "
                              f"{args.schedule!r} on {args.pp} ranks needs {schedule.num_model_stages}")

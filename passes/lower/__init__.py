@@ -1,38 +1,38 @@
 """Lowering: a Schedule and a StagedModel -> one straight-line program per rank.
 
-The lowering is the list of named, pure passes below, each `RankProgram -> RankProgram`, checked after
-every pass; `emit_fx` then prints the result as an fx GraphModule. Later passes (activation offload /
-reload, vocab-parallel reductions, static buffers for CUDA graphs, overlapped F&B) slot into LOWERING.
+`build_compute` is the front end (each rank's actions as RUN ops, the stage graphs they call copied into the
+program's graph table); then the lowering is a list of named, pure passes over the tuple of all ranks'
+programs, each checked after it runs. A pass is either cross-rank (it reads every rank's program: messages
+must agree on both sides) or per-rank (wrapped by `each`). Options are pass arguments (`lookahead=`).
 
-    build_compute        RUN op per action; loss sum; buffer copies
-    insert_p2p           receives posted early / waited late, batched sends, deterministic tags
-    accumulate_grads     per-microbatch parameter grads -> one sum -> Parameter.grad
-    reduce_shared_grads  sum grads of parameters several ranks hold (tied weights, DualPipe mirrors)
-    insert_frees         explicit frees of activation memory after its last use
-    insert_stamps        per-action start / end timing points
+    insert_p2p           receives posted early / waited late, batched sends, deterministic tags   (cross-rank)
+    accumulate_grads     per-microbatch parameter grads -> one sum -> Parameter.grad               (per rank)
+    reduce_shared_grads  sum grads of parameters several ranks hold (tied weights, DualPipe)       (cross-rank)
+    insert_frees         explicit frees of activation memory after its last use                   (per rank)
+    insert_stamps        per-action start / end timing points                                     (per rank)
+    order_p2p_by_pair    receives from each peer re-posted in that peer's send order (NCCL)       (cross-rank)
 
-`lower_all` then runs the cross-rank pass over all ranks' programs and checks them together:
-
-    order_p2p_by_pair    receives from each peer re-posted in that peer's send order (NCCL ignores tags)
-
-and the per-rank passes that need the final op order (FINISHING):
+then FINISHING, which depends on where every op finally sits:
 
     static_recv_buffers  receive buffers made once and reused, wherever nothing aliasing them outlives its use
     static_input_buffers the batch copied into input buffers made once, if nothing aliasing it outlives the step
+    box_graphs           graphs in fx's boxed calling convention, ops called through their C++ entry points
 
-then checks all programs together:
+and `lower_all` checks all programs together:
 
     validate_programs    matched sends / receives, no deadlock
     check_pair_order     per pair (a -> b), b's receive order == a's send order
     check_streams        no deadlock on device streams either (NCCL: one stream per direction of a pair)
+
+Later passes (activation offload / reload, vocab-parallel reductions, CUDA-graph finishing, overlapped F&B)
+slot into these lists; `emit_fx` turns a finished program into the fx GraphModule that runs.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
-
-from zbcompile.program import RankProgram
 from zbcompile.passes.lower.buffers import static_input_buffers, static_recv_buffers
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
 from zbcompile.passes.lower.emit import emit_fx
@@ -42,13 +42,16 @@ from zbcompile.passes.lower.p2p import insert_p2p
 from zbcompile.passes.lower.reduce import reduce_shared_grads
 from zbcompile.passes.lower.streams import check_streams
 from zbcompile.passes.lower.validate import check_pair_order, validate_programs
+from zbcompile.passes.lower.variants import box_graphs
+from zbcompile.program import RankProgram
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
-__all__ = ["LOWERING", "FINISHING", "lower", "lower_all", "emit_fx", "validate_programs", "check_pair_order",
-           "order_p2p_by_pair", "check_streams", "empty_program", "RECV_LOOKAHEAD"]
+__all__ = ["LOWERING", "FINISHING", "lower_all", "run_passes", "each", "emit_fx", "build_compute",
+           "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD"]
 
-Pass = Callable[[RankProgram], RankProgram]
+Programs = tuple[RankProgram, ...]
+Pass = Callable[[Programs], Programs]
 
 # A receive is posted this many compute actions before its consumer. Gloo (and NCCL for large messages)
 # moves the data only once the receive is posted, so a late post puts a round trip on the critical path;
@@ -56,58 +59,70 @@ Pass = Callable[[RankProgram], RankProgram]
 # zbv at pp=2). The price is more receive buffers live at once (static_recv_buffers keeps that many more).
 RECV_LOOKAHEAD = 4
 
+
+def each(per_rank: Callable[[RankProgram], RankProgram]) -> Pass:
+    """A per-rank pass lifted to all programs; keeps the pass's name."""
+    @functools.wraps(per_rank)
+    def run(programs: Sequence[RankProgram]) -> Programs:
+        return tuple(per_rank(p) for p in programs)
+    return run
+
+
 LOWERING: tuple[Pass, ...] = (
-    build_compute,
     insert_p2p,
-    accumulate_grads,
+    each(accumulate_grads),
     reduce_shared_grads,
-    insert_frees,
-    insert_stamps,
+    each(insert_frees),
+    each(insert_stamps),
+    order_p2p_by_pair,
 )
 
-# run on each rank's program after the cross-rank reordering: they depend on where every op finally sits
+# per rank, after every op has its final place
 FINISHING: tuple[Pass, ...] = (
-    static_recv_buffers,
-    static_input_buffers,
+    each(static_recv_buffers),
+    each(static_input_buffers),
+    each(box_graphs),
 )
 
 
-def empty_program(schedule: Schedule, staged: StagedModel, rank: int, *,
-                  recv_lookahead: int = RECV_LOOKAHEAD) -> RankProgram:
-    return RankProgram(schedule, staged, rank, inputs=(), ops=(), recv_lookahead=recv_lookahead)
-
-
-def lower(schedule: Schedule, staged: StagedModel, rank: int, *, passes: Sequence[Pass] = LOWERING,
-          recv_lookahead: int = RECV_LOOKAHEAD) -> RankProgram:
-    """Run `passes` for one rank, checking the program after each."""
-    program = empty_program(schedule, staged, rank, recv_lookahead=recv_lookahead)
+def run_passes(programs: Sequence[RankProgram], passes: Sequence[Pass], *, check: bool = True) -> Programs:
+    """Apply `passes` in order, recording each in `RankProgram.passes` and, with `check`, checking every
+    program after each (values defined once, before use, not used after a free)."""
+    programs = tuple(programs)
     for p in passes:
-        program = _apply(p, program)
-    return program
-
-
-def _apply(p: Pass, program: RankProgram) -> RankProgram:
-    return p(program).replace(passes=program.passes + (p.__name__,)).check(p.__name__)
+        name = _name(p)
+        programs = tuple(q.replace(passes=q.passes + (name,)) for q in p(programs))
+        if check:
+            remote_ok = not any("insert_p2p" in q.passes for q in programs)
+            for q in programs:
+                q.check(name, remote_ok=remote_ok)
+    return programs
 
 
 def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass] = LOWERING,
               recv_lookahead: int = RECV_LOOKAHEAD, pair_order: bool = True,
-              finishing: Sequence[Pass] = FINISHING) -> tuple[RankProgram, ...]:
+              finishing: Sequence[Pass] = FINISHING, check: bool = True) -> Programs:
     """Every rank's program, validated together.
 
-    pair_order: post receives in each peer's send order (order_p2p_by_pair), which NCCL needs and gloo
-    does not mind; on by default for every backend so that one schedule has one program. False leaves
-    receives in the receiver's own order (tag-matching backends only).
+    recv_lookahead: insert_p2p's `lookahead` (how many RUN ops before its consumer a receive is posted).
+    pair_order: post receives in each peer's send order (order_p2p_by_pair), which NCCL needs and gloo does
+    not mind; on by default for every backend so that one schedule has one program. False leaves receives in
+    the receiver's own order (tag-matching backends only).
+    check: check every program after every pass (the final validation always runs).
     """
-    programs = tuple(lower(schedule, staged, r, passes=passes, recv_lookahead=recv_lookahead)
-                     for r in range(schedule.num_ranks))
-    if pair_order:
-        name = order_p2p_by_pair.__name__
-        programs = tuple(p.replace(passes=p.passes + (name,)).check(name) for p in order_p2p_by_pair(programs))
-    for f in finishing:
-        programs = tuple(_apply(f, p) for p in programs)
+    bound = [functools.partial(p, lookahead=recv_lookahead) if p is insert_p2p else p for p in passes
+             if pair_order or p is not order_p2p_by_pair]
+    programs = tuple(build_compute(schedule, staged, r) for r in range(schedule.num_ranks))
+    if check:
+        for q in programs:
+            q.check("build_compute", remote_ok=True)
+    programs = run_passes(programs, [*bound, *finishing], check=check)
     validate_programs(programs)
     if pair_order:
         check_pair_order(programs)
         check_streams(programs)
     return programs
+
+
+def _name(p) -> str:
+    return getattr(p, "__name__", None) or getattr(getattr(p, "func", None), "__name__", repr(p))

@@ -13,8 +13,8 @@ received gradient (`x + b`, b of x's whole shape) keeps it busy until the first 
 summed out of place. Aliasing inside a stage graph is read off the aten schemas of its nodes (aliases.py).
 
 A receive whose buffer may outlive the step keeps a fresh allocation per step: one that may become a
-Parameter's .grad (SET_GRAD takes ownership of the tensor), the program's output, or one read by an op
-kind this pass does not know (a later pass's new kind is assumed to keep its inputs).
+Parameter's .grad (SET_GRAD takes ownership of the tensor) or the program's output. Which op keeps its
+inputs and which outputs may share memory with which inputs, each op kind's spec says (ops.py).
 
     h:s1.mb0.act:h = irecv(from 0 tag 0 [4, 8] float32 -> buf 0)
 
@@ -27,35 +27,32 @@ microseconds of host time per step; CUDA-graph capture needs static inputs too).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from zbcompile.passes.lower.aliases import graph_output_aliases
-from zbcompile.program import Op, OpKind, RankProgram, split_data_id
-from zbcompile.stages import TensorSpec
+from zbcompile.program import RankProgram
+from zbcompile.program.ops import Op, OpKind, TensorType
+from zbcompile.program.values import parse
 
 __all__ = ["static_recv_buffers", "static_input_buffers", "buffer_intervals"]
-
-# op kinds whose aliasing _op_aliases knows and that keep no reference to their inputs once the step is over
-# (SET_GRAD: unless it takes ownership); a kind added later is assumed to alias and keep everything it reads
-_KNOWN = frozenset({OpKind.RUN, OpKind.RECV, OpKind.WAIT_RECV, OpKind.SEND, OpKind.WAIT_SEND, OpKind.FREE,
-                    OpKind.ACCUM, OpKind.SUM, OpKind.SET_GRAD, OpKind.ADD_LOSS, OpKind.COPY_BUFFER, OpKind.STAMP})
 
 
 def static_recv_buffers(program: RankProgram) -> RankProgram:
     intervals = buffer_intervals(program)
-    slots: list[TensorSpec] = []
+    slots: list[TensorType] = []
     busy_until: list[int] = []
     ops = list(program.ops)
     for i, op in enumerate(program.ops):
         if op.kind is not OpKind.RECV or i not in intervals:
             continue
-        spec = op.specs[0]
-        slot = _free_slot(slots, busy_until, spec, i)
+        t = op.args.type
+        slot = _free_slot(slots, busy_until, t, i)
         if slot is None:
             slot = len(slots)
-            slots.append(spec)
+            slots.append(t)
             busy_until.append(0)
         busy_until[slot] = intervals[i]
-        ops[i] = dataclasses.replace(op, arg=slot)
+        ops[i] = dataclasses.replace(op, args=op.args._replace(slot=slot))
     return program.replace(ops=tuple(ops), buffers=tuple(slots))
 
 
@@ -64,28 +61,28 @@ def static_input_buffers(program: RankProgram) -> RankProgram:
     next step's batch overwrites the input buffers)."""
     aliases = _alias_edges(program)
     readers = _readers(program)
-    data = [v for v in program.inputs if split_data_id(v) is not None]
+    data = [v for v in program.inputs if parse(v).scope == "data"]
     staged = all(_last_use(program, v, aliases, readers) is not None for v in data)
     return program.replace(staged_inputs=staged)
 
 
-def _free_slot(slots: list[TensorSpec], busy_until: list[int], spec: TensorSpec, at: int) -> int | None:
+def _free_slot(slots: list[TensorType], busy_until: list[int], t: TensorType, at: int) -> int | None:
     """A slot of the same shape and dtype whose last busy op is before `at` (receives come in post order,
     so first-fit is an optimal interval colouring)."""
     for k, s in enumerate(slots):
-        if s.shape == spec.shape and s.dtype == spec.dtype and busy_until[k] < at:
+        if s == t and busy_until[k] < at:
             return k
     return None
 
 
 def buffer_intervals(program: RankProgram) -> dict[int, int]:
-    """For each single-tensor RECV op (by index) whose buffer cannot outlive the step: the index of the last
-    op that uses a value which may alias the buffer."""
+    """For each RECV op (by index) whose buffer cannot outlive the step: the index of the last op that uses
+    a value which may alias the buffer."""
     aliases = _alias_edges(program)
     readers = _readers(program)
     out: dict[int, int] = {}
     for i, op in enumerate(program.ops):
-        if op.kind is not OpKind.RECV or len(op.outs) != 1:
+        if op.kind is not OpKind.RECV:
             continue
         last = _last_use(program, op.outs[0], aliases, readers)
         if last is not None:
@@ -111,7 +108,7 @@ def _last_use(program: RankProgram, root: str, aliases: dict[str, set[str]],
             return None
         for i in readers.get(v, ()):
             op = program.ops[i]
-            if _keeps(op):
+            if op.spec.keeps(op):
                 return None
             last = max(last, i)
         for w in aliases.get(v, ()):
@@ -121,39 +118,22 @@ def _last_use(program: RankProgram, root: str, aliases: dict[str, set[str]],
     return last
 
 
-def _keeps(op: Op) -> bool:
-    """True when `op` may hold on to its inputs beyond the step."""
-    if op.kind is OpKind.SET_GRAD:
-        return bool(op.arg)   # owned: the tensor itself becomes Parameter.grad
-    return op.kind not in _KNOWN
-
-
 def _alias_edges(program: RankProgram) -> dict[str, set[str]]:
     """value -> the values that may alias it, one op at a time (outputs that may be views of inputs)."""
+    graph_aliases = _graph_aliases(program)
     edges: dict[str, set[str]] = {}
     for op in program.ops:
-        for src, dst in _op_aliases(program, op):
+        for src, dst in op.spec.aliases(op, graph_aliases):
             edges.setdefault(src, set()).add(dst)
     return edges
 
 
-def _op_aliases(program: RankProgram, op: Op):
-    """(input, output) pairs of `op` that may share memory."""
-    from zbcompile.passes.lower.compute import run_graph
+def _graph_aliases(program: RankProgram) -> Callable[[str], tuple]:
+    """graph key -> for each output, the input positions it may share memory with (once per graph)."""
+    memo: dict[str, tuple] = {}
 
-    k = op.kind
-    if k is OpKind.RUN:
-        return [(op.ins[i], out) for out, ins in zip(op.outs, graph_output_aliases(run_graph(program, op)))
-                for i in ins]
-    if k is OpKind.WAIT_RECV:      # the received tensor is the posted buffer
-        return [(op.ins[0], op.outs[0])]
-    if k is OpKind.SEND:           # the handle holds the sent tensors until WAIT_SEND
-        return [(v, op.outs[0]) for v in op.ins]
-    if k is OpKind.ACCUM:          # first: the microbatch gradients become the sums; add_: sums updated in place
-        n = len(op.outs)
-        if op.arg == "first":
-            return list(zip(op.ins, op.outs))
-        return list(zip(op.ins[:n], op.outs)) if op.arg == "add_" else []
-    if k is OpKind.ADD_LOSS and len(op.ins) == 1:    # one microbatch: the loss is returned as is
-        return [(op.ins[0], op.outs[0])]
-    return [(v, w) for v in op.ins for w in op.outs] if k not in _KNOWN else []
+    def lookup(key: str) -> tuple:
+        if key not in memo:
+            memo[key] = graph_output_aliases(program.graphs[key].gm)
+        return memo[key]
+    return lookup

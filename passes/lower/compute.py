@@ -1,11 +1,12 @@
 """build_compute and accumulate_grads: the compute skeleton of a rank program.
 
-build_compute turns the rank's action list into RUN ops, wiring every stage-graph input to a global value
-name; values produced on another rank stay undefined here (insert_p2p receives them):
+build_compute is the lowering's front end: it turns the rank's action list into RUN ops, wiring every
+stage-graph input to a global value name, and copies the stage graphs those ops call into the program's
+graph table. Values produced on another rank stay undefined here (insert_p2p receives them):
 
-    0F0 0F1 0B0 ...   ->   s0.mb0.act:h, s0.mb0.saved:0 = stage0.f(param:l0.weight, mb0.data:0)
-                           s0.mb1.act:h, ...            = stage0.f(param:l0.weight, mb1.data:0)
-                           s0.mb0.grad:act:x, ...       = stage0.b(s0.mb0.saved:0, s1.mb0.grad:act:h)
+    0F0 0F1 0B0 ...   ->   [0F0] s0.mb0.act:h, s0.mb0.saved:0 = stage0_f(param:l0.weight, mb0.data:0)
+                           [0F1] s0.mb1.act:h, ...            = stage0_f(param:l0.weight, mb1.data:0)
+                           [0B0] s0.mb0.grad:act:x, ...       = stage0_b(s0.mb0.saved:0, s1.mb0.grad:act:h)
 
 It also copies updated buffers right after their F and sums the microbatch losses at the end.
 accumulate_grads chains each parameter's per-microbatch gradients into one sum and hands it to .grad.
@@ -20,31 +21,123 @@ from torch import fx
 
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower.aliases import graph_output_owned
-from zbcompile.program import Op, OpKind, RankProgram, data_id, python_name, split_value_id, value_id
-from zbcompile.schedule import Action, Kind
-from zbcompile.stages import Graph, Stage
+from zbcompile.program import ProgramGraph, RankProgram
+from zbcompile.program.ops import AccumArgs, AccumMode, Op, OpKind, RunArgs, SetGradArgs, TensorType
+from zbcompile.program.values import (GRAD_LOSS, LOSS, Role, acc_value, data_value, parse, python_name,
+                                      role_of, stage_value)
+from zbcompile.schedule import Action, Kind, Schedule
+from zbcompile.stages import Graph, Stage, StagedModel
 
-__all__ = ["build_compute", "accumulate_grads", "stage_graph", "graph_module_name", "run_graph",
-           "accumulating_graph", "ACCUMULATING"]
+__all__ = ["build_compute", "accumulate_grads", "graph_key", "ACCUMULATING"]
 
-# RUN op arg: the op runs the stage graph's accumulating variant (see accumulating_graph)
-ACCUMULATING = "accumulate"
+# key suffix of a stage graph's accumulating variant (see accumulating_graph)
+ACCUMULATING = "_acc"
 
 _GRAPH_ATTR = {Kind.F: "f", Kind.B: "b", Kind.W: "w", Kind.BW: "bw"}
 
 
-def stage_graph(program: RankProgram, action: Action) -> tuple[Stage, Graph]:
-    stage = program.staged.stages[program.schedule.model_stage(action.stage)]
-    return stage, getattr(stage, _GRAPH_ATTR[action.kind])
+def graph_key(schedule: Schedule, action: Action) -> str:
+    """`stage{model stage}_{f|b|w|bw}`: the key of the graph `action` runs (DualPipe's mirrored stages share)."""
+    return f"stage{schedule.model_stage(action.stage)}_{_GRAPH_ATTR[action.kind]}"
 
 
-def run_graph(program: RankProgram, op: Op) -> fx.GraphModule:
-    """The GraphModule RUN op `op` calls: its stage graph, or that graph's accumulating variant."""
-    _, g = stage_graph(program, op.action)
-    return accumulating_graph(g) if op.arg == ACCUMULATING else g.gm
+def _program_graph(stage: Stage, g: Graph) -> ProgramGraph:
+    """A stage graph with the types a pass needs of its outputs: boundary tensors and parameter gradients."""
+    sent = {s.name: s for s in stage.send}
+    received = {s.name: s for s in stage.recv}
+    types = []
+    for name in g.outputs:
+        role = role_of(name)
+        spec = (sent.get(name) if role is Role.ACT else received.get(name[len("grad:"):])
+                if role is Role.GRAD_ACT else None)
+        if spec is not None:
+            types.append(TensorType(tuple(spec.shape), spec.dtype))
+        elif role is Role.GRAD_PARAM:
+            types.append(_param_type(stage, name[len("grad:"):]))
+        else:
+            types.append(None)
+    return ProgramGraph(g.gm, g.inputs, g.outputs, tuple(types))
 
 
-def accumulating_graph(g: Graph) -> fx.GraphModule:
+def _param_type(stage: Stage, param: str) -> TensorType | None:
+    """Shape and dtype of a parameter, read off the fx metadata of a stage graph that takes it."""
+    for g in (stage.f, stage.w, stage.bw):
+        node = g.input_nodes().get(param)
+        if node is not None:
+            val = node.meta.get("val", node.meta.get("tensor_meta"))
+            if val is None:
+                raise LoweringError(f"stage {stage.index} graph placeholder {node.name} ({param}) carries no "
+                                    f"meta['val']; trace stage graphs with make_fx / export so shapes are recorded")
+            return TensorType(tuple(val.shape), val.dtype)
+    return None
+
+
+def _resolve_input(schedule: Schedule, action: Action, name: str) -> str:
+    """The global value a stage-graph input named `name` reads, for `action`."""
+    _, s, mb = action
+    role = role_of(name)
+    if role in (Role.PARAM, Role.BUFFER):
+        return name
+    if role is Role.DATA:
+        return data_value(mb, int(name[len("data:"):]))
+    if role is Role.GRAD_LOSS:
+        return GRAD_LOSS
+    if role is Role.ACT:
+        if schedule.is_first(s):
+            raise LoweringError(f"{action}: stage {s} is a first stage but its graph reads {name!r}; "
+                                f"the split must feed first stages from data:<i> inputs only")
+        return stage_value(s - 1, mb, name)
+    if role is Role.GRAD_ACT:
+        if schedule.is_last(s):
+            raise LoweringError(f"{action}: stage {s} is a last stage but its graph reads {name!r}; "
+                                f"last stages are seeded by grad:loss")
+        return stage_value(s + 1, mb, name)
+    if role in (Role.SAVED, Role.WSAVED, Role.LOSS):
+        return stage_value(s, mb, name)
+    raise LoweringError(f"{action}: stage graph input {name!r} has no known meaning; "
+                        f"see zbcompile.stages for the value names")
+
+
+def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankProgram:
+    """Rank `rank`'s program: one RUN op per action, buffer copies after F, and the loss sum at the end."""
+    ops: list[Op] = []
+    losses: list[str] = []
+    graphs: dict[str, ProgramGraph] = {}
+    for action in schedule.ranks[rank]:
+        stage = staged.stages[schedule.model_stage(action.stage)]
+        g = getattr(stage, _GRAPH_ATTR[action.kind])
+        key = graph_key(schedule, action)
+        if key not in graphs:
+            graphs[key] = _program_graph(stage, g)
+        ins = tuple(_resolve_input(schedule, action, n) for n in g.inputs)
+        outs = tuple(stage_value(action.stage, action.microbatch, n) for n in g.outputs)
+        ops.append(Op(OpKind.RUN, ins, outs, RunArgs(action, key)))
+        if action.kind is not Kind.F:
+            continue
+        for name, vid in zip(g.outputs, outs):
+            if name == LOSS:
+                losses.append(vid)
+            elif role_of(name) is Role.BUFFER:
+                ops.append(Op(OpKind.COPY_BUFFER, (name, vid), note="buffer update"))
+    if losses:  # one sum of every microbatch's (0-dim) loss: one call, not one add per microbatch
+        ops.append(Op(OpKind.ADD_LOSS, tuple(losses), (LOSS,), note=f"{len(losses)} microbatches"))
+    return RankProgram(schedule.name, rank, schedule.num_microbatches, inputs=_program_inputs(ops),
+                       ops=tuple(ops), output=LOSS if losses else None, graphs=graphs)
+
+
+def _program_inputs(ops: list[Op]) -> tuple[str, ...]:
+    """grad_loss, params, buffers, then data, each in order of first use."""
+    seen: dict[str, None] = {}
+    for op in ops:
+        for v in op.ins:
+            if parse(v).scope in ("seed", "state", "data"):
+                seen.setdefault(v)
+    order = {Role.GRAD_LOSS: 0, Role.PARAM: 1, Role.BUFFER: 2}
+    return tuple(sorted(seen, key=lambda v: order.get(parse(v).role, 3)))
+
+
+# ---- the accumulating variant of a stage graph ----------------------------------------------------------
+def accumulating_graph(g: ProgramGraph) -> ProgramGraph:
     """Stage graph `g` taking, after its own inputs, the running sum of each parameter gradient it returns
     (in output order); it adds the gradient into the sum in place and returns the sum in its place:
 
@@ -56,26 +149,22 @@ def accumulating_graph(g: Graph) -> fx.GraphModule:
     The sum is then the gradient accumulator autograd's AccumulateGrad would keep: the program calls no
     separate add, holds no per-microbatch gradient tensor, and the gradient's memory goes inside the graph.
     """
-    cached = g.gm.meta.get("zb_accumulating")
-    if cached is None:
-        cached = g.gm.meta["zb_accumulating"] = _build_accumulating(g)
-    return cached
-
-
-def _build_accumulating(g: Graph) -> fx.GraphModule:
     graph = fx.Graph()
     outs = list(graph.graph_copy(g.gm.graph, {}))
     anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
     sums = {}
+    extra = []
     for i, name in enumerate(g.outputs):
-        if name.startswith("grad:param:"):
+        if role_of(name) is Role.GRAD_PARAM:
             with graph.inserting_after(anchor):
                 anchor = sums[i] = graph.placeholder("acc_" + python_name(name))
+            extra.append("acc:" + name)
     for i, acc in sums.items():
         outs[i] = _sum_into(graph, acc, outs[i], anchor, outs)
     graph.output(tuple(outs))
     graph.lint()
-    return fx.GraphModule(g.gm, graph, class_name=type(g.gm).__name__ + "Accumulating")
+    gm = fx.GraphModule(g.gm, graph, class_name=type(g.gm).__name__ + "Accumulating")
+    return dataclasses.replace(g, gm=gm, inputs=g.inputs + tuple(extra))
 
 
 def _sum_into(graph: fx.Graph, acc: fx.Node, grad: fx.Node, last_input: fx.Node, outs: list) -> fx.Node:
@@ -134,96 +223,27 @@ def _plain_embedding_backward(node: fx.Node) -> bool:
     return padding_idx < 0 and not scale_by_freq
 
 
-def graph_module_name(program: RankProgram, action: Action) -> str:
-    return f"stage{program.schedule.model_stage(action.stage)}_{_GRAPH_ATTR[action.kind]}"
-
-
-def _resolve_input(program: RankProgram, action: Action, name: str) -> str:
-    """The global value a stage-graph input named `name` reads, for `action`."""
-    _, s, mb = action
-    sched = program.schedule
-    if name.startswith(("param:", "buffer:")):
-        return name
-    if name.startswith("data:"):
-        return data_id(mb, int(name[5:]))
-    if name == "grad:loss":
-        return "grad_loss"
-    if name.startswith("act:"):
-        if sched.is_first(s):
-            raise LoweringError(f"{action}: stage {s} is a first stage but its graph reads {name!r}; "
-                                f"the split must feed first stages from data:<i> inputs only")
-        return value_id(s - 1, mb, name)
-    if name.startswith("grad:act:"):
-        if sched.is_last(s):
-            raise LoweringError(f"{action}: stage {s} is a last stage but its graph reads {name!r}; "
-                                f"last stages are seeded by grad:loss")
-        return value_id(s + 1, mb, name)
-    if name.startswith(("saved:", "wsaved:")) or name == "loss":
-        return value_id(s, mb, name)
-    raise LoweringError(f"{action}: stage graph input {name!r} has no known meaning; "
-                        f"see zbcompile.stages for the value names")
-
-
-def build_compute(program: RankProgram) -> RankProgram:
-    """One RUN op per action of this rank, buffer copies after F, and the loss sum at the end."""
-    ops: list[Op] = []
-    losses: list[str] = []
-    for action in program.schedule.ranks[program.rank]:
-        stage, graph = stage_graph(program, action)
-        ins = tuple(_resolve_input(program, action, n) for n in graph.inputs)
-        outs = tuple(value_id(action.stage, action.microbatch, n) for n in graph.outputs)
-        ops.append(Op(OpKind.RUN, ins, outs, action=action, graph=graph_module_name(program, action)))
-        if action.kind is not Kind.F:
-            continue
-        for name, vid in zip(graph.outputs, outs):
-            if name == "loss":
-                losses.append(vid)
-            elif name.startswith("buffer:"):
-                ops.append(Op(OpKind.COPY_BUFFER, (name, vid), action=action, note="buffer update"))
-    if losses:  # one sum of every microbatch's (0-dim) loss: one call, not one add per microbatch
-        ops.append(Op(OpKind.ADD_LOSS, tuple(losses), ("loss",), note=f"{len(losses)} microbatches"))
-    inputs = _program_inputs(ops)
-    return program.replace(ops=tuple(ops), inputs=inputs, output="loss" if losses else None)
-
-
-def _program_inputs(ops: list[Op]) -> tuple[str, ...]:
-    """grad_loss, params, buffers, then data, each in order of first use."""
-    seen: dict[str, None] = {}
-    for op in ops:
-        for v in op.ins:
-            if split_value_id(v) is None and v != "loss":
-                seen.setdefault(v)
-    order = {"grad_loss": 0, "param:": 1, "buffer:": 2}
-
-    def rank_of(v: str) -> int:
-        return next((k for p, k in order.items() if v.startswith(p)), 3)
-
-    return tuple(sorted(seen, key=rank_of))
-
-
+# ---- accumulate_grads ---------------------------------------------------------------------------------
 def accumulate_grads(program: RankProgram) -> RankProgram:
     """Sum each parameter's per-microbatch gradients; after the last one, accumulate into .grad.
 
-    The first gradient is taken by reference ("first"). Once the running sum is memory of its own (the
-    first gradient when the stage graph returns it fresh and unshared, see aliases.graph_output_owned;
-    else the out-of-place sum of the first two, "add"), later gradients are added into it in place. Where
-    every gradient a RUN op returns goes into such a sum, the op runs the stage graph's accumulating
-    variant, which takes the sums and adds into them itself; otherwise one ACCUM op per mode follows it
-    ("add_": one foreach call into the sums). The hand-off to .grad waits until the RUN's sends are posted:
-    a peer may be waiting on them (the last B of a pipeline), and setting .grad is host time.
+    The first gradient is taken by reference (FIRST). Once the running sum is memory of its own (the first
+    gradient when the stage graph returns it fresh and unshared, see aliases.graph_output_owned; else the
+    out-of-place sum of the first two, ADD), later gradients are added into it in place. Where every
+    gradient a RUN op returns goes into such a sum, the op runs the stage graph's accumulating variant
+    (graph key + "_acc", added to the graph table), which takes the sums and adds into them itself; otherwise
+    one ACCUM op per mode follows it (ADD_: one foreach call into the sums). The hand-off to .grad waits
+    until the RUN's sends are posted: a peer may be waiting on them (the last B of a pipeline), and setting
+    .grad is host time.
 
-        [0W2] acc2.grad:param:a, acc2.grad:param:b = stage0_w.accumulate(s0.mb2.saved:0, ..., acc1.grad:param:a,
-                                                                          acc1.grad:param:b)
+        [0W2] acc2.grad:param:a, acc2.grad:param:b = stage0_w_acc(s0.mb2.saved:0, ..., acc1.grad:param:a,
+                                                                   acc1.grad:param:b)
     """
     counts: dict[str, int] = {}
     for op in program.run_ops():
-        for v in op.outs:
-            name = split_value_id(v)[2]
-            if name.startswith("grad:param:"):
-                counts[name] = counts.get(name, 0) + 1
-    seen: dict[str, int] = {}
-    acc: dict[str, str] = {}
-    owned: dict[str, bool] = {}   # is the running sum memory of its own (may be written in place)?
+        for _, name in _grad_outputs(op):
+            counts[name] = counts.get(name, 0) + 1
+    state = _Sums(program, dict(program.graphs))
     ops: list[Op] = []
     inputs = list(program.inputs)
     handoff: list[Op] = []   # SET_GRADs of the last RUN, held back until its sends are posted
@@ -237,59 +257,71 @@ def accumulate_grads(program: RankProgram) -> RankProgram:
         ops.extend(handoff)
         handoff.clear()
         grads = _grad_outputs(op)
-        in_place = (bool(grads) and all(owned.get(name, False) for _, name in grads)
-                    and _computed(program, op, grads))
-        if in_place:
-            ops.append(_accumulating_run(op, grads, acc, seen))
-        else:
-            ops.append(op)
-            ops.extend(_accum_ops(program, op, grads, acc, seen, owned))
+        ops.extend(state.accumulate(op, grads))
         for _, name in grads:
-            if seen[name] == counts[name]:
+            if state.seen[name] == counts[name]:
                 param = name[len("grad:"):]
                 if param not in inputs:
                     inputs.append(param)
-                handoff.append(Op(OpKind.SET_GRAD, (param, acc[name]), arg=counts[name] > 1,
+                handoff.append(Op(OpKind.SET_GRAD, (param, state.acc[name]), args=SetGradArgs(counts[name] > 1),
                                   note=f"{counts[name]} microbatches"))
     ops.extend(handoff)
-    return program.replace(ops=tuple(ops), inputs=tuple(inputs))
+    return program.replace(ops=tuple(ops), inputs=tuple(inputs), graphs=state.graphs)
 
 
 def _grad_outputs(op: Op) -> list[tuple[int, str]]:
-    """(output position, name) of each parameter gradient a RUN op returns."""
+    """(output position, local name) of each parameter gradient a RUN op returns."""
     out = []
     for i, v in enumerate(op.outs):
-        name = split_value_id(v)[2]
-        if name.startswith("grad:param:"):
-            out.append((i, name))
+        value = parse(v)
+        if value.role is Role.GRAD_PARAM:
+            out.append((i, value.local))
     return out
 
 
-def _computed(program: RankProgram, op: Op, grads) -> bool:
-    """Every gradient output of op's stage graph is a tensor the graph computes (not a constant / None)."""
-    out = run_graph(program, op).graph.output_node().args[0]
+class _Sums:
+    """The running sums of accumulate_grads: per gradient its latest sum, how many microbatches it holds,
+    and whether it is memory of its own (may be written in place)."""
+
+    def __init__(self, program: RankProgram, graphs: dict[str, ProgramGraph]):
+        self.program = program
+        self.graphs = graphs
+        self.seen: dict[str, int] = {}
+        self.acc: dict[str, str] = {}
+        self.owned: dict[str, bool] = {}
+
+    def accumulate(self, op: Op, grads) -> list[Op]:
+        g = self.graphs[op.args.graph]
+        in_place = bool(grads) and all(self.owned.get(name, False) for _, name in grads) and _computed(g, grads)
+        return [self._accumulating_run(op, grads)] if in_place else [op] + self._accum_ops(op, g, grads)
+
+    def _accumulating_run(self, op: Op, grads) -> Op:
+        key = op.args.graph + ACCUMULATING
+        if key not in self.graphs:
+            self.graphs[key] = accumulating_graph(self.graphs[op.args.graph])
+        olds, outs = [], list(op.outs)
+        for i, name in grads:
+            k = self.seen[name] = self.seen[name] + 1
+            olds.append(self.acc[name])
+            outs[i] = self.acc[name] = acc_value(k - 1, name)
+        return dataclasses.replace(op, ins=op.ins + tuple(olds), outs=tuple(outs),
+                                   args=op.args._replace(graph=key))
+
+    def _accum_ops(self, op: Op, g: ProgramGraph, grads) -> list[Op]:
+        fresh = graph_output_owned(g.gm) if grads else ()
+        groups: dict[AccumMode, list[tuple[str, str, str]]] = {}   # mode -> [(microbatch grad, new sum, old)]
+        for i, name in grads:
+            k = self.seen[name] = self.seen.get(name, 0) + 1
+            mode = AccumMode.FIRST if k == 1 else AccumMode.ADD_ if self.owned[name] else AccumMode.ADD
+            self.owned[name] = fresh[i] if k == 1 else True
+            groups.setdefault(mode, []).append((op.outs[i], acc_value(k - 1, name), self.acc.get(name, "")))
+            self.acc[name] = acc_value(k - 1, name)
+        return [Op(OpKind.ACCUM, (() if mode is AccumMode.FIRST else tuple(old for _, _, old in items))
+                   + tuple(v for v, _, _ in items), tuple(new for _, new, _ in items), AccumArgs(mode))
+                for mode, items in groups.items()]
+
+
+def _computed(g: ProgramGraph, grads) -> bool:
+    """Every gradient output of the graph is a tensor the graph computes (not a constant / None)."""
+    out = g.gm.graph.output_node().args[0]
     return all(isinstance(out[i], fx.Node) for i, _ in grads)
-
-
-def _accumulating_run(op: Op, grads, acc: dict, seen: dict) -> Op:
-    olds, outs = [], list(op.outs)
-    for i, name in grads:
-        k = seen[name] = seen[name] + 1
-        olds.append(acc[name])
-        outs[i] = acc[name] = f"acc{k - 1}.{name}"
-    return dataclasses.replace(op, ins=op.ins + tuple(olds), outs=tuple(outs), arg=ACCUMULATING)
-
-
-def _accum_ops(program: RankProgram, op: Op, grads, acc: dict, seen: dict, owned: dict) -> list[Op]:
-    fresh = graph_output_owned(run_graph(program, op))
-    groups: dict[str, list[tuple[str, str, str]]] = {}   # mode -> [(microbatch grad, new sum, old sum)]
-    for i, name in grads:
-        v = op.outs[i]
-        k = seen[name] = seen.get(name, 0) + 1
-        mode = "first" if k == 1 else "add_" if owned[name] else "add"
-        owned[name] = fresh[i] if k == 1 else True
-        groups.setdefault(mode, []).append((v, f"acc{k - 1}.{name}", acc.get(name, "")))
-        acc[name] = f"acc{k - 1}.{name}"
-    return [Op(OpKind.ACCUM, (() if mode == "first" else tuple(old for _, _, old in items))
-               + tuple(v for v, _, _ in items), tuple(new for _, new, _ in items), action=op.action, arg=mode)
-            for mode, items in groups.items()]

@@ -33,7 +33,8 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from zbcompile.errors import LoweringError
-from zbcompile.program import OpKind, RankProgram
+from zbcompile.program import RankProgram
+from zbcompile.program.ops import OpKind
 
 __all__ = ["order_p2p_by_pair", "pair_sequences", "Posted"]
 
@@ -56,11 +57,11 @@ def pair_sequences(programs: Sequence[RankProgram]) -> tuple[dict[Pair, list[Pos
     for prog in programs:
         for i, op in enumerate(prog.ops):
             if op.kind is OpKind.SEND:
-                for value, peer, tag in zip(op.ins, op.peers, op.tags):
-                    sends.setdefault((prog.rank, peer), []).append(Posted(tag, i, value))
+                for value, m in zip(op.ins, op.args.messages):
+                    sends.setdefault((prog.rank, m.peer), []).append(Posted(m.tag, i, value))
             elif op.kind is OpKind.RECV:
-                for peer, tag in zip(op.peers, op.tags):
-                    recvs.setdefault((peer, prog.rank), []).append(Posted(tag, i, op.outs[0].removeprefix("h:")))
+                recvs.setdefault((op.args.peer, prog.rank), []).append(
+                    Posted(op.args.tag, i, op.outs[0].removeprefix("h:")))
     return sends, recvs
 
 
@@ -73,12 +74,8 @@ def order_p2p_by_pair(programs: Sequence[RankProgram]) -> tuple[RankProgram, ...
 def _order_rank(program: RankProgram, sends: dict[Pair, list[Posted]]) -> RankProgram:
     recv_at: dict[tuple[int, int], int] = {}   # (peer, tag) -> index of its RECV op
     for i, op in enumerate(program.ops):
-        if op.kind is not OpKind.RECV:
-            continue
-        if len(op.peers) != 1:
-            raise LoweringError(f"rank {program.rank} op {i} ({op}): order_p2p_by_pair expects one tensor per "
-                                f"receive (the runtime posts one irecv per RECV op)\n{program.to_text(mark=i)}")
-        recv_at[(op.peers[0], op.tags[0])] = i
+        if op.kind is OpKind.RECV:
+            recv_at[(op.args.peer, op.args.tag)] = i
     # Sort key per op: (index, -1) keeps an op in place; a receive gets (index of the receive it must be
     # posted by, its place in the send order). Walking the send order backwards, each receive is posted
     # by the earlier of its own index and the next one's key: the suffix minimum. Only receives from

@@ -1,155 +1,141 @@
-"""insert_p2p: receive what other ranks produce, send what they consume.
+"""insert_p2p: receive what other ranks produce, send what they consume. A cross-rank pass: it reads every
+rank's program, so each side derives the same messages without talking.
 
-Rules (both sides derive everything from the schedule and the stage specs, so they agree without talking):
+Rules:
 
-* A value a RUN op reads that no op on this rank defines comes from the rank holding its producing stage:
-  `s0.mb1.act:h` from placement[0], `s2.mb1.grad:act:h` from placement[2].
-* Its receive is posted `recv_lookahead` RUN ops before the first consumer (so the transfer overlaps that
+* A value a RUN op reads that no op of its rank defines comes from the rank whose RUN op defines it.
+* Its receive is posted `lookahead` RUN ops before the first consumer (so the transfer overlaps that
   compute) and waited right before the consumer; the wait returns the buffer (the data edge fx needs).
-* All outputs of one RUN op that other ranks read go out in one batch of isends right after it.
+* All outputs of one RUN op that other ranks read go out in one batch of sends right after it.
 * A batch of sends is waited once this rank has received something its peer produced at or after the
   consumer of our data (so the peer surely holds it); failing that, at the end of the step.
-* Tags: `p2p_tag(stage, microbatch, direction, k)` of the *producing* stage, identical on both sides.
+* Tags: `p2p_tag` of the value's (stage, microbatch, direction, place among its graph's boundary outputs),
+  identical on both sides.
 
-    s0.mb0.act:h, s0.mb0.saved:0 = stage0.f(...)            h:s1.mb0.grad:act:h = irecv(from 1 tag 9 ...)
-    h:send0 = isend(s0.mb0.act:h -> 1 tag 0)        ...    s1.mb0.grad:act:h = wait_recv(h:s1.mb0.grad:act:h)
+    [0F0] s0.mb0.act:h, s0.mb0.saved:0 = stage0_f(...)      h:s1.mb0.grad:act:h = irecv(from 1 tag 9 ...)
+    h:send0 = isend(s0.mb0.act:h -> 1 tag 0 ...)      ...   s1.mb0.grad:act:h = wait_recv(h:s1.mb0.grad:act:h)
+
+Cost: linear in the ops of all ranks, plus a log factor for the send waits (a segment tree per peer).
 """
 
 from __future__ import annotations
 
-from zbcompile.errors import LoweringError
-from zbcompile.program import Op, OpKind, RankProgram, split_value_id
-from zbcompile.schedule import Action, Kind, Schedule
-from zbcompile.stages import StagedModel, TensorSpec
+from typing import Sequence
 
-__all__ = ["insert_p2p", "p2p_tag", "reduce_tag", "boundary_spec", "producer_action"]
+from zbcompile.errors import LoweringError
+from zbcompile.program import RankProgram
+from zbcompile.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, TensorType
+from zbcompile.program.values import Role, handle, parse
+
+__all__ = ["insert_p2p", "p2p_tag", "Boundary"]
 
 FORWARD, BACKWARD = 0, 1
 
 
-def _width(staged: StagedModel) -> int:
-    return max([len(s.send) for s in staged.stages] + [len(s.recv) for s in staged.stages] + [1])
+class Boundary:
+    """What every rank's programs say about values that cross ranks: who produces each (rank, RUN position,
+    type, tag) and who reads it (per rank, the RUN position of its first reader)."""
+
+    def __init__(self, programs: Sequence[RankProgram]):
+        self.num_stages = 1 + max((op.args.action.stage for p in programs for op in p.run_ops()), default=0)
+        self.width = max([1] + [sum(parse("s0.mb0." + n).role in (Role.ACT, Role.GRAD_ACT) for n in g.outputs)
+                                for p in programs for g in p.graphs.values()])
+        self.producer: dict[str, tuple[int, int, TensorType | None, int]] = {}   # value -> rank, run, type, k
+        for p in programs:
+            for j, op in enumerate(p.run_ops()):
+                g = p.graph(op)
+                k = {FORWARD: 0, BACKWARD: 0}
+                for v, name, t in zip(op.outs, g.outputs, g.types or (None,) * len(g.outputs)):
+                    role = parse(v).role
+                    if role in (Role.ACT, Role.GRAD_ACT):
+                        d = FORWARD if role is Role.ACT else BACKWARD
+                        self.producer[v] = (p.rank, j, t, k[d])
+                        k[d] += 1
+        self.readers: dict[str, dict[int, int]] = {}   # value -> {reader rank: RUN position of first reader}
+        for p in programs:
+            defined = set(p.inputs)
+            for j, op in enumerate(p.run_ops()):
+                for v in op.ins:
+                    if v not in defined and parse(v).scope == "stage":
+                        self.readers.setdefault(v, {}).setdefault(p.rank, j)
+                defined.update(op.outs)
+
+    def tag(self, vid: str) -> int:
+        value = parse(vid)
+        d = FORWARD if value.role is Role.ACT else BACKWARD
+        return p2p_tag(self.num_stages, self.width, value.stage, value.microbatch, d, self.producer[vid][3])
+
+    def source(self, rank: int, vid: str) -> tuple[int, TensorType]:
+        found = self.producer.get(vid)
+        if found is None:
+            raise LoweringError(f"rank {rank}: {vid!r} is read here but no rank's program produces it "
+                                f"(only act:/grad:act: values cross ranks); check the schedule's actions")
+        src, _, t, _ = found
+        if src == rank:
+            raise LoweringError(f"rank {rank}: {vid!r} is read before the op that produces it on this rank")
+        if t is None:
+            raise LoweringError(f"rank {rank}: {vid!r} crosses ranks but its producing graph declares no type "
+                                f"for it (the stage's boundary tensors lack it)")
+        return src, t
+
+    def max_tag(self) -> int:
+        return 2 * self.width * self.num_stages * (1 + max((parse(v).microbatch for v in self.producer),
+                                                           default=0))
 
 
-def p2p_tag(schedule: Schedule, staged: StagedModel, stage: int, microbatch: int, direction: int, k: int) -> int:
+def p2p_tag(num_stages: int, width: int, stage: int, microbatch: int, direction: int, k: int) -> int:
     """Tag of the k-th boundary tensor that `stage` produces for `microbatch` (direction 0: act, 1: grad)."""
-    return ((microbatch * schedule.num_stages + stage) * 2 + direction) * _width(staged) + k
+    return ((microbatch * num_stages + stage) * 2 + direction) * width + k
 
 
-def reduce_tag(schedule: Schedule, staged: StagedModel, index: int) -> int:
-    """Tag of the index-th shared parameter's gradient exchange; above every p2p_tag."""
-    return schedule.num_microbatches * schedule.num_stages * 2 * _width(staged) + index
+def insert_p2p(programs: Sequence[RankProgram], *, lookahead: int = 4) -> tuple[RankProgram, ...]:
+    """Every program with its receives, sends and waits (see the module docstring)."""
+    boundary = Boundary(programs)
+    run_actions = {p.rank: [op.args.action for op in p.run_ops()] for p in programs}
+    return tuple(_insert(p, boundary, run_actions, lookahead) for p in programs)
 
 
-def boundary_spec(program: RankProgram, vid: str) -> tuple[TensorSpec, int, int]:
-    """(spec, direction, k) of a boundary value `s{s}.mb{mb}.act:X` or `s{s}.mb{mb}.grad:act:X`."""
-    s, mb, name = split_value_id(vid)
-    stage = program.staged.stages[program.schedule.model_stage(s)]
-    if name.startswith("act:"):
-        specs, direction, key = stage.send, FORWARD, name
-    elif name.startswith("grad:act:"):
-        specs, direction, key = stage.recv, BACKWARD, name[len("grad:"):]
-    else:
-        raise LoweringError(f"rank {program.rank}: {vid!r} is needed here but produced on another rank, and "
-                            f"only act:/grad:act: values cross ranks")
-    for k, spec in enumerate(specs):
-        if spec.name == key:
-            return spec, direction, k
-    raise LoweringError(f"rank {program.rank}: {vid!r} crosses ranks but stage {s} declares no boundary "
-                        f"tensor {key!r} (it has {[sp.name for sp in specs]})")
-
-
-def producer_action(schedule: Schedule, vid: str) -> Action:
-    """The action that defines a boundary value."""
-    s, mb, name = split_value_id(vid)
-    if name.startswith("act:"):
-        return Action(Kind.F, s, mb)
-    return schedule.backward_of(s, mb)
-
-
-def _needs(program: RankProgram) -> list[str]:
-    """Values read here, defined nowhere here, in order of first use."""
-    defined = program.defined()
-    seen: dict[str, None] = {}
-    for op in program.ops:
-        for v in op.ins:
-            if v not in defined:
-                seen.setdefault(v)
-    return list(seen)
-
-
-def _remote_consumers(program: RankProgram) -> dict[str, list[tuple[int, Action]]]:
-    """For each value this rank defines that other ranks read: (rank, first consuming action) per reader."""
-    from zbcompile.passes.lower.compute import build_compute
-
-    out: dict[str, list[tuple[int, Action]]] = {}
-    for q in range(program.schedule.num_ranks):
-        if q == program.rank:
-            continue
-        peer = build_compute(program.replace(rank=q, ops=(), inputs=()))
-        defined = peer.defined()
-        for op in peer.run_ops():
-            for v in op.ins:
-                if v in defined or split_value_id(v) is None:
-                    continue
-                src = program.schedule.placement[split_value_id(v)[0]]
-                readers = out.setdefault(v, []) if src == program.rank else None
-                if readers is not None and all(r != q for r, _ in readers):
-                    readers.append((q, op.action))
-    return out
-
-
-def insert_p2p(program: RankProgram) -> RankProgram:
-    sched, rank = program.schedule, program.rank
-    ops = list(program.ops)
+def _insert(program: RankProgram, boundary: Boundary, run_actions, lookahead: int) -> RankProgram:
+    rank, ops = program.rank, program.ops
     run_at = [i for i, op in enumerate(ops) if op.kind is OpKind.RUN]
+    run_index = {i: j for j, i in enumerate(run_at)}
+    first_use: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for v in op.ins:
+            first_use.setdefault(v, i)
+    defined = program.defined()
+    needs = [v for v in first_use if v not in defined]   # in order of first use
     before: dict[int, list[Op]] = {}
     after: dict[int, list[Op]] = {}
     waits_at_recv: dict[str, list[Op]] = {}
     tail: list[Op] = []
-
-    for v in _needs(program):
-        s, mb, _ = split_value_id(v)
-        src = sched.placement[s]
-        if src == rank:
-            raise LoweringError(f"rank {rank}: {v!r} is read here and produced here, but its producer "
-                                f"{producer_action(sched, v)} is not in this rank's action list")
-        spec, direction, k = boundary_spec(program, v)
-        consumer = next(i for i, op in enumerate(ops) if v in op.ins)
-        j = run_at.index(consumer)
-        post = run_at[max(0, j - program.recv_lookahead)]
-        handle = f"h:{v}"
-        tag = p2p_tag(sched, program.staged, s, mb, direction, k)
-        before.setdefault(post, []).append(Op(OpKind.RECV, (), (handle,), peers=(src,), tags=(tag,),
-                                              specs=(spec,), note=f"for {ops[consumer].action}"))
-        before.setdefault(consumer, []).append(Op(OpKind.WAIT_RECV, (handle,), (v,)))
-
-    consumers = _remote_consumers(program)
-    recv_order = _needs(program)
+    received: dict[int, list[tuple[int, int, str]]] = {}   # peer -> (first use, producer's RUN position, value)
+    for v in needs:
+        src, t = boundary.source(rank, v)
+        consumer = first_use[v]
+        post = run_at[max(0, run_index[consumer] - lookahead)]
+        h = handle(v)
+        before.setdefault(post, []).append(
+            Op(OpKind.RECV, (), (h,), RecvArgs(src, boundary.tag(v), t), note=f"for {ops[consumer].action}"))
+        before.setdefault(consumer, []).append(Op(OpKind.WAIT_RECV, (h,), (v,)))
+        received.setdefault(src, []).append((consumer, boundary.producer[v][1], v))
+    done = {q: _FirstAtOrAfter(rows) for q, rows in received.items()}
     n_send = 0
     for i in run_at:
         op = ops[i]
-        sends = [(v, q, a) for v in op.outs for q, a in consumers.get(v, ())]
+        sends = [(v, q, j) for v in op.outs for q, j in boundary.readers.get(v, {}).items() if q != rank]
         if not sends:
             continue
-        handle = f"h:send{n_send}"
+        h = handle(f"send{n_send}")
         n_send += 1
-        tags, specs = [], []
-        for v, _, _ in sends:
-            s, mb, _ = split_value_id(v)
-            spec, direction, k = boundary_spec(program, v)
-            tags.append(p2p_tag(sched, program.staged, s, mb, direction, k))
-            specs.append(spec)
-        after.setdefault(i, []).append(Op(OpKind.SEND, tuple(v for v, _, _ in sends), (handle,),
-                                          peers=tuple(q for _, q, _ in sends), tags=tuple(tags),
-                                          specs=tuple(specs)))
-        done_at = _send_done_at(sched, sends, recv_order, ops, i)
-        wait = Op(OpKind.WAIT_SEND, (handle,))
+        messages = tuple(Message(q, boundary.tag(v), boundary.producer[v][2]) for v, q, _ in sends)
+        after.setdefault(i, []).append(Op(OpKind.SEND, tuple(v for v, _, _ in sends), (h,), SendArgs(messages)))
+        done_at = _send_done_at(sends, done, i)
+        wait = Op(OpKind.WAIT_SEND, (h,))
         if done_at is None:
             tail.append(wait)
         else:
             waits_at_recv.setdefault(done_at, []).append(wait)
-
     new: list[Op] = []
     for i, op in enumerate(ops):
         for extra in sorted(before.get(i, ()), key=lambda o: o.kind is OpKind.WAIT_RECV):
@@ -161,26 +147,58 @@ def insert_p2p(program: RankProgram) -> RankProgram:
     return program.replace(ops=tuple(new + tail))
 
 
-def _send_done_at(sched: Schedule, sends, recv_order: list[str], ops: list[Op], sent_at: int) -> str | None:
-    """The first received value after which every send of the batch has surely arrived, or None."""
-    positions = {q: {a: i for i, a in enumerate(sched.ranks[q])} for q in {q for _, q, _ in sends}}
-    first_use = {}
-    for i, op in enumerate(ops):
-        for v in op.ins:
-            first_use.setdefault(v, i)
-    best = -1
-    best_v = None
+def _send_done_at(sends, done: dict, sent_at: int) -> str | None:
+    """The received value after whose wait every send of the batch has surely arrived, or None: per peer,
+    the first value (by first use here, after the send) that the peer produced at or after consuming ours."""
+    best, best_v = -1, None
     for _, q, consumer in sends:
-        found = None
-        for v in recv_order:
-            s = split_value_id(v)[0]
-            if sched.placement[s] != q or first_use[v] <= sent_at:
-                continue
-            if positions[q][producer_action(sched, v)] >= positions[q][consumer]:
-                if found is None or first_use[v] < first_use[found]:
-                    found = v
+        found = done[q].query(sent_at, consumer) if q in done else None
         if found is None:
             return None
-        if first_use[found] > best:
-            best, best_v = first_use[found], found
+        if found[0] > best:
+            best, best_v = found
     return best_v
+
+
+class _FirstAtOrAfter:
+    """Rows (first use, producer position, value) sorted by first use; query(after, at_least): the first
+    row with first use > after and producer position >= at_least, in O(log n) (a max segment tree)."""
+
+    def __init__(self, rows: list[tuple[int, int, str]]):
+        self.rows = sorted(rows)
+        n = 1
+        while n < len(self.rows):
+            n *= 2
+        self.n = n
+        self.tree = [-1] * (2 * n)
+        for k, (_, pos, _) in enumerate(self.rows):
+            self.tree[n + k] = pos
+        for k in range(n - 1, 0, -1):
+            self.tree[k] = max(self.tree[2 * k], self.tree[2 * k + 1])
+        self.uses = [u for u, _, _ in self.rows]
+
+    def query(self, after: int, at_least: int) -> tuple[int, str] | None:
+        from bisect import bisect_right
+
+        k = self._first(bisect_right(self.uses, after), at_least)
+        return None if k is None else (self.rows[k][0], self.rows[k][2])
+
+    def _first(self, lo: int, at_least: int) -> int | None:
+        """The first leaf index >= lo whose value >= at_least."""
+        if lo >= len(self.rows):
+            return None
+        node, tree, n = lo + self.n, self.tree, self.n
+        # climb until the node's right part (from lo on) can hold a match
+        if tree[node] >= at_least:
+            return node - n
+        while True:
+            while node & 1:          # a right child: go up until we can step right
+                node >>= 1
+                if node == 0:
+                    return None
+            node += 1                # the right sibling covers the next range
+            if tree[node] >= at_least:
+                break
+        while node < n:              # descend to the leftmost leaf that matches
+            node = 2 * node if tree[2 * node] >= at_least else 2 * node + 1
+        return node - n

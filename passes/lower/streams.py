@@ -24,15 +24,14 @@ from __future__ import annotations
 from typing import Sequence
 
 from zbcompile.errors import LoweringError
-from zbcompile.program import OpKind, RankProgram
+from zbcompile.program import RankProgram
+from zbcompile.program.ops import OpKind, Stream, Sync
 
 __all__ = ["check_streams", "stream_cycle"]
 
 Key = tuple[int, int, int]          # a message: (source, destination, tag)
 Node = tuple                        # ("c", rank, op index) or ("m", source, destination, tag)
 
-P2P = (OpKind.SEND, OpKind.RECV)
-WAITS = (OpKind.WAIT_SEND, OpKind.WAIT_RECV)
 
 
 def _channel(src: int, dst: int, channel: str) -> tuple[int, int]:
@@ -53,21 +52,25 @@ def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node
         handles: dict[str, list[Key]] = {}
         waited: list[Node] = []
         for i, op in enumerate(prog.ops):
-            if op.kind in P2P:
+            sync, stream = op.spec.sync, op.spec.stream
+            if sync is Sync.POST:
                 keys = op.messages(r)
                 handles[op.outs[0]] = keys
                 for key in keys:
                     node = ("m",) + key
-                    stream = _channel(key[0], key[1], channel)
+                    comm = _channel(key[0], key[1], channel)
                     before = deps.setdefault(node, set())
                     if last_compute is not None:
                         before.add(last_compute)
-                    if stream in last_on_stream:
-                        before.add(last_on_stream[stream])
-                    last_on_stream[stream] = node
-            elif op.kind in WAITS:
+                    if comm in last_on_stream:
+                        before.add(last_on_stream[comm])
+                    last_on_stream[comm] = node
+            elif sync is Sync.WAIT:
                 waited += [("m",) + key for key in handles[op.ins[0]]]
-            elif op.kind is not OpKind.STAMP:
+            elif sync is not Sync.NONE or stream not in (Stream.COMPUTE, Stream.HOST):
+                raise LoweringError(f"rank {r} op {i} ({op}): the stream check does not model {sync.value} ops "
+                                    f"on the {stream.value} stream yet; add their rule to streams._edges")
+            elif stream is Stream.COMPUTE:
                 node = ("c", r, i)
                 before = deps.setdefault(node, set(waited))
                 if last_compute is not None:

@@ -1,7 +1,13 @@
-"""An in-process stand-in for a ProcessGroup, so all ranks' programs can run as threads of one test.
+"""An in-process stand-in for a ProcessGroup, so that all ranks' programs can run as threads of one process.
 
-Only what RankRuntime uses: send / recv of single tensors by (source, destination, tag) and allgather.
-Sends are buffered (they complete at once); a receive completes when the matching send has arrived.
+The CPU "null tier" of the runtime: every rank a thread, messages handed over in memory. It checks a lowering
+end to end (P2P matching, gradient sums, buffer reuse) without starting processes, and lets `inspect`-style
+tools run a schedule in one process. Only what RankRuntime uses: send / recv of single tensors by (source,
+destination, tag) and allgather. Sends are buffered (they complete at once); a receive completes when the
+matching send has arrived.
+
+    world = LoopbackWorld(2)
+    runtime = RankRuntime(program, gm, pg=world.group(rank), ...)    # in rank `rank`'s thread
 """
 
 from __future__ import annotations
@@ -9,7 +15,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
-import torch
+__all__ = ["LoopbackWorld", "LoopbackGroup"]
 
 
 class _Work:
@@ -20,13 +26,13 @@ class _Work:
         if self.event is not None:
             seconds = timeout.total_seconds() or None
             if not self.event.wait(seconds):
-                raise RuntimeError("fake group: timed out")
+                raise RuntimeError("loopback group: a wait timed out (a peer thread died or never sent)")
         if self.after is not None:
             self.after()
         return True
 
 
-class FakeWorld:
+class LoopbackWorld:
     """Shared state of one fake world; `group(rank)` is that rank's ProcessGroup stand-in."""
 
     def __init__(self, size: int):
@@ -36,12 +42,12 @@ class FakeWorld:
         self.barrier = threading.Barrier(size)
         self.gathered: list = [None] * size
 
-    def group(self, rank: int) -> "FakeGroup":
-        return FakeGroup(self, rank)
+    def group(self, rank: int) -> "LoopbackGroup":
+        return LoopbackGroup(self, rank)
 
 
-class FakeGroup:
-    def __init__(self, world: FakeWorld, rank: int):
+class LoopbackGroup:
+    def __init__(self, world: LoopbackWorld, rank: int):
         self.world, self.rank_ = world, rank
 
     def rank(self) -> int:

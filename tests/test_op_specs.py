@@ -1,0 +1,129 @@
+"""The rank-program IR's op kinds: every kind has a complete spec, every op prints and parses back, and every
+lowered program round-trips through its text."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+
+import pytest
+import torch
+
+from models import gpt
+from zbcompile.passes.lower import emit_fx, lower_all
+from zbcompile.passes.lower.emit import Emitter
+from zbcompile.passes.schedules import GENERATORS, generate
+from zbcompile.program import RankProgram
+from zbcompile.program.ops import (SPECS, AccumArgs, AccumMode, Message, Op, OpKind, RecvArgs, RunArgs,
+                                   SendArgs, SetGradArgs, StampArgs, Stream, Sync, TensorType)
+from zbcompile.runtime import abi
+from zbcompile.schedule import Action, Schedule
+from zbcompile.split import split_model
+from zbcompile.stages import StagedModel
+
+torch.set_num_threads(1)
+
+_T = TensorType((2, 8), torch.float32)
+# one op of every kind, as a pass would build it
+SAMPLES = {
+    OpKind.RUN: Op(OpKind.RUN, ("param:w", "s0.mb1.act:h"), ("s1.mb1.loss",), RunArgs(Action.parse("1F1"), "stage1_f")),
+    OpKind.RECV: Op(OpKind.RECV, (), ("h:s0.mb1.act:h",), RecvArgs(0, 8, _T, 3), note="for 1F1"),
+    OpKind.WAIT_RECV: Op(OpKind.WAIT_RECV, ("h:s0.mb1.act:h",), ("s0.mb1.act:h",)),
+    OpKind.SEND: Op(OpKind.SEND, ("s1.mb0.grad:act:h", "s1.mb0.grad:act:g"), ("h:send0",),
+                    SendArgs((Message(0, 1, _T), Message(2, 5, TensorType((), torch.bfloat16))))),
+    OpKind.WAIT_SEND: Op(OpKind.WAIT_SEND, ("h:send0",)),
+    OpKind.FREE: Op(OpKind.FREE, ("s1.mb0.saved:0", "s1.mb0.saved:1"), note="last use by 1B0"),
+    OpKind.ACCUM: Op(OpKind.ACCUM, ("acc0.grad:param:w", "s1.mb1.grad:param:w"), ("acc1.grad:param:w",),
+                     AccumArgs(AccumMode.ADD_)),
+    OpKind.SUM: Op(OpKind.SUM, ("acc3.grad:param:w", "r1.grad:param:w"), ("sum.grad:param:w",)),
+    OpKind.SET_GRAD: Op(OpKind.SET_GRAD, ("param:w", "sum.grad:param:w"), args=SetGradArgs(True)),
+    OpKind.ADD_LOSS: Op(OpKind.ADD_LOSS, ("s1.mb0.loss", "s1.mb1.loss"), ("loss",)),
+    OpKind.COPY_BUFFER: Op(OpKind.COPY_BUFFER, ("buffer:bn.mean", "s1.mb0.buffer:bn.mean")),
+    OpKind.STAMP: Op(OpKind.STAMP, args=StampArgs(7)),
+}
+
+
+@pytest.mark.parametrize("kind", list(OpKind), ids=lambda k: k.name)
+def test_every_op_kind_has_a_complete_spec(kind):
+    spec = SPECS.get(kind)
+    assert spec is not None, f"{kind} has no OpSpec in SPECS"
+    assert spec.kind is kind and spec.meaning.strip() and spec.text.strip()
+    assert spec.args is None or (isinstance(spec.args, type) and hasattr(spec.args, "_fields")), \
+        "args must be a NamedTuple record (or None)"
+    for part in ("format", "parse", "aliases", "keeps"):
+        assert callable(getattr(spec, part)), f"{kind}: {part} is not callable"
+    assert isinstance(spec.sync, Sync) and isinstance(spec.stream, Stream)
+    assert callable(getattr(Emitter, spec.emit, None)), f"{kind}: Emitter has no method {spec.emit!r}"
+    for name in spec.runtime:
+        assert callable(getattr(abi, name, None)), f"{kind}: runtime ABI has no function {name!r}"
+    assert kind in SAMPLES, f"{kind}: add a sample op to SAMPLES (it tests the text round trip)"
+    sample = SAMPLES[kind]
+    assert (sample.args is None) == (spec.args is None) and (spec.args is None or isinstance(sample.args, spec.args))
+
+
+def test_spec_texts_are_unique():
+    texts = [s.text for s in SPECS.values()]
+    assert len(texts) == len(set(texts))
+
+
+@pytest.mark.parametrize("kind", list(OpKind), ids=lambda k: k.name)
+def test_every_op_prints_and_parses_back(kind):
+    op = SAMPLES[kind]
+    program = RankProgram("test", 1, 2, inputs=("param:w",), ops=(op,), graphs={})
+    text = program.to_text()
+    back = RankProgram.from_text(text)
+    assert back.ops == (op,) and back.to_text() == text
+
+
+def test_aliases_and_keeps_follow_the_specs():
+    """What buffers.py relies on, read off the specs: which outputs may share memory with inputs."""
+    no_graphs = lambda key: ()  # noqa: E731
+    assert SAMPLES[OpKind.WAIT_RECV].spec.aliases(SAMPLES[OpKind.WAIT_RECV], no_graphs) == \
+        [("h:s0.mb1.act:h", "s0.mb1.act:h")]
+    send = SAMPLES[OpKind.SEND]
+    assert send.spec.aliases(send, no_graphs) == [(v, "h:send0") for v in send.ins]
+    accum = SAMPLES[OpKind.ACCUM]
+    assert accum.spec.aliases(accum, no_graphs) == [("acc0.grad:param:w", "acc1.grad:param:w")]
+    assert SAMPLES[OpKind.SET_GRAD].spec.keeps(SAMPLES[OpKind.SET_GRAD])
+    assert not any(SPECS[k].keeps(SAMPLES[k]) for k in OpKind if k is not OpKind.SET_GRAD)
+
+
+def test_bad_program_text_says_where():
+    text = RankProgram("test", 0, 2, ops=(SAMPLES[OpKind.RECV],)).to_text()
+    with pytest.raises(Exception, match="line 3 .*irecv"):
+        RankProgram.from_text(text.replace("from 0 tag 8", "from zero tag 8"))
+    with pytest.raises(Exception, match="unknown op 'frob'"):
+        RankProgram.from_text(text.replace("irecv(", "frob("))
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt_split(stages: int) -> StagedModel:
+    model, loss_fn, (x, y), _ = gpt(layers=4, batch=4)
+    return split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=stages)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name", [n for n in GENERATORS])
+def test_every_lowered_program_round_trips_through_text(name, pp):
+    sched = generate(name, pp, 2 * pp)
+    staged = _gpt_split(sched.num_model_stages)
+    for program in lower_all(sched, staged):
+        text = program.to_text()
+        back = RankProgram.from_text(text, graphs=program.graphs)
+        assert back.ops == program.ops and back.to_text() == text
+        assert back == program
+        bare = RankProgram.from_text(text)   # without GraphModules: the same program but for gm
+        assert bare.ops == program.ops and bare.to_text() == text
+        assert all(g.gm is None for g in bare.graphs.values())
+
+
+def test_a_rank_program_holds_no_schedule_and_no_staged_model():
+    sched = generate("zbv", 2, 4)
+    program = lower_all(sched, _gpt_split(4))[0]
+    for f in dataclasses.fields(program):
+        value = getattr(program, f.name)
+        assert not isinstance(value, (Schedule, StagedModel)), f.name
+    hints = typing.get_type_hints(RankProgram)
+    assert not any("Schedule" in str(h) or "StagedModel" in str(h) for h in hints.values())
+    emit_fx(RankProgram.from_text(program.to_text(), graphs=program.graphs))   # emits from the program alone

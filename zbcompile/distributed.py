@@ -1,0 +1,172 @@
+"""Process groups and parameters across the pipeline's ranks: everything `compile` needs from torch.distributed.
+
+    resolve_group      the pipeline's ProcessGroup (a group, a 1-D DeviceMesh, or torchrun's environment)
+    p2p_channels       one extra group per P2P direction (NCCL streams; gloo's I/O threads tuned on creation)
+    stage_ranks        per model stage, the ranks that run it ("which ranks hold X", once)
+    keep_only          a rank keeps real storage only for what its stages use (meta-device models initialized)
+    sync_copies        copies of one parameter / buffer on several ranks made equal from the lowest rank
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zbcompile._torch_private import default_group, live_process_groups, process_group_name
+from zbcompile.errors import RuntimeFailure, UsageError
+from zbcompile.runtime.host import process_threads, tune_io_threads
+from zbcompile.schedule import Schedule
+from zbcompile.stages import StagedModel
+
+__all__ = ["resolve_group", "p2p_channels", "stage_ranks", "holders", "device_for", "keep_only", "sync_copies",
+           "is_meta", "to_device"]
+
+
+def stage_ranks(sched: Schedule) -> list[set[int]]:
+    """Per model stage, the ranks that run it (two for DualPipe's mirrored stages, one otherwise)."""
+    out: list[set[int]] = [set() for _ in range(sched.num_model_stages)]
+    for s, r in enumerate(sched.placement):
+        out[sched.model_stage(s)].add(r)
+    return out
+
+
+def holders(sched: Schedule, staged: StagedModel) -> dict[str, tuple[int, ...]]:
+    """Parameter fqn / `buffer:fqn` -> the sorted ranks whose stages use it."""
+    found: dict[str, set[int]] = {}
+    for k, ranks in enumerate(stage_ranks(sched)):
+        stage = staged.stages[k]
+        for n in stage.params + tuple(f"buffer:{b}" for b in stage.buffers):
+            found.setdefault(n, set()).update(ranks)
+    return {n: tuple(sorted(r)) for n, r in sorted(found.items())}
+
+
+def resolve_group(group, timeout: float):
+    """(ProcessGroup or None, pipeline rank, pipeline size)."""
+    if group is not None and hasattr(group, "get_group") and hasattr(group, "mesh"):
+        if group.ndim != 1:
+            raise UsageError(f"a {group.ndim}-D DeviceMesh was given; pass its pipeline dimension, mesh['pp']")
+        group = group.get_group()
+    if group is None:
+        if not dist.is_initialized():
+            if "WORLD_SIZE" not in os.environ:
+                return None, 0, 1
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend, timeout=timedelta(seconds=max(timeout, 1.0)))
+        group = dist.group.WORLD
+    if group is dist.group.WORLD:
+        group = default_group()
+    return group, group.rank(), group.size()
+
+
+_CHANNELS: dict[tuple, tuple] = {}
+
+
+def p2p_channels(pg, timeout: float) -> tuple | None:
+    """Two groups over the pipeline group's ranks, one per P2P direction (StepContext explains why), made
+    once per pipeline group and reused by every compile on it. None for a one-rank pipeline or a group that
+    is not a torch.distributed ProcessGroup (tests' stand-ins), which then carries both directions."""
+    if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
+        return None
+    ranks = dist.get_process_group_ranks(pg)
+    key = (process_group_name(pg), tuple(ranks))
+    live = live_process_groups()
+    if key in _CHANNELS and all(c in live for c in _CHANNELS[key]):
+        return _CHANNELS[key]
+    backend = dist.get_backend(pg)
+    before = process_threads() if backend == "gloo" else set()
+    channels = tuple(dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)), backend=backend,
+                                    use_local_synchronization=True) for _ in ("up", "down"))
+    if backend == "gloo":   # only the threads these groups started (runtime/host.py says why)
+        tune_io_threads(process_threads() - before)
+    for c in channels:
+        if c.rank() != pg.rank():  # new_group numbers ranks in sorted order; programs use pg's numbering
+            raise UsageError(f"the pipeline group's ranks {ranks} are not in ascending order, so P2P groups "
+                                f"over them would number the ranks differently; pass a group with sorted ranks")
+    _CHANNELS[key] = channels
+    return channels
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def to_device(example, device: torch.device):
+    """`example` with every tensor on `device`."""
+    return torch.utils._pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, example)
+
+
+def device_for(model: nn.Module, pg) -> torch.device:
+    for p in model.parameters():
+        if not p.is_meta:
+            return p.device
+    if pg is not None and dist.get_backend(pg) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def keep_only(model: nn.Module, params: Sequence[str], buffers: Sequence[str], device: torch.device,
+               init_fn) -> None:
+    """Drop (to meta) what this rank does not use; give real storage to owned meta tensors and initialize them."""
+    keep = {id(model.get_parameter(n)) for n in params}
+    keep_buf = {id(model.get_buffer(n)) for n in buffers}
+    swapped: dict[int, torch.Tensor] = {}
+    to_init: dict[int, nn.Module] = {}
+    with torch.no_grad():
+        for mod in model.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in swapped:
+                    if id(p) in keep:
+                        swapped[id(p)] = p if not p.is_meta else nn.Parameter(
+                            torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                    else:
+                        swapped[id(p)] = p if p.is_meta else nn.Parameter(
+                            torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                new = swapped[id(p)]
+                if new is not p:
+                    mod._parameters[name] = new
+                    if not new.is_meta:
+                        to_init[id(mod)] = mod
+            for name, b in list(mod._buffers.items()):
+                if b is None:
+                    continue
+                if id(b) in keep_buf and b.is_meta:
+                    mod._buffers[name] = torch.zeros_like(b, device=device)
+                    to_init[id(mod)] = mod
+                elif id(b) not in keep_buf and not b.is_meta:
+                    mod._buffers[name] = torch.empty_like(b, device="meta")
+        for mod in to_init.values():
+            if init_fn is not None:
+                init_fn(mod)
+            elif hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+            else:
+                raise UsageError(f"cannot initialize {type(mod).__name__} built on the meta device: it has no "
+                                    f"reset_parameters(); pass init_fn=... to zbcompile.compile")
+
+
+def sync_copies(model: nn.Module, staged: StagedModel, schedule: Schedule, rank: int, pg, timeout: float) -> None:
+    """Make every copy of a parameter / buffer held by several ranks equal to the lowest rank's copy."""
+    if pg is None:
+        return
+    works = []
+    for tag, (name, ranks) in enumerate(holders(schedule, staged).items()):
+        if len(ranks) < 2 or rank not in ranks:
+            continue
+        t = model.get_buffer(name[7:]) if name.startswith("buffer:") else model.get_parameter(name)
+        first = ranks[0]
+        if rank == first:
+            works += [pg.send([t.detach()], q, tag) for q in ranks if q != rank]
+        else:
+            works.append(pg.recv([t.detach()], first, tag))
+    for w in works:
+        if w.wait(timedelta(seconds=timeout)) is False:
+            raise RuntimeFailure(f"rank {rank}: making shared parameter copies equal timed out")

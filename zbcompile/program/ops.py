@@ -1,0 +1,374 @@
+"""Op kinds of the rank-program IR, each defined once: one `OpSpec` per kind holds everything a pass, a
+check, the emitter or the runtime needs to know about it.
+
+    spec part   what it says                                         who reads it
+    meaning     one line                                             printing, docs
+    args        the record of the kind's static arguments (typed)    passes, emitter
+    text        the call's name in the printed program; format /     RankProgram.to_text / from_text
+                parse of the arguments between its parentheses
+    aliases     which outputs may share memory with which inputs     buffers.py (static receive buffers)
+    keeps       whether the op may hold an input beyond the step     buffers.py
+    sync        none / posts P2P / waits on P2P / collective          validate.py (deadlock), streams.py
+    stream      compute / comm / copy / host                         streams.py (device-stream deadlock)
+    emit        the emitter's method for it                          passes/lower/emit.py
+    runtime     the runtime ABI functions its code calls             zbcompile/runtime/abi.py
+
+A new kind (offload / reload, a collective, an overlapped F&B run) is one OpKind member, one args record and
+one OpSpec row; tests/test_op_specs.py fails while any part is missing, and the checks refuse a kind whose
+synchronisation they do not model instead of guessing. docs/design.md walks through adding one.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from zbcompile.errors import LoweringError
+from zbcompile.schedule import Action
+
+__all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs",
+           "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "Op", "OpSpec", "SPECS", "spec"]
+
+
+class OpKind(enum.Enum):
+    """One kind of work in a rank program (the meanings are in SPECS)."""
+
+    RUN = "run"
+    RECV = "recv"
+    WAIT_RECV = "wait_recv"
+    SEND = "send"
+    WAIT_SEND = "wait_send"
+    FREE = "free"
+    ACCUM = "accum"
+    SUM = "sum"
+    SET_GRAD = "set_grad"
+    ADD_LOSS = "add_loss"
+    COPY_BUFFER = "copy_buffer"
+    STAMP = "stamp"
+
+
+class Sync(enum.Enum):
+    """How an op synchronises with other ranks."""
+
+    NONE = "none"              # runs on its own
+    POST = "post"              # posts P2P messages (returns a handle at once; never blocks)
+    WAIT = "wait"              # blocks until the messages of a handle are matched by the peer
+    COLLECTIVE = "collective"  # blocks until every rank of its group reaches it (not used yet)
+
+
+class Stream(enum.Enum):
+    """Where an op's work runs on a device."""
+
+    COMPUTE = "compute"   # the compute stream
+    COMM = "comm"         # a communicator's stream (P2P posts and their waits)
+    COPY = "copy"         # a copy stream (offload / reload, not used yet)
+    HOST = "host"         # host only: enqueues nothing on any stream (timing stamps)
+
+
+class TensorType(NamedTuple):
+    """Shape and dtype of a tensor the program allocates or moves (receive buffers, messages)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * _itemsize(self.dtype)
+
+    def __str__(self) -> str:
+        return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+
+    @staticmethod
+    def parse(text: str) -> TensorType:
+        m = _TYPE_RE.fullmatch(text.strip())
+        dtype = getattr(torch, m.group(2), None) if m else None
+        if not isinstance(dtype, torch.dtype):
+            raise LoweringError(f"cannot read tensor type {text!r}: expected SHAPE DTYPE such as '[2, 8] float32'")
+        shape = tuple(int(d) for d in m.group(1).split(",") if d.strip())
+        return TensorType(shape, dtype)
+
+
+_TYPE_RE = re.compile(r"\[([\d,\s]*)\]\s+(\w+)")
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
+
+
+# ---- the kinds' argument records --------------------------------------------------------------------
+class RunArgs(NamedTuple):
+    """RUN: the schedule action it computes and the key of the graph it calls in RankProgram.graphs."""
+
+    action: Action
+    graph: str
+
+
+class RecvArgs(NamedTuple):
+    """RECV: one tensor from `peer` with `tag`; `slot` of RankProgram.buffers, or None for a fresh buffer."""
+
+    peer: int
+    tag: int
+    type: TensorType
+    slot: int | None = None
+
+
+class Message(NamedTuple):
+    """One tensor of a SEND: to `peer` with `tag`."""
+
+    peer: int
+    tag: int
+    type: TensorType
+
+
+class SendArgs(NamedTuple):
+    """SEND: one message per input, in order."""
+
+    messages: tuple[Message, ...]
+
+
+class AccumMode(enum.Enum):
+    FIRST = "first"   # the microbatch gradients become the running sums (no computation)
+    ADD = "add"       # sums = old sums + gradients, out of place (fresh memory)
+    ADD_ = "add_"     # old sums += gradients, in place; the outputs name the updated sums
+
+
+class AccumArgs(NamedTuple):
+    """ACCUM: ins = (old sums..., gradients...) (FIRST: gradients only); outs = the new sums."""
+
+    mode: AccumMode
+
+
+class SetGradArgs(NamedTuple):
+    """SET_GRAD: `owned`: the step owns the tensor, which may become Parameter.grad itself."""
+
+    owned: bool
+
+
+class StampArgs(NamedTuple):
+    """STAMP: the timing slot it writes."""
+
+    slot: int
+
+
+# ---- ops --------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One op: `kind`, the values it reads (`ins`) and defines (`outs`), its kind's `args` record (None
+    for kinds without arguments), and `note`: why it is here, shown in the printed program."""
+
+    kind: OpKind
+    ins: tuple[str, ...] = ()
+    outs: tuple[str, ...] = ()
+    args: object = None
+    note: str = ""
+
+    @property
+    def spec(self) -> OpSpec:
+        return SPECS.get(self.kind) or spec(self.kind)
+
+    @property
+    def action(self) -> Action | None:
+        """The schedule action of a RUN op (None for other kinds)."""
+        return self.args.action if self.kind is OpKind.RUN else None
+
+    def messages(self, rank: int) -> list[tuple[int, int, int]]:
+        """(source, destination, tag) of each message this op posts when `rank` runs it."""
+        if self.kind is OpKind.SEND:
+            return [(rank, m.peer, m.tag) for m in self.args.messages]
+        if self.kind is OpKind.RECV:
+            return [(self.args.peer, rank, self.args.tag)]
+        return []
+
+    def __str__(self) -> str:
+        s = spec(self.kind)
+        lhs = f"{', '.join(self.outs)} = " if self.outs else ""
+        head = f"[{self.args.action}] " if self.kind is OpKind.RUN else ""
+        name = self.args.graph if self.kind is OpKind.RUN else s.text
+        tail = f"    # {self.note}" if self.note else ""
+        return f"{head}{lhs}{name}({s.format(self)}){tail}"
+
+
+# ---- text forms of each kind's arguments --------------------------------------------------------------
+def _values(op: Op) -> str:
+    return ", ".join(op.ins)
+
+
+def _split(inner: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in inner.split(",") if v.strip())
+
+
+def _format_recv(op: Op) -> str:
+    a = op.args
+    return f"from {a.peer} tag {a.tag} {a.type}" + (f" -> buf {a.slot}" if a.slot is not None else "")
+
+
+_RECV_RE = re.compile(r"from (\d+) tag (\d+) (\[[\d,\s]*\] \w+)(?: -> buf (\d+))?")
+
+
+def _parse_recv(inner: str, outs) -> tuple[tuple[str, ...], RecvArgs]:
+    m = _RECV_RE.fullmatch(inner)
+    if not m:
+        raise LoweringError(f"cannot read irecv({inner}): expected 'from PEER tag TAG [SHAPE] DTYPE [-> buf SLOT]'")
+    slot = int(m.group(4)) if m.group(4) is not None else None
+    return (), RecvArgs(int(m.group(1)), int(m.group(2)), TensorType.parse(m.group(3)), slot)
+
+
+def _format_send(op: Op) -> str:
+    return ", ".join(f"{v} -> {m.peer} tag {m.tag} {m.type}" for v, m in zip(op.ins, op.args.messages))
+
+
+_SEND_RE = re.compile(r"(\S+) -> (\d+) tag (\d+) (\[[\d,\s]*\] \w+)")
+
+
+def _parse_send(inner: str, outs) -> tuple[tuple[str, ...], SendArgs]:
+    found = _SEND_RE.findall(inner)
+    if not found or ", ".join(f"{v} -> {p} tag {t} {ty}" for v, p, t, ty in found) != inner:
+        raise LoweringError(f"cannot read isend({inner}): expected 'VALUE -> PEER tag TAG [SHAPE] DTYPE, ...'")
+    return (tuple(v for v, *_ in found),
+            SendArgs(tuple(Message(int(p), int(t), TensorType.parse(ty)) for _, p, t, ty in found)))
+
+
+def _with_arg(name: str, read: Callable[[str], object], make) -> tuple[Callable, Callable]:
+    """Format / parse of `kind(v1, v2; ARG)`: the values, then the kind's one argument after a semicolon."""
+    def fmt(op: Op) -> str:
+        value = getattr(op.args, name)
+        text = value.value if isinstance(value, enum.Enum) else value
+        return f"{_values(op)}; {text}" if op.ins else f"{text}"
+
+    def parse(inner: str, outs):
+        values, sep, arg = inner.rpartition(";") if ";" in inner else ("", "", inner)
+        return _split(values), make(read(arg.strip()))
+    return fmt, parse
+
+
+def _no_args(inner: str, outs):
+    return _split(inner), None
+
+
+def _bool(text: str) -> bool:
+    if text not in ("True", "False"):
+        raise LoweringError(f"expected True or False, got {text!r}")
+    return text == "True"
+
+
+# ---- aliasing: which outputs may share memory with which inputs ---------------------------------------
+def _no_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    return []
+
+
+def _run_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    """Read off the graph's aten schemas (graph_aliases: graph key -> per output, the input positions)."""
+    return [(op.ins[i], out) for out, ins in zip(op.outs, graph_aliases(op.args.graph)) for i in ins]
+
+
+def _first_in_is_out(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    return [(op.ins[0], op.outs[0])]
+
+
+def _send_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    return [(v, op.outs[0]) for v in op.ins]   # the handle holds the tensors until WAIT_SEND
+
+
+def _accum_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    n = len(op.outs)
+    if op.args.mode is AccumMode.FIRST:
+        return list(zip(op.ins, op.outs))
+    return list(zip(op.ins[:n], op.outs)) if op.args.mode is AccumMode.ADD_ else []
+
+
+def _loss_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    return [(op.ins[0], op.outs[0])] if len(op.ins) == 1 else []   # one microbatch: returned as is
+
+
+def _never_keeps(op: Op) -> bool:
+    return False
+
+
+def _set_grad_keeps(op: Op) -> bool:
+    return op.args.owned   # the tensor itself becomes Parameter.grad
+
+
+# ---- the table --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpSpec:
+    """Everything about one op kind (see the module docstring)."""
+
+    kind: OpKind
+    meaning: str
+    args: type | None
+    text: str
+    format: Callable[[Op], str]
+    parse: Callable[[str, tuple], tuple]      # (text between the parentheses, outs) -> (ins, args)
+    aliases: Callable[[Op, Callable], list]   # (op, graph key -> output aliases) -> [(input, output)]
+    keeps: Callable[[Op], bool]
+    sync: Sync
+    stream: Stream
+    emit: str                                 # method of passes.lower.emit.Emitter
+    runtime: tuple[str, ...]                  # functions of zbcompile.runtime.abi the code calls
+
+
+def _run_parse(inner: str, outs):
+    return _split(inner), None   # the graph and action are read from the line's head (RankProgram.from_text)
+
+
+_accum_fmt, _accum_parse = _with_arg("mode", AccumMode, AccumArgs)
+_grad_fmt, _grad_parse = _with_arg("owned", _bool, SetGradArgs)
+_stamp_fmt, _stamp_parse = _with_arg("slot", int, StampArgs)
+
+SPECS: dict[OpKind, OpSpec] = {s.kind: s for s in (
+    OpSpec(OpKind.RUN, "run one stage graph (F, B, W, BW or a variant) for one action", RunArgs, "run",
+           _values, _run_parse, _run_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "run", ()),
+    OpSpec(OpKind.RECV, "post a receive of one tensor (into a static buffer if slotted); outs = (handle,)",
+           RecvArgs, "irecv", _format_recv, _parse_recv, _no_aliases, _never_keeps, Sync.POST, Stream.COMM,
+           "recv", ("recv", "recv_into")),
+    OpSpec(OpKind.WAIT_RECV, "wait for a posted receive; ins = (handle,), outs = (tensor,)", None, "wait_recv",
+           _values, _no_args, _first_in_is_out, _never_keeps, Sync.WAIT, Stream.COMM, "wait_recv",
+           ("wait_recv",)),
+    OpSpec(OpKind.SEND, "post a batch of sends, one message per input; outs = (handle,)", SendArgs, "isend",
+           _format_send, _parse_send, _send_aliases, _never_keeps, Sync.POST, Stream.COMM, "send", ("send",)),
+    OpSpec(OpKind.WAIT_SEND, "wait for a batch of sends (the peer has the data; the tensors may go)", None,
+           "wait_send", _values, _no_args, _no_aliases, _never_keeps, Sync.WAIT, Stream.COMM, "wait_send",
+           ("wait_send",)),
+    OpSpec(OpKind.FREE, "last use of tensors: the program drops its references here", None, "free", _values,
+           _no_args, _no_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "free", ("free",)),
+    OpSpec(OpKind.ACCUM, "add microbatch parameter gradients into running sums", AccumArgs, "accum", _accum_fmt,
+           _accum_parse, _accum_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "accum", ("accumulate_",)),
+    OpSpec(OpKind.SUM, "sum copies of one gradient from several ranks, in rank order", None, "sum", _values,
+           _no_args, _no_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "call_op", ("sum_in_order",)),
+    OpSpec(OpKind.SET_GRAD, "accumulate a finished gradient into Parameter.grad", SetGradArgs, "set_grad",
+           _grad_fmt, _grad_parse, _no_aliases, _set_grad_keeps, Sync.NONE, Stream.COMPUTE, "set_grad",
+           ("set_grad",)),
+    OpSpec(OpKind.ADD_LOSS, "sum the microbatch losses; outs = (loss,)", None, "add_loss", _values, _no_args,
+           _loss_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "call_op", ("sum_losses",)),
+    OpSpec(OpKind.COPY_BUFFER, "copy a buffer's new value (an F output) into the live buffer", None,
+           "copy_buffer", _values, _no_args, _no_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "call_op",
+           ("copy_buffer",)),
+    OpSpec(OpKind.STAMP, "record the time into a timing slot (action start / end)", StampArgs, "stamp",
+           _stamp_fmt, _stamp_parse, _no_aliases, _never_keeps, Sync.NONE, Stream.HOST, "stamp", ()),
+)}
+
+_BY_TEXT = {s.text: s for s in SPECS.values()}
+
+
+def spec(kind: OpKind) -> OpSpec:
+    """The spec of `kind`; a LoweringError naming the kind when it has none (a kind added without one)."""
+    found = SPECS.get(kind)
+    if found is None:
+        raise LoweringError(f"op kind {kind} has no OpSpec in zbcompile.program.ops.SPECS; every kind needs one "
+                            f"(see docs/design.md, 'Adding an op kind')")
+    return found
+
+
+def spec_by_text(name: str) -> OpSpec | None:
+    return _BY_TEXT.get(name)

@@ -1,0 +1,145 @@
+"""Value names of the rank-program IR: one grammar, parsed once per name.
+
+Values are named by strings that are *global* across ranks, so a value keeps its name when it crosses a rank
+boundary (the receiver's receive defines the same name the sender's compute defined):
+
+    s{stage}.mb{mb}.{local}     a value of one (stage, microbatch); `local` is a stage-IR name
+                                (zbcompile.stages): `s1.mb0.act:h`, `s1.mb0.saved:3`, `s2.mb0.grad:act:h`
+    mb{mb}.data:{i}             the microbatch slice of the i-th flat user argument (a program input)
+    param:{fqn} / buffer:{fqn}  the live Parameter / buffer (program inputs; canonical names)
+    grad_loss                   the seed gradient 1 / num_microbatches (a program input)
+    acc{k}.grad:param:{fqn}     the k-th running sum of a parameter's gradient on this rank
+    r{q}.grad:param:{fqn}       rank q's sum of a shared parameter's gradient, received
+    sum.grad:param:{fqn}        the total of a shared parameter's gradient over its holders
+    loss                        the sum of this rank's microbatch losses (the program's output)
+    h:{...}                     a P2P handle (a posted receive or a batch of sends)
+
+Names stay strings in the IR (cheap to hash, print and compare); `parse` turns one into a `Value` record
+once and remembers it, so passes ask `parse(v).role is Role.SAVED` instead of testing string prefixes.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+__all__ = ["Role", "Value", "parse", "role_of", "stage_value", "data_value", "acc_value", "handle",
+           "python_name", "GRAD_LOSS", "LOSS"]
+
+GRAD_LOSS = "grad_loss"
+LOSS = "loss"
+
+
+class Role(enum.Enum):
+    """What a value is. The stage-IR roles (zbcompile.stages) come first; their prefix is the `local` name's."""
+
+    PARAM = "param:"          # a parameter (program input)
+    BUFFER = "buffer:"        # a buffer: its live value (input) or, as an F output, its new value
+    DATA = "data:"            # a microbatch of a flat user argument
+    ACT = "act:"              # a boundary activation
+    SAVED = "saved:"          # what F saves for the backward
+    WSAVED = "wsaved:"        # what B leaves for W
+    GRAD_ACT = "grad:act:"    # a boundary activation's gradient
+    GRAD_PARAM = "grad:param:"  # a parameter's gradient (per microbatch, or a sum: see Value.scope)
+    GRAD_LOSS = "grad:loss"   # the loss's seed gradient
+    LOSS = "loss"             # a microbatch's loss, or the program's loss sum
+    HANDLE = "h:"             # a P2P handle
+    OTHER = ""                # anything else (a later pass's own values)
+
+    @property
+    def is_activation_memory(self) -> bool:
+        """Memory the step allocates per microbatch and frees after its last use."""
+        return self in _ACTIVATION
+
+
+_ACTIVATION = frozenset({Role.ACT, Role.SAVED, Role.WSAVED, Role.GRAD_ACT})
+# longest prefix first: grad:act: before act:
+_PREFIXES = tuple(sorted((r for r in Role if r.value), key=lambda r: -len(r.value)))
+
+
+class Value(NamedTuple):
+    """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "data", "state" (param:/buffer:), "acc",
+    "copy" (r{q}.), "sum", "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are
+    -1 where the scope has none (index: data argument, accumulation step or source rank)."""
+
+    scope: str
+    role: Role
+    local: str
+    stage: int = -1
+    microbatch: int = -1
+    index: int = -1
+
+    @property
+    def key(self) -> str:
+        """The local name without its role prefix: `h` of `act:h`, the fqn of `grad:param:fqn`."""
+        return self.local[len(self.role.value):]
+
+
+_CACHE: dict[str, Value] = {}
+_ROLES: dict[str, Role] = {}
+_PREFIX_TEXT = tuple((r, r.value) for r in _PREFIXES)   # Enum.value is a descriptor call: read it once
+
+
+def parse(vid: str) -> Value:
+    """The record of value name `vid` (memoized: every pass asks about the same names many times)."""
+    value = _CACHE.get(vid)
+    if value is None:
+        value = _CACHE[vid] = _parse(vid)
+    return value
+
+
+def role_of(local: str) -> Role:
+    """The role of a stage-IR local name (`saved:3` -> SAVED, `grad:act:h` -> GRAD_ACT); memoized."""
+    role = _ROLES.get(local)
+    if role is None:
+        role = _ROLES[local] = next((r for r, prefix in _PREFIX_TEXT if local.startswith(prefix)
+                                     and (prefix.endswith(":") or local == prefix)), Role.OTHER)
+    return role
+
+
+def _parse(vid: str) -> Value:
+    if vid.startswith("h:"):
+        return Value("handle", Role.HANDLE, vid)
+    if vid == GRAD_LOSS:
+        return Value("seed", Role.GRAD_LOSS, vid)
+    if vid == LOSS:
+        return Value("loss", Role.LOSS, vid)
+    head, dot, rest = vid.partition(".")
+    if dot and head[:1] == "s" and head[1:].isdigit():
+        mb, dot2, local = rest.partition(".")
+        if dot2 and mb[:2] == "mb" and mb[2:].isdigit() and local:
+            return Value("stage", role_of(local), local, int(head[1:]), int(mb[2:]))
+    if dot and head[:2] == "mb" and head[2:].isdigit() and rest.startswith("data:") and rest[5:].isdigit():
+        return Value("data", Role.DATA, rest, -1, int(head[2:]), int(rest[5:]))
+    for scope, prefix in (("acc", "acc"), ("copy", "r")):
+        if dot and head.startswith(prefix) and head[len(prefix):].isdigit():
+            return Value(scope, role_of(rest), rest, index=int(head[len(prefix):]))
+    if dot and head == "sum":
+        return Value("sum", role_of(rest), rest)
+    role = role_of(vid)
+    if role in (Role.PARAM, Role.BUFFER):
+        return Value("state", role, vid)
+    return Value("other", role, vid)
+
+
+def stage_value(stage: int, microbatch: int, local: str) -> str:
+    """The global name of value `local` of (stage, microbatch)."""
+    return f"s{stage}.mb{microbatch}.{local}"
+
+
+def data_value(microbatch: int, index: int) -> str:
+    return f"mb{microbatch}.data:{index}"
+
+
+def acc_value(step: int, local: str) -> str:
+    """The `step`-th running sum of gradient `local` (grad:param:fqn)."""
+    return f"acc{step}.{local}"
+
+
+def handle(what: str) -> str:
+    return f"h:{what}"
+
+
+def python_name(vid: str) -> str:
+    """A Python identifier for value `vid` in generated code (every non-alphanumeric character becomes _)."""
+    return "".join(c if c.isalnum() else "_" for c in vid)

@@ -1,0 +1,167 @@
+"""The runtime ABI: the functions a rank program's generated code calls, and the step context it gets.
+
+The emitter (zbcompile.passes.lower.emit) names these functions by the op specs' `runtime` field
+(zbcompile.program.ops); nothing else in the compiler imports this module. Each is marked side-effecting so
+that fx's dead-code elimination keeps it. They are the hot path: a few Python calls per op, P2P straight to the
+ProcessGroup's send / recv, receives into buffers made once, and messages for errors built only on failure.
+
+Failures: every wait is bounded by the step's timeout; a peer that dies or stalls makes the others raise
+RuntimeFailure (naming the op and the peer) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import array
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+from torch import fx
+
+from zbcompile.errors import RuntimeFailure
+
+__all__ = ["StepContext", "recv", "recv_into", "wait_recv", "send", "wait_send", "wait", "free", "set_grad",
+           "copy_buffer", "accumulate_", "sum_losses", "sum_in_order"]
+
+
+class StepContext:
+    """What the generated program needs besides tensors: where to post P2P, the device, the timeout and the
+    timing slots.
+
+    row: [loss sum, then the timing slots], float64 in an array.array that RankRuntime's gather sends as is
+    (a tensor over the same memory); t: a view of its timing slots, which the program's stamps
+    (`stamps[k] = perf_counter()`, emitted inline) store into as cheaply as into a list.
+    send_pg[q] / recv_pg[q]: the process group carrying messages to / from peer q. A device backend runs
+    each group's P2P on one stream per peer pair, so both directions of a pair on one group can deadlock
+    (see passes/lower/streams.py); `channels` gives each direction its own group: `up` carries messages to
+    higher ranks, `down` to lower ones. Without channels everything goes through `pg` (gloo matches by tag
+    and never blocks a stream, so one group is enough for it). Peers are the groups' ranks.
+    bufs: the static receive buffers, by slot (see passes/lower/buffers.py).
+    """
+
+    __slots__ = ("pg", "rank", "device", "timeout", "row", "t", "send_pg", "recv_pg", "bufs", "_specs")
+
+    def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
+                 ranks: int = 1, channels: tuple | None = None, buffers: Sequence = ()):
+        self.pg = pg
+        self.rank = rank
+        self.device = device
+        self.timeout = timedelta(seconds=timeout)
+        self.row = array.array("d", bytes(8 * (1 + slots)))
+        self.t = memoryview(self.row)[1:]
+        up, down = channels or (pg, pg)
+        self.send_pg = [up if q > rank else down for q in range(ranks)]
+        self.recv_pg = [down if q > rank else up for q in range(ranks)]
+        self._specs = tuple(buffers)
+        self.renew_buffers()
+
+    def renew_buffers(self) -> None:
+        """Make the static receive buffers (RankProgram.buffers) afresh: at start, and after a failed step,
+        whose receives may still be posted into the old ones."""
+        self.bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self._specs]
+
+
+# ---- ops the generated program calls (all marked side-effecting, so dead-code elimination keeps them) ----
+@fx.node.has_side_effect
+def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype, what: str):
+    """Post an irecv into a fresh buffer; returns a handle for wait_recv."""
+    return _post_recv(ctx, torch.empty(shape, dtype=dtype, device=ctx.device), peer, tag, what)
+
+
+@fx.node.has_side_effect
+def recv_into(ctx: StepContext, peer: int, tag: int, slot: int, what: str):
+    """Post an irecv into static buffer `slot`, which nothing still uses (see passes/lower/buffers.py)."""
+    return _post_recv(ctx, ctx.bufs[slot], peer, tag, what)
+
+
+def _post_recv(ctx: StepContext, buf: torch.Tensor, peer: int, tag: int, what: str):
+    try:
+        work = ctx.recv_pg[peer].recv([buf], peer, tag)
+    except Exception as e:  # a dead peer can fail the post itself
+        raise RuntimeFailure(f"rank {ctx.rank}: posting the receive of {what} from rank {peer} failed: {e}") from e
+    return buf, work, what, peer
+
+
+@fx.node.has_side_effect
+def wait_recv(ctx: StepContext, handle) -> torch.Tensor:
+    """Wait for a posted receive; returns the filled buffer."""
+    buf, work, what, peer = handle
+    wait(ctx, work, "receiving", what, peer)
+    return buf
+
+
+@fx.node.has_side_effect
+def send(ctx: StepContext, peers: tuple[int, ...], tags: tuple[int, ...], what: str, *tensors: torch.Tensor):
+    """Post a batch of isends; returns a handle for wait_send (it keeps the tensors alive until then)."""
+    try:
+        if len(tensors) == 1:  # the common case, without building the batch
+            works = (ctx.send_pg[peers[0]].send([tensors[0]], peers[0], tags[0]),)
+        else:
+            works = tuple(ctx.send_pg[p].send([t], p, tag) for t, p, tag in zip(tensors, peers, tags))
+    except Exception as e:
+        raise RuntimeFailure(f"rank {ctx.rank}: posting the send of {what} to ranks {list(peers)} failed: {e}") from e
+    return works, what, peers
+
+
+@fx.node.has_side_effect
+def wait_send(ctx: StepContext, handle) -> None:
+    works, what, peers = handle
+    for work in works:
+        wait(ctx, work, "sending", what, peers)
+
+
+def wait(ctx: StepContext, work, doing: str, what: str, peer) -> None:
+    """Wait with the step's timeout; the message is only built when the wait fails (this is the hot path)."""
+    try:
+        ok = work.wait(ctx.timeout)
+    except Exception as e:
+        raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} failed (peer dead or stalled?): "
+                             f"{e}") from e
+    if ok is False:
+        raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} did not finish within "
+                             f"{ctx.timeout.total_seconds()} s")
+
+
+def _describe(doing: str, what: str, peer) -> str:
+    if doing == "receiving":
+        return f"receiving {what} from rank {peer}"
+    if doing == "sending":
+        return f"sending {what} to ranks {list(peer)}"
+    return f"{doing} {what}"
+
+
+@fx.node.has_side_effect
+def free(*tensors: torch.Tensor) -> None:
+    """The last use of `tensors`: the generated code drops its references right after this call."""
+
+
+@fx.node.has_side_effect
+def set_grad(param: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
+    """Accumulate a finished gradient into param.grad (taking the tensor when this step owns it)."""
+    if param.grad is None:
+        param.grad = grad if owned else grad.clone()
+    else:
+        param.grad.add_(grad)
+
+
+@fx.node.has_side_effect
+def copy_buffer(buffer: torch.Tensor, value: torch.Tensor) -> None:
+    buffer.copy_(value)
+
+
+# in-place gradient accumulation, called directly by the program (no wrapper frame); it mutates its first
+# argument, which fx cannot see on a builtin, so dead-code elimination must be told to keep it
+accumulate_ = fx.node.has_side_effect(torch._foreach_add_)
+
+
+def sum_losses(*losses: torch.Tensor) -> torch.Tensor:
+    """This rank's microbatch losses (0-dim), summed in one device-side reduction."""
+    return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+
+
+def sum_in_order(*copies: torch.Tensor) -> torch.Tensor:
+    """Sum one gradient's copies from several ranks in a fixed (rank) order: every holder gets equal bits."""
+    total = copies[0] + copies[1]
+    for t in copies[2:]:
+        total.add_(t)
+    return total
