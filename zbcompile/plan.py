@@ -24,6 +24,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from zbcompile.errors import ScheduleError, ZBCompileError
+from zbcompile.passes.schedules import generate, list_schedules
 from zbcompile.schedule import Schedule
 from zbcompile.simulate import Costs, MemoryModel, SimResult, simulate
 from zbcompile.timeline import ascii_timeline, svg_timeline
@@ -35,24 +36,14 @@ __all__ = [
 
 
 # ---- building blocks (also used by benchmarks/) ---------------------------------------------------------
-def _generators():
-    try:
-        from zbcompile.passes.schedules import generate, list_schedules
-    except ImportError as exc:  # the generators live in another pass package; say so plainly
-        raise ScheduleError(f"the schedule generators are not available ({exc}); "
-                            f"use `plan --load FILE` to simulate a saved schedule") from None
-    return generate, list_schedules
-
-
 def schedule_names() -> list[str]:
     """Every schedule name the generators know, in their order."""
-    return list(_generators()[1]())
+    return list(list_schedules())
 
 
 def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int | None = None,
                    costs: Costs | None = None, mem_limit: float | None = None) -> Schedule:
     """Generate schedule `name`; an unknown name is a ScheduleError listing the known ones."""
-    generate, list_schedules = _generators()
     names = list(list_schedules())
     if name not in names:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(names)}")
