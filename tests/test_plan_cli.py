@@ -150,7 +150,8 @@ def fake_generators(monkeypatch: pytest.MonkeyPatch) -> None:
             return one_f_one_b(2, microbatches, split=True)
         return one_f_one_b(pp, microbatches)
 
-    monkeypatch.setattr(plan, "_generators", lambda: (generate, lambda: ["1f1b", "two", "picky"]))
+    monkeypatch.setattr(plan, "generate", generate)
+    monkeypatch.setattr(plan, "list_schedules", lambda: {"1f1b": "", "two": "", "picky": ""})
 
 
 def test_compare_rows_and_reasons(fake_generators: None) -> None:
