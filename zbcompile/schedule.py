@@ -24,27 +24,103 @@ import enum
 import io
 import re
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 
 from zbcompile.errors import ScheduleError
 
-__all__ = ["Kind", "Action", "Schedule", "loop_placement", "v_placement", "dual_placement"]
+__all__ = ["Kind", "KindSpec", "KIND_SPECS", "CELL_FORMS", "Action", "Schedule", "loop_placement", "v_placement", "dual_placement"]
 
 
 class Kind(str, enum.Enum):
     """What an action computes for one (stage, microbatch). A str enum: actions are hashed millions of
-    times when large schedules are checked, and str's hash is C code where Enum's is Python."""
+    times when large schedules are checked, and str's hash is C code where Enum's is Python.
 
-    F = "F"    # forward: stage inputs -> stage outputs, saving what the backward needs
-    B = "B"    # backward for the stage input only (on the critical path)
-    W = "W"    # backward for the weights only (free to move into idle slots)
-    BW = "BW"  # B and W fused, as in plain 1F1B
+    Each kind's meaning, text code, dependency rule, cost and memory effect live in its `KindSpec` in
+    `KIND_SPECS`, the one place that gives a kind its meaning (see docs/design.md, "Adding an action kind").
+    """
+
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
 
     def __repr__(self) -> str:
         return f"Kind.{self.name}"
 
+    @property
+    def spec(self) -> KindSpec:
+        return KIND_SPECS[self]
 
-_ACTION_RE = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
+
+class DepContext(Protocol):
+    """What a dependency rule may ask about the schedule (a `Schedule` is one)."""
+
+    def is_first(self, stage: int) -> bool: ...
+
+    def is_last(self, stage: int) -> bool: ...
+
+    def backward_of(self, stage: int, microbatch: int) -> Action: ...
+
+
+DepRule = Callable[[DepContext, int, int], "tuple[Action, ...]"]
+COST_KEYS = ("f", "b", "w")  # the per-stage times a `zbcompile.simulate.Costs` holds, in per_stage order
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """Everything the schedule IR, the simulator and the searches know about one action kind.
+
+    meaning   one line, for docs and error messages
+    code      the text code between stage and microbatch (`2F0`); codes must be unique
+    torch     torch.distributed.pipelining's code for it in the compute-only CSV, or None if torch has none
+    deps      (context, stage, microbatch) -> the actions this one consumes (their results must exist first)
+    cost      the COST_KEYS whose times add up to this action's time (BW: b + w)
+    memory    (b_frees, scale) -> activation units held after minus before (`zbcompile.simulate.MemoryModel`:
+              `b_frees` is the share of an F's activations its B frees, `scale` an F's units on this stage)
+    in_cell   whether the kind counts in `Schedule.validate`'s per-(stage, microbatch) check against CELL_FORMS
+    """
+
+    meaning: str
+    code: str
+    torch: str | None
+    deps: DepRule
+    cost: tuple[str, ...]
+    memory: Callable[[float, float], float]
+    in_cell: bool = True
+
+
+def _forward_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
+    return () if ctx.is_first(s) else (Action(Kind.F, s - 1, mb),)
+
+
+def _input_grad_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
+    """A B or BW needs its own stage's F and the next stage's input gradient (its B, or its BW if fused)."""
+    own_f = Action(Kind.F, s, mb)
+    return (own_f,) if ctx.is_last(s) else (own_f, ctx.backward_of(s + 1, mb))
+
+
+def _weight_grad_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
+    return (Action(Kind.B, s, mb),)
+
+
+KIND_SPECS: dict[Kind, KindSpec] = {
+    Kind.F: KindSpec("forward: stage inputs -> stage outputs, saving what the backward needs", "F", "F",
+                     _forward_deps, ("f",), lambda b_frees, scale: scale),
+    Kind.B: KindSpec("backward for the stage input only (on the critical path)", "B", "I",
+                     _input_grad_deps, ("b",), lambda b_frees, scale: -b_frees * scale),
+    Kind.W: KindSpec("backward for the weights only (free to move into idle slots)", "W", "W",
+                     _weight_grad_deps, ("w",), lambda b_frees, scale: -(1.0 - b_frees) * scale),
+    Kind.BW: KindSpec("B and W fused, as in plain 1F1B", "BW", "B",
+                      _input_grad_deps, ("b", "w"), lambda b_frees, scale: -scale),
+}
+
+# The kind sets a (stage, microbatch) on a microbatch's pipeline may hold (kinds with in_cell=False aside).
+CELL_FORMS: tuple[frozenset[Kind], ...] = (frozenset({Kind.F, Kind.BW}), frozenset({Kind.F, Kind.B, Kind.W}))
+
+_BY_CODE = {spec.code: kind for kind, spec in KIND_SPECS.items()}
+# Longest code first, so that `BW` is not read as `B` followed by a microbatch.
+_ACTION_RE = re.compile(r"^\s*(\d+)(" + "|".join(sorted(map(re.escape, _BY_CODE), key=len, reverse=True))
+                        + r")(\d+)\s*$")
 
 
 class Action(NamedTuple):
@@ -55,7 +131,7 @@ class Action(NamedTuple):
     microbatch: int
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+        return f"{self.stage}{KIND_SPECS[self.kind].code}{self.microbatch}"
 
     def __repr__(self) -> str:
         return f"Action({self})"
@@ -66,10 +142,10 @@ class Action(NamedTuple):
         if not match:
             raise ScheduleError(
                 f"cannot parse action {text!r}: expected STAGE KIND MICROBATCH such as '2F0', '0B3', '1W3' "
-                f"or '0BW2' (kinds: F, B, W, BW)"
+                f"or '0BW2' (kinds: {', '.join(_BY_CODE)})"
             )
-        stage, kind, microbatch = match.groups()
-        return Action(Kind(kind), int(stage), int(microbatch))
+        stage, code, microbatch = match.groups()
+        return Action(_BY_CODE[code], int(stage), int(microbatch))
 
 
 def loop_placement(num_ranks: int, chunks: int = 1) -> tuple[int, ...]:
@@ -142,19 +218,10 @@ class Schedule:
         return range(-(-pipe * m // k), -(-(pipe + 1) * m // k))
 
     def deps(self, action: Action) -> tuple[Action, ...]:
-        """The actions whose results `action` consumes; a B or BW also needs its own stage's F.
-
-        W needs its B (same rank). When the next stage runs BW instead of B the dependency is on that BW.
-        """
+        """The actions whose results `action` consumes, by its kind's rule in KIND_SPECS (F needs the
+        previous stage's F; B and BW their own F and the next stage's B, or its BW when fused; W its B)."""
         kind, s, mb = action
-        if kind is Kind.F:
-            return () if self.is_first(s) else (Action(Kind.F, s - 1, mb),)
-        if kind is Kind.W:
-            return (Action(Kind.B, s, mb),)
-        own_f = Action(Kind.F, s, mb)
-        if self.is_last(s):
-            return (own_f,)
-        return (own_f, self.backward_of(s + 1, mb))
+        return KIND_SPECS[kind].deps(self, s, mb)
 
     def backward_of(self, stage: int, microbatch: int) -> Action:
         """The action that computes `stage`'s input gradient for `microbatch`: its B, or its BW if fused."""
@@ -206,9 +273,10 @@ class Schedule:
         return self
 
     def _check_cell(self, has: set[Kind], s: int, mb: int) -> None:
+        has = {k for k in has if KIND_SPECS[k].in_cell}
         if Kind.F not in has:
             raise ScheduleError(f"schedule {self.name!r}: {Action(Kind.F, s, mb)} is missing\n{self.format_grid()}")
-        if has == {Kind.F, Kind.BW} or has == {Kind.F, Kind.B, Kind.W}:
+        if has in CELL_FORMS:
             return
         missing = "a B and a W, or one BW" if Kind.BW not in has else "not both BW and B/W"
         raise ScheduleError(
@@ -300,7 +368,7 @@ class Schedule:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         for row in self.ranks:
-            writer.writerow([f"{a.stage}{_TO_TORCH[a.kind]}{a.microbatch}" for a in row])
+            writer.writerow([_to_torch_cell(a, self.name) for a in row])
         return out.getvalue()
 
     @staticmethod
@@ -325,8 +393,15 @@ class Schedule:
         return self.to_text()
 
 
-_TO_TORCH = {Kind.F: "F", Kind.B: "I", Kind.W: "W", Kind.BW: "B"}
-_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_FROM_TORCH = {spec.torch: kind for kind, spec in KIND_SPECS.items() if spec.torch is not None}
+
+
+def _to_torch_cell(action: Action, name: str) -> str:
+    code = KIND_SPECS[action.kind].torch
+    if code is None:
+        raise ScheduleError(f"schedule {name!r}: torch's CSV has no code for {action.kind.name} actions "
+                            f"({action}); drop them before exporting")
+    return f"{action.stage}{code}{action.microbatch}"
 _TORCH_RE = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)\s*$")
 _TORCH_OVERLAP_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 from zbcompile.errors import ScheduleError, SimulationError
-from zbcompile.schedule import Action, Kind, Schedule
+from zbcompile.schedule import COST_KEYS, KIND_SPECS, Action, Kind, Schedule
 
 __all__ = ["Costs", "MemoryModel", "SimResult", "simulate", "list_schedule"]
 
@@ -103,11 +103,21 @@ class Costs:
         table = {}
         for s in range(schedule.num_stages):
             if self.per_stage is not None:
-                f, b, w = self.per_stage[schedule.model_stage(s)]
+                times = dict(zip(COST_KEYS, self.per_stage[schedule.model_stage(s)]))
             else:
-                f, b, w = self.f * scale, self.b * scale, self.w * scale
-            table.update({(Kind.F, s): f, (Kind.B, s): b, (Kind.W, s): w, (Kind.BW, s): b + w})
+                times = {key: getattr(self, key) * scale for key in COST_KEYS}
+            for kind, spec in KIND_SPECS.items():
+                table[kind, s] = _total(times[key] for key in spec.cost)
         return table
+
+
+def _total(times) -> float:
+    """Sum in the order given, starting from the first term (so one term is returned exactly)."""
+    it = iter(times)
+    total = next(it)
+    for t in it:
+        total += t
+    return total
 
 
 @dataclass(frozen=True)
@@ -129,14 +139,8 @@ class MemoryModel:
             raise ScheduleError(f"bytes_per_microbatch={self.bytes_per_microbatch} must be non-negative")
 
     def delta(self, kind: Kind, scale: float) -> float:
-        """Units held after minus before an action of `kind` on a stage of size `scale`."""
-        if kind is Kind.F:
-            return scale
-        if kind is Kind.B:
-            return -self.b_frees * scale
-        if kind is Kind.W:
-            return -(1.0 - self.b_frees) * scale
-        return -scale
+        """Units held after minus before an action of `kind` on a stage of size `scale` (its KindSpec's rule)."""
+        return KIND_SPECS[kind].memory(self.b_frees, scale)
 
 
 @dataclass(frozen=True, eq=False)
