@@ -11,7 +11,8 @@ Glossary
     microbatch  a slice of the batch; numbered 0..m-1 across the whole schedule.
 
 An action is (kind, stage, microbatch). Its text form is `{stage}{kind}{microbatch}`, e.g. `2F0`, `0B3`,
-`1W3`, `0BW2`. A schedule is a frozen record: the stage -> rank placement plus, per rank, the ordered
+`1W3`, `0BW2`; the kinds and what each means, needs, costs and holds are one table, `KIND_SPECS`. A step of a
+rank may also be an `Overlap` of actions run together, `(2F3;1B1)` (DualPipe's overlapped F&B). A schedule is a frozen record: the stage -> rank placement plus, per rank, the ordered
 tuple of actions that rank runs. Schedules are plain data built from integers; the simulator times them,
 the lowering turns them into programs, and they round-trip through text and through
 torch.distributed.pipelining's compute-only CSV (where torch's `I` is our B and torch's `B` is our BW).
@@ -28,7 +29,7 @@ from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 
 from zbcompile.errors import ScheduleError
 
-__all__ = ["Kind", "KindSpec", "KIND_SPECS", "CELL_FORMS", "Action", "Schedule", "loop_placement", "v_placement", "dual_placement"]
+__all__ = ["Kind", "KindSpec", "KIND_SPECS", "CELL_FORMS", "Action", "Overlap", "parse_step", "Schedule", "loop_placement", "v_placement", "dual_placement"]
 
 
 class Kind(str, enum.Enum):
@@ -148,6 +149,54 @@ class Action(NamedTuple):
         return Action(_BY_CODE[code], int(stage), int(microbatch))
 
 
+class Overlap(NamedTuple):
+    """A composite step: its sub-actions run overlapped on one rank (DualPipe's F&B pair, torch's
+    `OVERLAP_F_B`). Prints and parses as `(2F3;1B1)`; in torch's CSV it is `(2F3;1I1)OVERLAP_F_B`.
+
+    Generators emit flat schedules; composites appear only when asked for (`Schedule.from_text` of text that
+    holds one, `from_torch_csv(keep_overlap=True)`). Everything that times or checks a schedule works on
+    `Schedule.flatten()`, where an Overlap becomes its sub-actions in order, run back to back on the rank.
+    A lowering must flatten (or fuse the sub-actions) itself: an Overlap does not unpack as (kind, stage, mb).
+    """
+
+    actions: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return "(" + ";".join(map(str, self.actions)) + ")"
+
+    def __repr__(self) -> str:
+        return f"Overlap({self})"
+
+    @staticmethod
+    def parse(text: str) -> Overlap:
+        inner = text.strip()
+        if not (inner.startswith("(") and inner.endswith(")")):
+            raise ScheduleError(f"cannot parse overlapped step {text!r}: expected '(A;B)' such as '(2F3;1B1)'")
+        return Overlap.of(tuple(Action.parse(part) for part in inner[1:-1].split(";")))
+
+    @staticmethod
+    def of(actions: Sequence[Action]) -> Overlap:
+        """An Overlap of two or more plain actions; raises ScheduleError otherwise."""
+        actions = tuple(actions)
+        if len(actions) < 2 or not all(isinstance(a, Action) for a in actions):
+            raise ScheduleError(f"an overlapped step needs two or more plain actions, got "
+                                f"{', '.join(map(str, actions)) or 'none'}")
+        return Overlap(actions)
+
+
+def parse_step(text: str) -> Action | Overlap:
+    """`2F0` -> Action, `(2F3;1B1)` -> Overlap."""
+    return Overlap.parse(text) if text.strip().startswith("(") else Action.parse(text)
+
+
+def _expand(row: Iterable[Action | Overlap]) -> Iterable[Action]:
+    for a in row:
+        if type(a) is Overlap:
+            yield from a.actions
+        else:
+            yield a
+
+
 def loop_placement(num_ranks: int, chunks: int = 1) -> tuple[int, ...]:
     """Stage s on rank s % p: one stage per rank for chunks=1, interleaved loops otherwise."""
     return tuple(s % num_ranks for s in range(num_ranks * chunks))
@@ -175,7 +224,7 @@ class Schedule:
     name: str
     num_microbatches: int
     placement: tuple[int, ...]
-    ranks: tuple[tuple[Action, ...], ...]
+    ranks: tuple[tuple[Action, ...], ...]  # an entry may be an Overlap in schedules read from text or CSV
     pipelines: int = 1
 
     # ---- derived structure -------------------------------------------------------------------
@@ -230,7 +279,8 @@ class Schedule:
     def _backward_kind(self, stage: int, microbatch: int) -> Kind:
         cache = self.__dict__.get("_bkind")
         if cache is None:
-            cache = {(a.stage, a.microbatch): a.kind for r in self.ranks for a in r if a.kind in (Kind.B, Kind.BW)}
+            cache = {(a.stage, a.microbatch): a.kind for r in self.ranks for a in _expand(r)
+                     if a.kind in (Kind.B, Kind.BW)}
             object.__setattr__(self, "_bkind", cache)
         return cache.get((stage, microbatch), Kind.B)
 
@@ -240,9 +290,24 @@ class Schedule:
             for i, a in enumerate(row):
                 yield r, i, a
 
+    @property
+    def has_overlaps(self) -> bool:
+        """Whether some step is an `Overlap` (only schedules read from text or CSV that hold one)."""
+        return any(type(a) is Overlap for row in self.ranks for a in row)
+
+    def flatten(self) -> Schedule:
+        """The sequential form: every Overlap replaced by its sub-actions in order (self if there is none)."""
+        if not self.has_overlaps:
+            return self
+        return Schedule(self.name, self.num_microbatches, self.placement,
+                        tuple(tuple(_expand(row)) for row in self.ranks), self.pipelines)
+
     # ---- checks -------------------------------------------------------------------------------
     def validate(self) -> Schedule:
-        """Check the structural invariants; returns self so calls chain. Raises ScheduleError."""
+        """Check the structural invariants (of `flatten()`); returns self so calls chain. Raises ScheduleError."""
+        if self.has_overlaps:
+            self.flatten().validate()
+            return self
         p, n = self.num_ranks, self.num_stages
         if self.num_microbatches < 1:
             raise ScheduleError(f"schedule {self.name!r}: needs at least 1 microbatch, got {self.num_microbatches}")
@@ -286,7 +351,10 @@ class Schedule:
 
     def check_order(self) -> Schedule:
         """Run the schedule by dependencies alone (no costs): raises ScheduleError on a deadlock, showing
-        the rank x step grid with each rank's stuck action in brackets."""
+        the rank x step grid with each rank's stuck action in brackets. Overlaps run as `flatten()` does."""
+        if self.has_overlaps:
+            self.flatten().check_order()
+            return self
         done: set[Action] = set()
         pos = [0] * self.num_ranks
         progressed = True
@@ -358,7 +426,7 @@ class Schedule:
             label, _, cells = line.partition(":")
             if label.strip() != f"rank {r}":
                 raise ScheduleError(f"schedule text line {r + 2}: expected 'rank {r}: ...', got {line!r}")
-            rows.append(tuple(Action.parse(c) for c in cells.split()))
+            rows.append(tuple(parse_step(c) for c in cells.split()))
         return Schedule(name, int(m), tuple(int(x) for x in placement.split(",")), tuple(rows), int(pipelines))
 
     def to_torch_csv(self) -> str:
@@ -372,21 +440,24 @@ class Schedule:
         return out.getvalue()
 
     @staticmethod
-    def from_torch_csv(text: str, name: str = "torch-csv", num_microbatches: int | None = None) -> Schedule:
+    def from_torch_csv(text: str, name: str = "torch-csv", num_microbatches: int | None = None,
+                       keep_overlap: bool = False) -> Schedule:
         """Load torch's compute-only CSV. Empty cells (idle steps) are dropped; the placement is read off
-        where each stage's actions appear."""
-        rows: list[tuple[Action, ...]] = []
+        where each stage's actions appear. An `(A;B)OVERLAP_F_B` cell becomes an `Overlap` with
+        `keep_overlap`, else its sub-actions in order (the flat form)."""
+        rows: list[tuple[Action | Overlap, ...]] = []
         for r, cells in enumerate(csv.reader(io.StringIO(text))):
-            rows.append(tuple(a for c in cells if c.strip() for a in _from_torch_cell(c, r)))
+            steps = [_from_torch_cell(c, r) for c in cells if c.strip()]
+            rows.append(tuple(steps) if keep_overlap else tuple(_expand(steps)))
         placement: dict[int, int] = {}
         for r, row in enumerate(rows):
-            for a in row:
+            for a in _expand(row):
                 if placement.setdefault(a.stage, r) != r:
                     raise ScheduleError(f"torch CSV: stage {a.stage} appears on ranks {placement[a.stage]} and {r}")
         n = max(placement, default=-1) + 1
         if sorted(placement) != list(range(n)):
             raise ScheduleError(f"torch CSV: stages {sorted(placement)} are not 0..{n - 1}")
-        m = num_microbatches or 1 + max((a.microbatch for row in rows for a in row), default=-1)
+        m = num_microbatches or 1 + max((a.microbatch for row in rows for a in _expand(row)), default=-1)
         return Schedule(name, m, tuple(placement[s] for s in range(n)), tuple(rows))
 
     def __str__(self) -> str:
@@ -396,7 +467,9 @@ class Schedule:
 _FROM_TORCH = {spec.torch: kind for kind, spec in KIND_SPECS.items() if spec.torch is not None}
 
 
-def _to_torch_cell(action: Action, name: str) -> str:
+def _to_torch_cell(action: Action | Overlap, name: str) -> str:
+    if type(action) is Overlap:
+        return "(" + ";".join(_to_torch_cell(a, name) for a in action.actions) + ")OVERLAP_F_B"
     code = KIND_SPECS[action.kind].torch
     if code is None:
         raise ScheduleError(f"schedule {name!r}: torch's CSV has no code for {action.kind.name} actions "
@@ -406,12 +479,12 @@ _TORCH_RE = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)\s*$")
 _TORCH_OVERLAP_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
 
-def _from_torch_cell(cell: str, rank: int) -> tuple[Action, ...]:
-    """One cell of torch's CSV: an action, or DualPipeV's overlapped pair `(0F3;3B1)OVERLAP_F_B`, which we
-    run as its two actions in order."""
+def _from_torch_cell(cell: str, rank: int) -> Action | Overlap:
+    """One cell of torch's CSV: an action, or DualPipeV's overlapped pair `(0F3;3B1)OVERLAP_F_B`."""
     overlap = _TORCH_OVERLAP_RE.match(cell)
     if overlap:
-        return tuple(a for part in overlap.group(1).split(";") for a in _from_torch_cell(part, rank))
+        parts = [_from_torch_cell(part, rank) for part in overlap.group(1).split(";")]
+        return Overlap.of(tuple(_expand(parts)))
     match = _TORCH_RE.match(cell)
     if not match or match.group(2) not in _FROM_TORCH:
         raise ScheduleError(
@@ -420,7 +493,7 @@ def _from_torch_cell(cell: str, rank: int) -> tuple[Action, ...]:
             f"from torch"
         )
     stage, kind, mb = match.groups()
-    return (Action(_FROM_TORCH[kind], int(stage), int(mb)),)
+    return Action(_FROM_TORCH[kind], int(stage), int(mb))
 
 
 def build(name: str, num_microbatches: int, placement: Sequence[int], ranks: Sequence[Sequence[Action]],

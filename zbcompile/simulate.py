@@ -184,9 +184,13 @@ class SimResult:
 def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel()) -> SimResult:
     """List-schedule `schedule` under `costs`; see the module docstring for the model.
 
+    A schedule with `Overlap` steps is timed as its `flatten()` (sub-actions back to back on the rank, no
+    speed-up from the overlap), and the result's `schedule` is that flat form.
+
     Does not call `schedule.validate()` (the caller decides), but every dependency must be produced by some
     rank and the order must not deadlock, else SimulationError.
     """
+    schedule = schedule.flatten()  # an Overlap's sub-actions run back to back (see Overlap)
     # Work on integer codes (ScheduleProblem): hashing an Action hashes its Kind enum in Python, which would
     # dominate the run time of large schedules.
     problem, orders = ScheduleProblem.of_schedule(schedule, costs, memory, SimulationError)
