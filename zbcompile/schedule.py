@@ -72,6 +72,7 @@ class KindSpec:
     """Everything the schedule IR, the simulator and the searches know about one action kind.
 
     meaning   one line, for docs and error messages
+    label     a few words for legends (`zbcompile.timeline`)
     code      the text code between stage and microbatch (`2F0`); codes must be unique
     torch     torch.distributed.pipelining's code for it in the compute-only CSV, or None if torch has none
     deps      (context, stage, microbatch) -> the actions this one consumes (their results must exist first)
@@ -82,6 +83,7 @@ class KindSpec:
     """
 
     meaning: str
+    label: str
     code: str
     torch: str | None
     deps: DepRule
@@ -105,14 +107,19 @@ def _weight_grad_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
 
 
 KIND_SPECS: dict[Kind, KindSpec] = {
-    Kind.F: KindSpec("forward: stage inputs -> stage outputs, saving what the backward needs", "F", "F",
-                     _forward_deps, ("f",), lambda b_frees, scale: scale),
-    Kind.B: KindSpec("backward for the stage input only (on the critical path)", "B", "I",
-                     _input_grad_deps, ("b",), lambda b_frees, scale: -b_frees * scale),
-    Kind.W: KindSpec("backward for the weights only (free to move into idle slots)", "W", "W",
-                     _weight_grad_deps, ("w",), lambda b_frees, scale: -(1.0 - b_frees) * scale),
-    Kind.BW: KindSpec("B and W fused, as in plain 1F1B", "BW", "B",
-                      _input_grad_deps, ("b", "w"), lambda b_frees, scale: -scale),
+    Kind.F: KindSpec(
+        meaning="forward: stage inputs -> stage outputs, saving what the backward needs", label="forward",
+        code="F", torch="F", deps=_forward_deps, cost=("f",), memory=lambda b_frees, scale: scale),
+    Kind.B: KindSpec(
+        meaning="backward for the stage input only (on the critical path)", label="backward (input)",
+        code="B", torch="I", deps=_input_grad_deps, cost=("b",), memory=lambda b_frees, scale: -b_frees * scale),
+    Kind.W: KindSpec(
+        meaning="backward for the weights only (free to move into idle slots)", label="backward (weights)",
+        code="W", torch="W", deps=_weight_grad_deps, cost=("w",),
+        memory=lambda b_frees, scale: -(1.0 - b_frees) * scale),
+    Kind.BW: KindSpec(
+        meaning="B and W fused, as in plain 1F1B", label="fused backward",
+        code="BW", torch="B", deps=_input_grad_deps, cost=("b", "w"), memory=lambda b_frees, scale: -scale),
 }
 
 # The kind sets a (stage, microbatch) on a microbatch's pipeline may hold (kinds with in_cell=False aside).
