@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping
 
 from zbcompile.errors import ScheduleError, SimulationError
 from zbcompile.schedule import COST_KEYS, KIND_SPECS, Action, Kind, Schedule

@@ -27,15 +27,15 @@ result is the same on every machine. Above 4000 passes (p=32, m=256 has 24576) o
 runs that could not differ are skipped: about 0.15 s there.
 
 Timing model: `ScheduleProblem.retime`, the simulator's list scheduling, with the dependencies of the kind
-table (F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i)). The objective is the makespan, ties broken by the
-papers' bubble rate (the worst rank's idle share of its own span).
+table (F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i)). The objective
+is the makespan, ties broken by the papers' bubble rate (the worst rank's idle share of its own span).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from zbcompile.errors import ScheduleError
 from zbcompile.schedule import Schedule, build, loop_placement
