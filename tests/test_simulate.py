@@ -8,6 +8,7 @@ from fractions import Fraction
 import pytest
 
 from zbcompile.errors import ScheduleError, SimulationError
+from zbcompile.passes.schedules import generate
 from zbcompile.schedule import Action, Kind, Schedule, loop_placement, v_placement
 from zbcompile.simulate import Costs, MemoryModel, simulate
 from zbcompile.timeline import ascii_timeline, svg_timeline
@@ -190,9 +191,6 @@ def test_svg_is_well_formed_with_a_box_per_action() -> None:
     ("interleaved-1f1b", 4, 8, 0.1579, 5.5), ("interleaved-1f1b", 8, 24, 0.1273, 11.5),
 ])
 def test_matches_reference_table(name: str, p: int, m: int, bubble: float, peak: float) -> None:
-    schedules = pytest.importorskip("zbcompile.passes.schedules")
-    if not hasattr(schedules, "generate"):
-        pytest.skip("schedule generators not registered yet")
-    result = simulate(schedules.generate(name, p, m))
+    result = simulate(generate(name, p, m))
     assert result.bubble_rate == pytest.approx(bubble, abs=5e-5)
     assert max(result.peak_memory) == peak

@@ -73,3 +73,28 @@ def test_unknown_torch_cell_says_what_is_supported():
 
     with pytest.raises(ScheduleError, match="compute-only format"):
         Schedule.from_torch_csv("0F0,0SEND_F0\n")
+
+
+@pytest.mark.parametrize("world,microbatches", [(2, 8), (4, 8)])
+def test_dualpipev_keeps_its_overlapped_pairs_when_asked(world, microbatches, tmp_path):
+    """keep_overlap=True reads `(A;B)OVERLAP_F_B` as an Overlap: our CSV is then torch's, step for step, and
+    the flat form is what the default reading gives."""
+    torch_sched = _torch_schedule("ScheduleDualPipeV", world, microbatches)
+    path = tmp_path / "torch.csv"
+    takes_format = "format" in inspect.signature(torch_sched._dump_csv).parameters
+    torch_sched._dump_csv(str(path), **({"format": "compute_only"} if takes_format else {}))
+    text = path.read_text()
+    kept = Schedule.from_torch_csv(text, name="dpv", num_microbatches=microbatches, keep_overlap=True)
+    flat = Schedule.from_torch_csv(text, name="dpv", num_microbatches=microbatches)
+    assert kept.has_overlaps and not flat.has_overlaps
+    assert kept.flatten() == flat
+    kept.validate().check_order()
+    assert simulate(kept).makespan == simulate(flat).makespan
+    assert Schedule.from_text(kept.to_text()) == kept
+    back = tmp_path / "ours.csv"
+    back.write_text(kept.to_torch_csv())
+    reread = _torch_schedule("ScheduleDualPipeV", world, microbatches)
+    reread._load_csv(str(back), format="compute_only")
+    for rank in range(world):
+        want = [str(a) for a in torch_sched.pipeline_order[rank] if a is not None]
+        assert [str(a) for a in reread.pipeline_order[rank] if a is not None] == want

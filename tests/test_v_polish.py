@@ -65,7 +65,7 @@ def test_retime_agrees_with_simulate(costs):
         sim = simulate(schedule, costs)
         assert makespan == pytest.approx(sim.makespan, abs=1e-12)
         assert bubble == pytest.approx(sim.bubble_rate, abs=1e-12)
-        assert all(start[i] == pytest.approx(sim.start[a], abs=1e-12) for i, a in enumerate(prob.actions))
+        assert all(start[prob.codes.of(a)] == pytest.approx(sim.start[a], abs=1e-12) for a in sim.start)
 
 
 def test_retime_rejects_a_deadlocked_order():

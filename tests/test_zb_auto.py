@@ -14,6 +14,7 @@ import pytest
 from zbcompile.errors import ScheduleError
 from zbcompile.passes.schedules import zb_auto as za
 from zbcompile.passes.schedules.zb_auto import makespan_lower_bound, zb_auto
+from zbcompile.passes.schedules.zb_auto.greedy import greedy_seeds
 from zbcompile.passes.schedules.zero_bubble import zb_h1, zb_h2
 from zbcompile.schedule import Kind
 from zbcompile.simulate import Costs, simulate
@@ -72,21 +73,24 @@ def test_per_stage_costs_must_match_stages():
 def test_internal_timing_agrees_with_simulate(costs):
     p, m = 4, 6
     cs = za._Costs.read(costs, p)
+    prob = cs.problem(m)
     for limit in (2, 4, 8):
-        for score, orders in za._greedy_seeds(p, m, cs, limit):
-            timing = za._retime(orders, m, cs)
+        for score, orders in greedy_seeds(p, m, cs, limit, prob.codes):
+            timing = prob.retime(orders)
             assert timing.score == pytest.approx(score)
-            result = simulate(za._to_schedule(orders, p, m, limit), costs)
+            result = simulate(za._to_schedule(orders, prob, limit), costs)
             assert timing.makespan == pytest.approx(result.makespan)
             assert timing.bubble == pytest.approx(result.bubble_rate)
 
 
 def test_retime_reports_deadlock():
     """Rank 1 runs F1 first; rank 0 sends F1 only after its B0, which needs rank 1's B0: a cycle."""
-    m = 2
-    f0, f1, b0, b1, w0, w1 = 0, 1, m, m + 1, 2 * m, 2 * m + 1
-    orders = [[f0, b0, f1, b1, w0, w1], [f1, f0, b0, b1, w0, w1]]
-    assert za._retime(orders, m, za._Costs.read(None, 2)) is None
+    prob = za._Costs.read(None, 2).problem(2)
+    orders = [[prob.codes.code(k, r, mb) for k, mb in ((Kind.F, first), (Kind.F, 1 - first), (Kind.B, 0),
+                                                       (Kind.B, 1), (Kind.W, 0), (Kind.W, 1))]
+              for r, first in ((0, 0), (1, 1))]
+    orders[0][1:3] = orders[0][2], orders[0][1]  # rank 0: F0 B0 F1 ...
+    assert prob.retime(orders) is None
 
 
 # ---- golden numbers under unit costs ------------------------------------------------------------------------
@@ -126,11 +130,11 @@ def test_beats_or_ties_handmade(costs, p, m):
 @pytest.mark.parametrize("p,m,limit,costs", [(4, 4, 2, UNIT), (4, 8, 2, UNIT), (3, 5, 2, PROFILES[1])])
 def test_search_improves_on_the_greedy(p, m, limit, costs):
     cs = za._Costs.read(costs, p)
-    greedy = za._greedy_seeds(p, m, cs, limit)[0][0][0]
+    greedy = greedy_seeds(p, m, cs, limit, cs.problem(m).codes)[0][0][0]
     assert _run(p, m, limit, costs)[1].makespan < greedy - 1e-9
 
 
-def _all_orders(stage, m, limit):
+def _all_orders(stage, m, limit, codes):
     """Every order of one rank: F before B before W per microbatch, held activations within the limit."""
     def extend(row, done, held):
         if len(row) == 3 * m:
@@ -141,7 +145,7 @@ def _all_orders(stage, m, limit):
             if kind == 3 or (kind == 0 and held >= limit):
                 continue
             done[mb] += 1
-            row.append(kind * m + mb)
+            row.append(codes.code((Kind.F, Kind.B, Kind.W)[kind], stage, mb))
             yield from extend(row, done, held + (1 if kind == 0 else -1 if kind == 2 else 0))
             row.pop()
             done[mb] -= 1
@@ -152,10 +156,10 @@ def _all_orders(stage, m, limit):
     (2, 2, 1, UNIT), (2, 2, 2, PROFILES[0]), (3, 2, 1, PROFILES[1]), (3, 2, 2, Costs(f=1, b=1, w=0.5, comm=0.3)),
 ])
 def test_optimal_against_brute_force(p, m, limit, costs):
-    cs = za._Costs.read(costs, p)
-    per_rank = [list(_all_orders(r, m, limit)) for r in range(p)]
+    prob = za._Costs.read(costs, p).problem(m)
+    per_rank = [list(_all_orders(r, m, limit, prob.codes)) for r in range(p)]
     best = min(t.makespan for combo in itertools.product(*per_rank)
-               if (t := za._retime(list(combo), m, cs)) is not None)
+               if (t := prob.retime(list(combo))) is not None)
     assert _run(p, m, limit, costs)[1].makespan == pytest.approx(best)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from zbcompile.errors import ScheduleError, ZBCompileError
+from zbcompile.passes.schedules import SCHEDULES, generate, list_schedules
 from zbcompile.schedule import Schedule
 from zbcompile.simulate import Costs, MemoryModel, SimResult, simulate
 from zbcompile.timeline import ascii_timeline, svg_timeline
@@ -35,24 +36,14 @@ __all__ = [
 
 
 # ---- building blocks (also used by benchmarks/) ---------------------------------------------------------
-def _generators():
-    try:
-        from zbcompile.passes.schedules import generate, list_schedules
-    except ImportError as exc:  # the generators live in another pass package; say so plainly
-        raise ScheduleError(f"the schedule generators are not available ({exc}); "
-                            f"use `plan --load FILE` to simulate a saved schedule") from None
-    return generate, list_schedules
-
-
 def schedule_names() -> list[str]:
     """Every schedule name the generators know, in their order."""
-    return list(_generators()[1]())
+    return list(list_schedules())
 
 
 def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int | None = None,
                    costs: Costs | None = None, mem_limit: float | None = None) -> Schedule:
     """Generate schedule `name`; an unknown name is a ScheduleError listing the known ones."""
-    generate, list_schedules = _generators()
     names = list(list_schedules())
     if name not in names:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(names)}")
@@ -136,25 +127,15 @@ _NOTE_WIDTH = 64  # wrap long reasons instead of stretching the table
 
 
 def closed_form(name: str, pp: int, microbatches: int, chunks: int | None = None) -> tuple[float | None, float | None]:
-    """The papers' (bubble rate, peak memory) under unit costs and no communication, where they give one.
+    """The papers' (bubble rate, peak memory) under unit costs and no communication, where they give one
+    (the generator's `ScheduleSpec.closed_form`; (None, None) for an unknown name or none stated).
 
-    Memory is in 1F1B-stage units. None where the papers state no closed form (zb-auto depends on the
-    limit; dualpipe's bubble assumes overlapped F&B, which the simulator runs one after the other).
+    Memory is in 1F1B-stage units. `chunks` is interleaved-1f1b's (default 2).
     """
-    p, m = pp, microbatches
-    v = chunks or 2
-    forms = {
-        "gpipe": ((p - 1) / (m + p - 1), m),
-        "1f1b": ((p - 1) / (m + p - 1), p),
-        "interleaved-1f1b": ((p - 1) / (v * m + p - 1), None),
-        "zb-h1": ((p - 1) / (3 * m + p - 1), p),
-        "zb-h2": (0.0 if m >= 2 * p else None, 2 * p),
-        "zbv": (0.0 if m >= 2 * p else None, p),
-        "v-zb": (0.0 if m >= 2 * p else None, p),
-        "v-half": (None, (p + 2) // 2),
-        "v-min": (None, (p + 4) // 3),
-    }
-    return forms.get(name, (None, None))
+    spec = SCHEDULES.get(name)
+    if spec is None or spec.closed_form is None:
+        return None, None
+    return spec.closed_form(pp, microbatches, chunks or 2)
 
 
 def compare_table(rows: list[PlanRow], tablefmt: str = "simple") -> str:

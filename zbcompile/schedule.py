@@ -11,7 +11,8 @@ Glossary
     microbatch  a slice of the batch; numbered 0..m-1 across the whole schedule.
 
 An action is (kind, stage, microbatch). Its text form is `{stage}{kind}{microbatch}`, e.g. `2F0`, `0B3`,
-`1W3`, `0BW2`. A schedule is a frozen record: the stage -> rank placement plus, per rank, the ordered
+`1W3`, `0BW2`; the kinds and what each means, needs, costs and holds are one table, `KIND_SPECS`. A step of a
+rank may also be an `Overlap` of actions run together, `(2F3;1B1)` (DualPipe's overlapped F&B). A schedule is a frozen record: the stage -> rank placement plus, per rank, the ordered
 tuple of actions that rank runs. Schedules are plain data built from integers; the simulator times them,
 the lowering turns them into programs, and they round-trip through text and through
 torch.distributed.pipelining's compute-only CSV (where torch's `I` is our B and torch's `B` is our BW).
@@ -24,27 +25,110 @@ import enum
 import io
 import re
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 
 from zbcompile.errors import ScheduleError
 
-__all__ = ["Kind", "Action", "Schedule", "loop_placement", "v_placement", "dual_placement"]
+__all__ = ["Kind", "KindSpec", "KIND_SPECS", "CELL_FORMS", "Action", "Overlap", "parse_step", "Schedule", "loop_placement", "v_placement", "dual_placement"]
 
 
 class Kind(str, enum.Enum):
     """What an action computes for one (stage, microbatch). A str enum: actions are hashed millions of
-    times when large schedules are checked, and str's hash is C code where Enum's is Python."""
+    times when large schedules are checked, and str's hash is C code where Enum's is Python.
 
-    F = "F"    # forward: stage inputs -> stage outputs, saving what the backward needs
-    B = "B"    # backward for the stage input only (on the critical path)
-    W = "W"    # backward for the weights only (free to move into idle slots)
-    BW = "BW"  # B and W fused, as in plain 1F1B
+    Each kind's meaning, text code, dependency rule, cost and memory effect live in its `KindSpec` in
+    `KIND_SPECS`, the one place that gives a kind its meaning (see docs/design.md, "Adding an action kind").
+    """
+
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
 
     def __repr__(self) -> str:
         return f"Kind.{self.name}"
 
+    @property
+    def spec(self) -> KindSpec:
+        return KIND_SPECS[self]
 
-_ACTION_RE = re.compile(r"^\s*(\d+)(BW|F|B|W)(\d+)\s*$")
+
+class DepContext(Protocol):
+    """What a dependency rule may ask about the schedule (a `Schedule` is one)."""
+
+    def is_first(self, stage: int) -> bool: ...
+
+    def is_last(self, stage: int) -> bool: ...
+
+    def backward_of(self, stage: int, microbatch: int) -> Action: ...
+
+
+DepRule = Callable[[DepContext, int, int], "tuple[Action, ...]"]
+COST_KEYS = ("f", "b", "w")  # the per-stage times a `zbcompile.simulate.Costs` holds, in per_stage order
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """Everything the schedule IR, the simulator and the searches know about one action kind.
+
+    meaning   one line, for docs and error messages
+    label     a few words for legends (`zbcompile.timeline`)
+    code      the text code between stage and microbatch (`2F0`); codes must be unique
+    torch     torch.distributed.pipelining's code for it in the compute-only CSV, or None if torch has none
+    deps      (context, stage, microbatch) -> the actions this one consumes (their results must exist first)
+    cost      the COST_KEYS whose times add up to this action's time (BW: b + w)
+    memory    (b_frees, scale) -> activation units held after minus before (`zbcompile.simulate.MemoryModel`:
+              `b_frees` is the share of an F's activations its B frees, `scale` an F's units on this stage)
+    in_cell   whether the kind counts in `Schedule.validate`'s per-(stage, microbatch) check against CELL_FORMS
+    """
+
+    meaning: str
+    label: str
+    code: str
+    torch: str | None
+    deps: DepRule
+    cost: tuple[str, ...]
+    memory: Callable[[float, float], float]
+    in_cell: bool = True
+
+
+def _forward_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
+    return () if ctx.is_first(s) else (Action(Kind.F, s - 1, mb),)
+
+
+def _input_grad_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
+    """A B or BW needs its own stage's F and the next stage's input gradient (its B, or its BW if fused)."""
+    own_f = Action(Kind.F, s, mb)
+    return (own_f,) if ctx.is_last(s) else (own_f, ctx.backward_of(s + 1, mb))
+
+
+def _weight_grad_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
+    return (Action(Kind.B, s, mb),)
+
+
+KIND_SPECS: dict[Kind, KindSpec] = {
+    Kind.F: KindSpec(
+        meaning="forward: stage inputs -> stage outputs, saving what the backward needs", label="forward",
+        code="F", torch="F", deps=_forward_deps, cost=("f",), memory=lambda b_frees, scale: scale),
+    Kind.B: KindSpec(
+        meaning="backward for the stage input only (on the critical path)", label="backward (input)",
+        code="B", torch="I", deps=_input_grad_deps, cost=("b",), memory=lambda b_frees, scale: -b_frees * scale),
+    Kind.W: KindSpec(
+        meaning="backward for the weights only (free to move into idle slots)", label="backward (weights)",
+        code="W", torch="W", deps=_weight_grad_deps, cost=("w",),
+        memory=lambda b_frees, scale: -(1.0 - b_frees) * scale),
+    Kind.BW: KindSpec(
+        meaning="B and W fused, as in plain 1F1B", label="fused backward",
+        code="BW", torch="B", deps=_input_grad_deps, cost=("b", "w"), memory=lambda b_frees, scale: -scale),
+}
+
+# The kind sets a (stage, microbatch) on a microbatch's pipeline may hold (kinds with in_cell=False aside).
+CELL_FORMS: tuple[frozenset[Kind], ...] = (frozenset({Kind.F, Kind.BW}), frozenset({Kind.F, Kind.B, Kind.W}))
+
+_BY_CODE = {spec.code: kind for kind, spec in KIND_SPECS.items()}
+# Longest code first, so that `BW` is not read as `B` followed by a microbatch.
+_ACTION_RE = re.compile(r"^\s*(\d+)(" + "|".join(sorted(map(re.escape, _BY_CODE), key=len, reverse=True))
+                        + r")(\d+)\s*$")
 
 
 class Action(NamedTuple):
@@ -55,7 +139,7 @@ class Action(NamedTuple):
     microbatch: int
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+        return f"{self.stage}{KIND_SPECS[self.kind].code}{self.microbatch}"
 
     def __repr__(self) -> str:
         return f"Action({self})"
@@ -66,10 +150,58 @@ class Action(NamedTuple):
         if not match:
             raise ScheduleError(
                 f"cannot parse action {text!r}: expected STAGE KIND MICROBATCH such as '2F0', '0B3', '1W3' "
-                f"or '0BW2' (kinds: F, B, W, BW)"
+                f"or '0BW2' (kinds: {', '.join(_BY_CODE)})"
             )
-        stage, kind, microbatch = match.groups()
-        return Action(Kind(kind), int(stage), int(microbatch))
+        stage, code, microbatch = match.groups()
+        return Action(_BY_CODE[code], int(stage), int(microbatch))
+
+
+class Overlap(NamedTuple):
+    """A composite step: its sub-actions run overlapped on one rank (DualPipe's F&B pair, torch's
+    `OVERLAP_F_B`). Prints and parses as `(2F3;1B1)`; in torch's CSV it is `(2F3;1I1)OVERLAP_F_B`.
+
+    Generators emit flat schedules; composites appear only when asked for (`Schedule.from_text` of text that
+    holds one, `from_torch_csv(keep_overlap=True)`). Everything that times or checks a schedule works on
+    `Schedule.flatten()`, where an Overlap becomes its sub-actions in order, run back to back on the rank.
+    A lowering must flatten (or fuse the sub-actions) itself: an Overlap does not unpack as (kind, stage, mb).
+    """
+
+    actions: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return "(" + ";".join(map(str, self.actions)) + ")"
+
+    def __repr__(self) -> str:
+        return f"Overlap({self})"
+
+    @staticmethod
+    def parse(text: str) -> Overlap:
+        inner = text.strip()
+        if not (inner.startswith("(") and inner.endswith(")")):
+            raise ScheduleError(f"cannot parse overlapped step {text!r}: expected '(A;B)' such as '(2F3;1B1)'")
+        return Overlap.of(tuple(Action.parse(part) for part in inner[1:-1].split(";")))
+
+    @staticmethod
+    def of(actions: Sequence[Action]) -> Overlap:
+        """An Overlap of two or more plain actions; raises ScheduleError otherwise."""
+        actions = tuple(actions)
+        if len(actions) < 2 or not all(isinstance(a, Action) for a in actions):
+            raise ScheduleError(f"an overlapped step needs two or more plain actions, got "
+                                f"{', '.join(map(str, actions)) or 'none'}")
+        return Overlap(actions)
+
+
+def parse_step(text: str) -> Action | Overlap:
+    """`2F0` -> Action, `(2F3;1B1)` -> Overlap."""
+    return Overlap.parse(text) if text.strip().startswith("(") else Action.parse(text)
+
+
+def _expand(row: Iterable[Action | Overlap]) -> Iterable[Action]:
+    for a in row:
+        if type(a) is Overlap:
+            yield from a.actions
+        else:
+            yield a
 
 
 def loop_placement(num_ranks: int, chunks: int = 1) -> tuple[int, ...]:
@@ -99,7 +231,7 @@ class Schedule:
     name: str
     num_microbatches: int
     placement: tuple[int, ...]
-    ranks: tuple[tuple[Action, ...], ...]
+    ranks: tuple[tuple[Action, ...], ...]  # an entry may be an Overlap in schedules read from text or CSV
     pipelines: int = 1
 
     # ---- derived structure -------------------------------------------------------------------
@@ -142,19 +274,10 @@ class Schedule:
         return range(-(-pipe * m // k), -(-(pipe + 1) * m // k))
 
     def deps(self, action: Action) -> tuple[Action, ...]:
-        """The actions whose results `action` consumes; a B or BW also needs its own stage's F.
-
-        W needs its B (same rank). When the next stage runs BW instead of B the dependency is on that BW.
-        """
+        """The actions whose results `action` consumes, by its kind's rule in KIND_SPECS (F needs the
+        previous stage's F; B and BW their own F and the next stage's B, or its BW when fused; W its B)."""
         kind, s, mb = action
-        if kind is Kind.F:
-            return () if self.is_first(s) else (Action(Kind.F, s - 1, mb),)
-        if kind is Kind.W:
-            return (Action(Kind.B, s, mb),)
-        own_f = Action(Kind.F, s, mb)
-        if self.is_last(s):
-            return (own_f,)
-        return (own_f, self.backward_of(s + 1, mb))
+        return KIND_SPECS[kind].deps(self, s, mb)
 
     def backward_of(self, stage: int, microbatch: int) -> Action:
         """The action that computes `stage`'s input gradient for `microbatch`: its B, or its BW if fused."""
@@ -163,7 +286,8 @@ class Schedule:
     def _backward_kind(self, stage: int, microbatch: int) -> Kind:
         cache = self.__dict__.get("_bkind")
         if cache is None:
-            cache = {(a.stage, a.microbatch): a.kind for r in self.ranks for a in r if a.kind in (Kind.B, Kind.BW)}
+            cache = {(a.stage, a.microbatch): a.kind for r in self.ranks for a in _expand(r)
+                     if a.kind in (Kind.B, Kind.BW)}
             object.__setattr__(self, "_bkind", cache)
         return cache.get((stage, microbatch), Kind.B)
 
@@ -173,9 +297,24 @@ class Schedule:
             for i, a in enumerate(row):
                 yield r, i, a
 
+    @property
+    def has_overlaps(self) -> bool:
+        """Whether some step is an `Overlap` (only schedules read from text or CSV that hold one)."""
+        return any(type(a) is Overlap for row in self.ranks for a in row)
+
+    def flatten(self) -> Schedule:
+        """The sequential form: every Overlap replaced by its sub-actions in order (self if there is none)."""
+        if not self.has_overlaps:
+            return self
+        return Schedule(self.name, self.num_microbatches, self.placement,
+                        tuple(tuple(_expand(row)) for row in self.ranks), self.pipelines)
+
     # ---- checks -------------------------------------------------------------------------------
     def validate(self) -> Schedule:
-        """Check the structural invariants; returns self so calls chain. Raises ScheduleError."""
+        """Check the structural invariants (of `flatten()`); returns self so calls chain. Raises ScheduleError."""
+        if self.has_overlaps:
+            self.flatten().validate()
+            return self
         p, n = self.num_ranks, self.num_stages
         if self.num_microbatches < 1:
             raise ScheduleError(f"schedule {self.name!r}: needs at least 1 microbatch, got {self.num_microbatches}")
@@ -206,9 +345,10 @@ class Schedule:
         return self
 
     def _check_cell(self, has: set[Kind], s: int, mb: int) -> None:
+        has = {k for k in has if KIND_SPECS[k].in_cell}
         if Kind.F not in has:
             raise ScheduleError(f"schedule {self.name!r}: {Action(Kind.F, s, mb)} is missing\n{self.format_grid()}")
-        if has == {Kind.F, Kind.BW} or has == {Kind.F, Kind.B, Kind.W}:
+        if has in CELL_FORMS:
             return
         missing = "a B and a W, or one BW" if Kind.BW not in has else "not both BW and B/W"
         raise ScheduleError(
@@ -218,7 +358,10 @@ class Schedule:
 
     def check_order(self) -> Schedule:
         """Run the schedule by dependencies alone (no costs): raises ScheduleError on a deadlock, showing
-        the rank x step grid with each rank's stuck action in brackets."""
+        the rank x step grid with each rank's stuck action in brackets. Overlaps run as `flatten()` does."""
+        if self.has_overlaps:
+            self.flatten().check_order()
+            return self
         done: set[Action] = set()
         pos = [0] * self.num_ranks
         progressed = True
@@ -290,7 +433,7 @@ class Schedule:
             label, _, cells = line.partition(":")
             if label.strip() != f"rank {r}":
                 raise ScheduleError(f"schedule text line {r + 2}: expected 'rank {r}: ...', got {line!r}")
-            rows.append(tuple(Action.parse(c) for c in cells.split()))
+            rows.append(tuple(parse_step(c) for c in cells.split()))
         return Schedule(name, int(m), tuple(int(x) for x in placement.split(",")), tuple(rows), int(pipelines))
 
     def to_torch_csv(self) -> str:
@@ -300,43 +443,55 @@ class Schedule:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         for row in self.ranks:
-            writer.writerow([f"{a.stage}{_TO_TORCH[a.kind]}{a.microbatch}" for a in row])
+            writer.writerow([_to_torch_cell(a, self.name) for a in row])
         return out.getvalue()
 
     @staticmethod
-    def from_torch_csv(text: str, name: str = "torch-csv", num_microbatches: int | None = None) -> Schedule:
+    def from_torch_csv(text: str, name: str = "torch-csv", num_microbatches: int | None = None,
+                       keep_overlap: bool = False) -> Schedule:
         """Load torch's compute-only CSV. Empty cells (idle steps) are dropped; the placement is read off
-        where each stage's actions appear."""
-        rows: list[tuple[Action, ...]] = []
+        where each stage's actions appear. An `(A;B)OVERLAP_F_B` cell becomes an `Overlap` with
+        `keep_overlap`, else its sub-actions in order (the flat form)."""
+        rows: list[tuple[Action | Overlap, ...]] = []
         for r, cells in enumerate(csv.reader(io.StringIO(text))):
-            rows.append(tuple(a for c in cells if c.strip() for a in _from_torch_cell(c, r)))
+            steps = [_from_torch_cell(c, r) for c in cells if c.strip()]
+            rows.append(tuple(steps) if keep_overlap else tuple(_expand(steps)))
         placement: dict[int, int] = {}
         for r, row in enumerate(rows):
-            for a in row:
+            for a in _expand(row):
                 if placement.setdefault(a.stage, r) != r:
                     raise ScheduleError(f"torch CSV: stage {a.stage} appears on ranks {placement[a.stage]} and {r}")
         n = max(placement, default=-1) + 1
         if sorted(placement) != list(range(n)):
             raise ScheduleError(f"torch CSV: stages {sorted(placement)} are not 0..{n - 1}")
-        m = num_microbatches or 1 + max((a.microbatch for row in rows for a in row), default=-1)
+        m = num_microbatches or 1 + max((a.microbatch for row in rows for a in _expand(row)), default=-1)
         return Schedule(name, m, tuple(placement[s] for s in range(n)), tuple(rows))
 
     def __str__(self) -> str:
         return self.to_text()
 
 
-_TO_TORCH = {Kind.F: "F", Kind.B: "I", Kind.W: "W", Kind.BW: "B"}
-_FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
+_FROM_TORCH = {spec.torch: kind for kind, spec in KIND_SPECS.items() if spec.torch is not None}
+
+
+def _to_torch_cell(action: Action | Overlap, name: str) -> str:
+    if type(action) is Overlap:
+        return "(" + ";".join(_to_torch_cell(a, name) for a in action.actions) + ")OVERLAP_F_B"
+    code = KIND_SPECS[action.kind].torch
+    if code is None:
+        raise ScheduleError(f"schedule {name!r}: torch's CSV has no code for {action.kind.name} actions "
+                            f"({action}); drop them before exporting")
+    return f"{action.stage}{code}{action.microbatch}"
 _TORCH_RE = re.compile(r"^\s*(\d+)([A-Z_]+?)(\d+)\s*$")
 _TORCH_OVERLAP_RE = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
 
-def _from_torch_cell(cell: str, rank: int) -> tuple[Action, ...]:
-    """One cell of torch's CSV: an action, or DualPipeV's overlapped pair `(0F3;3B1)OVERLAP_F_B`, which we
-    run as its two actions in order."""
+def _from_torch_cell(cell: str, rank: int) -> Action | Overlap:
+    """One cell of torch's CSV: an action, or DualPipeV's overlapped pair `(0F3;3B1)OVERLAP_F_B`."""
     overlap = _TORCH_OVERLAP_RE.match(cell)
     if overlap:
-        return tuple(a for part in overlap.group(1).split(";") for a in _from_torch_cell(part, rank))
+        parts = [_from_torch_cell(part, rank) for part in overlap.group(1).split(";")]
+        return Overlap.of(tuple(_expand(parts)))
     match = _TORCH_RE.match(cell)
     if not match or match.group(2) not in _FROM_TORCH:
         raise ScheduleError(
@@ -345,7 +500,7 @@ def _from_torch_cell(cell: str, rank: int) -> tuple[Action, ...]:
             f"from torch"
         )
     stage, kind, mb = match.groups()
-    return (Action(_FROM_TORCH[kind], int(stage), int(mb)),)
+    return Action(_FROM_TORCH[kind], int(stage), int(mb))
 
 
 def build(name: str, num_microbatches: int, placement: Sequence[int], ranks: Sequence[Sequence[Action]],

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping
 
 from zbcompile.errors import ScheduleError, SimulationError
-from zbcompile.schedule import Action, Kind, Schedule
+from zbcompile.schedule import COST_KEYS, KIND_SPECS, Action, Kind, Schedule
+from zbcompile.schedule_problem import ScheduleProblem, list_schedule
 
 __all__ = ["Costs", "MemoryModel", "SimResult", "simulate", "list_schedule"]
 
@@ -103,11 +104,21 @@ class Costs:
         table = {}
         for s in range(schedule.num_stages):
             if self.per_stage is not None:
-                f, b, w = self.per_stage[schedule.model_stage(s)]
+                times = dict(zip(COST_KEYS, self.per_stage[schedule.model_stage(s)]))
             else:
-                f, b, w = self.f * scale, self.b * scale, self.w * scale
-            table.update({(Kind.F, s): f, (Kind.B, s): b, (Kind.W, s): w, (Kind.BW, s): b + w})
+                times = {key: getattr(self, key) * scale for key in COST_KEYS}
+            for kind, spec in KIND_SPECS.items():
+                table[kind, s] = _total(times[key] for key in spec.cost)
         return table
+
+
+def _total(times) -> float:
+    """Sum in the order given, starting from the first term (so one term is returned exactly)."""
+    it = iter(times)
+    total = next(it)
+    for t in it:
+        total += t
+    return total
 
 
 @dataclass(frozen=True)
@@ -129,14 +140,8 @@ class MemoryModel:
             raise ScheduleError(f"bytes_per_microbatch={self.bytes_per_microbatch} must be non-negative")
 
     def delta(self, kind: Kind, scale: float) -> float:
-        """Units held after minus before an action of `kind` on a stage of size `scale`."""
-        if kind is Kind.F:
-            return scale
-        if kind is Kind.B:
-            return -self.b_frees * scale
-        if kind is Kind.W:
-            return -(1.0 - self.b_frees) * scale
-        return -scale
+        """Units held after minus before an action of `kind` on a stage of size `scale` (its KindSpec's rule)."""
+        return KIND_SPECS[kind].memory(self.b_frees, scale)
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,128 +184,39 @@ class SimResult:
 def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel()) -> SimResult:
     """List-schedule `schedule` under `costs`; see the module docstring for the model.
 
+    A schedule with `Overlap` steps is timed as its `flatten()` (sub-actions back to back on the rank, no
+    speed-up from the overlap), and the result's `schedule` is that flat form.
+
     Does not call `schedule.validate()` (the caller decides), but every dependency must be produced by some
     rank and the order must not deadlock, else SimulationError.
     """
-    # Work on integer ids (actions numbered rank by rank, so rank r's step i is first[r] + i): hashing an
-    # Action hashes its Kind enum in Python, which would dominate the run time of large schedules.
-    actions = [a for row in schedule.ranks for a in row]
-    first = [0]
-    for row in schedule.ranks:
-        first.append(first[-1] + len(row))
-    rank_of = [r for r, row in enumerate(schedule.ranks) for _ in row]
-    index = _index(schedule)
-    deps = _dependency_ids(schedule, actions, index)
-    table = costs.action_costs(schedule)
-    cost = [table[a.kind, a.stage] for a in actions]
-
-    orders = [range(first[r], first[r + 1]) for r in range(schedule.num_ranks)]
-    start, end, done = list_schedule(orders, deps, cost, rank_of, costs.comm)
+    schedule = schedule.flatten()  # an Overlap's sub-actions run back to back (see Overlap)
+    # Work on integer codes (ScheduleProblem): hashing an Action hashes its Kind enum in Python, which would
+    # dominate the run time of large schedules.
+    problem, orders = ScheduleProblem.of_schedule(schedule, costs, memory, SimulationError)
+    start, end, done = problem.list_schedule(orders)
     if any(done[r] < len(orders[r]) for r in range(schedule.num_ranks)):
-        raise _deadlock(schedule, done, {a for a, e in zip(actions, end) if e is not None})
-    return _result(schedule, costs, memory, actions, first, start, end)
-
-
-def list_schedule(orders: Sequence[Sequence[int]], deps: Sequence[Sequence[int]], cost: Sequence[float],
-                  rank_of: Sequence[int], comm: float) -> tuple[list[float], list[float | None], list[int]]:
-    """The timing model on integer ids: each rank runs `orders[r]` in order; an action starts when its rank is
-    free and every dependency has ended (plus `comm` when the dependency ran on another rank).
-
-    Returns (start, end, done): per id its start and end (None if it never ran), per rank how many of its
-    actions ran; done[r] < len(orders[r]) on some rank means the order deadlocks. Generators that search
-    over orders (zbv's polish) call this directly, so their timing is the simulator's by construction.
-    """
-    n = len(cost)
-    start = [0.0] * n
-    end: list[float | None] = [None] * n
-    p = len(orders)
-    free = [0.0] * p
-    done = [0] * p
-    waiting: dict[int, list[int]] = {}
-    ready = list(range(p))
-    while ready:
-        r = ready.pop()
-        row = orders[r]
-        while done[r] < len(row):
-            i = row[done[r]]
-            t = free[r]
-            blocker = -1
-            for d in deps[i]:
-                e = end[d]
-                if e is None:
-                    blocker = d
-                    break
-                if rank_of[d] != r:
-                    e += comm
-                if e > t:
-                    t = e
-            if blocker >= 0:
-                waiting.setdefault(blocker, []).append(r)
-                break
-            start[i] = t
-            end[i] = free[r] = t + cost[i]
-            done[r] += 1
-            ready.extend(waiting.pop(i, ()))
-    return start, end, done
-
-
-def _index(schedule: Schedule) -> dict[Action, int]:
-    """Action -> id; rejects unknown stages and duplicates."""
-    index: dict[Action, int] = {}
-    for r, i, a in schedule.actions():
-        if not 0 <= a.stage < schedule.num_stages:
-            raise SimulationError(schedule.at(r, i, f"stage {a.stage} does not exist "
-                                                      f"(stages 0..{schedule.num_stages - 1})"))
-        if a in index:
-            raise SimulationError(schedule.at(r, i, f"{a} runs twice"))
-        index[a] = len(index)
-    return index
-
-
-def _dependency_ids(schedule: Schedule, actions: list[Action], index: dict[Action, int]) -> list[tuple[int, ...]]:
-    out = []
-    for a in actions:
-        ids = []
-        for d in schedule.deps(a):
-            j = index.get(d)
-            if j is None:
-                r, i = _position(schedule, index[a])
-                raise SimulationError(schedule.at(
-                    r, i, f"broken dependency: {a} needs {d}, which no rank runs; "
-                                    f"fix: add {d} to rank {schedule.placement[d.stage]}"))
-            ids.append(j)
-        out.append(tuple(ids))
-    return out
-
-
-def _position(schedule: Schedule, action_id: int) -> tuple[int, int]:
-    for r, row in enumerate(schedule.ranks):
-        if action_id < len(row):
-            return r, action_id
-        action_id -= len(row)
-    raise IndexError(action_id)
+        ran = {a for row, codes in zip(schedule.ranks, orders) for a, c in zip(row, codes) if end[c] is not None}
+        raise _deadlock(schedule, done, ran)
+    return _result(schedule, costs, memory, problem, orders, start, end)
 
 
 def _deadlock(schedule: Schedule, steps: list[int], done: set[Action]) -> SimulationError:
     return SimulationError(schedule.describe_deadlock(steps, done))
 
 
-def _result(schedule: Schedule, costs: Costs, memory: MemoryModel, actions: list[Action], first: list[int],
-            start: list[float], end: list[float]) -> SimResult:
-    scale = schedule.num_ranks / schedule.num_model_stages
-    delta = {k: memory.delta(k, scale) for k in Kind}
+def _result(schedule: Schedule, costs: Costs, memory: MemoryModel, problem: ScheduleProblem,
+            orders: list[list[int]], start: list[float], end: list[float]) -> SimResult:
     busy, span, peak = [], [], []
-    for r in range(schedule.num_ranks):
-        lo, hi = first[r], first[r + 1]
-        busy.append(sum(end[i] - start[i] for i in range(lo, hi)))
-        span.append(end[hi - 1] - start[lo] if hi > lo else 0.0)
-        held = top = 0.0
-        for a in actions[lo:hi]:
-            held += delta[a.kind]
-            top = max(top, held)
-        peak.append(round(top, 9))  # float noise from fractional frees
+    for row in orders:
+        busy.append(sum(end[i] - start[i] for i in row))
+        span.append(end[row[-1]] - start[row[0]] if row else 0.0)
+        peak.append(round(problem.peak(row), 9))  # float noise from fractional frees
     peak_bytes = None
     if memory.bytes_per_microbatch is not None:
         peak_bytes = tuple(u * memory.bytes_per_microbatch for u in peak)
-    return SimResult(schedule, costs, memory, dict(zip(actions, start)), dict(zip(actions, end)),
-                     max(end, default=0.0), tuple(busy), tuple(span), tuple(peak), peak_bytes)
+    actions = [a for row in schedule.ranks for a in row]
+    codes = [c for row in orders for c in row]
+    return SimResult(schedule, costs, memory, {a: start[c] for a, c in zip(actions, codes)},
+                     {a: end[c] for a, c in zip(actions, codes)}, max((end[c] for c in codes), default=0.0),
+                     tuple(busy), tuple(span), tuple(peak), peak_bytes)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from xml.sax.saxutils import escape
 
-from zbcompile.schedule import Action, Kind, Schedule
+from zbcompile.schedule import KIND_SPECS, Action, Kind, Schedule
 from zbcompile.simulate import SimResult
 
 __all__ = ["ascii_timeline", "svg_timeline"]
@@ -58,7 +58,8 @@ def ascii_timeline(result: SimResult, width: int | None = None) -> str:
 
 
 def _label(action: Action, second_chunk: bool) -> str:
-    kind = action.kind.value.lower() if second_chunk else action.kind.value
+    code = KIND_SPECS[action.kind].code
+    kind = code.lower() if second_chunk else code
     return f"{kind}{action.microbatch}"
 
 
@@ -111,7 +112,7 @@ _COLOURS = {
     Kind.W: ("#8e6bbf", "#d2c2e8"),
     Kind.BW: ("#e08a3c", "#f5c99c"),
 }
-_MEANING = {Kind.F: "forward", Kind.B: "backward (input)", Kind.W: "backward (weights)", Kind.BW: "fused backward"}
+_OTHER_COLOURS = ("#8c8c8c", "#cfcfcf")  # a kind with no colour of its own here
 _FONT = "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\""
 
 
@@ -146,9 +147,9 @@ def svg_timeline(result: SimResult, *, width: int = 1200, title: str | None = No
 
 
 def _svg_box(a: Action, x: float, y: float, w: float, h: float, shade: int) -> str:
-    fill = _COLOURS[a.kind][shade]
+    fill = _COLOURS.get(a.kind, _OTHER_COLOURS)[shade]
     box = (f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{h}" fill="{fill}" stroke="#222" '
-           f'stroke-width="0.6"><title>{a} ({_MEANING[a.kind]}, stage {a.stage}, microbatch {a.microbatch})'
+           f'stroke-width="0.6"><title>{a} ({KIND_SPECS[a.kind].label}, stage {a.stage}, microbatch {a.microbatch})'
            f'</title></rect>')
     text = str(a.microbatch)
     size = min(12.0, h * 0.55, (w - 2) / (0.62 * len(text)))
@@ -179,7 +180,8 @@ def _svg_legend(schedule: Schedule, chunks: dict[int, int], left: int, y: int) -
     shades = (0, 1) if max(chunks.values(), default=0) > 0 else (0,)
     out = []
     for shade in shades:
-        entries = [(_COLOURS[k][shade], f"{k.value} {_MEANING[k]}" + (" (2nd chunk)" if shade else ""))
+        entries = [(_COLOURS.get(k, _OTHER_COLOURS)[shade],
+                    f"{KIND_SPECS[k].code} {KIND_SPECS[k].label}" + (" (2nd chunk)" if shade else ""))
                    for k in kinds]
         if shade == 0:
             entries.append(("#f2f2f2", "idle"))

@@ -3,11 +3,14 @@
     generate("zb-h1", pp=4, microbatches=8)  ->  Schedule
 
 Each hand-made generator lives with its family (gpipe_1f1b, interleaved, zero_bubble, v_shape, dualpipe);
-`zb-auto`, the cost- and memory-aware search, is imported on first use from `zb_auto`.
+`zb-auto` is the cost- and memory-aware search (`zb_auto/`). Every generator has one `ScheduleSpec` in
+`SCHEDULES`: the function, its one-line description, how many stages a rank holds, which options it
+reads, and the papers' closed form. `generate`, `list_schedules` and `zbcompile.plan` read that table only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from zbcompile.errors import ScheduleError
@@ -17,79 +20,104 @@ from .dualpipe import dualpipe, dualpipev
 from .gpipe_1f1b import gpipe, one_f_one_b
 from .interleaved import interleaved_1f1b
 from .v_shape import v_half, v_min, v_zb, zbv
+from .zb_auto import zb_auto as _zb_auto  # keeps `schedules.zb_auto` the module
 from .zero_bubble import zb_h1, zb_h2
 
-__all__ = ["GENERATORS", "generate", "list_schedules"]
+__all__ = ["ScheduleSpec", "SCHEDULES", "GENERATORS", "generate", "list_schedules"]
+
+OPTIONS = frozenset({"chunks", "costs", "mem_limit"})
+# (pp, microbatches, chunks) -> (bubble rate, peak memory in 1F1B-stage units), None where the paper has none
+ClosedForm = Callable[[int, int, int], "tuple[float | None, float | None]"]
 
 
-def _zb_auto(pp: int, microbatches: int, *, costs=None, mem_limit=None) -> Schedule:
-    """Imported lazily so that this registry works before and without the zb_auto module."""
-    try:
-        from .zb_auto import zb_auto
-    except ImportError as err:
-        raise ScheduleError(f"zb-auto is not available ({err}); pick one of the hand-made schedules: "
-                            f"{', '.join(n for n in GENERATORS if n != 'zb-auto')}") from err
-    return zb_auto(pp, microbatches, costs=costs, mem_limit=mem_limit)
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One generator and what the registry knows about it.
+
+    fn               (pp, microbatches, **options) -> Schedule, options being those named in `accepts`
+    description      one line for `list_schedules` (the CLI prints it)
+    stages_per_rank  stages a rank holds; None when `chunks` chooses it
+    accepts          the options of `generate` the function reads: a subset of {"chunks", "costs", "mem_limit"}
+    closed_form      the papers' (bubble rate, peak memory) under unit costs and no communication, either
+                     part None where no closed form is stated; None for no closed form at all
+    """
+
+    fn: Callable[..., Schedule]
+    description: str
+    stages_per_rank: int | None = 1
+    accepts: frozenset[str] = frozenset()
+    closed_form: ClosedForm | None = None
+
+    def __post_init__(self) -> None:
+        if not self.accepts <= OPTIONS:
+            raise ScheduleError(f"ScheduleSpec for {self.fn.__name__}: unknown options {set(self.accepts) - OPTIONS}")
+        if (self.stages_per_rank is None) != ("chunks" in self.accepts):
+            raise ScheduleError(f"ScheduleSpec for {self.fn.__name__}: stages_per_rank is None exactly when "
+                                f"the generator accepts chunks")
 
 
-GENERATORS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_1f1b,
-    "zb-h1": zb_h1,
-    "zb-h2": zb_h2,
-    "zbv": zbv,
-    "v-min": v_min,
-    "v-half": v_half,
-    "v-zb": v_zb,
-    "dualpipe": dualpipe,
-    "dualpipev": dualpipev,
-    "zb-auto": _zb_auto,
+def _zero_once(p: int, m: int, peak: float) -> tuple[float | None, float]:
+    return (0.0 if m >= 2 * p else None), peak
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(gpipe, "all forwards, then all backwards; peak memory m",
+                          closed_form=lambda p, m, v: ((p - 1) / (m + p - 1), m)),
+    "1f1b": ScheduleSpec(one_f_one_b, "one forward, one fused backward; peak p, bubble (p-1)/(m+p-1); any m >= 1",
+                         closed_form=lambda p, m, v: ((p - 1) / (m + p - 1), p)),
+    "interleaved-1f1b": ScheduleSpec(
+        interleaved_1f1b, "Megatron virtual pipeline with --chunks v >= 2 (default 2); bubble (p-1)/(vm+p-1); m >= p",
+        stages_per_rank=None, accepts=frozenset({"chunks"}),
+        closed_form=lambda p, m, v: ((p - 1) / (v * m + p - 1), None)),
+    "zb-h1": ScheduleSpec(zb_h1, "handcrafted zero bubble, B/W split; peak p, bubble (p-1)/(3m+p-1); any m >= 1",
+                          closed_form=lambda p, m, v: ((p - 1) / (3 * m + p - 1), p)),
+    "zb-h2": ScheduleSpec(zb_h2, "handcrafted zero bubble, B/W split; peak 2p-1, zero bubble once m >= 2p-1; any m >= 1",
+                          closed_form=lambda p, m, v: _zero_once(p, m, 2 * p)),
+    "zbv": ScheduleSpec(zbv, "handcrafted ZB-V on the V placement; peak p, zero bubble once m >= 2p; any m >= 1",
+                        stages_per_rank=2, accepts=frozenset({"costs"}),
+                        closed_form=lambda p, m, v: _zero_once(p, m, p)),
+    "v-min": ScheduleSpec(v_min, "controllable-memory V, peak (p+4)//3 (a third of 1F1B); any m >= 1",
+                          stages_per_rank=2, closed_form=lambda p, m, v: (None, (p + 4) // 3)),
+    "v-half": ScheduleSpec(v_half, "controllable-memory V, peak (p+2)//2 (half of 1F1B); any m >= 1",
+                           stages_per_rank=2, closed_form=lambda p, m, v: (None, (p + 2) // 2)),
+    "v-zb": ScheduleSpec(v_zb, "controllable-memory V at peak p (ZB-V's order); zero bubble once m >= 2p",
+                         stages_per_rank=2, accepts=frozenset({"costs"}),
+                         closed_form=lambda p, m, v: _zero_once(p, m, p)),
+    # dualpipe's papers' bubble assumes overlapped F&B, which the simulator runs one after the other
+    "dualpipe": ScheduleSpec(
+        dualpipe, "DeepSeek DualPipe, two mirrored pipelines over even p; peak p+1; m >= 2 (2p for its steady state)",
+        stages_per_rank=2),
+    "dualpipev": ScheduleSpec(
+        dualpipev, "DualPipe folded into a V (DualPipeV); peak p+0.5; m >= 1 (2p for its steady state)",
+        stages_per_rank=2),
+    # zb-auto's memory is its limit and its bubble depends on it: no closed form
+    "zb-auto": ScheduleSpec(_zb_auto, "automatic zero-bubble search under --costs and --mem-limit",
+                            accepts=frozenset({"costs", "mem_limit"})),
 }
 
-_DESCRIPTIONS = {
-    "gpipe": "all forwards, then all backwards; peak memory m",
-    "1f1b": "one forward, one fused backward; peak p, bubble (p-1)/(m+p-1); any m >= 1",
-    "interleaved-1f1b": "Megatron virtual pipeline with --chunks v >= 2 (default 2); bubble (p-1)/(vm+p-1); m >= p",
-    "zb-h1": "handcrafted zero bubble, B/W split; peak p, bubble (p-1)/(3m+p-1); any m >= 1",
-    "zb-h2": "handcrafted zero bubble, B/W split; peak 2p-1, zero bubble once m >= 2p-1; any m >= 1",
-    "zbv": "handcrafted ZB-V on the V placement; peak p, zero bubble once m >= 2p; any m >= 1",
-    "v-min": "controllable-memory V, peak (p+4)//3 (a third of 1F1B); any m >= 1",
-    "v-half": "controllable-memory V, peak (p+2)//2 (half of 1F1B); any m >= 1",
-    "v-zb": "controllable-memory V at peak p (ZB-V's order); zero bubble once m >= 2p",
-    "dualpipe": "DeepSeek DualPipe, two mirrored pipelines over even p; peak p+1; m >= 2 (2p for its steady state)",
-    "dualpipev": "DualPipe folded into a V (DualPipeV); peak p+0.5; m >= 1 (2p for its steady state)",
-    "zb-auto": "automatic zero-bubble search under --costs and --mem-limit",
-}
-
-
-_TWO_STAGES_PER_RANK = {"zbv", "v-min", "v-half", "v-zb", "dualpipe", "dualpipev"}
+GENERATORS: dict[str, Callable[..., Schedule]] = {name: spec.fn for name, spec in SCHEDULES.items()}
 
 
 def list_schedules() -> dict[str, str]:
     """Schedule name -> one-line description, in registry order (the CLI prints this)."""
-    return {name: _DESCRIPTIONS[name] for name in GENERATORS}
+    return {name: spec.description for name, spec in SCHEDULES.items()}
 
 
 def generate(name: str, pp: int, microbatches: int, *, chunks: int | None = None, costs=None,
              mem_limit: float | None = None) -> Schedule:
     """Build schedule `name` for `pp` ranks and `microbatches`; raises ScheduleError on bad input.
 
-    `chunks` is read by interleaved-1f1b only; `mem_limit` by zb-auto only; `costs` by zb-auto and by zbv
-    and v-zb (which polish their order for them under their own peak); the other hand-made schedules are
-    fixed orders, whatever the costs.
+    Each generator reads only the options its `ScheduleSpec.accepts` names (`chunks`: interleaved-1f1b;
+    `mem_limit`: zb-auto; `costs`: zb-auto, and zbv and v-zb, which polish their order for them under their
+    own peak); the others are fixed orders whatever the costs. `chunks` equal to a fixed generator's own
+    stages per rank is accepted and ignored.
     """
-    gen = GENERATORS.get(name)
-    if gen is None:
-        raise ScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(GENERATORS)}")
-    if name == "interleaved-1f1b":
-        return gen(pp, microbatches, chunks)
-    own = 2 if name in _TWO_STAGES_PER_RANK else 1
-    if chunks is not None and chunks != own:
-        raise ScheduleError(f"schedule {name!r} holds {own} stage(s) per rank and cannot take --chunks {chunks}; "
-                            f"drop --chunks, or pick interleaved-1f1b for a chosen number of chunks")
-    if name == "zb-auto":
-        return gen(pp, microbatches, costs=costs, mem_limit=mem_limit)
-    if name in ("zbv", "v-zb"):
-        return gen(pp, microbatches, costs=costs)
-    return gen(pp, microbatches)
+    spec = SCHEDULES.get(name)
+    if spec is None:
+        raise ScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
+    if "chunks" not in spec.accepts and chunks is not None and chunks != spec.stages_per_rank:
+        raise ScheduleError(f"schedule {name!r} holds {spec.stages_per_rank} stage(s) per rank and cannot take "
+                            f"--chunks {chunks}; drop --chunks, or pick interleaved-1f1b for a chosen number of "
+                            f"chunks")
+    given = {"chunks": chunks, "costs": costs, "mem_limit": mem_limit}
+    return spec.fn(pp, microbatches, **{key: given[key] for key in spec.accepts})

@@ -27,8 +27,9 @@ their W (so without their B) before it, step 3 only moves B's up and F's within 
 step 4 always has a pending W when an F waits for memory.
 
 `reorder_schedule` runs steps 2-4 on an existing V schedule (zbv uses it for m < 2p, where its padded
-warm-up leaves holes). All bookkeeping is on integer codes (code = (microbatch * stages + stage) * 3 +
-kind), not on `Action`s, so p=32, m=256 builds in about half a second.
+warm-up leaves holes). All bookkeeping is on the action codes of one `ScheduleProblem` (its `chain` over the
+V placement, which also gives the dependencies and the memory deltas), not on `Action`s, so p=32, m=256
+builds in about half a second.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ from bisect import bisect_left, insort
 from typing import Sequence
 
 from zbcompile.errors import ScheduleError
-from zbcompile.schedule import Action, Kind, Schedule, build, v_placement
+from zbcompile.schedule import Kind, Schedule, build, v_placement
+from zbcompile.schedule_problem import ActionCodes, ScheduleProblem
 
 __all__ = ["PERIOD", "block_schedule", "reorder_schedule"]
 
 PERIOD = 6  # one microbatch is 6 chunk passes per rank: F0 F1 B1 B0 W1 W0
 
-_F, _B, _W = 0, 1, 2
-_KINDS = (Kind.F, Kind.B, Kind.W)
+_F, _B, _W = 0, 1, 2  # kind indices of the codes (code % width)
 _NONE = -1
 
 
@@ -55,93 +56,74 @@ def block_schedule(name: str, pp: int, m: int, offsets: Sequence[tuple[int, int,
     `budget` is the peak memory per rank in chunk activations (2p = 1F1B); None takes the block's own peak.
     A budget below the block's peak is refused: the tiled steady state would exceed it.
     """
-    nst = 2 * pp
-    deps = _dep_table(nst, m)
-    tiled, placed = _squeeze(_tile(name, pp, m, offsets, nst), deps)
-    peak = max(_peak(row) for row in tiled)
+    prob = _problem(pp, m)
+    tiled, placed = _squeeze(_tile(name, pp, m, offsets, prob.codes), prob.deps)
+    peak = max(_peak(prob, row) for row in tiled)
     if budget is None:
         budget = peak
     if peak > budget:
         raise ScheduleError(f"{name}: the building block needs peak memory {peak / 2:g} (1F1B-stage units) "
                             f"for pp={pp}, above the budget {budget / 2:g}")
-    return _finish(name, pp, m, tiled, placed, deps, budget)
+    return _finish(name, pp, tiled, placed, prob, budget)
 
 
 def reorder_schedule(schedule: Schedule, budget: int) -> Schedule:
     """Steps 2-4 on an existing V schedule (F/B/W, no BW), timed at unit costs: the same passes, reordered
     so that no rank holds more than `budget` chunk activations (the schedule itself must fit it)."""
     pp, m = schedule.num_ranks, schedule.num_microbatches
-    nst = 2 * pp
     if schedule.placement != v_placement(pp) or schedule.pipelines != 1:
         raise ScheduleError(f"{schedule.name}: reorder_schedule takes a V-placement schedule")
-    index = {kind: i for i, kind in enumerate(_KINDS)}
+    prob = _problem(pp, m)
     orders = []
     for row in schedule.ranks:
         if any(a.kind is Kind.BW for a in row):
             raise ScheduleError(f"{schedule.name}: reorder_schedule needs B and W split, found a BW")
-        orders.append([(a.microbatch * nst + a.stage) * 3 + index[a.kind] for a in row])
-    deps = _dep_table(nst, m)
-    grid, slot_of = _asap(orders, deps)
-    if max(_peak(row) for row in grid) > budget:
+        orders.append([prob.codes.of(a) for a in row])
+    grid, slot_of = _asap(orders, prob.deps)
+    if max(_peak(prob, row) for row in grid) > budget:
         raise ScheduleError(f"{schedule.name}: the schedule already exceeds the memory budget {budget / 2:g}")
-    return _finish(schedule.name, pp, m, grid, slot_of, deps, budget)
+    return _finish(schedule.name, pp, grid, slot_of, prob, budget)
 
 
-def _finish(name: str, pp: int, m: int, grid: list[list[int]], slot_of: list[int],
-            deps: list[tuple[int, ...]], budget: int) -> Schedule:
+def _problem(pp: int, m: int) -> ScheduleProblem:
+    """The V's passes on the integer grid: unit times, memory in chunk activations (F +1, W -1, B 0)."""
+    return ScheduleProblem.chain(2 * pp, m, v_placement(pp), [(1.0, 1.0, 1.0)] * (2 * pp))
+
+
+def _finish(name: str, pp: int, grid: list[list[int]], slot_of: list[int], prob: ScheduleProblem,
+            budget: int) -> Schedule:
     """Reorder with W's, reorder without, refill the W's (module docstring, steps 2-4).
 
     The reorder first checks memory at occupied slots only (an F may then land just before the W that makes
     room for it, which the refill resolves by running that W first); in the rare case where the refill
     then finds no W to run, it is redone with every slot checked, which cannot fail.
     """
-    nst = 2 * pp
+    deps, codes, width = prob.deps, prob.codes, prob.codes.width
+    m = codes.num_microbatches
     for lax in (True, False):
         cells, where = [list(row) for row in grid], list(slot_of)
-        _reorder(cells, where, deps, budget, with_w=True, lax=lax)
+        _reorder(cells, where, deps, width, budget, with_w=True, lax=lax)
         for row in cells:
             for t, c in enumerate(row):
-                if c != _NONE and c % 3 == _W:
+                if c != _NONE and c % width == _W:
                     row[t] = _NONE
         cells, where = _squeeze(cells, deps)
-        _reorder(cells, where, deps, budget, with_w=False, lax=lax)
-        ranks = _fill_w([[c for c in row if c != _NONE] for row in cells], deps, budget)
+        _reorder(cells, where, deps, width, budget, with_w=False, lax=lax)
+        ranks = _fill_w([[c for c in row if c != _NONE] for row in cells], deps, width, budget)
         if ranks is not None:
             break
     else:  # unreachable: the strict reorder keeps every F within budget (see the module docstring)
         raise ScheduleError(f"{name}: no order for pp={pp}, m={m} fits the memory budget {budget / 2:g}")
-    return build(name, m, v_placement(pp), [[_action(c, nst) for c in row] for row in ranks])
-
-
-def _code(kind: int, stage: int, mb: int, nst: int) -> int:
-    return (mb * nst + stage) * 3 + kind
-
-
-def _action(code: int, nst: int) -> Action:
-    cell, kind = divmod(code, 3)
-    mb, stage = divmod(cell, nst)
-    return Action(_KINDS[kind], stage, mb)
-
-
-def _dep_table(nst: int, m: int) -> list[tuple[int, ...]]:
-    """code -> the codes it consumes: F(s) needs F(s-1); B(s) needs F(s) and B(s+1) (F(s) alone on the
-    last stage); W(s) needs B(s)."""
-    table: list[tuple[int, ...]] = []
-    for mb in range(m):
-        for stage in range(nst):
-            code = (mb * nst + stage) * 3
-            table.append(() if stage == 0 else (code - 3,))
-            table.append((code,) if stage == nst - 1 else (code, code + 3 + _B))
-            table.append((code + _B,))
-    return table
+    return build(name, m, v_placement(pp), [[codes.action(c) for c in row] for row in ranks])
 
 
 def _tile(name: str, pp: int, m: int, offsets: Sequence[tuple[int, int, int, int]],
-          nst: int) -> list[list[int]]:
+          codes: ActionCodes) -> list[list[int]]:
     """Repeat the block every PERIOD slots; each W takes the first free slot after its B."""
     if len(offsets) != pp:
         raise ScheduleError(f"{name}: the building block gives {len(offsets)} ranks' offsets, expected {pp}")
     cells: list[list[int]] = []
+    nst, width = codes.num_stages, codes.width
     for r, offs in enumerate(offsets):
         low, high = r, nst - 1 - r
         if min(offs) < 0:
@@ -149,16 +131,16 @@ def _tile(name: str, pp: int, m: int, offsets: Sequence[tuple[int, int, int, int
         row = [_NONE] * (max(offs) + (PERIOD + 2) * m)  # room for the W's behind the last B; trimmed below
         for k in range(m):
             shift = PERIOD * k
-            for kind, stage, t in ((_F, low, offs[0]), (_F, high, offs[1]), (_B, high, offs[2]),
-                                   (_B, low, offs[3])):
+            for kind, stage, t in ((Kind.F, low, offs[0]), (Kind.F, high, offs[1]), (Kind.B, high, offs[2]),
+                                   (Kind.B, low, offs[3])):
                 if row[t + shift] != _NONE:
                     raise ScheduleError(f"{name}: building block collides on rank {r} at slot {t + shift} "
                                         f"for pp={pp}; this pp is not supported by {name}")
-                row[t + shift] = _code(kind, stage, k, nst)
+                row[t + shift] = codes.code(kind, stage, k)
         free = 0
         for t in range(len(row)):
             c = row[t]
-            if c != _NONE and c % 3 == _B:
+            if c != _NONE and c % width == _B:
                 free = max(free, t + 1)
                 while row[free] != _NONE:
                     free += 1
@@ -233,19 +215,14 @@ def _asap(orders: list[list[int]], deps: list[tuple[int, ...]]) -> tuple[list[li
     return grid, slot_of
 
 
-def _peak(row: list[int]) -> int:
-    held = top = 0
-    for c in row:
-        if c != _NONE:
-            kind = c % 3
-            held += 1 if kind == _F else (-1 if kind == _W else 0)
-            top = max(top, held)
-    return top
+def _peak(prob: ScheduleProblem, row: list[int]) -> int:
+    """The peak memory of a grid row (free slots skipped), in chunk activations."""
+    return int(prob.peak([c for c in row if c != _NONE]))
 
 
 # ---- reorder -----------------------------------------------------------------------------------------
 
-def _reorder(cells: list[list[int]], slot_of: list[int], deps: list[tuple[int, ...]], budget: int,
+def _reorder(cells: list[list[int]], slot_of: list[int], deps: list[tuple[int, ...]], width: int, budget: int,
              with_w: bool, lax: bool) -> None:
     """Move every pass, in slot order, to the earliest free slot after its inputs that keeps memory <= budget.
 
@@ -260,7 +237,7 @@ def _reorder(cells: list[list[int]], slot_of: list[int], deps: list[tuple[int, .
         level, trace = 0, []
         for c in row:
             if c != _NONE:
-                kind = c % 3
+                kind = c % width
                 level += 1 if kind == _F else (-1 if kind == _W and with_w else 0)
             trace.append(level)
         held.append(trace)
@@ -278,7 +255,7 @@ def _reorder(cells: list[list[int]], slot_of: list[int], deps: list[tuple[int, .
             i = bisect_left(gaps, earliest)
             if i == len(gaps) or gaps[i] >= t0:
                 continue  # no free slot to move into
-            kind = code % 3
+            kind = code % width
             if kind == _F:
                 # the F raises memory by one on every slot it jumps over; the slots where that still fits
                 # form a suffix [x, t0) (lax: only occupied slots are checked), found by walking back
@@ -301,7 +278,8 @@ def _reorder(cells: list[list[int]], slot_of: list[int], deps: list[tuple[int, .
 
 # ---- W refill ----------------------------------------------------------------------------------------
 
-def _fill_w(orders: list[list[int]], deps: list[tuple[int, ...]], budget: int) -> list[list[int]] | None:
+def _fill_w(orders: list[list[int]], deps: list[tuple[int, ...]], width: int,
+            budget: int) -> list[list[int]] | None:
     """Unit-time list scheduling of the F/B orders, slotting each rank's oldest pending W into every step
     where its next F/B cannot run (inputs not there yet, or an F that would exceed the budget).
 
@@ -323,7 +301,7 @@ def _fill_w(orders: list[list[int]], deps: list[tuple[int, ...]], budget: int) -
             act = _NONE
             if pos[r] < len(order):
                 code = order[pos[r]]
-                kind = code % 3
+                kind = code % width
                 if (kind != _F or mem[r] < budget) and all(done_at.get(d, t + 1) <= t for d in deps[code]):
                     act = code
                     pos[r] += 1

@@ -3,15 +3,15 @@
     schedule, costs  ->  polish  ->  the same passes, reordered where that shortens the makespan
 
 The hand-made orders (zbv, v-zb) are built for unit costs. With uneven F/B/W times or a hop cost they
-leave idle gaps that a few local moves close. The climb (first improvement, like `zb_auto._improve`):
+leave idle gaps that a few local moves close. The climb (first improvement, like zb-auto's improvement):
 
     moves      into every idle gap, largest first: the next W, F and B of that rank from later slots;
                then every W one slot later (it may delay a critical B or F); then every pass one slot
                earlier (a swap with its neighbour)
-    accepted   when the re-timed (makespan, bubble rate) improves, `zb_auto._better`, and no rank holds
+    accepted   when the re-timed (makespan, bubble rate) improves (`_search.better`), and no rank holds
                more activations than the input schedule's peak (the cap: p for zbv)
-    timing     `_retime` below, the list scheduling of `zbcompile.simulate` on integer ids (a test checks
-               that both agree); an order that deadlocks is rejected there
+    timing     `ScheduleProblem.retime`, the simulator's own list scheduling on action codes; an order
+               that deadlocks is rejected there
 
 Work is bounded in simulated actions (`_WORK`), never in seconds, so the result is the same on every
 machine; above `_MAX_ACTIONS` passes the schedule is returned unchanged. Unit costs, or any uniform F = B = W
@@ -24,9 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 from zbcompile.schedule import Kind, Schedule, build
-from zbcompile.simulate import Costs, list_schedule
+from zbcompile.schedule_problem import ScheduleProblem
+from zbcompile.simulate import Costs, MemoryModel
 
-from .zb_auto import _EPS, _better, local_moves
+from ._search import EPS, better, local_moves
 
 __all__ = ["polish"]
 
@@ -47,58 +48,32 @@ def _unit_like(costs: Costs) -> bool:
 
 
 class _Problem:
-    """The schedule on integer ids: dependencies, costs and memory deltas per action."""
+    """The schedule as a `ScheduleProblem` (codes, dependencies, costs, memory deltas) plus the polish's
+    own move generation. `orders` holds the input's per-rank orders as codes."""
 
     def __init__(self, schedule: Schedule, costs: Costs):
         self.schedule = schedule
-        self.actions = [a for row in schedule.ranks for a in row]
-        index = {a: i for i, a in enumerate(self.actions)}
-        self.deps = [tuple(index[d] for d in schedule.deps(a)) for a in self.actions]
-        table = costs.action_costs(schedule)
-        self.cost = [table[a.kind, a.stage] for a in self.actions]
-        self.rank_of = [r for r, row in enumerate(schedule.ranks) for _ in row]
-        self.delta = [1 if a.kind is Kind.F else -1 if a.kind is Kind.W else 0 for a in self.actions]
-        self.is_w = [a.kind is Kind.W for a in self.actions]
-        self.comm = costs.comm
-        first, self.orders = 0, []
-        for row in schedule.ranks:
-            self.orders.append(list(range(first, first + len(row))))
-            first += len(row)
-
-    def peak(self, row: list[int]) -> int:
-        held = top = 0
-        for i in row:
-            held += self.delta[i]
-            if held > top:
-                top = held
-        return top
+        self.problem, self.orders = ScheduleProblem.of_schedule(schedule, costs, MemoryModel())
+        self.codes = self.problem.codes
+        self.ids = [c for row in self.orders for c in row]  # rank by rank: the tie-break order of the climb
+        self.is_w = [False] * self.codes.size
+        for c in self.ids:
+            self.is_w[c] = self.codes.kind(c) is Kind.W
 
     def retime(self, orders: list[list[int]]) -> tuple[list[float], float, float] | None:
-        """(start per id, makespan, bubble rate) by the simulator's own timing model; None on a deadlock."""
-        cost = self.cost
-        start, end, done = list_schedule(orders, self.deps, cost, self.rank_of, self.comm)
-        p = len(orders)
-        if any(done[r] < len(orders[r]) for r in range(p)):
-            return None
-        bubble = 0.0
-        for row in orders:
-            if row:
-                busy = sum(cost[i] for i in row)
-                span = end[row[-1]] - start[row[0]]
-                if span > 0:
-                    bubble = max(bubble, 1.0 - busy / span)
-        return start, max((end[row[-1]] for row in orders if row), default=0.0), bubble
+        """(start per code, makespan, bubble rate) by the simulator's own timing model; None on a deadlock."""
+        timing = self.problem.retime(orders)
+        return None if timing is None else (timing.start, timing.makespan, timing.bubble)
 
     def moves(self, orders: list[list[int]], start: list[float]) -> list[tuple[int, int, int]]:
         """Candidate moves (rank, from, to), most promising first (see the module docstring)."""
-        kind_of = [a.kind for a in self.actions]
-        cost = self.cost
+        cost = self.problem.cost
 
         def hole(r: int, i: int) -> float:
             row = orders[r]
             return start[row[i]] - (start[row[i - 1]] + cost[row[i - 1]])
 
-        return self.critical_moves(orders, start) + local_moves(orders, hole, kind_of.__getitem__,
+        return self.critical_moves(orders, start) + local_moves(orders, hole, self.codes.kind,
                                                                  self.is_w.__getitem__)
 
     def critical_moves(self, orders: list[list[int]], start: list[float]) -> list[tuple[int, int, int]]:
@@ -109,19 +84,22 @@ class _Problem:
         for r, row in enumerate(orders):
             for k, i in enumerate(row):
                 where[i] = (r, k)
-        cost, deps, rank_of, comm = self.cost, self.deps, self.rank_of, self.comm
-        i = max(range(len(cost)), key=lambda j: (start[j] + cost[j], -j))
+        prob = self.problem
+        cost, deps, rank_of, comm = prob.cost, prob.deps, prob.rank_of, prob.comm
+        ids = self.ids
+        last = max(range(len(ids)), key=lambda k: (start[ids[k]] + cost[ids[k]], -k))
+        i = ids[last]
         moves: list[tuple[int, int, int]] = []
         while True:
             r, k = where[i]
-            if k > 0 and abs(start[orders[r][k - 1]] + cost[orders[r][k - 1]] - start[i]) <= _EPS:
+            if k > 0 and abs(start[orders[r][k - 1]] + cost[orders[r][k - 1]] - start[i]) <= EPS:
                 moves += [(r, k, k - d) for d in range(1, min(_REACH, k) + 1)]
                 moves += [(r, k - 1, k - 1 + d) for d in range(1, _REACH + 1) if k - 1 + d < len(orders[r])]
                 i = orders[r][k - 1]
                 continue
             nxt = None
             for d in deps[i]:
-                if abs(start[d] + cost[d] + (comm if rank_of[d] != r else 0.0) - start[i]) <= _EPS:
+                if abs(start[d] + cost[d] + (comm if rank_of[d] != r else 0.0) - start[i]) <= EPS:
                     nxt = d
                     break
             if nxt is None:
@@ -131,19 +109,12 @@ class _Problem:
 
     def blocked(self, row: list[int], src: int, dst: int) -> bool:
         """Whether moving row[src] to dst jumps over a same-rank dependency (the order would deadlock)."""
+        deps = self.problem.deps
         x = row[src]
         if dst < src:
-            need = self.deps[x]
+            need = deps[x]
             return any(row[k] in need for k in range(dst, src))
-        return any(x in self.deps[row[k]] for k in range(src + 1, dst + 1))
-
-    def fits(self, row: list[int], cap: int) -> bool:
-        held = 0
-        for i in row:
-            held += self.delta[i]
-            if held > cap:
-                return False
-        return True
+        return any(x in deps[row[k]] for k in range(src + 1, dst + 1))
 
 
 def polish(schedule: Schedule, costs: Any, *, work: int = _WORK, max_actions: int = _MAX_ACTIONS) -> Schedule:
@@ -161,13 +132,13 @@ def polish(schedule: Schedule, costs: Any, *, work: int = _WORK, max_actions: in
         return schedule
     prob = _Problem(schedule, costs)
     orders = prob.orders
-    cap = max(prob.peak(row) for row in orders)
+    cap = max(prob.problem.peak(row) for row in orders)
     timed = prob.retime(orders)
     if timed is None:
         return schedule
     start, makespan, bubble = timed
     score = (makespan, bubble)
-    size = len(prob.actions)
+    size = len(prob.ids)
     spent, improved = size, False
     while spent + size <= work:
         for r, src, dst in prob.moves(orders, start):
@@ -178,17 +149,17 @@ def polish(schedule: Schedule, costs: Any, *, work: int = _WORK, max_actions: in
                 continue
             row = row[:]
             row.insert(dst, row.pop(src))
-            if not prob.fits(row, cap):
+            if not prob.problem.fits(row, cap):
                 continue
             trial = orders[:r] + [row] + orders[r + 1:]
             spent += size
             t = prob.retime(trial)
-            if t is not None and _better((t[1], t[2]), score):
+            if t is not None and better((t[1], t[2]), score):
                 orders, (start, score), improved = trial, (t[0], (t[1], t[2])), True
                 break
         else:
             break
     if not improved:
         return schedule
-    ranks = [[prob.actions[i] for i in row] for row in orders]
+    ranks = [[prob.codes.action(c) for c in row] for row in orders]
     return build(schedule.name, schedule.num_microbatches, schedule.placement, ranks)
