@@ -46,6 +46,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import fx, nn
 
+from zbcompile._torch_private import OpOverload
 from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
 from zbcompile.passes.balance import balance_placed, device_loads, group_weights, placement_loads
@@ -385,7 +386,7 @@ def _constants(traced: Traced) -> dict[fx.Node, bool]:
         elif node.op == "get_attr":
             const[node] = True
         elif node.op == "call_function":
-            random = isinstance(node.target, torch._ops.OpOverload) and (
+            random = isinstance(node.target, OpOverload) and (
                 torch.Tag.nondeterministic_seeded in node.target.tags
             )
             const[node] = not random and all(const[i] for i in node.all_input_nodes)

@@ -30,10 +30,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
-from torch._functorch.aot_autograd import aot_export_joint_simple
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zbcompile._torch_private import FakeTensorMode, aot_export_joint_simple, min_cut_rematerialization_partition
 from zbcompile.errors import SplitError
 from zbcompile.passes.partition import StageGraph
 from zbcompile.stages import Graph

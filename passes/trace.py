@@ -27,8 +27,8 @@ from typing import Callable, Mapping
 import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as pytree
 
+from zbcompile._torch_private import tree_map
 from zbcompile.errors import TraceError
 
 __all__ = ["Traced", "trace", "flatten_example", "retarget_device"]
@@ -114,7 +114,7 @@ def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     for node in gm.graph.nodes:
         new = g.node_copy(node, lambda n: env[n])
         if node.op == "call_function":
-            new.args, new.kwargs = pytree.tree_map(swap, (new.args, new.kwargs))
+            new.args, new.kwargs = tree_map(swap, (new.args, new.kwargs))
         env[node] = new
     return fx.GraphModule(gm, g, class_name=type(gm).__name__)
 

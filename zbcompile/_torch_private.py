@@ -1,0 +1,46 @@
+"""Every private PyTorch API zbcompile uses, in one flat list of named re-exports and thin functions.
+
+We run on torch 2.11 to 2.13. Each entry says what it is and on which versions we rely on it; when torch moves
+or changes one of them, this file is the only place to edit, and a failed import here names the API that went.
+Keep it flat: one name per private API, no logic beyond what hides the private access.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# aot_export_joint_simple(fn, args, trace_joint=True): forward + backward of a functional fx graph as one joint
+# graph (split_fbw); same signature on 2.11-2.13; rejects outputs that alias inputs.
+from torch._functorch.aot_autograd import aot_export_joint_simple
+
+# min_cut_rematerialization_partition(joint, args, num_fwd_outputs=k) -> (fw, bw): what the forward saves and
+# what the backward recomputes (split_fbw); same signature on 2.11-2.13.
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+# FakeTensorMode(allow_non_fake_inputs=True): shape-only tensors to trace a stage's joint with (split_fbw);
+# unchanged on 2.11-2.13.
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# tree_map / tree_leaves: map over / flatten nested fx args and meta["val"] tuples (trace, cost); the module is
+# private and has no public twin on 2.11-2.13, its functions are stable there.
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = [
+    "aot_export_joint_simple",
+    "min_cut_rematerialization_partition",
+    "FakeTensorMode",
+    "tree_leaves",
+    "tree_map",
+    "OpOverload",
+    "op_schema",
+]
+
+# The class of `torch.ops.aten.<op>.<overload>`, to test "an aten op with a schema" (partition, cost, the alias
+# analysis); torch gives it no public name; torch._ops.OpOverload on 2.11-2.13.
+OpOverload = torch._ops.OpOverload
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The op's FunctionSchema (arguments, returns and their alias annotations): `OpOverload._schema`, with
+    the fields we read (`arguments`, `returns`, `alias_info`, `type`) unchanged on 2.11-2.13."""
+    return op._schema
