@@ -37,7 +37,6 @@ Symbolic shapes: a SymInt dim becomes its sympy expression, so costs are `int` i
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, fields
 from typing import Iterable, Mapping, Union
 
@@ -49,6 +48,7 @@ from torch import fx
 from zbcompile._format import format_bytes, format_flops
 from zbcompile._torch_private import OpOverload, op_schema, tree_leaves
 from zbcompile.errors import ZBCompileError
+from zbcompile.passes.analysis.aliases import moves_no_data
 
 __all__ = [
     "NodeCost",
@@ -308,15 +308,6 @@ _FLOPS = {
     "embedding_dense_backward": lambda n: _numel(_in(n, 0)),
 }
 
-_VIEWS = {"_unsafe_view", "alias", "lift_fresh", "_reshape_alias"}
-
-
-def _is_view(node: fx.Node) -> bool:
-    if node.target is operator.getitem:
-        return True
-    return _aten_name(node) is not None and (node.target.is_view or _aten_name(node) in _VIEWS)
-
-
 def _is_size_code(node: fx.Node) -> bool:
     """Nodes that make no tensor: SymInt arithmetic, sym_size, _assert_scalar (some carry no meta["val"])."""
     if isinstance(node.target, OpOverload):
@@ -348,7 +339,7 @@ def node_cost(node: fx.Node) -> NodeCost:
     arithmetic, sym_size, _assert_scalar) cost nothing; a call_module whose target is a
     GraphModule costs the sum of its graph. Raises ZBCompileError if a node we must size has no meta["val"].
     """
-    if node.op in ("placeholder", "output", "get_attr") or _is_view(node) or _is_size_code(node):
+    if node.op in ("placeholder", "output", "get_attr") or moves_no_data(node) or _is_size_code(node):
         return NodeCost()
     if node.op == "call_module":
         sub = node.graph.owning_module.get_submodule(node.target)

@@ -33,6 +33,7 @@ from torch import fx
 
 from zbcompile._torch_private import FakeTensorMode, aot_export_joint_simple, min_cut_rematerialization_partition
 from zbcompile.errors import SplitError
+from zbcompile.passes.analysis.aliases import may_alias_input
 from zbcompile.passes.partition import StageGraph
 from zbcompile.stages import Graph
 
@@ -108,7 +109,7 @@ def _differentiable_forward(stage: StageGraph) -> tuple[tuple[str, ...], fx.Grap
         if name in stage.passthrough:
             continue
         value = env[node]
-        if value in seen or _is_view(value):
+        if value in seen or may_alias_input(value):
             value = g.call_function(_aten.clone.default, (value,))
             value.meta["val"] = node.meta["val"]
         seen.add(value)
@@ -116,14 +117,6 @@ def _differentiable_forward(stage: StageGraph) -> tuple[tuple[str, ...], fx.Grap
         results.append(value)
     g.output(tuple(results))
     return tuple(names), fx.GraphModule(stage.gm, g, class_name=f"Stage{stage.index}Diff")
-
-
-def _is_view(node: fx.Node) -> bool:
-    if node.op == "placeholder":
-        return True
-    if node.target is operator.getitem:  # an element of split/unbind aliases its input
-        node = node.args[0]
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
 def _no_grad_program(stage, diff_names, diff_gm, rg) -> StageProgram:

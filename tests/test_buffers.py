@@ -17,9 +17,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from models import gpt
 from threaded import max_grad_error, run_threaded
+from zbcompile.passes.analysis.aliases import graph_output_aliases, graph_output_owned
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.lower.buffers import static_input_buffers
-from zbcompile.passes.lower.aliases import graph_output_aliases, graph_output_owned
 from zbcompile.passes.lower.reduce import grad_holders
 from zbcompile.passes.schedules import generate
 from zbcompile.program import Op, OpKind

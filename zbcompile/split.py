@@ -21,6 +21,7 @@ from torch import nn
 
 from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
+from zbcompile.passes.analysis.aliases import view_base
 from zbcompile.passes.partition import StageGraph, auto_split_points, check_split_points, partition
 from zbcompile.passes.split_fbw import StageProgram, split_stage
 from zbcompile.passes.trace import Traced, retarget_device, trace
@@ -131,9 +132,7 @@ def _state_aliases(f: Graph) -> set[str]:
     state = {ph for name, ph in f.input_nodes().items() if name.startswith(("param:", "buffer:"))}
     aliases = set()
     for name, node in zip(f.outputs, f.gm.graph.output_node().args[0]):
-        while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
-            node = node.args[0]
-        if node in state:
+        if view_base(node) in state:
             aliases.add(name)
     return aliases
 

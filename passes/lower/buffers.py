@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from zbcompile.passes.lower.aliases import graph_output_aliases
+from zbcompile.passes.analysis.aliases import graph_output_aliases
 from zbcompile.program import Op, OpKind, RankProgram, split_data_id
 from zbcompile.stages import TensorSpec
 

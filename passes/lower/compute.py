@@ -19,7 +19,7 @@ import torch
 from torch import fx
 
 from zbcompile.errors import LoweringError
-from zbcompile.passes.lower.aliases import graph_output_owned
+from zbcompile.passes.analysis.aliases import graph_output_owned
 from zbcompile.program import Op, OpKind, RankProgram, data_id, python_name, split_value_id, value_id
 from zbcompile.schedule import Action, Kind
 from zbcompile.stages import Graph, Stage
