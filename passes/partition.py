@@ -1,6 +1,6 @@
 """Pass 2, partition: cut the traced step into pipeline stages by module boundaries.
 
-    Traced, split_points  ->  Partition(stages=(StageGraph, ...))
+    Traced, split_points  ->  Partition(stages=(Graph, ...))       (zbcompile.stages)
 
 A split point is a module name; the cut goes right BEFORE the first node the module computes. Nodes are
 assigned in graph (= execution) order: a running stage counter advances when a node belongs to the next
@@ -16,8 +16,8 @@ ancestors). Random ops are never constants. A constant that is also a step outpu
 is owned by exactly one stage, the one its module belongs to, so the buffer updates exactly once.
 
 A value produced in stage i and read by stage j > i travels as `act:<node name>` through every stage in
-between (received and re-sent unchanged: a pass-through). Each StageGraph is a functional fx graph whose
-placeholders and outputs carry value names (params, buffers, data, received acts in; sent acts, loss, updated
+between (received and re-sent unchanged: a pass-through). Each stage is a Graph (index, passthrough and
+modules set): a functional fx graph whose placeholders and outputs carry value names (params, buffers, data, received acts in; sent acts, loss, updated
 buffers out).
 
 Automatic cuts (`auto_split_points`) choose among "units": the children of the model's main repeated container
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import difflib
 import itertools
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -50,28 +49,9 @@ from zbcompile._torch_private import OpOverload
 from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
 from zbcompile.passes.balance import balance_placed, device_loads, group_weights, placement_loads
-from zbcompile.passes.trace import Traced
+from zbcompile.stages import Graph, Partition, Traced
 
-__all__ = ["StageGraph", "Partition", "partition", "auto_split_points", "cut_units", "module_path",
-           "FLOPS_PER_BYTE"]
-
-
-@dataclass(frozen=True)
-class StageGraph:
-    """One stage's forward: a functional graph over named values."""
-
-    index: int
-    gm: fx.GraphModule
-    inputs: tuple[str, ...]        # param:*, buffer:*, data:*, act:* (in that order)
-    outputs: tuple[str, ...]       # act:* (sent), loss, buffer:* (updated)
-    passthrough: tuple[str, ...]   # act names received and re-sent unchanged
-    modules: tuple[str, ...]       # outermost module paths wholly placed in this stage
-
-
-@dataclass(frozen=True)
-class Partition:
-    stages: tuple[StageGraph, ...]
-    split_points: tuple[str, ...]
+__all__ = ["partition", "auto_split_points", "check_split_points", "cut_units", "module_path", "FLOPS_PER_BYTE"]
 
 
 def module_path(node: fx.Node) -> tuple[str, ...]:
@@ -327,7 +307,7 @@ def partition(traced: Traced, split_points: Sequence[str]) -> Partition:
     graph = traced.gm.graph
     num_stages = len(split_points) + 1
     output = graph.output_node()
-    out_values = dict(zip(traced.outputs, output.args[0], strict=True))
+    out_values = dict(zip(traced.graph.outputs, output.args[0], strict=True))
     loss = out_values["loss"]
     if stage_of[loss] != num_stages - 1:
         raise PartitionError(
@@ -346,7 +326,7 @@ def partition(traced: Traced, split_points: Sequence[str]) -> Partition:
                 f"(split points {list(split_points)}); drop one of them"
             )
         stages.append(_build_stage(traced, s, stage_of, const, last_use, out_values, modules[s]))
-    return Partition(tuple(stages), tuple(split_points))
+    return Partition(tuple(stages), tuple(split_points), traced)
 
 
 def _assign(traced: Traced, split_points: tuple[str, ...]) -> dict[fx.Node, int]:
@@ -379,10 +359,11 @@ def _order_key(traced: Traced, point: str) -> int:
 
 def _constants(traced: Traced) -> dict[fx.Node, bool]:
     """True for nodes whose value depends on no data and no parameter, and that draw no random numbers."""
+    buffers = {node for name, node in traced.graph.input_nodes().items() if name.startswith("buffer:")}
     const: dict[fx.Node, bool] = {}
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":
-            const[node] = traced.inputs[node.name].startswith("buffer:")
+            const[node] = node in buffers
         elif node.op == "get_attr":
             const[node] = True
         elif node.op == "call_function":
@@ -429,7 +410,7 @@ def _stage_modules(graph: fx.Graph, stage_of, const, num_stages: int) -> list[tu
     return [tuple(r) for r in result]
 
 
-def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, modules) -> StageGraph:
+def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, modules) -> Graph:
     graph = traced.gm.graph
     computed = [n for n in graph.nodes if n.op == "call_function" and not const[n] and stage_of[n] == s]
     # values from earlier stages that this stage reads or forwards
@@ -456,7 +437,8 @@ def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, 
     g.output(tuple(env[n] for _, n in outputs))
     gm = fx.GraphModule(traced.gm, g, class_name=f"Stage{s}Forward")
     passthrough = tuple(name for name, n in outputs if name.startswith("act:") and stage_of[n] < s)
-    return StageGraph(s, gm, tuple(input_names), tuple(name for name, _ in outputs), passthrough, modules)
+    return Graph(gm, tuple(input_names), tuple(name for name, _ in outputs), index=s, passthrough=passthrough,
+                 modules=modules)
 
 
 def _constant_closure(roots: Iterable[fx.Node], const) -> list[fx.Node]:
@@ -477,9 +459,8 @@ def _stage_placeholders(traced: Traced, body: Sequence[fx.Node], recv: Sequence[
     """(value name, original node) per stage input: params, buffers, data in trace order, then received acts."""
     used = {i for n in body for i in n.all_input_nodes if i.op == "placeholder"}
     kind_order = {"param": 0, "buffer": 1, "data": 2}
-    placeholders = [n for n in traced.gm.graph.find_nodes(op="placeholder") if n in used]
-    placeholders.sort(key=lambda n: kind_order[traced.inputs[n.name].split(":")[0]])
-    named = [(traced.inputs[n.name], n) for n in placeholders]
+    named = [(name, n) for name, n in traced.graph.input_nodes().items() if n in used]
+    named.sort(key=lambda pair: kind_order[pair[0].split(":")[0]])
     return named + [(f"act:{n.name}", n) for n in recv]
 
 

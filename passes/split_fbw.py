@@ -1,6 +1,10 @@
-"""Pass 3, split: differentiate one stage and cut its backward into B (input grads) and W (weight grads).
+"""Pass 3, split: differentiate each stage and cut its backward into B (input grads) and W (weight grads).
 
-    StageGraph  ->  StageProgram(f, b, w, bw)       (the four graphs of the stage IR, see zbcompile.stages)
+    Partition  ->  StagedModel                      (split_fbw: every stage, in order)
+    Graph (a stage forward)  ->  Stage(f, b, w, bw, ...)   (split_stage: the four graphs of the stage IR)
+
+Stage s+1's received activations require grad exactly where stage s's sent ones do, so the stages are split
+first to last.
 
 1. Joint: `aot_export_joint_simple` traces forward + backward of the stage's functional forward, with
    parameters and received activations requiring grad. Pass-through activations are left out of the traced
@@ -25,7 +29,6 @@ values are F outputs. Parameters are never constants of a graph.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -34,29 +37,37 @@ from torch import fx
 from zbcompile._torch_private import FakeTensorMode, aot_export_joint_simple, min_cut_rematerialization_partition
 from zbcompile.errors import SplitError
 from zbcompile.passes.analysis.aliases import may_alias_input
-from zbcompile.passes.partition import StageGraph
-from zbcompile.stages import Graph
+from zbcompile.stages import Graph, Partition, Stage, StagedModel, TensorSpec
 
-__all__ = ["StageProgram", "split_stage"]
+__all__ = ["split_fbw", "split_stage"]
 
 _aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
-class StageProgram:
-    """The four graphs of one stage, plus which F outputs carry gradients back."""
+def split_fbw(cut: Partition) -> StagedModel:
+    """A split pass: every stage of `cut` as F, B, W and BW (see the module docstring)."""
+    traced = cut.traced
+    acts: dict[str, bool] = {}   # does each sent activation carry a gradient back
 
-    f: Graph
-    b: Graph
-    w: Graph
-    bw: Graph
-    requires_grad: Mapping[str, bool]   # per F output (act:*, loss, buffer:*) and per F input
+    def requires_grad(name: str) -> bool:
+        if name.startswith("param:"):
+            return name[len("param:") :] not in traced.frozen
+        if name.startswith("act:"):
+            return acts[name]
+        return False  # buffers and user data
+
+    stages = []
+    for sg in cut.stages:
+        stage = split_stage(sg, requires_grad, device=traced.device)
+        acts.update((spec.name, spec.requires_grad) for spec in stage.send)
+        stages.append(stage)
+    meta = {"split_points": cut.split_points}
+    return StagedModel(tuple(stages), traced.num_inputs, traced.num_targets, traced.tied, meta)
 
 
-def split_stage(
-    stage: StageGraph, requires_grad: Callable[[str], bool], device: torch.device | None = None
-) -> StageProgram:
-    """Build F, B, W and BW for `stage`; `requires_grad(name)` says which inputs are differentiable.
+def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torch.device | None = None) -> Stage:
+    """Build F, B, W and BW for `stage` (a stage forward of the partition); `requires_grad(name)` says which
+    inputs are differentiable.
 
     `device` replaces the meta device of inputs traced on meta (autograd does not trace meta tensors).
     """
@@ -72,7 +83,7 @@ def split_stage(
     in_rg = {name: bool(a.requires_grad) for name, a in zip(stage.inputs, args)}
     rg = {**in_rg, **out_rg, **{p: in_rg[p] for p in stage.passthrough}}
     if not any(in_rg.values()):
-        return _no_grad_program(stage, diff_names, diff_gm, rg)
+        return _stage(stage, *_no_grad_program(stage, diff_names, diff_gm), rg)
     try:
         joint = aot_export_joint_simple(diff_gm, args, trace_joint=True)
         fw, bw = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=len(diff_names))
@@ -85,7 +96,32 @@ def split_stage(
     tangents = [f"grad:{n}" for n in diff_names if out_rg[n]]
     bw_graph = _backward_graph(stage, bw, saved, tangents, in_rg)
     b, w = _split_b_w(bw_graph)
-    return StageProgram(f, b, w, bw_graph, rg)
+    return _stage(stage, f, b, w, bw_graph, rg)
+
+
+def _stage(sg: Graph, f: Graph, b: Graph, w: Graph, bw: Graph, rg: Mapping[str, bool]) -> Stage:
+    """The stage IR record for stage forward `sg` and its four graphs; `rg` says which values carry grads."""
+
+    def spec(name: str, val: torch.Tensor) -> TensorSpec:
+        return TensorSpec(name, tuple(int(d) for d in val.shape), val.dtype, rg[name])
+
+    def values(nodes: Mapping[str, fx.Node]) -> dict[str, torch.Tensor]:
+        return {name: node.meta["val"] for name, node in nodes.items()}
+
+    return Stage(
+        index=sg.index,
+        f=f,
+        b=b,
+        w=w,
+        bw=bw,
+        params=tuple(n[len("param:") :] for n in sg.inputs if n.startswith("param:")),
+        buffers=tuple(n[len("buffer:") :] for n in sg.inputs if n.startswith("buffer:")),
+        recv=tuple(spec(n, v) for n, v in values(sg.input_nodes()).items() if n.startswith("act:")),
+        send=tuple(spec(n, v) for n, v in values(sg.output_nodes()).items() if n.startswith("act:")),
+        data=tuple(int(n[len("data:") :]) for n in sg.inputs if n.startswith("data:")),
+        modules=sg.modules,
+        has_loss="loss" in sg.outputs,
+    )
 
 
 def _fake_arg(mode: FakeTensorMode, ph: fx.Node, requires_grad: bool, device: torch.device | None) -> torch.Tensor:
@@ -97,7 +133,7 @@ def _fake_arg(mode: FakeTensorMode, ph: fx.Node, requires_grad: bool, device: to
     return t.requires_grad_(requires_grad and (val.is_floating_point() or val.is_complex()))
 
 
-def _differentiable_forward(stage: StageGraph) -> tuple[tuple[str, ...], fx.GraphModule]:
+def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModule]:
     """The stage forward without pass-through outputs; outputs that are views are cloned (aot forbids aliases)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -119,8 +155,9 @@ def _differentiable_forward(stage: StageGraph) -> tuple[tuple[str, ...], fx.Grap
     return tuple(names), fx.GraphModule(stage.gm, g, class_name=f"Stage{stage.index}Diff")
 
 
-def _no_grad_program(stage, diff_names, diff_gm, rg) -> StageProgram:
-    """A stage nothing flows back through (no parameter or input requires grad): F only, empty backward."""
+def _no_grad_program(stage: Graph, diff_names, diff_gm) -> tuple[Graph, Graph, Graph, Graph]:
+    """F, B, W, BW of a stage nothing flows back through (no parameter or input requires grad): an empty
+    backward."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for name, node in zip(stage.inputs, diff_gm.graph.find_nodes(op="placeholder")):
@@ -135,7 +172,7 @@ def _no_grad_program(stage, diff_names, diff_gm, rg) -> StageProgram:
     f = Graph(fx.GraphModule(diff_gm, g, class_name=f"Stage{stage.index}F"), stage.inputs,
               diff_names + stage.passthrough)
     empty = _empty_graph(f"Stage{stage.index}Empty")
-    return StageProgram(f, empty, empty, empty, rg)
+    return f, empty, empty, empty
 
 
 def _empty_graph(class_name: str) -> Graph:
@@ -152,7 +189,7 @@ def _placeholder(gm: fx.GraphModule, i: int) -> fx.Node:
 # F and BW from the min-cut partition
 
 
-def _forward_graph(stage: StageGraph, fw: fx.GraphModule, diff_names) -> tuple[Graph, dict[str, str]]:
+def _forward_graph(stage: Graph, fw: fx.GraphModule, diff_names) -> tuple[Graph, dict[str, str]]:
     """F with named inputs; outputs = stage outputs, pass-throughs, then saved:*. Returns saved renames too."""
     primals = {ph.name: ph for ph in fw.graph.find_nodes(op="placeholder")}
     g = fx.Graph()
