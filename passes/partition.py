@@ -49,21 +49,9 @@ from zbcompile._torch_private import OpOverload
 from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
 from zbcompile.passes.balance import balance_placed, device_loads, group_weights, placement_loads
-from zbcompile.stages import Graph, Partition, Traced
+from zbcompile.stages import Graph, Partition, Traced, module_path
 
 __all__ = ["partition", "auto_split_points", "check_split_points", "cut_units", "module_path", "FLOPS_PER_BYTE"]
-
-
-def module_path(node: fx.Node) -> tuple[str, ...]:
-    """The node's module paths in the user's model, outermost first ('' = the model itself)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = []
-    for path, _ in stack.values():
-        if path == "model":
-            paths.append("")
-        elif path.startswith("model."):
-            paths.append(path[len("model.") :])
-    return tuple(paths)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -44,7 +44,20 @@ from torch import fx
 from zbcompile.errors import SplitError
 from zbcompile.passes.analysis.stage_report import report
 
-__all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel"]
+__all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel", "module_path"]
+
+
+def module_path(node: fx.Node) -> tuple[str, ...]:
+    """The module paths in the user's model that computed `node` (a node of any graph here), outermost first
+    ('' = the model itself); read from the `nn_module_stack` the trace recorded and every pass copies along."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for path, _ in stack.values():
+        if path == "model":   # the trace exports the user's model as the `model` child of a wrapper
+            paths.append("")
+        elif path.startswith("model."):
+            paths.append(path[len("model.") :])
+    return tuple(paths)
 
 
 @dataclass(frozen=True)
