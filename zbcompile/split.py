@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from zbcompile.errors import PartitionError
+from zbcompile.errors import PartitionError, SplitError
 from zbcompile.passes.analysis.stage_report import report
 from zbcompile.passes.partition import auto_split_points, check_split_points, partition
 from zbcompile.passes.split_fbw import split_fbw
@@ -57,10 +57,18 @@ def split_passes(split_points: Sequence[str]) -> tuple[SplitPass, ...]:
 def run_split_passes(traced: Traced, passes: Sequence[SplitPass]) -> StagedModel:
     """Run `passes` from `traced`, checking each result; raises SplitError naming the pass whose result is
     malformed (a zbcompile bug) and whatever error a pass raises on bad input."""
-    ir = traced.check("trace")
+    ir = _checked(traced, "trace")
     for p in passes:
-        ir = p(ir).check(_name(p))
+        ir = _checked(p(ir), _name(p))
     return ir
+
+
+def _checked(ir: Traced | Partition | StagedModel, after: str):
+    try:
+        return ir.check(after)
+    except SplitError as exc:
+        raise SplitError(f"{exc}\nfix: none on your side; pass `{after}` returned a malformed result, a zbcompile "
+                         "bug: please report it with this message") from exc
 
 
 def _name(p: SplitPass) -> str:

@@ -120,7 +120,8 @@ class Graph:
             raise SplitError(f"{where}: the graph does not lint: {exc}\n{self.code}") from exc
         placeholders = self.gm.graph.find_nodes(op="placeholder")
         returned = self.gm.graph.output_node().args[0]
-        for kind, names, count in (("inputs", self.inputs, len(placeholders)), ("outputs", self.outputs, len(returned))):
+        for kind, names, count in (("inputs", self.inputs, len(placeholders)),
+                                   ("outputs", self.outputs, len(returned))):
             if len(names) != count:
                 raise SplitError(f"{where}: {len(names)} {kind} named for {count} in the graph: {names}\n{self.code}")
             if len(set(names)) != len(names):
