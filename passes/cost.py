@@ -37,7 +37,6 @@ Symbolic shapes: a SymInt dim becomes its sympy expression, so costs are `int` i
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, fields
 from typing import Iterable, Mapping, Union
 
@@ -45,9 +44,11 @@ import sympy
 import tabulate
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
+from zbcompile._format import format_bytes, format_flops
+from zbcompile._torch_private import OpOverload, op_schema, tree_leaves
 from zbcompile.errors import ZBCompileError
+from zbcompile.passes.analysis.aliases import moves_no_data
 
 __all__ = [
     "NodeCost",
@@ -138,7 +139,7 @@ def _nbytes(t: torch.Tensor) -> Num:
 
 
 def _tensors(val) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(val) if isinstance(x, torch.Tensor)]
+    return [x for x in tree_leaves(val) if isinstance(x, torch.Tensor)]
 
 
 def _val(node: fx.Node):
@@ -161,14 +162,14 @@ def value_bytes(node: fx.Node) -> Num:
 def _aten_name(node: fx.Node) -> str | None:
     """'mm' for aten.mm.default; None for other namespaces and non-op targets."""
     t = node.target
-    if isinstance(t, torch._ops.OpOverload) and t.namespace == "aten":
+    if isinstance(t, OpOverload) and t.namespace == "aten":
         return t.overloadpacket.__name__
     return None
 
 
 def _arg(node: fx.Node, name: str, default=None):
     """The value of the schema argument `name`, an fx.Node being replaced by its meta["val"]."""
-    for i, a in enumerate(node.target._schema.arguments):
+    for i, a in enumerate(op_schema(node.target).arguments):
         if a.name == name:
             v = node.kwargs[name] if name in node.kwargs else node.args[i] if i < len(node.args) else default
             return v.meta.get("val") if isinstance(v, fx.Node) else v
@@ -307,19 +308,10 @@ _FLOPS = {
     "embedding_dense_backward": lambda n: _numel(_in(n, 0)),
 }
 
-_VIEWS = {"_unsafe_view", "alias", "lift_fresh", "_reshape_alias"}
-
-
-def _is_view(node: fx.Node) -> bool:
-    if node.target is operator.getitem:
-        return True
-    return _aten_name(node) is not None and (node.target.is_view or _aten_name(node) in _VIEWS)
-
-
 def _is_size_code(node: fx.Node) -> bool:
     """Nodes that make no tensor: SymInt arithmetic, sym_size, _assert_scalar (some carry no meta["val"])."""
-    if isinstance(node.target, torch._ops.OpOverload):
-        return not any("Tensor" in str(r.type) for r in node.target._schema.returns)
+    if isinstance(node.target, OpOverload):
+        return not any("Tensor" in str(r.type) for r in op_schema(node.target).returns)
     return "val" in node.meta and not _tensors(node.meta["val"])
 
 
@@ -347,7 +339,7 @@ def node_cost(node: fx.Node) -> NodeCost:
     arithmetic, sym_size, _assert_scalar) cost nothing; a call_module whose target is a
     GraphModule costs the sum of its graph. Raises ZBCompileError if a node we must size has no meta["val"].
     """
-    if node.op in ("placeholder", "output", "get_attr") or _is_view(node) or _is_size_code(node):
+    if node.op in ("placeholder", "output", "get_attr") or moves_no_data(node) or _is_size_code(node):
         return NodeCost()
     if node.op == "call_module":
         sub = node.graph.owning_module.get_submodule(node.target)
@@ -366,7 +358,7 @@ def _submodule_cost(sub: fx.GraphModule) -> NodeCost:
 
 def _op_name(node: fx.Node) -> str:
     t = node.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return str(t.overloadpacket)
     return t if isinstance(t, str) else getattr(t, "__name__", str(t))
 
@@ -428,26 +420,7 @@ def size_hints(gm: fx.GraphModule | fx.Graph) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Human units
-
-
-def _human(x: Num, units: tuple[str, ...], base: int) -> str:
-    if isinstance(x, sympy.Basic):
-        return f"({x}) {units[0]}"
-    i, scaled = 0, float(x)
-    while abs(scaled) >= base and i < len(units) - 1:
-        i, scaled = i + 1, scaled / base
-    return f"{scaled:.0f} {units[0]}" if i == 0 else f"{scaled:.1f} {units[i]}"
-
-
-def format_flops(x: Num) -> str:
-    """1234567 -> '1.2 MFLOP' (decimal prefixes); symbolic counts print their expression."""
-    return _human(x, ("FLOP", "KFLOP", "MFLOP", "GFLOP", "TFLOP", "PFLOP", "EFLOP"), 1000)
-
-
-def format_bytes(x: Num) -> str:
-    """3565158 -> '3.4 MiB' (binary prefixes); symbolic sizes print their expression."""
-    return _human(x, ("B", "KiB", "MiB", "GiB", "TiB", "PiB"), 1024)
+# Text
 
 
 def format_cost(cost: NodeCost | GraphCost) -> str:

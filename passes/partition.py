@@ -1,6 +1,6 @@
 """Pass 2, partition: cut the traced step into pipeline stages by module boundaries.
 
-    Traced, split_points  ->  Partition(stages=(StageGraph, ...))
+    Traced, split_points  ->  Partition(stages=(Graph, ...))       (zbcompile.stages)
 
 A split point is a module name; the cut goes right BEFORE the first node the module computes. Nodes are
 assigned in graph (= execution) order: a running stage counter advances when a node belongs to the next
@@ -16,295 +16,28 @@ ancestors). Random ops are never constants. A constant that is also a step outpu
 is owned by exactly one stage, the one its module belongs to, so the buffer updates exactly once.
 
 A value produced in stage i and read by stage j > i travels as `act:<node name>` through every stage in
-between (received and re-sent unchanged: a pass-through). Each StageGraph is a functional fx graph whose
-placeholders and outputs carry value names (params, buffers, data, received acts in; sent acts, loss, updated
-buffers out).
+between (received and re-sent unchanged: a pass-through). Each stage is a Graph (index, passthrough and
+modules set): a functional fx graph whose placeholders and outputs carry value names (params, buffers, data,
+received acts in; sent acts, loss, updated buffers out).
 
-Automatic cuts (`auto_split_points`) choose among "units": the children of the model's main repeated container
-(the ModuleList / Sequential with the most children, e.g. transformer blocks) and of its ancestors, and, inside
-each block, its children where the cut sends no more bytes than a cut between blocks (a pre-norm block: before
-`ln2`, where only the residual crosses). Leaf modules are never cut inside. A unit weighs its estimated training
-time (`_node_time`: forward and backward, FLOPs plus bytes at FLOPS_PER_BYTE). The cuts minimize the heaviest
-pipeline rank given the stage -> rank placement (then the heaviest stage); a cut inside a block is taken only
-when it lowers the heaviest rank by more than WITHIN_BLOCK_GAIN over the best cut between blocks. Last, each
-cut may move into a block next to it, down to the block's grandchildren, where up to REFINE_WIDTH times the
-bytes cross (`blocks.7.attn.proj`: the residual and the attention output), one move at a time while a move
-lowers the heaviest rank by more than REFINE_GAIN:
-
-    benchmark GPT, 2 ranks     balanced between blocks  ->  refined
-    loop (0, 1)                blocks.5                 ->  blocks.5.attn.proj   (heaviest rank, est.: 52.2 -> 50.6%)
-    V (0, 1, 1, 0)             .. blocks.7.ln2          ->  .. blocks.7.attn.proj                (50.6 -> 50.3%)
+The split points come from the caller or from `zbcompile.passes.choose_cuts` (the policy: which cuts balance
+the pipeline); this module only cuts. `auto_split_points`, `cut_units` and `FLOPS_PER_BYTE` are re-exported here.
 """
 
 from __future__ import annotations
 
 import difflib
-import itertools
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-import torch
 from torch import fx, nn
 
 from zbcompile.errors import PartitionError
-from zbcompile.passes import cost
-from zbcompile.passes.balance import balance_placed, device_loads, group_weights, placement_loads
-from zbcompile.passes.trace import Traced
+from zbcompile.passes.analysis.step import constant_nodes, first_positions
+# re-exported so that the chooser stays importable from here; cutting itself never calls it
+from zbcompile.passes.choose_cuts import FLOPS_PER_BYTE, auto_split_points, cut_units
+from zbcompile.stages import Graph, Partition, Traced, module_path
 
-__all__ = ["StageGraph", "Partition", "partition", "auto_split_points", "cut_units", "module_path",
-           "FLOPS_PER_BYTE"]
-
-
-@dataclass(frozen=True)
-class StageGraph:
-    """One stage's forward: a functional graph over named values."""
-
-    index: int
-    gm: fx.GraphModule
-    inputs: tuple[str, ...]        # param:*, buffer:*, data:*, act:* (in that order)
-    outputs: tuple[str, ...]       # act:* (sent), loss, buffer:* (updated)
-    passthrough: tuple[str, ...]   # act names received and re-sent unchanged
-    modules: tuple[str, ...]       # outermost module paths wholly placed in this stage
-
-
-@dataclass(frozen=True)
-class Partition:
-    stages: tuple[StageGraph, ...]
-    split_points: tuple[str, ...]
-
-
-def module_path(node: fx.Node) -> tuple[str, ...]:
-    """The node's module paths in the user's model, outermost first ('' = the model itself)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    paths = []
-    for path, _ in stack.values():
-        if path == "model":
-            paths.append("")
-        elif path.startswith("model."):
-            paths.append(path[len("model.") :])
-    return tuple(paths)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Choosing cuts
-
-# One byte moved costs about as much time as this many FLOPs. Calibrated on the development CPU (1 thread,
-# torch 2.13, the benchmark GPT): matmuls ran at ~65 GFLOP/s and memory-bound elementwise ops moved ~6 GB/s,
-# 65 / 6 ~= 11. A GPU's ratio is higher (an H100's roofline ridge is ~300 FLOPs per byte, though small ops stay
-# far below peak); re-measure before trusting the balance on another device.
-FLOPS_PER_BYTE = 11.0
-
-# Backward ~= 2 forwards (grad wrt input and grad wrt weight each redo the forward's work). Two op families
-# break the ratio, measured on the F / B / W graphs of the benchmark GPT:
-#   embedding            backward zero-fills and scatter-adds a DENSE [num_embeddings, dim] weight gradient,
-#                        however few rows the forward gathered: + the weight's bytes
-#   cross_entropy_loss   one composite node in the trace; F materializes the log-probabilities and B writes the
-#                        one-hot gradient and runs log_softmax's backward: + ~5 passes over the logits
-BACKWARD_PER_FORWARD = 2.0
-_CROSS_ENTROPY_EXTRA_PASSES = 5.0
-
-# Take a cut inside a block only when it lowers the heaviest rank by more than this fraction.
-WITHIN_BLOCK_GAIN = 0.02
-
-# Then each cut may move into a block next to it, down to the block's grandchildren (`blocks.3.attn.proj`), at
-# a point where at most REFINE_WIDTH times the bytes of the widest cut between blocks cross (before a pre-norm
-# block's attention projection: the residual and the attention output), while a move lowers the heaviest rank
-# by more than REFINE_GAIN. Measured on the benchmark GPT (2 ranks, CPU): the balance between blocks left one
-# rank 4-8% busier than the other, and moving a cut before an attention projection (a heaviest-rank estimate
-# 0.6-3% lower) shortened the step by 1-4% (ZB-V and ZB-H1, runs alternating between the two splits). The
-# extra boundary tensor costs one more P2P message per microbatch each way.
-REFINE_WIDTH = 2.0
-REFINE_GAIN = 0.005
-# A boundary byte is passed over 4 times a microbatch, 2 on each side: the activation sent and received, its
-# gradient sent back and received. The refinement charges those passes (at FLOPS_PER_BYTE) to the stages on
-# either side of a cut, so a wider cut must pay for its extra bytes (on the benchmark GPT they come to ~0.1%
-# of a rank's load; they weigh more where activations are large next to the compute: short hidden sizes,
-# long sequences).
-_BOUNDARY_PASSES_PER_SIDE = 2.0
-
-
-def cut_units(model: nn.Module, traced: Traced, *, within_blocks: int = 0) -> list[str]:
-    """Module names a cut may go before, in execution order (see the module docstring).
-
-    within_blocks (levels; True = 1) adds the modules that many levels inside each child of the main repeated
-    container (1: `blocks.3.ln2`, 2: also `blocks.3.attn.proj`), without checking how much such a cut sends
-    (auto_split_points does).
-    """
-    spine = _spine(model)
-    allowed = set()
-    for name, module in model.named_modules():
-        if name == spine or (spine.startswith(name + ".") if name else True):
-            for child, _ in module.named_children():
-                allowed.add(f"{name}.{child}" if name else child)
-    if within_blocks and spine:
-        for block, module in model.get_submodule(spine).named_children():
-            allowed.update(f"{spine}.{block}.{name}" for name, _ in module.named_modules()
-                           if name and name.count(".") < int(within_blocks))
-    first = _first_positions(traced)
-    units: dict[int, str] = {}
-    for position, name in sorted((first[n], n) for n in allowed if n in first):
-        units.setdefault(position, name)  # modules starting at the same node are the same cut
-    return list(units.values())
-
-
-def _spine(model: nn.Module) -> str:
-    """The ModuleList / Sequential with the most children (shallowest on ties); '' if there is none."""
-    best, best_key = "", (0, 0)
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            key = (len(module), -name.count("."))
-            if key > best_key:
-                best, best_key = name, key
-    return best
-
-
-def _first_positions(traced: Traced) -> dict[str, int]:
-    """Graph position of each module's first non-constant node (constants are replicated, not cut)."""
-    const = _constants(traced)
-    first: dict[str, int] = {}
-    for i, node in enumerate(traced.gm.graph.nodes):
-        if node.op != "call_function" or const[node]:
-            continue
-        for path in module_path(node):
-            first.setdefault(path, i)
-    return first
-
-
-def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
-                      placement: Sequence[int] | None = None) -> tuple[str, ...]:
-    """Split points for `num_stages` stages balanced by estimated training time over `cut_units`.
-
-    placement[s] is the rank (any group id) running stage s; without it every stage is its own rank. The cuts
-    minimize the heaviest rank's summed weight, then the heaviest stage's.
-    """
-    placement = tuple(range(num_stages)) if placement is None else tuple(placement)
-    if len(placement) != num_stages:
-        raise PartitionError(f"placement {list(placement)} names {len(placement)} stages but {num_stages} were "
-                             "asked for: give one rank per stage")
-    if num_stages == 1:
-        return ()
-    coarse = cut_units(model, traced)
-    if len(coarse) < num_stages:
-        raise PartitionError(
-            f"cannot cut the model into {num_stages} stages: it has only {len(coarse)} cuttable units "
-            f"({', '.join(coarse) or 'none'}). Use fewer stages or a model with more layers."
-        )
-    units = _narrow_units(traced, coarse, cut_units(model, traced, within_blocks=True))
-    coarse_set = set(coarse)
-    weights = _unit_weights(traced, units)
-    between = [i for i, u in enumerate(units) if u in coarse_set]  # units[0] is always one
-    coarse_weights = [sum(weights[a:b]) for a, b in itertools.pairwise((*between, len(units)))]
-    coarse_cuts = balance_placed(coarse_weights, placement)
-    cuts = tuple(between[i] for i in coarse_cuts)
-    if len(units) > len(coarse):
-        fine_cuts = balance_placed(weights, placement)
-        fine = max(placement_loads(weights, fine_cuts, placement).values())
-        if fine < (1 - WITHIN_BLOCK_GAIN) * max(placement_loads(coarse_weights, coarse_cuts, placement).values()):
-            cuts = fine_cuts
-    chosen = [units[i] for i in cuts]
-    return _refine(traced, coarse, chosen, cut_units(model, traced, within_blocks=2), placement)
-
-
-def _refine(traced: Traced, coarse: Sequence[str], chosen: Sequence[str], finest: Sequence[str],
-            placement: Sequence[int]) -> tuple[str, ...]:
-    """`chosen` cuts, each moved inside the blocks next to it while that lowers the heaviest rank by more than
-    REFINE_GAIN (see REFINE_WIDTH). A cut stays between the block boundaries around it, so the stages keep the
-    sizes the balance gave them; one best move at a time, until none helps."""
-    first = _first_positions(traced)
-    width = _boundary_bytes(traced)
-    units = _narrow_units(traced, coarse, finest, factor=REFINE_WIDTH, keep=chosen)
-    weights = _unit_weights(traced, units)
-    transfer = [_BOUNDARY_PASSES_PER_SIDE * FLOPS_PER_BYTE * width[first[u]] for u in units]
-    index = {u: i for i, u in enumerate(units)}
-    walls = [index[u] for u in coarse] + [len(units)]
-    cuts = [index[u] for u in chosen]
-
-    def heaviest(cs: Sequence[int]) -> tuple[float, float]:
-        return _heaviest_with_transfer(weights, cs, placement, transfer)
-
-    best = heaviest(cuts)
-    while True:
-        moves = []
-        for k, c in enumerate(cuts):
-            lo = max([w for w in walls if w < c] + [cuts[k - 1] if k else 0])
-            hi = min([w for w in walls if w > c] + [cuts[k + 1] if k + 1 < len(cuts) else len(units)])
-            moves += [(heaviest(cuts[:k] + [j] + cuts[k + 1:]), k, j) for j in range(lo + 1, hi) if j != c]
-        if not moves:
-            break
-        score, k, j = min(moves)
-        if score[0] >= (1 - REFINE_GAIN) * best[0]:
-            break
-        best, cuts[k] = score, j
-    return tuple(units[c] for c in cuts)
-
-
-def _heaviest_with_transfer(weights: Sequence[float], cuts: Sequence[int], placement: Sequence[int],
-                            transfer: Sequence[float]) -> tuple[float, float]:
-    """(heaviest rank, heaviest stage) for `cuts`, the cut at unit c charging transfer[c] to both its sides."""
-    groups = list(group_weights(weights, cuts))
-    for g, c in enumerate(cuts):   # cut g sits between stages g and g + 1
-        groups[g] += transfer[c]
-        groups[g + 1] += transfer[c]
-    return max(device_loads(groups, placement).values()), max(groups)
-
-
-def _narrow_units(traced: Traced, coarse: Sequence[str], fine: Sequence[str], *, factor: float = 1.0,
-                  keep: Sequence[str] = ()) -> list[str]:
-    """`fine` without the within-block cuts that would send more than `factor` times the bytes of the widest
-    cut between units (`coarse` and `keep` stay whatever they send)."""
-    first = _first_positions(traced)
-    width = _boundary_bytes(traced)
-    limit = factor * max((width[first[u]] for u in coarse[1:]), default=0)
-    kept = set(coarse) | set(keep)
-    return [u for u in fine if u in kept or width[first[u]] <= limit]
-
-
-def _boundary_bytes(traced: Traced) -> list[float]:
-    """Per graph position p, bytes of the computed values made before p and read at or after p."""
-    const = _constants(traced)
-    nodes = list(traced.gm.graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
-    delta = [0.0] * (len(nodes) + 2)
-    for i, node in enumerate(nodes):
-        if node.op != "call_function" or const[node]:
-            continue
-        last = max((position[u] for u in node.users if u.op != "output"), default=i)
-        if last > i:
-            nbytes = float(cost.value_bytes(node))
-            delta[i + 1] += nbytes
-            delta[last + 1] -= nbytes
-    return list(itertools.accumulate(delta))
-
-
-def _unit_weights(traced: Traced, units: Sequence[str]) -> list[float]:
-    """Estimated training time (`_node_time`) of the nodes from each unit's first node up to the next unit's."""
-    starts = {name: i for i, name in enumerate(units)}
-    weights = [0.0] * len(units)
-    current = 0
-    for node in traced.gm.graph.nodes:
-        for path in module_path(node):
-            if path in starts and starts[path] >= current:
-                current = starts[path]
-        if node.op == "call_function":
-            weights[current] += _node_time(node)
-    return weights
-
-
-def _node_time(node: fx.Node) -> float:
-    """Forward + backward time of one node in FLOP-equivalents (see FLOPS_PER_BYTE, BACKWARD_PER_FORWARD)."""
-    c = cost.node_cost(node)
-    # one FLOP per node keeps free modules (embeddings, dropout) from weighing nothing
-    forward = float(c.flops) + FLOPS_PER_BYTE * float(c.bytes) + 1.0
-    extra = 0.0
-    if node.target is torch.ops.aten.embedding.default:
-        extra = float(cost.value_bytes(node.args[0]))
-    elif node.target is torch.ops.aten.cross_entropy_loss.default:
-        extra = _CROSS_ENTROPY_EXTRA_PASSES * float(cost.value_bytes(node.args[0]))
-    return (1.0 + BACKWARD_PER_FORWARD) * forward + FLOPS_PER_BYTE * extra
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Cutting
+__all__ = ["partition", "check_split_points", "auto_split_points", "cut_units", "module_path", "FLOPS_PER_BYTE"]
 
 
 def check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
@@ -322,11 +55,11 @@ def check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
 def partition(traced: Traced, split_points: Sequence[str]) -> Partition:
     """Cut `traced` before each of `split_points` (module names, in execution order)."""
     stage_of = _assign(traced, tuple(split_points))
-    const = _constants(traced)
+    const = constant_nodes(traced)
     graph = traced.gm.graph
     num_stages = len(split_points) + 1
     output = graph.output_node()
-    out_values = dict(zip(traced.outputs, output.args[0], strict=True))
+    out_values = dict(zip(traced.graph.outputs, output.args[0], strict=True))
     loss = out_values["loss"]
     if stage_of[loss] != num_stages - 1:
         raise PartitionError(
@@ -345,7 +78,7 @@ def partition(traced: Traced, split_points: Sequence[str]) -> Partition:
                 f"(split points {list(split_points)}); drop one of them"
             )
         stages.append(_build_stage(traced, s, stage_of, const, last_use, out_values, modules[s]))
-    return Partition(tuple(stages), tuple(split_points))
+    return Partition(tuple(stages), tuple(split_points), traced)
 
 
 def _assign(traced: Traced, split_points: tuple[str, ...]) -> dict[fx.Node, int]:
@@ -373,25 +106,7 @@ def _assign(traced: Traced, split_points: tuple[str, ...]) -> dict[fx.Node, int]
 
 
 def _order_key(traced: Traced, point: str) -> int:
-    return _first_positions(traced).get(point, 1 << 30)
-
-
-def _constants(traced: Traced) -> dict[fx.Node, bool]:
-    """True for nodes whose value depends on no data and no parameter, and that draw no random numbers."""
-    const: dict[fx.Node, bool] = {}
-    for node in traced.gm.graph.nodes:
-        if node.op == "placeholder":
-            const[node] = traced.inputs[node.name].startswith("buffer:")
-        elif node.op == "get_attr":
-            const[node] = True
-        elif node.op == "call_function":
-            random = isinstance(node.target, torch._ops.OpOverload) and (
-                torch.Tag.nondeterministic_seeded in node.target.tags
-            )
-            const[node] = not random and all(const[i] for i in node.all_input_nodes)
-        else:
-            const[node] = False
-    return const
+    return first_positions(traced).get(point, 1 << 30)
 
 
 def _last_use(graph: fx.Graph, stage_of, const, out_values) -> dict[fx.Node, int]:
@@ -428,7 +143,7 @@ def _stage_modules(graph: fx.Graph, stage_of, const, num_stages: int) -> list[tu
     return [tuple(r) for r in result]
 
 
-def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, modules) -> StageGraph:
+def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, modules) -> Graph:
     graph = traced.gm.graph
     computed = [n for n in graph.nodes if n.op == "call_function" and not const[n] and stage_of[n] == s]
     # values from earlier stages that this stage reads or forwards
@@ -455,7 +170,8 @@ def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, 
     g.output(tuple(env[n] for _, n in outputs))
     gm = fx.GraphModule(traced.gm, g, class_name=f"Stage{s}Forward")
     passthrough = tuple(name for name, n in outputs if name.startswith("act:") and stage_of[n] < s)
-    return StageGraph(s, gm, tuple(input_names), tuple(name for name, _ in outputs), passthrough, modules)
+    return Graph(gm, tuple(input_names), tuple(name for name, _ in outputs), index=s, passthrough=passthrough,
+                 modules=modules)
 
 
 def _constant_closure(roots: Iterable[fx.Node], const) -> list[fx.Node]:
@@ -476,9 +192,8 @@ def _stage_placeholders(traced: Traced, body: Sequence[fx.Node], recv: Sequence[
     """(value name, original node) per stage input: params, buffers, data in trace order, then received acts."""
     used = {i for n in body for i in n.all_input_nodes if i.op == "placeholder"}
     kind_order = {"param": 0, "buffer": 1, "data": 2}
-    placeholders = [n for n in traced.gm.graph.find_nodes(op="placeholder") if n in used]
-    placeholders.sort(key=lambda n: kind_order[traced.inputs[n.name].split(":")[0]])
-    named = [(traced.inputs[n.name], n) for n in placeholders]
+    named = [(name, n) for name, n in traced.graph.input_nodes().items() if n in used]
+    named.sort(key=lambda pair: kind_order[pair[0].split(":")[0]])
     return named + [(f"act:{n.name}", n) for n in recv]
 
 

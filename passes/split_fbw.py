@@ -1,6 +1,10 @@
-"""Pass 3, split: differentiate one stage and cut its backward into B (input grads) and W (weight grads).
+"""Pass 3, split: differentiate each stage and cut its backward into B (input grads) and W (weight grads).
 
-    StageGraph  ->  StageProgram(f, b, w, bw)       (the four graphs of the stage IR, see zbcompile.stages)
+    Partition  ->  StagedModel                      (split_fbw: every stage, in order)
+    Graph (a stage forward)  ->  Stage(f, b, w, bw, ...)   (split_stage: the four graphs of the stage IR)
+
+Stage s+1's received activations require grad exactly where stage s's sent ones do, so the stages are split
+first to last.
 
 1. Joint: `aot_export_joint_simple` traces forward + backward of the stage's functional forward, with
    parameters and received activations requiring grad. Pass-through activations are left out of the traced
@@ -25,39 +29,46 @@ values are F outputs. Parameters are never constants of a graph.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
-from torch._functorch.aot_autograd import aot_export_joint_simple
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-from torch._subclasses.fake_tensor import FakeTensorMode
 
+from zbcompile._torch_private import (FakeTensorMode, OpOverload, aot_export_joint_simple,
+                                      min_cut_rematerialization_partition)
 from zbcompile.errors import SplitError
-from zbcompile.passes.partition import StageGraph
-from zbcompile.stages import Graph
+from zbcompile.passes.analysis.aliases import graph_output_aliases, may_alias_input
+from zbcompile.stages import Graph, Partition, Stage, StagedModel, TensorSpec, module_path
 
-__all__ = ["StageProgram", "split_stage"]
+__all__ = ["split_fbw", "split_stage"]
 
 _aten = torch.ops.aten
 
 
-@dataclass(frozen=True)
-class StageProgram:
-    """The four graphs of one stage, plus which F outputs carry gradients back."""
+def split_fbw(cut: Partition) -> StagedModel:
+    """A split pass: every stage of `cut` as F, B, W and BW (see the module docstring)."""
+    traced = cut.traced
+    acts: dict[str, bool] = {}   # does each sent activation carry a gradient back
 
-    f: Graph
-    b: Graph
-    w: Graph
-    bw: Graph
-    requires_grad: Mapping[str, bool]   # per F output (act:*, loss, buffer:*) and per F input
+    def requires_grad(name: str) -> bool:
+        if name.startswith("param:"):
+            return name[len("param:") :] not in traced.frozen
+        if name.startswith("act:"):
+            return acts[name]
+        return False  # buffers and user data
+
+    stages = []
+    for sg in cut.stages:
+        stage = split_stage(sg, requires_grad, device=traced.device)
+        acts.update((spec.name, spec.requires_grad) for spec in stage.send)
+        stages.append(stage)
+    meta = {"split_points": cut.split_points}
+    return StagedModel(tuple(stages), traced.num_inputs, traced.num_targets, traced.tied, meta)
 
 
-def split_stage(
-    stage: StageGraph, requires_grad: Callable[[str], bool], device: torch.device | None = None
-) -> StageProgram:
-    """Build F, B, W and BW for `stage`; `requires_grad(name)` says which inputs are differentiable.
+def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torch.device | None = None) -> Stage:
+    """Build F, B, W and BW for `stage` (a stage forward of the partition); `requires_grad(name)` says which
+    inputs are differentiable.
 
     `device` replaces the meta device of inputs traced on meta (autograd does not trace meta tensors).
     """
@@ -73,20 +84,96 @@ def split_stage(
     in_rg = {name: bool(a.requires_grad) for name, a in zip(stage.inputs, args)}
     rg = {**in_rg, **out_rg, **{p: in_rg[p] for p in stage.passthrough}}
     if not any(in_rg.values()):
-        return _no_grad_program(stage, diff_names, diff_gm, rg)
+        return _stage(stage, *_no_grad_program(stage, diff_names, diff_gm), rg)
     try:
         joint = aot_export_joint_simple(diff_gm, args, trace_joint=True)
         fw, bw = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=len(diff_names))
-    except Exception as exc:  # torch's errors name aot internals; ours names the stage
-        raise SplitError(
-            f"stage {stage.index} ({', '.join(stage.modules) or 'no whole module'}) could not be differentiated: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        ) from exc
+    except Exception as exc:  # torch's errors name aot internals; ours names the stage, the node and the fix
+        raise SplitError(_explain_joint_failure(stage, diff_gm, exc)) from exc
     f, saved = _forward_graph(stage, fw, diff_names)
     tangents = [f"grad:{n}" for n in diff_names if out_rg[n]]
     bw_graph = _backward_graph(stage, bw, saved, tangents, in_rg)
     b, w = _split_b_w(bw_graph)
-    return StageProgram(f, b, w, bw_graph, rg)
+    return _stage(stage, f, b, w, bw_graph, rg)
+
+
+def _stage(sg: Graph, f: Graph, b: Graph, w: Graph, bw: Graph, rg: Mapping[str, bool]) -> Stage:
+    """The stage IR record for stage forward `sg` and its four graphs; `rg` says which values carry grads."""
+
+    def spec(name: str, val: torch.Tensor) -> TensorSpec:
+        return TensorSpec(name, tuple(int(d) for d in val.shape), val.dtype, rg[name])
+
+    def values(nodes: Mapping[str, fx.Node]) -> dict[str, torch.Tensor]:
+        return {name: node.meta["val"] for name, node in nodes.items()}
+
+    return Stage(
+        index=sg.index,
+        f=f,
+        b=b,
+        w=w,
+        bw=bw,
+        params=tuple(n[len("param:") :] for n in sg.inputs if n.startswith("param:")),
+        buffers=tuple(n[len("buffer:") :] for n in sg.inputs if n.startswith("buffer:")),
+        recv=tuple(spec(n, v) for n, v in values(sg.input_nodes()).items() if n.startswith("act:")),
+        send=tuple(spec(n, v) for n, v in values(sg.output_nodes()).items() if n.startswith("act:")),
+        data=tuple(int(n[len("data:") :]) for n in sg.inputs if n.startswith("data:")),
+        modules=sg.modules,
+        has_loss="loss" in sg.outputs,
+    )
+
+
+def _explain_joint_failure(stage: Graph, diff_gm: fx.GraphModule, exc: BaseException) -> str:
+    """SplitError's text when aot cannot trace the stage's joint: where (stage, module, node with a window of
+    the graph), what (torch's whole message) and how to fix it."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    culprits = _culprits(diff_gm, text)
+    head = (f"stage {stage.index} ({', '.join(stage.modules) or 'no whole module'}) could not be differentiated: "
+            "aot autograd's joint trace of its forward failed")
+    lines = [head]
+    if culprits:
+        node = culprits[0]
+        paths = [p for p in module_path(node) if p]
+        where = f" in module `{paths[-1]}`" if paths else ""
+        lines.append(f"at node `{node.name}` ({node.target}){where}:")
+        lines.append(_window(diff_gm, node))
+    else:
+        lines.append("the error names no node of the stage graph; the stage forward begins:")
+        lines.append(_window(diff_gm, None))
+    lines.append("torch said:")
+    lines += ["    " + line for line in text.splitlines()]
+    lines.append(_fix(text, culprits))
+    return "\n".join(lines)
+
+
+def _culprits(gm: fx.GraphModule, text: str) -> list[fx.Node]:
+    """Nodes of `gm` the error points at: outputs that alias an input when it complains about aliasing, else the
+    nodes whose op it names (`mylib.op.default` or `mylib::op`)."""
+    outs = gm.graph.output_node().args[0]
+    aliasing = [n for n, roots in zip(outs, graph_output_aliases(gm)) if roots]
+    if "alias" in text and aliasing:
+        return aliasing
+    return [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, OpOverload)
+            and (str(n.target) in text or n.target.name() in text)]
+
+
+def _window(gm: fx.GraphModule, mark: fx.Node | None, width: int = 4) -> str:
+    """The graph's nodes around `mark` (marked `>>`), or its first nodes when there is none."""
+    nodes = [n for n in gm.graph.nodes if n.op != "placeholder"]
+    at = nodes.index(mark) if mark in nodes else 0
+    lo, hi = max(0, at - width), min(len(nodes), at + width + 1)
+    shown = [f"  {'>>' if n is mark else '  '} {n.format_node()}"[:200] for n in nodes[lo:hi]]
+    return "\n".join(shown)
+
+
+def _fix(text: str, culprits: Sequence[fx.Node]) -> str:
+    if "alias" in text:
+        return ("fix: a stage may not return its input or a view of it; return a copy (`.clone()`) of the value "
+                "that crosses the cut, or move the split point so that the view stays inside one stage")
+    if "autograd" in text and culprits:
+        return (f"fix: give `{culprits[0].target}` a backward (torch.library.register_autograd for a custom op), "
+                "or compute it outside the model")
+    return ("fix: every op in a stage must be traceable by aot autograd with a backward; replace or move the op "
+            "above, or choose other split_points to isolate it")
 
 
 def _fake_arg(mode: FakeTensorMode, ph: fx.Node, requires_grad: bool, device: torch.device | None) -> torch.Tensor:
@@ -98,7 +185,7 @@ def _fake_arg(mode: FakeTensorMode, ph: fx.Node, requires_grad: bool, device: to
     return t.requires_grad_(requires_grad and (val.is_floating_point() or val.is_complex()))
 
 
-def _differentiable_forward(stage: StageGraph) -> tuple[tuple[str, ...], fx.GraphModule]:
+def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModule]:
     """The stage forward without pass-through outputs; outputs that are views are cloned (aot forbids aliases)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -110,7 +197,7 @@ def _differentiable_forward(stage: StageGraph) -> tuple[tuple[str, ...], fx.Grap
         if name in stage.passthrough:
             continue
         value = env[node]
-        if value in seen or _is_view(value):
+        if value in seen or may_alias_input(value):
             value = g.call_function(_aten.clone.default, (value,))
             value.meta["val"] = node.meta["val"]
         seen.add(value)
@@ -120,16 +207,9 @@ def _differentiable_forward(stage: StageGraph) -> tuple[tuple[str, ...], fx.Grap
     return tuple(names), fx.GraphModule(stage.gm, g, class_name=f"Stage{stage.index}Diff")
 
 
-def _is_view(node: fx.Node) -> bool:
-    if node.op == "placeholder":
-        return True
-    if node.target is operator.getitem:  # an element of split/unbind aliases its input
-        node = node.args[0]
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
-
-
-def _no_grad_program(stage, diff_names, diff_gm, rg) -> StageProgram:
-    """A stage nothing flows back through (no parameter or input requires grad): F only, empty backward."""
+def _no_grad_program(stage: Graph, diff_names, diff_gm) -> tuple[Graph, Graph, Graph, Graph]:
+    """F, B, W, BW of a stage nothing flows back through (no parameter or input requires grad): an empty
+    backward."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for name, node in zip(stage.inputs, diff_gm.graph.find_nodes(op="placeholder")):
@@ -144,7 +224,7 @@ def _no_grad_program(stage, diff_names, diff_gm, rg) -> StageProgram:
     f = Graph(fx.GraphModule(diff_gm, g, class_name=f"Stage{stage.index}F"), stage.inputs,
               diff_names + stage.passthrough)
     empty = _empty_graph(f"Stage{stage.index}Empty")
-    return StageProgram(f, empty, empty, empty, rg)
+    return f, empty, empty, empty
 
 
 def _empty_graph(class_name: str) -> Graph:
@@ -161,7 +241,7 @@ def _placeholder(gm: fx.GraphModule, i: int) -> fx.Node:
 # F and BW from the min-cut partition
 
 
-def _forward_graph(stage: StageGraph, fw: fx.GraphModule, diff_names) -> tuple[Graph, dict[str, str]]:
+def _forward_graph(stage: Graph, fw: fx.GraphModule, diff_names) -> tuple[Graph, dict[str, str]]:
     """F with named inputs; outputs = stage outputs, pass-throughs, then saved:*. Returns saved renames too."""
     primals = {ph.name: ph for ph in fw.graph.find_nodes(op="placeholder")}
     g = fx.Graph()

@@ -1,6 +1,6 @@
 """Pass 1, trace: capture one training step `loss_fn(model(*inputs), *targets)` as a functional ATen graph.
 
-    model, loss_fn, example  ->  Traced(gm, inputs, outputs, tied, ...)
+    model, loss_fn, example  ->  Traced(graph=Graph(gm, inputs, outputs), tied, frozen, ...)   (zbcompile.stages)
 
 Route (see the F/B/W notes): non-strict `torch.export.export` of a wrapper module, then
 `run_decompositions({})`, which only functionalizes: BatchNorm statistic updates become graph outputs while
@@ -21,42 +21,20 @@ from __future__ import annotations
 
 import traceback
 import warnings
-from dataclasses import dataclass
+import dataclasses
 from typing import Callable, Mapping
 
 import torch
 from torch import fx, nn
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.utils import _pytree as pytree
 
+from zbcompile._torch_private import tree_map
 from zbcompile.errors import TraceError
+from zbcompile.stages import Graph, Partition, Traced
 
-__all__ = ["Traced", "trace", "flatten_example", "retarget_device"]
+__all__ = ["trace", "flatten_example", "retarget_device", "retarget_stages"]
 
 _WRAPPED = "model"  # the user's model is the `model` child of the exported wrapper
-
-
-@dataclass(frozen=True)
-class Traced:
-    """One training step as a functional graph whose placeholders and outputs carry value names."""
-
-    gm: fx.GraphModule
-    inputs: Mapping[str, str]              # placeholder node name -> param:/buffer:/data: value name
-    outputs: tuple[str, ...]               # "loss", then "buffer:<fqn>" per updated buffer
-    num_inputs: int
-    num_targets: int
-    tied: tuple[tuple[str, ...], ...]      # aliases of one Parameter, canonical name first
-    frozen: frozenset[str]                 # canonical names of parameters with requires_grad=False
-    # A model on the meta device is traced with meta data; graphs built from it create their tensors
-    # (arange, masks) on the device of the user's example instead (cpu if that is meta too).
-    device: torch.device | None = None
-
-    def node_of(self, value_name: str) -> fx.Node:
-        """The placeholder node carrying `value_name`."""
-        for node in self.gm.graph.find_nodes(op="placeholder"):
-            if self.inputs[node.name] == value_name:
-                return node
-        raise KeyError(value_name)
 
 
 class _Step(nn.Module):
@@ -97,9 +75,22 @@ def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
         flat = tuple(x.to("meta") for x in flat)
     ep = _export(model, loss_fn, flat, num_inputs)
     aliases = _tied_groups(model)
-    gm, inputs, outputs = _name_values(ep, aliases)
+    graph = _name_values(ep, aliases)
     frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
-    return Traced(gm, inputs, outputs, num_inputs, num_targets, tuple(aliases.values()), frozen, device)
+    return Traced(graph, num_inputs, num_targets, tuple(aliases.values()), frozen, device)
+
+
+def retarget_stages(cut: Partition) -> Partition:
+    """A split pass: for a step traced on meta, stage graphs whose tensor factories use the example's device.
+
+    Autograd cannot trace meta tensors, so the stages are differentiated on `traced.device`; a step traced on
+    a real device passes through unchanged (the same Partition).
+    """
+    device = cut.traced.device
+    if device is None:
+        return cut
+    stages = tuple(dataclasses.replace(st, gm=retarget_device(st.gm, device)) for st in cut.stages)
+    return dataclasses.replace(cut, stages=stages)
 
 
 def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
@@ -114,7 +105,7 @@ def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     for node in gm.graph.nodes:
         new = g.node_copy(node, lambda n: env[n])
         if node.op == "call_function":
-            new.args, new.kwargs = pytree.tree_map(swap, (new.args, new.kwargs))
+            new.args, new.kwargs = tree_map(swap, (new.args, new.kwargs))
         env[node] = new
     return fx.GraphModule(gm, g, class_name=type(gm).__name__)
 
@@ -191,7 +182,8 @@ def _strip(fqn: str) -> str:
     raise TraceError(f"state `{fqn}` does not belong to the model (does loss_fn own parameters or buffers?)")
 
 
-def _name_values(ep, aliases: Mapping[int, tuple[str, ...]]):
+def _name_values(ep, aliases: Mapping[int, tuple[str, ...]]) -> Graph:
+    """The exported step as a Graph whose placeholders carry value names (see the module docstring)."""
     gm = ep.graph_module
     graph = gm.graph
     canonical = {alias: names[0] for names in aliases.values() for alias in names}
@@ -222,7 +214,7 @@ def _name_values(ep, aliases: Mapping[int, tuple[str, ...]]):
     outputs = _name_outputs(ep)
     graph.lint()
     gm.recompile()
-    return gm, inputs, outputs
+    return Graph(gm, tuple(inputs[n.name] for n in graph.find_nodes(op="placeholder")), outputs)
 
 
 def _lift_constant(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from models import gpt
 from threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.lower.buffers import static_input_buffers
-from zbcompile.passes.lower.aliases import graph_output_aliases, graph_output_owned
+from zbcompile.passes.analysis.aliases import graph_output_aliases, graph_output_owned
 
 from zbcompile.passes.schedules import generate
 from zbcompile.errors import LoweringError

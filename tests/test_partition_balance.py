@@ -19,7 +19,8 @@ import models
 from test_split import check_against_eager
 from zbcompile.errors import PartitionError
 from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
-from zbcompile.passes import partition
+from zbcompile.passes import choose_cuts
+from zbcompile.passes.analysis.step import first_positions
 from zbcompile.passes.balance import balance, balance_placed, group_weights, placement_loads
 from zbcompile.passes.trace import trace
 from zbcompile.split import split_model, split_traced
@@ -124,19 +125,19 @@ def _benchmark_gpt():
 
 
 def _rank_loads(model, traced, points, placement):
-    units = partition.cut_units(model, traced, within_blocks=2)
-    weights = partition._unit_weights(traced, units)
+    units = choose_cuts.cut_units(model, traced, within_blocks=2)
+    weights = choose_cuts._unit_weights(traced, units)
     return placement_loads(weights, [units.index(p) for p in points], placement)
 
 
 def test_benchmark_gpt_v_placement_balances_ranks():
     model, traced = _benchmark_gpt()
     placement = v_placement(2)
-    points = partition.auto_split_points(model, traced, 4, placement)
+    points = choose_cuts.auto_split_points(model, traced, 4, placement)
     loads = _rank_loads(model, traced, points, placement)
     assert max(loads.values()) <= 1.05 * min(loads.values()), (points, loads)
     # the per-stage optimum leaves rank 1 (the V's middle) far heavier
-    per_stage = partition.auto_split_points(model, traced, 4)
+    per_stage = choose_cuts.auto_split_points(model, traced, 4)
     assert max(_rank_loads(model, traced, per_stage, placement).values()) > 1.1 * max(loads.values())
 
 
@@ -145,30 +146,30 @@ def test_benchmark_gpt_cuts_move_before_attention_projections():
     projection (two tensors cross there) evens the ranks out, by estimate and in measured step time (see
     REFINE_GAIN). A cut already inside a block by WITHIN_BLOCK_GAIN (the V's `blocks.4.ln2`) stays."""
     model, traced = _benchmark_gpt()
-    assert partition.auto_split_points(model, traced, 2, (0, 1)) == ("blocks.5.attn.proj",)
-    v = partition.auto_split_points(model, traced, 4, v_placement(2))
+    assert choose_cuts.auto_split_points(model, traced, 2, (0, 1)) == ("blocks.5.attn.proj",)
+    v = choose_cuts.auto_split_points(model, traced, 4, v_placement(2))
     assert v == ("blocks.2", "blocks.4.ln2", "blocks.7.attn.proj")
     for placement, before, after in [((0, 1), ["blocks.5"], ["blocks.5.attn.proj"]),
                                      (v_placement(2), ["blocks.2", "blocks.4.ln2", "blocks.7.ln2"], list(v))]:
         old = max(_rank_loads(model, traced, before, placement).values())
         new = max(_rank_loads(model, traced, after, placement).values())
-        assert new < (1 - partition.REFINE_GAIN) * old
+        assert new < (1 - choose_cuts.REFINE_GAIN) * old
 
 
 def test_refined_cuts_stay_next_to_their_blocks_and_narrow():
     """Refinement never moves a cut past the block boundaries around it (stage sizes stay as balanced) nor to
     a point where more than REFINE_WIDTH times the widest between-block cut's bytes cross."""
     model, traced = _benchmark_gpt()
-    first = partition._first_positions(traced)
-    width = partition._boundary_bytes(traced)
-    coarse = partition.cut_units(model, traced)
+    first = first_positions(traced)
+    width = choose_cuts._boundary_bytes(traced)
+    coarse = choose_cuts.cut_units(model, traced)
     limit = max(width[first[u]] for u in coarse[1:])
     for placement in [(0, 1), (0, 1, 2, 3), v_placement(2), (0, 1, 0, 1), (0, 1, 2, 3, 4, 5, 6, 7)]:
-        for point in partition.auto_split_points(model, traced, len(placement), placement):
-            assert width[first[point]] <= partition.REFINE_WIDTH * limit, (placement, point)
+        for point in choose_cuts.auto_split_points(model, traced, len(placement), placement):
+            assert width[first[point]] <= choose_cuts.REFINE_WIDTH * limit, (placement, point)
     # moves: only into a block next to the cut, each one a clear gain
-    finest = partition.cut_units(model, traced, within_blocks=2)
-    moved = partition._refine(traced, coarse, ["blocks.1", "blocks.6"], finest, (0, 1, 2))
+    finest = choose_cuts.cut_units(model, traced, within_blocks=2)
+    moved = choose_cuts._refine(traced, coarse, ["blocks.1", "blocks.6"], finest, (0, 1, 2))
     for was, now in zip(["blocks.1", "blocks.6"], moved):
         block = int(now.split(".")[1])
         assert block in (int(was.split(".")[1]) - 1, int(was.split(".")[1])), (was, now)
@@ -178,19 +179,19 @@ def test_refined_cuts_stay_next_to_their_blocks_and_narrow():
 
 def test_cut_inside_a_block_only_where_one_tensor_crosses():
     model, traced = _benchmark_gpt()
-    coarse = partition.cut_units(model, traced)
-    kept = partition._narrow_units(traced, coarse, partition.cut_units(model, traced, within_blocks=True))
+    coarse = choose_cuts.cut_units(model, traced)
+    kept = choose_cuts._narrow_units(traced, coarse, choose_cuts.cut_units(model, traced, within_blocks=True))
     assert [u for u in kept if u not in coarse] == [f"blocks.{i}.ln2" for i in range(8)]
 
 
 def test_unit_weights_count_backward_memory_work():
     model, traced = _benchmark_gpt()
-    units = partition.cut_units(model, traced)
-    w = dict(zip(units, partition._unit_weights(traced, units)))
+    units = choose_cuts.cut_units(model, traced)
+    w = dict(zip(units, choose_cuts._unit_weights(traced, units)))
     # the head (its matmul ~2.45 blocks of FLOPs) weighs more once the loss's [tokens, vocab] passes count
     assert 2.45 < w["lm_head"] / w["blocks.3"] < 2.8
     # the embedding's backward writes a dense [vocab, d] gradient, however few rows the forward gathered
-    assert w["wte"] > partition.FLOPS_PER_BYTE * 8192 * 256 * 4
+    assert w["wte"] > choose_cuts.FLOPS_PER_BYTE * 8192 * 256 * 4
 
 
 def test_small_gpt_v_split_with_a_cut_inside_a_block_matches_eager():
@@ -228,7 +229,7 @@ def test_placement_must_name_every_stage():
     with pytest.raises(PartitionError, match="placement"):
         split_model(case.model, case.loss_fn, case.example, num_stages=3, placement=(0, 1, 1, 0))
     with pytest.raises(PartitionError, match="one rank per stage"):
-        partition.auto_split_points(case.model, traced, 3, (0, 1))
+        choose_cuts.auto_split_points(case.model, traced, 3, (0, 1))
 
 
 def test_split_points_ignore_placement():

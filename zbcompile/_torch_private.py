@@ -1,6 +1,8 @@
-"""Every private PyTorch API zbcompile relies on, in one place (we run on torch 2.11 to 2.13).
+"""Every private PyTorch API zbcompile uses, in one flat list of named re-exports and thin functions.
 
-Each entry says what it is and why we use it; a torch upgrade that moves one breaks here, not in a pass.
+We run on torch 2.11 to 2.13. Each entry says what it is and on which versions we rely on it; when torch moves
+or changes one of them, this file is the only place to edit, and a failed import here names the API that went.
+Keep it flat: one name per private API, no logic beyond what hides the private access.
 """
 
 from __future__ import annotations
@@ -9,27 +11,69 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-__all__ = ["BoxedCodeGen", "op_entry_point", "live_process_groups", "process_group_name", "default_group"]
+# aot_export_joint_simple(fn, args, trace_joint=True): forward + backward of a functional fx graph as one joint
+# graph (split_fbw); same signature on 2.11-2.13; rejects outputs that alias inputs.
+from torch._functorch.aot_autograd import aot_export_joint_simple
 
+# min_cut_rematerialization_partition(joint, args, num_fwd_outputs=k) -> (fw, bw): what the forward saves and
+# what the backward recomputes (split_fbw); same signature on 2.11-2.13.
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+# FakeTensorMode(allow_non_fake_inputs=True): shape-only tensors to trace a stage's joint with (split_fbw);
+# unchanged on 2.11-2.13.
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# tree_map / tree_leaves: map over / flatten nested fx args and meta["val"] tuples (trace, cost); the module is
+# private and has no public twin on 2.11-2.13, its functions are stable there.
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = [
+    "aot_export_joint_simple",
+    "min_cut_rematerialization_partition",
+    "FakeTensorMode",
+    "tree_leaves",
+    "tree_map",
+    "OpOverload",
+    "op_schema",
+    "BoxedCodeGen",
+    "op_entry_point",
+    "live_process_groups",
+    "process_group_name",
+    "default_group",
+]
+
+# The class of `torch.ops.aten.<op>.<overload>`, to test "an aten op with a schema" (partition, cost, the alias
+# analysis); torch gives it no public name; torch._ops.OpOverload on 2.11-2.13.
+OpOverload = torch._ops.OpOverload
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The op's FunctionSchema (arguments, returns and their alias annotations): `OpOverload._schema`, with
+    the fields we read (`arguments`, `returns`, `alias_info`, `type`) unchanged on 2.11-2.13."""
+    return op._schema
+
+# ---- the lowering and the runtime -------------------------------------------------------------------------
 # fx's code generator for the boxed calling convention (inputs in one list the graph clears), which AOTAutograd
-# uses for compiled backwards; public since torch 2.0 under a private name
+# uses for compiled backwards (passes/lower/variants.py); fx.graph._BoxedCodeGen on 2.11-2.13.
 BoxedCodeGen = fx.graph._BoxedCodeGen
 
 
 def op_entry_point(target):
-    """The C++ callable behind an aten OpOverload (`OpOverload._op`), or None for anything else: calling it
-    skips OpOverload.__call__'s Python frame."""
-    return target._op if isinstance(target, torch._ops.OpOverload) else None
+    """The C++ callable behind an aten OpOverload (`OpOverload._op`, 2.11-2.13), or None for anything else:
+    calling it skips OpOverload.__call__'s Python frame (passes/lower/variants.py)."""
+    return target._op if isinstance(target, OpOverload) else None
 
 
 def live_process_groups():
-    """The process groups torch.distributed still holds (c10d's `_world.pg_map`)."""
+    """The process groups torch.distributed still holds: c10d's `_world.pg_map` (2.11-2.13; distributed.py)."""
     return dist.distributed_c10d._world.pg_map
 
 
 def process_group_name(pg) -> str:
+    """c10d's `_get_process_group_name` (2.11-2.13; distributed.py keys its P2P channels by it)."""
     return dist.distributed_c10d._get_process_group_name(pg)
 
 
 def default_group():
+    """c10d's `_get_default_group` (2.11-2.13): the WORLD group as a ProcessGroup object."""
     return dist.distributed_c10d._get_default_group()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from zbcompile._format import format_memory as format_bytes
 from zbcompile.errors import ScheduleError, ZBCompileError
 from zbcompile.passes.schedules import SCHEDULES, generate, list_schedules
 from zbcompile.schedule import Schedule
@@ -113,14 +114,6 @@ def compare(pp: int, microbatches: int, *, chunks: int | None = None, costs: Cos
 
 def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 _NOTE_WIDTH = 64  # wrap long reasons instead of stretching the table

@@ -1,8 +1,13 @@
-"""The stage IR: each pipeline stage as four fx graphs (F, B, W and the fused BW) with named inputs and outputs.
+"""The split side's IRs: one named-graph record (`Graph`) from the trace to the stage IR.
 
-This is the contract between the split passes (trace -> partition -> split_fbw) and the lowering. Every
-graph takes and returns flat tuples of tensors; `Graph.inputs` / `Graph.outputs` name each position, so the
-lowering wires values between graphs, ranks and microbatches by name and never by position guesswork.
+    model, loss_fn, example --trace--> Traced --partition--> Partition --split_fbw--> StagedModel
+                                       (one Graph: the step) (a Graph per stage)      (Stage: F, B, W, BW Graphs)
+
+The stage IR, each pipeline stage as four fx graphs (F, B, W and the fused BW) with named inputs and outputs,
+is the contract between the split passes and the lowering. Every graph takes and returns flat tuples of
+tensors; `Graph.inputs` / `Graph.outputs` name each position, so the passes and the lowering wire values
+between graphs, ranks and microbatches by name and never by position guesswork. Every record here checks
+itself (`.check()`): the split passes run that check on each result (zbcompile.split).
 
 Value names (the same name means the same value within one (stage, microbatch)):
 
@@ -31,12 +36,28 @@ Value names (the same name means the same value within one (stage, microbatch)):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import fx
 
-__all__ = ["TensorSpec", "Graph", "Stage", "StagedModel"]
+from zbcompile.errors import SplitError
+from zbcompile.passes.analysis.stage_report import report
+
+__all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel", "module_path"]
+
+
+def module_path(node: fx.Node) -> tuple[str, ...]:
+    """The module paths in the user's model that computed `node` (a node of any graph here), outermost first
+    ('' = the model itself); read from the `nn_module_stack` the trace recorded and every pass copies along."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for path, _ in stack.values():
+        if path == "model":   # the trace exports the user's model as the `model` child of a wrapper
+            paths.append("")
+        elif path.startswith("model."):
+            paths.append(path[len("model.") :])
+    return tuple(paths)
 
 
 @dataclass(frozen=True)
@@ -58,11 +79,21 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Graph:
-    """An fx GraphModule whose flat inputs and outputs carry the value names above."""
+    """An fx GraphModule whose flat inputs and outputs carry the value names above: the record of every level.
+
+    The extras are set where a level has them (graph_pp's GraphMeta idea) and keep their defaults elsewhere:
+        index        the stage the graph belongs to (a stage forward of the partition); None for the whole step
+        passthrough  act:* names the stage receives and re-sends unchanged (a stage forward)
+        modules      outermost module paths wholly placed in the stage, for reports and errors (a stage forward)
+    Invariants (`check`): the graph lints; one distinct name per placeholder and per output, in order.
+    """
 
     gm: fx.GraphModule
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    index: int | None = None
+    passthrough: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
 
     def __call__(self, env: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run on the values named in `env`; returns {output name: tensor}."""
@@ -73,9 +104,101 @@ class Graph:
         """{input name: its placeholder node}; the node's meta["val"] holds the traced shape and dtype."""
         return dict(zip(self.inputs, self.gm.graph.find_nodes(op="placeholder"), strict=True))
 
+    def output_nodes(self) -> dict[str, fx.Node]:
+        """{output name: the node returned there}."""
+        return dict(zip(self.outputs, self.gm.graph.output_node().args[0], strict=True))
+
     @property
     def code(self) -> str:
         return self.gm.code
+
+    def check(self, where: str = "") -> Graph:
+        """Raise SplitError unless the graph lints and its names match its placeholders and outputs one to one."""
+        try:
+            self.gm.graph.lint()
+        except Exception as exc:  # fx raises RuntimeError and AssertionError; ours says which graph
+            raise SplitError(f"{where}: the graph does not lint: {exc}\n{self.code}") from exc
+        placeholders = self.gm.graph.find_nodes(op="placeholder")
+        returned = self.gm.graph.output_node().args[0]
+        for kind, names, count in (("inputs", self.inputs, len(placeholders)),
+                                   ("outputs", self.outputs, len(returned))):
+            if len(names) != count:
+                raise SplitError(f"{where}: {len(names)} {kind} named for {count} in the graph: {names}\n{self.code}")
+            if len(set(names)) != len(names):
+                twice = sorted({n for n in names if names.count(n) > 1})
+                raise SplitError(f"{where}: {kind} named twice: {twice}")
+        if not set(self.passthrough) <= set(self.inputs) & set(self.outputs):
+            raise SplitError(f"{where}: pass-throughs {self.passthrough} are not both inputs and outputs")
+        return self
+
+
+@dataclass(frozen=True)
+class Traced:
+    """The trace pass's result: one training step as a Graph, plus facts about the whole step.
+
+    graph.inputs name every placeholder param:<fqn> (one per Parameter object, tied aliases merged onto the
+    canonical name), buffer:<fqn> or data:<i>; graph.outputs are "loss", then buffer:<fqn> per updated buffer.
+    """
+
+    graph: Graph
+    num_inputs: int
+    num_targets: int
+    tied: tuple[tuple[str, ...], ...]      # aliases of one Parameter, canonical name first
+    frozen: frozenset[str]                 # canonical names of parameters with requires_grad=False
+    # A model on the meta device is traced with meta data; graphs built from it create their tensors
+    # (arange, masks) on the device of the user's example instead (cpu if that is meta too).
+    device: torch.device | None = None
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        """The step's GraphModule (`graph.gm`)."""
+        return self.graph.gm
+
+    def check(self, where: str = "trace") -> Traced:
+        self.graph.check(f"{where}, the traced step")
+        if self.graph.outputs.count("loss") != 1:
+            raise SplitError(f"{where}: the traced step returns {self.graph.outputs}, not one loss")
+        stray = [n for n in self.graph.inputs if not n.startswith(("param:", "buffer:", "data:"))]
+        if stray:
+            raise SplitError(f"{where}: the traced step has inputs that are no param/buffer/data: {stray}")
+        return self
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The partition pass's result: one stage forward Graph per stage (with index, passthrough and modules).
+
+    Stage s's inputs are param:*, buffer:*, data:*, then act:* (received); its outputs act:* (sent), then loss
+    (last stage) and buffer:* (updated). Stage s+1 receives exactly what stage s sends, in the same order.
+    """
+
+    stages: tuple[Graph, ...]
+    split_points: tuple[str, ...]
+    traced: Traced                         # the step the stages were cut from (its whole-step facts)
+
+    def check(self, where: str = "partition") -> Partition:
+        for s, stage in enumerate(self.stages):
+            stage.check(f"{where}, stage {s} forward")
+            if stage.index != s:
+                raise SplitError(f"{where}: stage {s} is numbered {stage.index}")
+        _check_chain([_acts(st.outputs) for st in self.stages], [_acts(st.inputs) for st in self.stages], where)
+        if "loss" not in self.stages[-1].outputs:
+            raise SplitError(f"{where}: the last stage does not return the loss")
+        return self
+
+
+def _acts(names: Sequence[str]) -> tuple[str, ...]:
+    return tuple(n for n in names if n.startswith("act:"))
+
+
+def _check_chain(sends: Sequence[Sequence[str]], recvs: Sequence[Sequence[str]], where: str) -> None:
+    """Stage s+1 receives what stage s sends, in order; the first stage receives and the last sends nothing."""
+    for s in range(len(sends)):
+        before = tuple(sends[s - 1]) if s else ()
+        if tuple(recvs[s]) != before:
+            raise SplitError(f"{where}: stage {s} receives {tuple(recvs[s])} but stage {s - 1} sends {before}")
+    if sends and tuple(sends[-1]):
+        raise SplitError(f"{where}: the last stage sends {tuple(sends[-1])}")
 
 
 @dataclass(frozen=True)
@@ -108,6 +231,16 @@ class StagedModel:
 
     def report(self) -> str:
         """Per-stage table: modules, params, estimated F/B/W FLOPs, saved bytes, boundary tensors, tied groups."""
-        from zbcompile.split import report  # the report needs the cost model; the IR itself does not
-
         return report(self)
+
+    def check(self, where: str = "split") -> StagedModel:
+        for s, st in enumerate(self.stages):
+            if st.index != s:
+                raise SplitError(f"{where}: stage {s} is numbered {st.index}")
+            for kind in ("f", "b", "w", "bw"):
+                getattr(st, kind).check(f"{where}, stage {s} {kind.upper()}")
+            if st.has_loss != (s == len(self.stages) - 1):
+                raise SplitError(f"{where}: stage {s} of {len(self.stages)} has_loss={st.has_loss}")
+        _check_chain([[t.name for t in st.send] for st in self.stages],
+                     [[t.name for t in st.recv] for st in self.stages], where)
+        return self

@@ -112,6 +112,8 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
     """
     bound = [functools.partial(p, lookahead=recv_lookahead) if p is insert_p2p else p for p in passes
              if pair_order or p is not order_p2p_by_pair]
+    # an overlapped F&B step (DualPipe) runs as its sub-actions one after the other until a pass fuses them
+    schedule = schedule.flatten()
     programs = tuple(build_compute(schedule, staged, r) for r in range(schedule.num_ranks))
     if check:
         for q in programs:

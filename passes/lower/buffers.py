@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from zbcompile.passes.lower.aliases import graph_output_aliases
+from zbcompile.passes.analysis.aliases import graph_output_aliases
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import Op, OpKind, TensorType
 from zbcompile.program.values import parse

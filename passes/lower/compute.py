@@ -20,7 +20,7 @@ import torch
 from torch import fx
 
 from zbcompile.errors import LoweringError
-from zbcompile.passes.lower.aliases import graph_output_owned
+from zbcompile.passes.analysis.aliases import graph_output_owned
 from zbcompile.program import ProgramGraph, RankProgram
 from zbcompile.program.ops import AccumArgs, AccumMode, Op, OpKind, RunArgs, SetGradArgs, TensorType
 from zbcompile.program.values import (GRAD_LOSS, LOSS, Role, acc_value, data_value, parse, python_name,

@@ -1,7 +1,10 @@
-"""Which outputs of a stage graph may share memory with its inputs or with each other.
+"""Which values of an aten graph may share memory: one analysis for the split, the report and the lowering.
 
-Stage graphs are aten-level fx graphs (make_fx / the partitioner), so every op carries its schema, and the
-schema says which results alias which arguments: `view(Tensor(a) self, ...) -> Tensor(a)`,
+Two levels of answer, for two kinds of question.
+
+Whole-graph, read off the op schemas (the lowering: may a buffer be reused, may a gradient be summed into in
+place). Stage graphs are aten-level fx graphs (export / make_fx / the partitioner), so every op carries its
+schema, and the schema says which results alias which arguments: `view(Tensor(a) self, ...) -> Tensor(a)`,
 `add_(Tensor(a!) self, Tensor other) -> Tensor(a!)`, a result without an annotation is fresh. Each node's
 result is described by its *roots*: the placeholders and fresh results whose memory it may use. A node
 fx cannot vouch for (not an aten op, a list result of unknown make-up) gets every root of its arguments and
@@ -10,20 +13,35 @@ one of its own, which only ever makes an answer more cautious.
     x = placeholder; w = placeholder          roots: {in 0}, {in 1}
     v = aten.view(x, [-1])                    {in 0}
     y = aten.mm(v, w)                         {y}
-    return (y, v)                             outputs alias: (), (0,); owned: True, False
+    return (y, v)                             graph_output_aliases: (), (0,)   graph_output_owned: True, False
 
-Passes use it to know when a buffer can be reused (buffers.py) and when a gradient may be summed into in
-place (compute.py).
+Per node, by the op alone (the split side, which asks about one node at a time):
+
+    is_view(node)          the op's schema makes its result a view of an argument (aten.view, t, slice, ...)
+    view_base(node)        the node its chain of views starts from (the node itself if it is no view)
+    may_alias_input(node)  a placeholder or a view (also an element of a viewing split/unbind): such a value
+                           cannot be a graph output of aot's joint tracing without a clone
+    moves_no_data(node)    a view, a getitem, or an aten op that in practice returns its input's memory
+                           (_unsafe_view, alias, lift_fresh, _reshape_alias): the cost model charges nothing
+
+Every function here is pure: it reads the graph and writes nothing into it (nor into `gm.meta`).
 """
 
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 from torch import fx
 
-__all__ = ["graph_output_aliases", "graph_output_owned"]
+from zbcompile._torch_private import OpOverload, op_schema
+
+__all__ = ["graph_output_aliases", "graph_output_owned", "is_view", "view_base", "may_alias_input",
+           "moves_no_data"]
+
+# aten ops whose schema calls the result fresh but that return (a view of) their input's memory
+_NO_COPY = frozenset({"_unsafe_view", "alias", "lift_fresh", "_reshape_alias"})
 
 
 def graph_output_aliases(gm: fx.GraphModule) -> tuple[frozenset[int], ...]:
@@ -42,11 +60,18 @@ def graph_output_owned(gm: fx.GraphModule) -> tuple[bool, ...]:
     return tuple(owned)
 
 
+# The lowering asks about the same few stage graphs once per microbatch and op (thousands of times), and
+# walking a graph is linear in its size: remember each graph's answer for as long as the graph lives. Keyed
+# weakly by the GraphModule so the memo neither keeps graphs alive nor writes into them; a graph edited in place
+# after a first question would keep its old answer, so passes copy graphs instead (as every zbcompile pass does).
+_ROOTS_MEMO: weakref.WeakKeyDictionary[fx.GraphModule, tuple[frozenset, ...]] = weakref.WeakKeyDictionary()
+
+
 def _output_roots(gm: fx.GraphModule) -> tuple[frozenset, ...]:
-    cached = gm.meta.get("zb_output_roots")   # every microbatch's op asks about the same few graphs
-    if cached is None:
-        cached = gm.meta["zb_output_roots"] = _roots(gm)
-    return cached
+    roots = _ROOTS_MEMO.get(gm)
+    if roots is None:
+        roots = _ROOTS_MEMO[gm] = _roots(gm)
+    return roots
 
 
 def _roots(gm: fx.GraphModule) -> tuple[frozenset, ...]:
@@ -71,13 +96,13 @@ def _node_roots(node: fx.Node, roots: dict[fx.Node, frozenset]) -> frozenset:
     target = node.target
     if node.op == "call_function" and target is operator.getitem and isinstance(node.args[0], fx.Node):
         parent, index = node.args[0], node.args[1]
-        if isinstance(parent.target, torch._ops.OpOverload) and isinstance(index, int):
-            rets = parent.target._schema.returns
+        if isinstance(parent.target, OpOverload) and isinstance(index, int):
+            rets = op_schema(parent.target).returns
             if index < len(rets) and not _is_list(rets[index]):
                 return _schema_roots(parent, [rets[index]], roots, f"{parent.name}[{index}]")
         return roots.get(parent, frozenset())
-    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
-        rets = target._schema.returns
+    if node.op == "call_function" and isinstance(target, OpOverload):
+        rets = op_schema(target).returns
         if rets and not any(map(_is_list, rets)):
             return _schema_roots(node, rets, roots, node.name)
     return _all_roots(node, roots) | {node.name}
@@ -99,7 +124,7 @@ def _schema_roots(node: fx.Node, rets, roots: dict[fx.Node, frozenset], fresh: s
 
 
 def _bound_args(node: fx.Node):
-    schema_args = node.target._schema.arguments
+    schema_args = op_schema(node.target).arguments
     for schema_arg, value in zip(schema_args, node.args):
         yield schema_arg, value
     by_name = {a.name: a for a in schema_args}
@@ -115,3 +140,38 @@ def _all_roots(node: fx.Node, roots: dict[fx.Node, frozenset]) -> frozenset:
 def _is_list(ret) -> bool:
     """A list or optional result: which element aliases what, the schema's annotation does not say."""
     return isinstance(ret.type, (torch.ListType, torch.OptionalType))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per node
+
+
+def is_view(node: fx.Node) -> bool:
+    """True when `node` calls an op whose schema makes its result a view of an argument (aten.view, t, ...)."""
+    return isinstance(node.target, OpOverload) and node.target.is_view
+
+
+def view_base(node: fx.Node) -> fx.Node:
+    """The node a chain of views `node = view(view(...(base)))` starts from; `node` itself if it is no view."""
+    while is_view(node):
+        node = node.args[0]
+    return node
+
+
+def may_alias_input(node: fx.Node) -> bool:
+    """True for a placeholder, a view, or an element (getitem) of a viewing op such as split or unbind."""
+    if node.op == "placeholder":
+        return True
+    if node.target is operator.getitem:
+        node = node.args[0]
+    return is_view(node)
+
+
+def moves_no_data(node: fx.Node) -> bool:
+    """True for a getitem, an aten view, or an aten op in _NO_COPY: nodes that read and write no tensor data."""
+    if node.target is operator.getitem:
+        return True
+    target = node.target
+    if not (isinstance(target, OpOverload) and target.namespace == "aten"):
+        return False
+    return target.is_view or target.overloadpacket.__name__ in _NO_COPY

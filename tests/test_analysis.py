@@ -1,0 +1,53 @@
+"""The shared alias / view analysis (passes/analysis/aliases.py): pure, and one answer per question."""
+
+from __future__ import annotations
+
+import gc
+import operator
+import weakref
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from zbcompile.passes.analysis import aliases
+from zbcompile.passes.analysis.aliases import (graph_output_aliases, graph_output_owned, may_alias_input,
+                                               moves_no_data, view_base)
+
+
+def _gm():
+    def f(x, w):
+        parts = torch.split(x, 2)
+        return x.view(-1).view(3, 4), parts[0], x @ w, torch.ops.aten._unsafe_view(x, [-1])
+
+    return make_fx(f)(torch.randn(4, 3), torch.randn(3, 3))
+
+
+def test_graph_answers_write_nothing_into_the_graph():
+    gm = _gm()
+    before = dict(gm.meta)
+    code = gm.code
+    assert graph_output_aliases(gm) == graph_output_aliases(gm)
+    graph_output_owned(gm)
+    assert gm.meta == before and gm.code == code
+
+
+def test_the_memo_does_not_keep_graphs_alive():
+    gm = _gm()
+    graph_output_aliases(gm)
+    assert gm in aliases._ROOTS_MEMO
+    ref = weakref.ref(gm)
+    del gm
+    gc.collect()
+    assert ref() is None
+
+
+def test_view_predicates():
+    gm = _gm()
+    x, w = gm.graph.find_nodes(op="placeholder")
+    outs = gm.graph.output_node().args[0]
+    flat, part, mm, unsafe = outs
+    assert view_base(flat) is x and view_base(mm) is mm
+    assert may_alias_input(x) and may_alias_input(flat) and may_alias_input(part) and not may_alias_input(mm)
+    assert part.target is operator.getitem and moves_no_data(part)
+    assert moves_no_data(flat) and moves_no_data(unsafe) and not moves_no_data(mm)
+    assert not may_alias_input(unsafe)   # its schema calls the result fresh: only the cost model treats it as free
