@@ -98,24 +98,25 @@ def _check_model(run, model: str) -> None:
 
 def test_p2p_groups_threads_are_scheduled_below_the_main_thread(run):
     """The threads the two P2P groups started (gloo's loop threads: their spin on a held pair lock and their
-    wake-up preemptions starved the main threads, see runtime.py) get GLOO_IO_NICE and, in a one-thread
-    rank, SCHED_BATCH; the main thread and the default group's threads, which zbcompile did not start, keep
-    their scheduling."""
-    from zbcompile.runtime.host import GLOO_IO_BATCH, GLOO_IO_NICE
+    wake-up preemptions starved the main threads, see runtime/host.py) get the configured nice value and, in a
+    one-thread rank, SCHED_BATCH; the main thread and the default group's threads, which zbcompile did not
+    start, keep their scheduling."""
+    from zbcompile.runtime.host import io_settings
 
+    nice, mode = io_settings()
     pp, results = run
     for res in results:
         threads = res["threads"]
         base, main_batch = threads.pop(str(res["main_tid"]))   # the process's own nice value (0 unless run niced)
         assert not main_batch
-        batch = GLOO_IO_BATCH == "1" or (GLOO_IO_BATCH == "auto" and res["one_thread"])
-        nice_up = GLOO_IO_NICE > base
+        batch = mode == "1" or (mode == "auto" and res["one_thread"])
+        nice_up = nice > base
         tuned = [t for t in threads.values() if t[0] > base or t[1]]
         if nice_up or batch:
             assert len(tuned) >= 2, threads   # a loop thread per P2P group, at least
-            assert all(n == (GLOO_IO_NICE if nice_up else base) and b == batch for n, b in tuned), threads
+            assert all(n == (nice if nice_up else base) and b == batch for n, b in tuned), threads
             assert [base, False] in threads.values(), threads   # the default group's threads
-        else:   # turned off by the environment, or the process already runs below GLOO_IO_NICE
+        else:   # turned off by the environment, or the process already runs below that nice value
             assert not tuned, threads
 
 

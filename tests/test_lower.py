@@ -134,7 +134,10 @@ def test_last_gradient_is_sent_before_the_hand_off_to_grad():
 def test_bad_gloo_thread_settings_say_what_is_valid(setting):
     name, value = setting.split("=")
     env = dict(os.environ, **{name: value})
-    out = subprocess.run([sys.executable, "-c", "import zbcompile.runtime"], env=env, capture_output=True, text=True)
+    code = "import zbcompile.runtime.host as h; h.tune_io_threads(set())"   # read on use, not at import
+    imported = subprocess.run([sys.executable, "-c", "import zbcompile.runtime"], env=env, capture_output=True)
+    assert imported.returncode == 0, imported.stderr[-500:]
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert f"ZBCompileError: {name}={value!r} is not a valid setting; give " in out.stderr, out.stderr[-500:]
 
@@ -181,13 +184,12 @@ def test_accumulating_graphs_add_exactly_the_gradients():
 def test_boxed_stage_graphs_call_ops_directly(monkeypatch):
     """The rank program's stage graphs call each op's C++ entry point (OpOverload._op), not
     OpOverload.__call__: same values, no Python frame per op, and code that still reads op by op."""
-    from zbcompile.passes.lower.variants import boxed as box
-    from zbcompile.program import ProgramGraph
+    from zbcompile.passes.lower.variants import boxed_module
 
     x, w, b = torch.randn(3, 4), torch.randn(4, 5), torch.randn(5)
     gm = make_fx(lambda x, w, b: (torch.addmm(b, x, w).relu().sum(0, keepdim=True), x.t()))(x, w, b)
     want = gm(x, w, b)
-    boxed = box(ProgramGraph(gm, ("x", "w", "b"), ("y", "t"))).gm
+    boxed = boxed_module(gm)
     assert "torch.ops." not in boxed.code and " = aten_addmm_default(b_1, x_1, w_1)" in boxed.code
 
     def refuse(self, *args, **kwargs):
@@ -347,7 +349,7 @@ def test_validation_reports_unmatched_and_mismatched_p2p():
     i = next(i for i, op in enumerate(r1.ops) if op.kind is OpKind.RECV)
     bad = r1.ops[i]
     t = bad.args.type
-    wrong = dataclasses.replace(bad, args=bad.args._replace(type=t._replace(shape=(*t.shape, 2))))
+    wrong = bad._replace(args=bad.args._replace(type=t._replace(shape=(*t.shape, 2))))
     r1_bad = r1.replace(ops=r1.ops[:i] + (wrong,) + r1.ops[i + 1:])
     with pytest.raises(LoweringError, match="receives"):
         validate_programs([r0, r1_bad])

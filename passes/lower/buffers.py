@@ -26,7 +26,6 @@ microseconds of host time per step; CUDA-graph capture needs static inputs too).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 from zbcompile.passes.analysis.aliases import graph_output_aliases
@@ -52,7 +51,7 @@ def static_recv_buffers(program: RankProgram) -> RankProgram:
             slots.append(t)
             busy_until.append(0)
         busy_until[slot] = intervals[i]
-        ops[i] = dataclasses.replace(op, args=op.args._replace(slot=slot))
+        ops[i] = op._replace(args=op.args._replace(slot=slot))
     return program.replace(ops=tuple(ops), buffers=tuple(slots))
 
 

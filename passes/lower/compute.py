@@ -56,7 +56,7 @@ def _program_graph(stage: Stage, g: Graph) -> ProgramGraph:
             types.append(_param_type(stage, name[len("grad:"):]))
         else:
             types.append(None)
-    return ProgramGraph(g.gm, g.inputs, g.outputs, tuple(types))
+    return ProgramGraph(g.gm, g.inputs, g.outputs, types=tuple(types))
 
 
 def _param_type(stage: Stage, param: str) -> TensorType | None:
@@ -304,8 +304,7 @@ class _Sums:
             k = self.seen[name] = self.seen[name] + 1
             olds.append(self.acc[name])
             outs[i] = self.acc[name] = acc_value(k - 1, name)
-        return dataclasses.replace(op, ins=op.ins + tuple(olds), outs=tuple(outs),
-                                   args=op.args._replace(graph=key))
+        return op._replace(ins=op.ins + tuple(olds), outs=tuple(outs), args=op.args._replace(graph=key))
 
     def _accum_ops(self, op: Op, g: ProgramGraph, grads) -> list[Op]:
         fresh = graph_output_owned(g.gm) if grads else ()

@@ -31,6 +31,7 @@ import torch
 from torch import fx
 
 from zbcompile.errors import LoweringError
+from zbcompile.passes.lower.variants import boxed_module
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import AccumMode, Op, OpKind, spec
 from zbcompile.program.values import python_name
@@ -112,7 +113,7 @@ class Emitter:
             if g.gm is None:
                 raise LoweringError(f"rank {self.program.rank}: graph {key!r} has no GraphModule (a program read "
                                     f"from text without graphs cannot be emitted)")
-            self.root[key] = g.gm
+            self.root[key] = boxed_module(g.gm) if g.boxed else g.gm
         # `.forward(...)`, not `(...)`: nn.Module's call machinery (hooks, fx's error-reporting wrapper) is
         # four Python frames per call, stage graphs carry no hooks, and every frame counts right after a gloo
         # wait, when the caches are cold

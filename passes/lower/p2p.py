@@ -20,16 +20,36 @@ Cost: linear in the ops of all ranks, plus a log factor for the send waits (a se
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from zbcompile.errors import LoweringError
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, TensorType
-from zbcompile.program.values import Role, handle, parse
+from zbcompile.program.values import Role, handle, parse, role_of
 
-__all__ = ["insert_p2p", "p2p_tag", "Boundary"]
+__all__ = ["insert_p2p", "p2p_tag", "Boundary", "TagSpace"]
 
 FORWARD, BACKWARD = 0, 1
+
+
+class TagSpace(NamedTuple):
+    """The numbers tags are built from, read off all programs: stages, boundary tensors per graph and
+    direction at most (`width`), microbatches. P2P tags lie below `end`; later exchanges number from there."""
+
+    num_stages: int
+    width: int
+    microbatches: int
+
+    @staticmethod
+    def of(programs: Sequence[RankProgram]) -> TagSpace:
+        stages = 1 + max((op.args.action.stage for p in programs for op in p.run_ops()), default=0)
+        width = max([1] + [sum(role_of(n) in (Role.ACT, Role.GRAD_ACT) for n in g.outputs)
+                           for p in programs for g in p.graphs.values()])
+        return TagSpace(stages, width, max((p.microbatches for p in programs), default=1))
+
+    @property
+    def end(self) -> int:
+        return 2 * self.width * self.num_stages * self.microbatches
 
 
 class Boundary:
@@ -37,9 +57,8 @@ class Boundary:
     type, tag) and who reads it (per rank, the RUN position of its first reader)."""
 
     def __init__(self, programs: Sequence[RankProgram]):
-        self.num_stages = 1 + max((op.args.action.stage for p in programs for op in p.run_ops()), default=0)
-        self.width = max([1] + [sum(parse("s0.mb0." + n).role in (Role.ACT, Role.GRAD_ACT) for n in g.outputs)
-                                for p in programs for g in p.graphs.values()])
+        space = TagSpace.of(programs)
+        self.num_stages, self.width = space.num_stages, space.width
         self.producer: dict[str, tuple[int, int, TensorType | None, int]] = {}   # value -> rank, run, type, k
         for p in programs:
             for j, op in enumerate(p.run_ops()):
@@ -77,10 +96,6 @@ class Boundary:
             raise LoweringError(f"rank {rank}: {vid!r} crosses ranks but its producing graph declares no type "
                                 f"for it (the stage's boundary tensors lack it)")
         return src, t
-
-    def max_tag(self) -> int:
-        return 2 * self.width * self.num_stages * (1 + max((parse(v).microbatch for v in self.producer),
-                                                           default=0))
 
 
 def p2p_tag(num_stages: int, width: int, stage: int, microbatch: int, direction: int, k: int) -> int:

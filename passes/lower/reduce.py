@@ -14,7 +14,7 @@ holder computes the bit-identical total:
                                                   sum.grad:param:wte = sum(acc3..., r1.grad:param:wte)
                                                   set_grad(param:wte, sum.grad:param:wte; True)
 
-Tags come after every P2P tag (Boundary.max_tag), one per parameter in name order.
+Tags come after every P2P tag (TagSpace.end), one per parameter in name order.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from zbcompile.errors import LoweringError
-from zbcompile.passes.lower.p2p import Boundary
+from zbcompile.passes.lower.p2p import TagSpace
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, SetGradArgs, TensorType
 from zbcompile.program.values import handle, parse
@@ -41,7 +41,7 @@ def grad_holders(programs: Sequence[RankProgram]) -> dict[str, tuple[int, ...]]:
 
 def reduce_shared_grads(programs: Sequence[RankProgram]) -> tuple[RankProgram, ...]:
     holders = grad_holders(programs)
-    base = Boundary(programs).max_tag()
+    base = TagSpace.of(programs).end
     tags = {fqn: base + i for i, fqn in enumerate(holders)}
     types = _grad_types(programs)
     return tuple(_reduce(p, holders, tags, types) for p in programs)

@@ -1,10 +1,13 @@
 """box_graphs: every graph of the program in fx's boxed calling convention, calling ops directly.
 
 A finishing pass over the program's graph table (a graph variant is a pass that replaces or adds entries;
-nothing else rewrites graphs once they are in a program). Each entry becomes a copy that takes its inputs as
-one list and empties it on entry (the convention AOTAutograd's compiled backward uses), so the tensors the
-program hands over are freed inside the graph at their last use there (see emit.Emitter.run), and whose
-generated code calls each aten op's C++ entry point instead of `torch.ops.aten.<op>.<overload>(...)`.
+nothing else rewrites graphs once they are in a program). It marks each entry boxed: the program calls it
+with its inputs in one list that the graph empties on entry (the convention AOTAutograd's compiled backward
+uses), so the tensors the program hands over are freed inside the graph at their last use there (see
+emit.Emitter.run). The emitter realizes the mark with `boxed_module`, a copy of the graph whose generated
+code also calls each aten op's C++ entry point instead of `torch.ops.aten.<op>.<overload>(...)`. It builds
+that copy only for the program it emits: every rank lowers every rank's program, but emits only its own, and
+generating Python for each graph is the most expensive step of the lowering at large pp.
 """
 
 from __future__ import annotations
@@ -14,23 +17,21 @@ import dataclasses
 from torch import fx
 
 from zbcompile._torch_private import BoxedCodeGen, op_entry_point
-from zbcompile.program import ProgramGraph, RankProgram
+from zbcompile.program import RankProgram
 
-__all__ = ["box_graphs", "boxed"]
+__all__ = ["box_graphs", "boxed_module"]
 
 
 def box_graphs(program: RankProgram) -> RankProgram:
-    return program.replace(graphs={k: boxed(g) for k, g in program.graphs.items()})
+    return program.replace(graphs={k: dataclasses.replace(g, boxed=True) for k, g in program.graphs.items()})
 
 
-def boxed(g: ProgramGraph) -> ProgramGraph:
-    """`g` taking its inputs as one list it clears; unchanged if it already does."""
-    if g.boxed:
-        return g
+def boxed_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` that takes its inputs as one list it clears and calls ops through their entry points."""
     graph = fx.Graph()
-    graph.output(graph.graph_copy(g.gm.graph, {}))
+    graph.output(graph.graph_copy(gm.graph, {}))
     graph.set_codegen(_DirectOpsCodeGen())
-    return dataclasses.replace(g, gm=fx.GraphModule(g.gm, graph, class_name=type(g.gm).__name__), boxed=True)
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
 class _DirectOpsCodeGen(BoxedCodeGen):

@@ -34,22 +34,21 @@ from zbcompile.errors import LoweringError
 from zbcompile.program.ops import (SPECS, Op, OpKind, RunArgs, TensorType, spec_by_text)
 from zbcompile.program.values import parse as parse_value
 from zbcompile.schedule import Action
+from zbcompile.stages import Graph
 
 __all__ = ["ProgramGraph", "RankProgram", "first_use"]
 
 
 @dataclass(frozen=True)
-class ProgramGraph:
-    """One graph a program's RUN ops call: an fx GraphModule whose flat inputs and outputs carry stage-IR
-    names, with the type of each output a pass needs to know without running it (boundary tensors and
-    parameter gradients; None elsewhere). boxed: the module takes its inputs as one list it empties (fx's
-    boxed calling convention); else positionally. gm is None in a program read from text without graphs."""
+class ProgramGraph(Graph):
+    """One graph a program's RUN ops call: the stage IR's named graph (zbcompile.stages.Graph), plus what the
+    lowering needs to know of it without running it. types: per output, the type of the boundary tensors
+    and parameter gradients (None elsewhere). boxed: the program calls it with its inputs in one list that
+    it empties (fx's boxed calling convention; the emitter builds that form of `gm`); else positionally.
+    gm is None in a program read from text without graphs."""
 
-    gm: fx.GraphModule | None
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    types: tuple[TensorType | None, ...] = ()
-    boxed: bool = False
+    types: tuple[TensorType | None, ...] = field(default=(), kw_only=True)
+    boxed: bool = field(default=False, kw_only=True)
 
     def type_of(self, output: str) -> TensorType | None:
         for name, t in zip(self.outputs, self.types):
@@ -121,32 +120,41 @@ class RankProgram:
     def check(self, after: str = "", remote_ok: bool = False) -> RankProgram:
         """Every value is defined once, before its uses, and not used after it is freed; every op kind has a
         spec and every RUN op a graph. remote_ok: a stage value of a stage this rank does not run may be read
-        without a definition (before insert_p2p receives it)."""
+        without a definition (before insert_p2p receives it). Linear in the ops (set operations per op: it
+        runs after every pass)."""
         live: set[str] = set(self.inputs)
         freed: dict[str, int] = {}
         local = self.local_stages() if remote_ok else set()
+        free_kind, run_kind = OpKind.FREE, OpKind.RUN
         for i, op in enumerate(self.ops):
-            if op.kind not in SPECS:
-                raise LoweringError(self._where(i, f"op kind {op.kind} has no OpSpec", after))
-            if op.kind is OpKind.RUN and op.args.graph not in self.graphs:
+            kind = op.kind
+            if kind not in SPECS:
+                raise LoweringError(self._where(i, f"op kind {kind} has no OpSpec", after))
+            if kind is run_kind and op.args.graph not in self.graphs:
                 raise LoweringError(self._where(i, f"calls graph {op.args.graph!r}, not in the graph table", after))
-            for v in op.ins:
-                if v in live:
-                    if v in freed:
-                        raise LoweringError(self._where(i, f"uses {v!r}, freed at op {freed[v]}", after))
-                    continue
-                remote = remote_ok and parse_value(v).scope == "stage" and parse_value(v).stage not in local
-                if not remote:
-                    raise LoweringError(self._where(i, f"uses {v!r} before it is defined", after))
-            if op.kind is OpKind.FREE:
-                freed.update((v, i) for v in op.ins)
-            for v in op.outs:
-                if v in live:
-                    raise LoweringError(self._where(i, f"defines {v!r} a second time", after))
-                live.add(v)
+            ins = op.ins
+            if not live.issuperset(ins):
+                self._undefined(i, op, live, local, remote_ok, after)
+            if freed and not freed.keys().isdisjoint(ins):
+                v = next(v for v in ins if v in freed)
+                raise LoweringError(self._where(i, f"uses {v!r}, freed at op {freed[v]}", after))
+            if kind is free_kind:
+                freed.update((v, i) for v in ins)
+            if not live.isdisjoint(op.outs):
+                v = next(v for v in op.outs if v in live)
+                raise LoweringError(self._where(i, f"defines {v!r} a second time", after))
+            live.update(op.outs)
         if self.output and self.output not in live:
             raise LoweringError(f"rank {self.rank}: the program returns {self.output!r}, which is never defined")
         return self
+
+    def _undefined(self, i: int, op: Op, live: set[str], local: set[int], remote_ok: bool, after: str) -> None:
+        for v in op.ins:
+            if v in live:
+                continue
+            value = parse_value(v)
+            if not (remote_ok and value.scope == "stage" and value.stage not in local):
+                raise LoweringError(self._where(i, f"uses {v!r} before it is defined", after))
 
     def _where(self, index: int, what: str, after: str) -> str:
         at = f" after pass {after}" if after else ""
@@ -258,7 +266,7 @@ class _Reader:
             name, sep, t = item.partition(": [")
             outs.append(name)
             types.append(TensorType.parse("[" + t) if sep else None)
-        g = ProgramGraph(None, ins, tuple(outs), tuple(types), m.group(4) is not None)
+        g = ProgramGraph(None, ins, tuple(outs), types=tuple(types), boxed=m.group(4) is not None)
         if self.attach is not None:
             given = self.attach.get(key)
             if given is None or (given.inputs, given.outputs) != (g.inputs, g.outputs):

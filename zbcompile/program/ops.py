@@ -34,8 +34,9 @@ __all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "Recv
            "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "Op", "OpSpec", "SPECS", "spec"]
 
 
-class OpKind(enum.Enum):
-    """One kind of work in a rank program (the meanings are in SPECS)."""
+class OpKind(str, enum.Enum):
+    """One kind of work in a rank program (the meanings are in SPECS). A str enum: kinds are hashed millions
+    of times when large pipelines are lowered, and str's hash is C code where Enum's is Python."""
 
     RUN = "run"
     RECV = "recv"
@@ -51,7 +52,7 @@ class OpKind(enum.Enum):
     STAMP = "stamp"
 
 
-class Sync(enum.Enum):
+class Sync(str, enum.Enum):
     """How an op synchronises with other ranks."""
 
     NONE = "none"              # runs on its own
@@ -60,7 +61,7 @@ class Sync(enum.Enum):
     COLLECTIVE = "collective"  # blocks until every rank of its group reaches it (not used yet)
 
 
-class Stream(enum.Enum):
+class Stream(str, enum.Enum):
     """Where an op's work runs on a device."""
 
     COMPUTE = "compute"   # the compute stream
@@ -162,10 +163,11 @@ class StampArgs(NamedTuple):
 
 
 # ---- ops --------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Op:
+class Op(NamedTuple):
     """One op: `kind`, the values it reads (`ins`) and defines (`outs`), its kind's `args` record (None
-    for kinds without arguments), and `note`: why it is here, shown in the printed program."""
+    for kinds without arguments), and `note`: why it is here, shown in the printed program. Immutable; a
+    pass makes a changed copy with `op._replace(...)`. (A NamedTuple, not a frozen dataclass: a lowering at
+    pp=64 makes millions of ops, and a frozen dataclass's __init__ costs a Python call per field.)"""
 
     kind: OpKind
     ins: tuple[str, ...] = ()

@@ -9,12 +9,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from typing import NamedTuple
 
 import torch
 
 from zbcompile.errors import ZBCompileError
 
-__all__ = ["retain_freed_cpu_memory", "process_threads", "tune_io_threads", "GLOO_IO_NICE", "GLOO_IO_BATCH"]
+__all__ = ["retain_freed_cpu_memory", "process_threads", "tune_io_threads", "io_settings", "IOSettings"]
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc mallopt parameters (malloc.h)
@@ -69,8 +70,20 @@ _IO_SETTINGS_HELP = {
     "ZBCOMPILE_GLOO_IO_NICE": "give a nice value from 0 (leave the priority alone) to 19, e.g. 10",
     "ZBCOMPILE_GLOO_IO_BATCH": "give auto (SCHED_BATCH in one-thread ranks), 1 (always) or 0 (never)",
 }
-GLOO_IO_NICE = int(_io_setting("ZBCOMPILE_GLOO_IO_NICE", "10", lambda v: v.isdigit() and int(v) <= 19))
-GLOO_IO_BATCH = _io_setting("ZBCOMPILE_GLOO_IO_BATCH", "auto", lambda v: v in ("auto", "1", "0"))
+
+
+class IOSettings(NamedTuple):
+    """The gloo I/O thread scheduling in force: nice value (0: leave alone) and SCHED_BATCH (auto, 1 or 0)."""
+
+    nice: int
+    batch: str
+
+
+def io_settings() -> IOSettings:
+    """Read ZBCOMPILE_GLOO_IO_NICE / ZBCOMPILE_GLOO_IO_BATCH when they are needed (a bad value raises
+    ZBCompileError saying what is valid), not at import: `zbcompile plan` must start whatever they hold."""
+    nice = _io_setting("ZBCOMPILE_GLOO_IO_NICE", "10", lambda v: v.isdigit() and int(v) <= 19)
+    return IOSettings(int(nice), _io_setting("ZBCOMPILE_GLOO_IO_BATCH", "auto", lambda v: v in ("auto", "1", "0")))
 
 
 def process_threads() -> set[int]:
@@ -87,14 +100,15 @@ def tune_io_threads(tids) -> int:
     started: each group's loop thread and its collective workers, idle since P2P runs on the calling thread).
     Never raises a thread's priority (that would need privileges); returns how many threads it changed.
     A scheduling hint, not a requirement: threads gone meanwhile, or a system refusing, are left as they are."""
-    batch = GLOO_IO_BATCH == "1" or (GLOO_IO_BATCH == "auto" and torch.get_num_threads() == 1)
+    nice, mode = io_settings()
+    batch = mode == "1" or (mode == "auto" and torch.get_num_threads() == 1)
     batch = batch and hasattr(os, "SCHED_BATCH")
     changed = 0
     for tid in tids:
         try:
             done = False
-            if GLOO_IO_NICE > 0 and os.getpriority(os.PRIO_PROCESS, tid) < GLOO_IO_NICE:
-                os.setpriority(os.PRIO_PROCESS, tid, GLOO_IO_NICE)
+            if nice > 0 and os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
                 done = True
             if batch and os.sched_getscheduler(tid) == os.SCHED_OTHER:
                 os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
