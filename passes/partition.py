@@ -32,6 +32,7 @@ from typing import Iterable, Sequence
 from torch import fx, nn
 
 from zbcompile.errors import PartitionError
+from zbcompile.names import Role, role_of
 from zbcompile.passes.analysis.step import constant_nodes, first_positions
 # re-exported so that the chooser stays importable from here; cutting itself never calls it
 from zbcompile.passes.choose_cuts import FLOPS_PER_BYTE, auto_split_points, cut_units
@@ -169,7 +170,7 @@ def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, 
             env[node] = g.node_copy(node, lambda n: env[n])
     g.output(tuple(env[n] for _, n in outputs))
     gm = fx.GraphModule(traced.gm, g, class_name=f"Stage{s}Forward")
-    passthrough = tuple(name for name, n in outputs if name.startswith("act:") and stage_of[n] < s)
+    passthrough = tuple(name for name, n in outputs if role_of(name) is Role.ACT and stage_of[n] < s)
     return Graph(gm, tuple(input_names), tuple(name for name, _ in outputs), index=s, passthrough=passthrough,
                  modules=modules)
 

@@ -37,6 +37,7 @@ from torch import fx
 from zbcompile._torch_private import (FakeTensorMode, OpOverload, aot_export_joint_simple,
                                       min_cut_rematerialization_partition)
 from zbcompile.errors import SplitError
+from zbcompile.names import Role, key_of, role_of
 from zbcompile.passes.analysis.aliases import graph_output_aliases, may_alias_input
 from zbcompile.stages import Graph, Partition, Stage, StagedModel, TensorSpec, module_path
 
@@ -51,9 +52,10 @@ def split_fbw(cut: Partition) -> StagedModel:
     acts: dict[str, bool] = {}   # does each sent activation carry a gradient back
 
     def requires_grad(name: str) -> bool:
-        if name.startswith("param:"):
-            return name[len("param:") :] not in traced.frozen
-        if name.startswith("act:"):
+        role = role_of(name)
+        if role is Role.PARAM:
+            return key_of(name) not in traced.frozen
+        if role is Role.ACT:
             return acts[name]
         return False  # buffers and user data
 
@@ -112,11 +114,11 @@ def _stage(sg: Graph, f: Graph, b: Graph, w: Graph, bw: Graph, rg: Mapping[str, 
         b=b,
         w=w,
         bw=bw,
-        params=tuple(n[len("param:") :] for n in sg.inputs if n.startswith("param:")),
-        buffers=tuple(n[len("buffer:") :] for n in sg.inputs if n.startswith("buffer:")),
-        recv=tuple(spec(n, v) for n, v in values(sg.input_nodes()).items() if n.startswith("act:")),
-        send=tuple(spec(n, v) for n, v in values(sg.output_nodes()).items() if n.startswith("act:")),
-        data=tuple(int(n[len("data:") :]) for n in sg.inputs if n.startswith("data:")),
+        params=tuple(key_of(n) for n in sg.inputs if role_of(n) is Role.PARAM),
+        buffers=tuple(key_of(n) for n in sg.inputs if role_of(n) is Role.BUFFER),
+        recv=tuple(spec(n, v) for n, v in values(sg.input_nodes()).items() if role_of(n) is Role.ACT),
+        send=tuple(spec(n, v) for n, v in values(sg.output_nodes()).items() if role_of(n) is Role.ACT),
+        data=tuple(int(key_of(n)) for n in sg.inputs if role_of(n) is Role.DATA),
         modules=sg.modules,
         has_loss="loss" in sg.outputs,
     )
@@ -335,8 +337,8 @@ def _split_b_w(bw: Graph) -> tuple[Graph, Graph]:
     gm = _split_conv_backward(bw.gm)
     graph = gm.graph
     outputs = list(zip(bw.outputs, graph.output_node().args[0]))
-    b_roots = [n for name, n in outputs if not name.startswith("grad:param:")]
-    w_roots = [n for name, n in outputs if name.startswith("grad:param:")]
+    b_roots = [n for name, n in outputs if role_of(name) is not Role.GRAD_PARAM]
+    w_roots = [n for name, n in outputs if role_of(name) is Role.GRAD_PARAM]
     b_nodes = _with_fused_siblings(_ancestors(b_roots))
     w_nodes = _ancestors(w_roots, stop=b_nodes)
     # values W reads from B (or that W returns straight from B)
@@ -348,9 +350,9 @@ def _split_b_w(bw: Graph) -> tuple[Graph, Graph]:
     w_inputs = [(name_of[n], n) for n in placeholders if n in w_reads] + [(f"wsaved:{n.name}", n) for n in wsaved]
     b_reads = {i for n in b_nodes for i in n.all_input_nodes} | set(b_roots)
     b_inputs = [(name_of[n], n) for n in placeholders if n in b_reads]
-    b_outputs = [(name, n) for name, n in outputs if not name.startswith("grad:param:")]
+    b_outputs = [(name, n) for name, n in outputs if role_of(name) is not Role.GRAD_PARAM]
     b_outputs += [(f"wsaved:{n.name}", n) for n in wsaved]
-    w_outputs = [(name, n) for name, n in outputs if name.startswith("grad:param:")]
+    w_outputs = [(name, n) for name, n in outputs if role_of(name) is Role.GRAD_PARAM]
     b = _extract(gm, b_nodes, b_inputs, b_outputs, "B")
     w = _extract(gm, w_nodes, w_inputs, w_outputs, "W")
     return b, w

@@ -28,6 +28,7 @@ from torch import fx, nn
 from zbcompile.distributed import (device_for, is_meta, keep_only, p2p_channels, resolve_group, stage_ranks,
                                    sync_copies, to_device)
 from zbcompile.errors import UsageError, ZBCompileWarning
+from zbcompile.names import Role, key_of, role_of
 from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.runtime import RankRuntime, StepTimings
 from zbcompile.runtime import abi
@@ -262,7 +263,7 @@ def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> No
     losses are exact, but buffers the forward updates (BatchNorm running statistics) then follow two halves
     of the step on two ranks instead of all microbatches in order on one: say so (once per compile)."""
     for k, ranks in enumerate(stage_ranks(schedule)):
-        updated = [n[len("buffer:"):] for n in staged.stages[k].f.outputs if n.startswith("buffer:")]
+        updated = [key_of(n) for n in staged.stages[k].f.outputs if role_of(n) is Role.BUFFER]
         if len(ranks) > 1 and updated:
             more = f" and {len(updated) - 3} more" if len(updated) > 3 else ""
             warnings.warn(

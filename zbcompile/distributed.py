@@ -19,6 +19,7 @@ from torch import nn
 
 from zbcompile._torch_private import default_group, live_process_groups, process_group_name
 from zbcompile.errors import RuntimeFailure, UsageError
+from zbcompile.names import Role, key_of, role_of
 from zbcompile.runtime.host import process_threads, tune_io_threads
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
@@ -161,7 +162,7 @@ def sync_copies(model: nn.Module, staged: StagedModel, schedule: Schedule, rank:
     for tag, (name, ranks) in enumerate(holders(schedule, staged).items()):
         if len(ranks) < 2 or rank not in ranks:
             continue
-        t = model.get_buffer(name[7:]) if name.startswith("buffer:") else model.get_parameter(name)
+        t = model.get_buffer(key_of(name)) if role_of(name) is Role.BUFFER else model.get_parameter(name)
         first = ranks[0]
         if rank == first:
             works += [pg.send([t.detach()], q, tag) for q in ranks if q != rank]

@@ -42,6 +42,7 @@ import torch
 from torch import fx
 
 from zbcompile.errors import SplitError
+from zbcompile.names import Role, role_of
 from zbcompile.passes.analysis.stage_report import report
 
 __all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel", "module_path"]
@@ -158,7 +159,7 @@ class Traced:
         self.graph.check(f"{where}, the traced step")
         if self.graph.outputs.count("loss") != 1:
             raise SplitError(f"{where}: the traced step returns {self.graph.outputs}, not one loss")
-        stray = [n for n in self.graph.inputs if not n.startswith(("param:", "buffer:", "data:"))]
+        stray = [n for n in self.graph.inputs if role_of(n) not in (Role.PARAM, Role.BUFFER, Role.DATA)]
         if stray:
             raise SplitError(f"{where}: the traced step has inputs that are no param/buffer/data: {stray}")
         return self
@@ -188,7 +189,7 @@ class Partition:
 
 
 def _acts(names: Sequence[str]) -> tuple[str, ...]:
-    return tuple(n for n in names if n.startswith("act:"))
+    return tuple(n for n in names if role_of(n) is Role.ACT)
 
 
 def _check_chain(sends: Sequence[Sequence[str]], recvs: Sequence[Sequence[str]], where: str) -> None:

@@ -19,6 +19,7 @@ from typing import Sequence
 import tabulate
 
 from zbcompile._format import format_bytes, format_flops
+from zbcompile.names import Role, role_of
 from zbcompile.passes import cost
 from zbcompile.passes.analysis.aliases import view_base
 
@@ -27,7 +28,7 @@ __all__ = ["report"]
 
 def _state_aliases(f) -> set[str]:
     """saved:* outputs of F that are parameters / buffers or views of them: they cost no extra memory."""
-    state = {ph for name, ph in f.input_nodes().items() if name.startswith(("param:", "buffer:"))}
+    state = {ph for name, ph in f.input_nodes().items() if role_of(name) in (Role.PARAM, Role.BUFFER)}
     aliases = set()
     for name, node in zip(f.outputs, f.gm.graph.output_node().args[0]):
         if view_base(node) in state:
@@ -35,13 +36,17 @@ def _state_aliases(f) -> set[str]:
     return aliases
 
 
-def _activation_bytes(names: Sequence[str], nodes: Sequence, prefixes, skip: set[str]) -> int:
-    """Bytes of the values named with `prefixes` (a graph's inputs or outputs), leaving out `skip`."""
-    return sum(cost.value_bytes(n) for name, n in zip(names, nodes) if name.startswith(prefixes) and name not in skip)
+# what W holds: F's and B's saved tensors and the gradients it reads
+_W_ALIVE = (Role.SAVED, Role.WSAVED, Role.GRAD_ACT, Role.GRAD_PARAM, Role.GRAD_LOSS)
+
+
+def _activation_bytes(names: Sequence[str], nodes: Sequence, roles, skip: set[str]) -> int:
+    """Bytes of the values with one of `roles` (a graph's inputs or outputs), leaving out `skip`."""
+    return sum(cost.value_bytes(n) for name, n in zip(names, nodes) if role_of(name) in roles and name not in skip)
 
 
 def _param_count(stage) -> tuple[int, int]:
-    vals = [ph.meta["val"] for name, ph in stage.f.input_nodes().items() if name.startswith("param:")]
+    vals = [ph.meta["val"] for name, ph in stage.f.input_nodes().items() if role_of(name) is Role.PARAM]
     return sum(v.numel() for v in vals), sum(v.numel() * v.element_size() for v in vals)
 
 
@@ -68,8 +73,8 @@ def report(staged) -> str:
     for st in staged.stages:
         count, nbytes = _param_count(st)
         free = _state_aliases(st.f)
-        saves = _activation_bytes(st.f.outputs, st.f.gm.graph.output_node().args[0], "saved:", free)
-        w_alive = _activation_bytes(st.w.inputs, st.w.input_nodes().values(), ("saved:", "wsaved:", "grad:"), free)
+        saves = _activation_bytes(st.f.outputs, st.f.gm.graph.output_node().args[0], (Role.SAVED,), free)
+        w_alive = _activation_bytes(st.w.inputs, st.w.input_nodes().values(), _W_ALIVE, free)
         rows.append((
             st.index,
             _compact(st.modules),

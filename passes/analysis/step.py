@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from zbcompile._torch_private import OpOverload
+from zbcompile.names import Role, role_of
 from zbcompile.stages import Traced, module_path
 
 __all__ = ["constant_nodes", "first_positions"]
@@ -20,7 +21,7 @@ __all__ = ["constant_nodes", "first_positions"]
 
 def constant_nodes(traced: Traced) -> dict[fx.Node, bool]:
     """True for nodes whose value depends on no data and no parameter, and that draw no random numbers."""
-    buffers = {node for name, node in traced.graph.input_nodes().items() if name.startswith("buffer:")}
+    buffers = {node for name, node in traced.graph.input_nodes().items() if role_of(name) is Role.BUFFER}
     const: dict[fx.Node, bool] = {}
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":

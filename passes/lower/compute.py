@@ -23,6 +23,7 @@ from zbcompile.errors import LoweringError
 from zbcompile.passes.analysis.aliases import graph_output_owned
 from zbcompile.program import ProgramGraph, RankProgram
 from zbcompile.program.ops import AccumArgs, AccumMode, Op, OpKind, RunArgs, SetGradArgs, TensorType
+from zbcompile.names import key_of, primal_of
 from zbcompile.program.values import (GRAD_LOSS, LOSS, Role, acc_value, data_value, parse, python_name,
                                       role_of, stage_value)
 from zbcompile.schedule import Action, Kind, Schedule
@@ -48,12 +49,12 @@ def _program_graph(stage: Stage, g: Graph) -> ProgramGraph:
     types = []
     for name in g.outputs:
         role = role_of(name)
-        spec = (sent.get(name) if role is Role.ACT else received.get(name[len("grad:"):])
+        spec = (sent.get(name) if role is Role.ACT else received.get(primal_of(name))
                 if role is Role.GRAD_ACT else None)
         if spec is not None:
             types.append(TensorType(tuple(spec.shape), spec.dtype))
         elif role is Role.GRAD_PARAM:
-            types.append(_param_type(stage, name[len("grad:"):]))
+            types.append(_param_type(stage, primal_of(name)))
         else:
             types.append(None)
     return ProgramGraph(g.gm, g.inputs, g.outputs, types=tuple(types))
@@ -79,7 +80,7 @@ def _resolve_input(schedule: Schedule, action: Action, name: str) -> str:
     if role in (Role.PARAM, Role.BUFFER):
         return name
     if role is Role.DATA:
-        return data_value(mb, int(name[len("data:"):]))
+        return data_value(mb, int(key_of(name)))
     if role is Role.GRAD_LOSS:
         return GRAD_LOSS
     if role is Role.ACT:
@@ -260,7 +261,7 @@ def accumulate_grads(program: RankProgram) -> RankProgram:
         ops.extend(state.accumulate(op, grads))
         for _, name in grads:
             if state.seen[name] == counts[name]:
-                param = name[len("grad:"):]
+                param = primal_of(name)
                 if param not in inputs:
                     inputs.append(param)
                 handoff.append(Op(OpKind.SET_GRAD, (param, state.acc[name]), args=SetGradArgs(counts[name] > 1),

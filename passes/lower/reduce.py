@@ -25,7 +25,7 @@ from zbcompile.errors import LoweringError
 from zbcompile.passes.lower.p2p import TagSpace
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, SetGradArgs, TensorType
-from zbcompile.program.values import handle, parse
+from zbcompile.program.values import Role, handle, key_of, parse, role_of
 
 __all__ = ["reduce_shared_grads", "grad_holders"]
 
@@ -87,6 +87,6 @@ def _grad_types(programs: Sequence[RankProgram]) -> dict[str, TensorType]:
     for p in programs:
         for g in p.graphs.values():
             for name, t in zip(g.outputs, g.types):
-                if t is not None and name.startswith("grad:param:"):
-                    out.setdefault(name[len("grad:param:"):], t)
+                if t is not None and role_of(name) is Role.GRAD_PARAM:
+                    out.setdefault(key_of(name), t)
     return out

@@ -20,41 +20,15 @@ once and remembers it, so passes ask `parse(v).role is Role.SAVED` instead of te
 
 from __future__ import annotations
 
-import enum
 from typing import NamedTuple
 
-__all__ = ["Role", "Value", "parse", "role_of", "stage_value", "data_value", "acc_value", "handle",
+from zbcompile.names import Role, key_of, role_of
+
+__all__ = ["Role", "Value", "parse", "role_of", "key_of", "stage_value", "data_value", "acc_value", "handle",
            "python_name", "GRAD_LOSS", "LOSS"]
 
 GRAD_LOSS = "grad_loss"
 LOSS = "loss"
-
-
-class Role(enum.Enum):
-    """What a value is. The stage-IR roles (zbcompile.stages) come first; their prefix is the `local` name's."""
-
-    PARAM = "param:"          # a parameter (program input)
-    BUFFER = "buffer:"        # a buffer: its live value (input) or, as an F output, its new value
-    DATA = "data:"            # a microbatch of a flat user argument
-    ACT = "act:"              # a boundary activation
-    SAVED = "saved:"          # what F saves for the backward
-    WSAVED = "wsaved:"        # what B leaves for W
-    GRAD_ACT = "grad:act:"    # a boundary activation's gradient
-    GRAD_PARAM = "grad:param:"  # a parameter's gradient (per microbatch, or a sum: see Value.scope)
-    GRAD_LOSS = "grad:loss"   # the loss's seed gradient
-    LOSS = "loss"             # a microbatch's loss, or the program's loss sum
-    HANDLE = "h:"             # a P2P handle
-    OTHER = ""                # anything else (a later pass's own values)
-
-    @property
-    def is_activation_memory(self) -> bool:
-        """Memory the step allocates per microbatch and frees after its last use."""
-        return self in _ACTIVATION
-
-
-_ACTIVATION = frozenset({Role.ACT, Role.SAVED, Role.WSAVED, Role.GRAD_ACT})
-# longest prefix first: grad:act: before act:
-_PREFIXES = tuple(sorted((r for r in Role if r.value), key=lambda r: -len(r.value)))
 
 
 class Value(NamedTuple):
@@ -76,8 +50,6 @@ class Value(NamedTuple):
 
 
 _CACHE: dict[str, Value] = {}
-_ROLES: dict[str, Role] = {}
-_PREFIX_TEXT = tuple((r, r.value) for r in _PREFIXES)   # Enum.value is a descriptor call: read it once
 
 
 def parse(vid: str) -> Value:
@@ -86,15 +58,6 @@ def parse(vid: str) -> Value:
     if value is None:
         value = _CACHE[vid] = _parse(vid)
     return value
-
-
-def role_of(local: str) -> Role:
-    """The role of a stage-IR local name (`saved:3` -> SAVED, `grad:act:h` -> GRAD_ACT); memoized."""
-    role = _ROLES.get(local)
-    if role is None:
-        role = _ROLES[local] = next((r for r, prefix in _PREFIX_TEXT if local.startswith(prefix)
-                                     and (prefix.endswith(":") or local == prefix)), Role.OTHER)
-    return role
 
 
 def _parse(vid: str) -> Value:

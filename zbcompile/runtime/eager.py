@@ -18,7 +18,7 @@ from torch import fx
 
 from zbcompile.errors import RuntimeFailure
 from zbcompile.program import RankProgram
-from zbcompile.program.values import Role, parse
+from zbcompile.program.values import Role, key_of, parse
 from zbcompile.runtime.abi import StepContext, wait
 from zbcompile.runtime.host import retain_freed_cpu_memory
 
@@ -211,5 +211,5 @@ def data_specs(programs: Sequence[RankProgram]) -> dict[int, tuple[tuple[int, ..
             for name, node in zip(g.inputs, g.gm.graph.find_nodes(op="placeholder")):
                 val = node.meta.get("val")
                 if parse(name).role is Role.DATA and val is not None:
-                    specs[int(name[len("data:"):])] = (tuple(val.shape), val.dtype)
+                    specs[int(key_of(name))] = (tuple(val.shape), val.dtype)
     return dict(sorted(specs.items()))
