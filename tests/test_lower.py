@@ -7,7 +7,6 @@ zbcompile.passes.schedules.generate. The eager model's autograd is the reference
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import subprocess
 import sys

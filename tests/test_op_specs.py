@@ -51,7 +51,7 @@ def test_every_op_kind_has_a_complete_spec(kind):
     assert spec.kind is kind and spec.meaning.strip() and spec.text.strip()
     assert spec.args is None or (isinstance(spec.args, type) and hasattr(spec.args, "_fields")), \
         "args must be a NamedTuple record (or None)"
-    for part in ("format", "parse", "aliases", "keeps"):
+    for part in ("format", "parse", "aliases", "keeps", "posts"):
         assert callable(getattr(spec, part)), f"{kind}: {part} is not callable"
     assert isinstance(spec.sync, Sync) and isinstance(spec.stream, Stream)
     assert callable(getattr(Emitter, spec.emit, None)), f"{kind}: Emitter has no method {spec.emit!r}"
@@ -60,6 +60,8 @@ def test_every_op_kind_has_a_complete_spec(kind):
     assert kind in SAMPLES, f"{kind}: add a sample op to SAMPLES (it tests the text round trip)"
     sample = SAMPLES[kind]
     assert (sample.args is None) == (spec.args is None) and (spec.args is None or isinstance(sample.args, spec.args))
+    # exactly the posting kinds put messages on the wire, and the checks can read them
+    assert bool(spec.posts(sample, 1)) == (spec.sync is Sync.POST)
 
 
 def test_spec_texts_are_unique():

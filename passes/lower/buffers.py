@@ -30,7 +30,7 @@ from typing import Callable
 
 from zbcompile.passes.analysis.aliases import graph_output_aliases
 from zbcompile.program import RankProgram
-from zbcompile.program.ops import Op, OpKind, TensorType
+from zbcompile.program.ops import OpKind, TensorType
 from zbcompile.program.values import parse
 
 __all__ = ["static_recv_buffers", "static_input_buffers", "buffer_intervals"]

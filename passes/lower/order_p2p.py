@@ -34,7 +34,6 @@ from typing import NamedTuple, Sequence
 
 from zbcompile.errors import LoweringError
 from zbcompile.program import RankProgram
-from zbcompile.program.ops import OpKind
 
 __all__ = ["order_p2p_by_pair", "pair_sequences", "Posted"]
 
@@ -56,12 +55,11 @@ def pair_sequences(programs: Sequence[RankProgram]) -> tuple[dict[Pair, list[Pos
     recvs: dict[Pair, list[Posted]] = {}
     for prog in programs:
         for i, op in enumerate(prog.ops):
-            if op.kind is OpKind.SEND:
-                for value, m in zip(op.ins, op.args.messages):
-                    sends.setdefault((prog.rank, m.peer), []).append(Posted(m.tag, i, value))
-            elif op.kind is OpKind.RECV:
-                recvs.setdefault((op.args.peer, prog.rank), []).append(
-                    Posted(op.args.tag, i, op.outs[0].removeprefix("h:")))
+            for k, (src, dst, tag, _) in enumerate(op.spec.posts(op, prog.rank)):
+                if src == prog.rank:
+                    sends.setdefault((src, dst), []).append(Posted(tag, i, op.ins[k]))
+                else:
+                    recvs.setdefault((src, dst), []).append(Posted(tag, i, op.outs[0].removeprefix("h:")))
     return sends, recvs
 
 
@@ -74,8 +72,9 @@ def order_p2p_by_pair(programs: Sequence[RankProgram]) -> tuple[RankProgram, ...
 def _order_rank(program: RankProgram, sends: dict[Pair, list[Posted]]) -> RankProgram:
     recv_at: dict[tuple[int, int], int] = {}   # (peer, tag) -> index of its RECV op
     for i, op in enumerate(program.ops):
-        if op.kind is OpKind.RECV:
-            recv_at[(op.args.peer, op.args.tag)] = i
+        for src, dst, tag, _ in op.spec.posts(op, program.rank):
+            if dst == program.rank:
+                recv_at[(src, tag)] = i
     # Sort key per op: (index, -1) keeps an op in place; a receive gets (index of the receive it must be
     # posted by, its place in the send order). Walking the send order backwards, each receive is posted
     # by the earlier of its own index and the next one's key: the suffix minimum. Only receives from

@@ -18,7 +18,7 @@ from typing import Sequence
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower.order_p2p import pair_sequences
 from zbcompile.program import RankProgram
-from zbcompile.program.ops import OpKind, Sync
+from zbcompile.program.ops import Sync
 
 __all__ = ["validate_programs", "check_pair_order"]
 
@@ -28,11 +28,9 @@ def _endpoints(programs: Sequence[RankProgram]):
     recvs: dict[tuple[int, int, int], tuple[int, int, object]] = {}
     for prog in programs:
         for i, op in enumerate(prog.ops):
-            if op.spec.sync is not Sync.POST:
-                continue
-            table = sends if op.kind is OpKind.SEND else recvs
-            types = [m.type for m in op.args.messages] if op.kind is OpKind.SEND else [op.args.type]
-            for key, t in zip(op.messages(prog.rank), types):
+            for *key, t in op.spec.posts(op, prog.rank):
+                key = tuple(key)
+                table = sends if key[0] == prog.rank else recvs
                 if key in table:
                     other = table[key]
                     raise LoweringError(
@@ -79,8 +77,7 @@ def _simulate(programs, sends, recvs) -> None:
                 op = prog.ops[pos[r]]
                 sync = op.spec.sync
                 if sync is Sync.POST:
-                    side = "send" if op.kind is OpKind.SEND else "recv"
-                    keys = [(side, key) for key in op.messages(r)]
+                    keys = [("send" if key[0] == r else "recv", key) for key in op.messages(r)]
                     posted.update(keys)
                     handles[(r, op.outs[0])] = keys
                 elif sync is Sync.WAIT:

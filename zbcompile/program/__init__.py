@@ -28,7 +28,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from torch import fx
 
 from zbcompile.errors import LoweringError
 from zbcompile.program.ops import (SPECS, Op, OpKind, RunArgs, TensorType, spec_by_text)

@@ -8,6 +8,7 @@ check, the emitter or the runtime needs to know about it.
                 parse of the arguments between its parentheses
     aliases     which outputs may share memory with which inputs     buffers.py (static receive buffers)
     keeps       whether the op may hold an input beyond the step     buffers.py
+    posts       the messages a posting op puts on the wire           validate.py, order_p2p.py, streams.py
     sync        none / posts P2P / waits on P2P / collective          validate.py (deadlock), streams.py
     stream      compute / comm / copy / host                         streams.py (device-stream deadlock)
     emit        the emitter's method for it                          passes/lower/emit.py
@@ -186,11 +187,7 @@ class Op(NamedTuple):
 
     def messages(self, rank: int) -> list[tuple[int, int, int]]:
         """(source, destination, tag) of each message this op posts when `rank` runs it."""
-        if self.kind is OpKind.SEND:
-            return [(rank, m.peer, m.tag) for m in self.args.messages]
-        if self.kind is OpKind.RECV:
-            return [(self.args.peer, rank, self.args.tag)]
-        return []
+        return [(src, dst, tag) for src, dst, tag, _ in self.spec.posts(self, rank)]
 
     def __str__(self) -> str:
         s = spec(self.kind)
@@ -293,6 +290,19 @@ def _loss_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
     return [(op.ins[0], op.outs[0])] if len(op.ins) == 1 else []   # one microbatch: returned as is
 
 
+# ---- messages: what a posting op puts on the wire --------------------------------------------------------
+def _no_posts(op: Op, rank: int) -> list:
+    return []
+
+
+def _recv_posts(op: Op, rank: int) -> list[tuple[int, int, int, TensorType]]:
+    return [(op.args.peer, rank, op.args.tag, op.args.type)]
+
+
+def _send_posts(op: Op, rank: int) -> list[tuple[int, int, int, TensorType]]:
+    return [(rank, m.peer, m.tag, m.type) for m in op.args.messages]
+
+
 def _never_keeps(op: Op) -> bool:
     return False
 
@@ -314,6 +324,7 @@ class OpSpec:
     parse: Callable[[str, tuple], tuple]      # (text between the parentheses, outs) -> (ins, args)
     aliases: Callable[[Op, Callable], list]   # (op, graph key -> output aliases) -> [(input, output)]
     keeps: Callable[[Op], bool]
+    posts: Callable[[Op, int], list]          # (op, rank) -> [(source, destination, tag, type)] it posts
     sync: Sync
     stream: Stream
     emit: str                                 # method of passes.lower.emit.Emitter
@@ -330,34 +341,41 @@ _stamp_fmt, _stamp_parse = _with_arg("slot", int, StampArgs)
 
 SPECS: dict[OpKind, OpSpec] = {s.kind: s for s in (
     OpSpec(OpKind.RUN, "run one stage graph (F, B, W, BW or a variant) for one action", RunArgs, "run",
-           _values, _run_parse, _run_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "run", ()),
+           _values, _run_parse, aliases=_run_aliases, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="run", runtime=()),
     OpSpec(OpKind.RECV, "post a receive of one tensor (into a static buffer if slotted); outs = (handle,)",
-           RecvArgs, "irecv", _format_recv, _parse_recv, _no_aliases, _never_keeps, Sync.POST, Stream.COMM,
-           "recv", ("recv", "recv_into")),
+           RecvArgs, "irecv", _format_recv, _parse_recv, aliases=_no_aliases, keeps=_never_keeps,
+           posts=_recv_posts, sync=Sync.POST, stream=Stream.COMM, emit="recv", runtime=("recv", "recv_into")),
     OpSpec(OpKind.WAIT_RECV, "wait for a posted receive; ins = (handle,), outs = (tensor,)", None, "wait_recv",
-           _values, _no_args, _first_in_is_out, _never_keeps, Sync.WAIT, Stream.COMM, "wait_recv",
-           ("wait_recv",)),
+           _values, _no_args, aliases=_first_in_is_out, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_recv", runtime=("wait_recv",)),
     OpSpec(OpKind.SEND, "post a batch of sends, one message per input; outs = (handle,)", SendArgs, "isend",
-           _format_send, _parse_send, _send_aliases, _never_keeps, Sync.POST, Stream.COMM, "send", ("send",)),
+           _format_send, _parse_send, aliases=_send_aliases, keeps=_never_keeps, posts=_send_posts,
+           sync=Sync.POST, stream=Stream.COMM, emit="send", runtime=("send",)),
     OpSpec(OpKind.WAIT_SEND, "wait for a batch of sends (the peer has the data; the tensors may go)", None,
-           "wait_send", _values, _no_args, _no_aliases, _never_keeps, Sync.WAIT, Stream.COMM, "wait_send",
-           ("wait_send",)),
-    OpSpec(OpKind.FREE, "last use of tensors: the program drops its references here", None, "free", _values,
-           _no_args, _no_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "free", ("free",)),
-    OpSpec(OpKind.ACCUM, "add microbatch parameter gradients into running sums", AccumArgs, "accum", _accum_fmt,
-           _accum_parse, _accum_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "accum", ("accumulate_",)),
-    OpSpec(OpKind.SUM, "sum copies of one gradient from several ranks, in rank order", None, "sum", _values,
-           _no_args, _no_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "call_op", ("sum_in_order",)),
+           "wait_send", _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_send", runtime=("wait_send",)),
+    OpSpec(OpKind.FREE, "last use of tensors: the program drops its references here", None, "free",
+           _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="free", runtime=("free",)),
+    OpSpec(OpKind.ACCUM, "add microbatch parameter gradients into running sums", AccumArgs, "accum",
+           _accum_fmt, _accum_parse, aliases=_accum_aliases, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="accum", runtime=("accumulate_",)),
+    OpSpec(OpKind.SUM, "sum copies of one gradient from several ranks, in rank order", None, "sum",
+           _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_in_order",)),
     OpSpec(OpKind.SET_GRAD, "accumulate a finished gradient into Parameter.grad", SetGradArgs, "set_grad",
-           _grad_fmt, _grad_parse, _no_aliases, _set_grad_keeps, Sync.NONE, Stream.COMPUTE, "set_grad",
-           ("set_grad",)),
-    OpSpec(OpKind.ADD_LOSS, "sum the microbatch losses; outs = (loss,)", None, "add_loss", _values, _no_args,
-           _loss_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "call_op", ("sum_losses",)),
-    OpSpec(OpKind.COPY_BUFFER, "copy a buffer's new value (an F output) into the live buffer", None,
-           "copy_buffer", _values, _no_args, _no_aliases, _never_keeps, Sync.NONE, Stream.COMPUTE, "call_op",
-           ("copy_buffer",)),
+           _grad_fmt, _grad_parse, aliases=_no_aliases, keeps=_set_grad_keeps, posts=_no_posts,
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="set_grad", runtime=("set_grad",)),
+    OpSpec(OpKind.ADD_LOSS, "sum the microbatch losses; outs = (loss,)", None, "add_loss",
+           _values, _no_args, aliases=_loss_aliases, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_losses",)),
+    OpSpec(OpKind.COPY_BUFFER, "copy a buffer's new value (an F output) into the live buffer", None, "copy_buffer",
+           _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("copy_buffer",)),
     OpSpec(OpKind.STAMP, "record the time into a timing slot (action start / end)", StampArgs, "stamp",
-           _stamp_fmt, _stamp_parse, _no_aliases, _never_keeps, Sync.NONE, Stream.HOST, "stamp", ()),
+           _stamp_fmt, _stamp_parse, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.NONE, stream=Stream.HOST, emit="stamp", runtime=()),
 )}
 
 _BY_TEXT = {s.text: s for s in SPECS.values()}
