@@ -1,0 +1,140 @@
+"""`zbcompile.compile` as users call it, multi-process (gloo on 127.0.0.1), against eager microbatch training.
+
+tests/test_dist.py checks every schedule from a plain split (`from_staged`); this runs `compile` itself: the
+automatic split for several placements, the decorator, a subgroup and a 1-D DeviceMesh, interleaving with 3
+chunks, explicit split points, zb-auto with measured-style costs under a memory limit, microbatch counts that
+do not divide by pp and the fewest a schedule takes, BatchNorm buffers, tied copies that start different,
+and a peer that raises (pp=2) or stalls (pp=4). One launch per pp runs tests/compile_worker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+WORKER = os.path.join(os.path.dirname(__file__), "compile_worker.py")
+TOL = 1e-5
+_LAUNCHED: dict[int, tuple] = {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
+def run(request, tmp_path_factory):
+    pp = request.param
+    if pp not in _LAUNCHED:
+        out, port = tmp_path_factory.mktemp(f"compile{pp}"), _free_port()
+        failure = "raise" if pp == 2 else "hang"
+        procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out), "--failure", failure],
+                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                                           LOCAL_RANK=str(r), WORLD_SIZE=str(pp), OMP_NUM_THREADS="1"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(pp)]
+        logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
+        results = []
+        for r in range(pp):
+            path = out / f"rank{r}.json"
+            assert path.exists(), f"rank {r} wrote no results:\n{logs[r][-3000:]}"
+            results.append(json.loads(path.read_text()))
+        _LAUNCHED[pp] = pp, results
+    return _LAUNCHED[pp]
+
+
+def _case(results, key):
+    for r, res in enumerate(results):
+        assert key in res, f"rank {r} has no result for {key!r}"
+        assert "error" not in res[key], f"rank {r} {key}:\n{res[key]['error']}"
+    return [res[key] for res in results]
+
+
+def _matches_eager(vals, key):
+    for r, v in enumerate(vals):
+        assert abs(v["loss"] - v["loss_ref"]) <= TOL * abs(v["loss_ref"]), (key, r, v["loss"], v["loss_ref"])
+        assert v["grad_err"] <= TOL, (key, r, v["grad_err"])
+    assert len({v["loss"] for v in vals}) == 1, (key, "ranks report different losses")
+
+
+# what each launch runs (compile_worker.main): pp=2 every path; pp=4, four processes on this 2-core machine
+# each tracing and splitting, the paths whose placement changes with pp
+CASES = {2: ["auto/zbv", "auto/zb-h1", "auto/dualpipev", "auto/v-min", "chunks3", "split_points", "zb-auto",
+             "subgroup", "mesh", "bn/1f1b", "bn/zbv"],
+         4: ["auto/zbv", "auto/dualpipev", "chunks3", "bn/1f1b", "bn/zbv"]}
+
+
+def test_compile_trains_like_eager(run):
+    """Loss and every gradient (and BatchNorm's running statistics) equal eager microbatch training."""
+    pp, results = run
+    for key in CASES[pp]:
+        vals = _case(results, key)
+        _matches_eager(vals, key)
+        assert all(v["buffer_err"] <= TOL for v in vals), (key, [v["buffer_err"] for v in vals])
+
+
+def test_every_parameter_and_buffer_is_held(run):
+    """After compile, every parameter and buffer of the user's model is real on some rank, and one that several
+    ranks hold is a tied weight or a mirrored stage's (DualPipe), nothing else."""
+    pp, results = run
+    keys = [k for k in results[0] if "all_params" in results[0][k]]
+    assert set(CASES[pp]) <= set(keys)
+    for k in keys:
+        vals = _case(results, k)
+        params = [p for v in vals for p in v["params"]]
+        buffers = [b for v in vals for b in v["buffers"]]
+        canonical = {g[0] for g in vals[0]["tied"]}
+        aliases = {a for g in vals[0]["tied"] for a in g[1:]}
+        assert set(params) == set(vals[0]["all_params"]) - aliases, (k, set(vals[0]["all_params"]) ^ set(params))
+        assert set(buffers) == set(vals[0]["all_buffers"]), k
+        shared = {p for p in params if params.count(p) > 1}
+        assert shared <= canonical or "dualpipe" in vals[0]["schedule"], (k, shared)
+        assert len(buffers) == len(set(buffers)) or "dualpipe" in vals[0]["schedule"], k
+
+
+def test_microbatch_counts_users_pick(run):
+    """Counts that do not divide by pp, and the fewest each schedule takes."""
+    pp, results = run
+    keys = [k for k in results[0] if k.startswith("m/")]
+    assert {k.split("/")[2] for k in keys} >= ({str(2 * pp + 1), "1", str(pp + 1)} if pp == 2 else {"1"})
+    for k in keys:
+        _matches_eager(_case(results, k), k)
+
+
+def test_decorator_builds_pipeline_modules(run):
+    pp, results = run
+    vals = _case(results, "decorator")
+    assert all(v["kind"] == "PipelineModule" for v in vals)
+    _matches_eager(vals, "decorator")
+
+
+def test_tied_copies_that_start_different_are_made_equal(run):
+    pp, results = run
+    vals = _case(results, "different_starts")
+    assert all(v["copies_equal"] for v in vals)
+    assert "wte.weight" in vals[0]["shared"]   # the tied embedding / head: first and last stage
+    _matches_eager(vals, "different_starts")
+
+
+def test_a_failing_peer_is_named_within_the_timeout(run):
+    """pp=2: the last rank's B graph raises; pp=4: it stalls past the timeout (3 s). Its neighbour raises
+    RuntimeFailure naming it; every other rank raises RuntimeFailure too, none hangs."""
+    pp, results = run
+    victim = pp - 1
+    vals = [res["failure"] for res in results]
+    if pp == 2:
+        assert vals[victim]["raised"] == "ValueError", vals[victim]
+    for r, v in enumerate(vals):
+        if r == victim:
+            continue
+        assert v["raised"] == "RuntimeFailure", (r, v)
+        assert v["seconds"] < 30, (r, v)
+    neighbour = vals[victim - 1]["message"]
+    assert f"rank {victim - 1}:" in neighbour and f"rank {victim}" in neighbour, neighbour
