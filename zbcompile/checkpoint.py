@@ -23,7 +23,9 @@ each key once, from one rank, as DCP's save planner keeps one writer per key (it
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from typing import Mapping
 
 import torch
@@ -121,7 +123,8 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     """Write `module`'s state (a PipelineModule: this rank's share; call on every rank) and `optimizer`'s into
     the directory `path` in DCP's format, keyed by the user's FQNs."""
     pg = getattr(module, "process_group", None)
-    dcp.save(_state_dict(module, optimizer), checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
+    with _single_process_is_meant():
+        dcp.save(_state_dict(module, optimizer), checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
 
 
 def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -134,7 +137,8 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     pg = getattr(module, "process_group", None)
     _check_checkpoint(path, module, optimizer, pg)
     state = _state_dict(module, optimizer)
-    dcp.load(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
+    with _single_process_is_meant():
+        dcp.load(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
     if optimizer is None:
         set_model_state_dict(module, state["model"], options=OPTIONS)
     else:
@@ -144,6 +148,15 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
 
 def _distributed(pg) -> bool:
     return pg is not None and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """DCP warns that it "assumes" one process whenever it runs without a process group, even when asked to
+    with no_dist=True; here that is the plain model's case, chosen on purpose, so the warning says nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _state_dict(module: nn.Module, optimizer) -> dict[str, object]:
