@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
@@ -134,29 +134,40 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
     buffers = {n: model.get_buffer(n) for n in owned_buffers}
     runtime = RankRuntime(programs[rank], emit_fx(programs[rank], abi), pg=pg, device=device, params=params,
                           buffers=buffers, timeout=timeout, channels=p2p_channels(pg, timeout), peers=programs)
-    return PipelineModule(model, staged, schedule, programs, runtime, rank, owned_params)
+    return PipelineModule(model, staged, schedule, programs, runtime, rank, owned_params, owned_buffers, pg)
 
 
-class PipelineModule:
-    """This rank's share of a pipeline-parallel model: its parameters and its compiled step.
+class PipelineModule(nn.Module):
+    """This rank's share of a pipeline-parallel model: its parameters, its buffers and its compiled step.
 
-    parameters() / named_parameters(): exactly the parameters this rank's stages use — the user's own
-    nn.Parameter objects (canonical names; a tied parameter once), so any torch optimizer works on them.
+    As an nn.Module it holds exactly this rank's share of the user's model under the model's own fully qualified
+    names (`zbcompile.checkpoint.attach_share`): the parameters its stages use — the user's own nn.Parameter
+    objects, so any torch optimizer works on parameters() — and the persistent buffers they read. A tied
+    parameter is one Parameter under each of its names, as in the model itself: named_parameters() gives it
+    once, under its first name; state_dict() under every name. So torch's state-dict helpers and
+    torch.distributed.checkpoint see the user's keys (zbcompile/checkpoint.py: saving and loading at any layout).
     step(*batch) puts this step's gradients into their .grad (adding to what is there, like backward()).
     """
 
     def __init__(self, model: nn.Module, staged: StagedModel, schedule: Schedule, programs, runtime: RankRuntime,
-                 rank: int, owned: tuple[str, ...]):
-        self.model = model
+                 rank: int, owned: tuple[str, ...], owned_buffers: tuple[str, ...] = (), group=None):
+        from zbcompile.checkpoint import attach_share
+
+        super().__init__()
+        # Not a child module: the user's model keeps meta tensors for what other ranks hold, and its state
+        # here is this rank's share only (attached below), under the same names.
+        self.__dict__["model"] = model
         self.staged = staged
         self.schedule = schedule
         self.programs = programs
         self.runtime = runtime
         self.rank = rank
+        self.process_group = group
         self._owned = owned
         self._fx: dict[int, fx.GraphModule] = {rank: runtime.program}
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
         self._batch_specs = tuple(runtime.batch_specs.get(i) for i in range(staged.num_inputs + staged.num_targets))
+        attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
 
     @classmethod
     def from_staged(cls, model: nn.Module, staged: StagedModel, schedule: Schedule, *, group=None,
@@ -202,20 +213,18 @@ class PipelineModule:
                     f"compiled for microbatches of shape {list(shape)} ({dtype}) from `example`; pass a batch of "
                     f"{m} x {shape[0]} rows with the example's other sizes, or compile again for this shape")
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        for name in self._owned:
-            yield name, self.model.get_parameter(name)
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module.load_state_dict, but all or nothing: keys and shapes are checked against this rank's share
+        first (`zbcompile.checkpoint.check_state_dict`), so a state dict of another model raises CheckpointError
+        naming the first mismatches before any tensor is written. Tensors are copied in place (assign=True is
+        refused: the compiled program holds the live parameters and buffers)."""
+        from zbcompile.checkpoint import check_state_dict
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.parameters():
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        if assign:
+            raise UsageError("PipelineModule.load_state_dict(assign=True): the compiled step holds this rank's "
+                             "parameters and buffers, so they are loaded in place; call it with assign=False")
+        check_state_dict(state_dict, self.state_dict(keep_vars=True), strict=strict, where=f"rank {self.rank}")
+        return super().load_state_dict(state_dict, strict=strict)
 
     # ---- inspection ----------------------------------------------------------------------------
     def rank_program(self, rank: int | None = None) -> fx.GraphModule:

@@ -14,6 +14,7 @@ __all__ = [
     "LoweringError",
     "UsageError",
     "RuntimeFailure",
+    "CheckpointError",
     "ZBCompileWarning",
 ]
 
@@ -53,6 +54,11 @@ class UsageError(ZBCompileError, ValueError):
 
 class RuntimeFailure(ZBCompileError, RuntimeError):
     """A pipeline step failed at run time (a peer died or stalled, a wait timed out)."""
+
+
+class CheckpointError(ZBCompileError, ValueError):
+    """A checkpoint or state dict does not fit the model it is loaded into (missing or unexpected keys, other
+    shapes): refused before any tensor is written."""
 
 
 class ZBCompileWarning(UserWarning):

@@ -6,11 +6,17 @@ Every rank reads the same batches from the tiny corpus shipped next to this file
 `model.step(x, y)` sees the whole batch everywhere; the compiled program slices it into microbatches and
 feeds each stage the slices it reads. Rank 0 prints one line per step: loss, tokens/s and the bubble each
 rank measured, with a progress bar, then a summary table.
+
+`--save DIR` writes the model and AdamW state after the last step (zbcompile.checkpoint: the user's parameter
+names, any layout can load it) and the number of steps done; `--resume DIR` loads them before the first step
+and goes on with the next batch of the data stream, so a resumed run continues the uninterrupted one exactly,
+at any pp, schedule or split.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -22,9 +28,11 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import zbcompile as zb
+from zbcompile import checkpoint
 from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
 
 CORPUS = Path(__file__).with_name("corpus.txt")
+PROGRESS = "train_gpt.json"   # in a --save directory, beside the checkpoint: {"step": steps done}
 
 
 def corpus_tokens() -> torch.Tensor:
@@ -63,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", type=Path, default=None, help="write the last step's timeline as a Chrome trace")
+    p.add_argument("--save", type=Path, default=None, help="write a checkpoint into this directory at the end")
+    p.add_argument("--resume", type=Path, default=None, help="start from the checkpoint in this directory")
     return p.parse_args(argv)
 
 
@@ -98,8 +108,14 @@ def main(argv=None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"zbcompile: {args.schedule} on {world} ranks, {args.microbatches} microbatches x {mbs} x {args.seq} "
         f"tokens, GPT d={cfg.d} layers={cfg.layers}")
+    done = resume(args.resume, model, opt) if args.resume else 0
+    for _ in range(done):   # the batches the saved run trained on; x, y become the next one
+        x, y = next(data)
+    if done:
+        say(f"resumed from {args.resume} after step {done}")
     rows = []
-    for step in range(1, args.steps + 1):
+    total = done + args.steps
+    for step in range(done + 1, total + 1):
         start = time.perf_counter()
         loss = model.step(x, y)
         opt.step()
@@ -107,16 +123,31 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - start
         bubbles = model.last_step.bubble
         rows.append((loss, batch * args.seq / seconds, bubbles))
-        say(f"{progress(step, args.steps)} loss {loss:.4f}  {batch * args.seq / seconds:8.0f} tok/s  bubble "
+        say(f"{progress(step, total)} loss {loss:.4f}  {batch * args.seq / seconds:8.0f} tok/s  bubble "
             + " ".join(f"r{r}={b:.0%}" for r, b in enumerate(bubbles)), flush=True)
         x, y = next(data)
     if args.trace:
         model.chrome_trace(args.trace)
         say(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
+    if args.save:
+        save(args.save, model, opt, total, rank)
+        say(f"saved the model and optimizer after step {total} to {args.save}")
     _summary(say, rows, world)
     dist.barrier()  # tear the groups down together: a rank closing its sockets under a busy peer is a race
     dist.destroy_process_group()
     return 0
+
+
+def save(path: Path, model, opt, steps: int, rank: int) -> None:
+    checkpoint.save(path, model, opt)
+    if rank == 0:
+        (path / PROGRESS).write_text(json.dumps({"step": steps}))
+
+
+def resume(path: Path, model, opt) -> int:
+    """Load the checkpoint at `path` into `model` and `opt`; returns the steps the saved run had done."""
+    checkpoint.load(path, model, opt)
+    return json.loads((path / PROGRESS).read_text())["step"]
 
 
 def _summary(say, rows, world: int) -> None:

@@ -1,0 +1,57 @@
+"""The main job's --save / --resume, run as a user runs them: save after two steps with zb-h1, resume with
+1f1b, and the resumed steps print the losses of an uninterrupted eager run of the same job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from test_dist import _free_port  # noqa: E402
+
+from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
+from zbcompile.examples.train_gpt import batches, corpus_tokens  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+JOB = ["--microbatches", "4", "--microbatch-size", "2", "--seq", "16", "--dim", "32", "--layers", "2", "--steps", "2"]
+
+
+def _job(*args: str) -> list[float]:
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                          "127.0.0.1", "--master-port", str(_free_port()), "-m", "zbcompile.examples.train_gpt",
+                          *JOB, *args], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return [float(line.split("loss ")[1].split()[0]) for line in out.stdout.splitlines() if line.startswith("[")]
+
+
+def _uninterrupted(steps: int) -> list[float]:
+    """The job's model, data and AdamW in one process (the main job's defaults: seed 0, lr 3e-3)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=256, seq=16, d=32, heads=4, layers=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = batches(corpus_tokens(), 8, 16, seed=1)
+    losses = []
+    for _ in range(steps):
+        x, y = next(data)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_main_job_resumes_from_its_checkpoint_at_another_schedule(tmp_path):
+    want = _uninterrupted(4)
+    first = _job("--schedule", "zb-h1", "--save", str(tmp_path / "ckpt"))
+    second = _job("--schedule", "1f1b", "--resume", str(tmp_path / "ckpt"))
+    printed = 1e-4   # the job prints losses with 4 decimals
+    assert all(abs(g - w) <= printed for g, w in zip(first + second, want)) and len(first + second) == 4, \
+        (first, second, want)

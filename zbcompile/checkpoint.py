@@ -1,0 +1,216 @@
+"""Checkpoints that move between pipeline layouts, through torch's own state-dict helpers and its distributed
+checkpoint (DCP) format.
+
+    zbcompile.checkpoint.save(path, pipe, opt)      # on every rank: each key written by exactly one rank
+    zbcompile.checkpoint.load(path, pipe, opt)      # on every rank of any layout (pp, schedule, split), or
+    zbcompile.checkpoint.load(path, model, opt)     # into the plain model, in one process, no process group
+
+which is, for a pipe or the plain model alike,
+
+    opts = StateDictOptions(flatten_optimizer_state_dict=True)               # `OPTIONS` below
+    model_sd, optim_sd = get_state_dict(pipe, opt, options=opts)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)     # or dcp.load(...), then
+    set_state_dict(pipe, opt, model_state_dict=model_sd, optim_state_dict=optim_sd, options=opts)
+
+plus, before `load` writes anything, a check of the checkpoint's keys and shapes against the model.
+
+A PipelineModule is an nn.Module holding this rank's share of the user's model under the model's own fully
+qualified names (`attach_share`), so torch's helpers need nothing from us: keys are the user's FQNs, the
+optimizer's state is keyed by the same names. A tensor several ranks hold (a tied embedding, DualPipe's
+mirrored stages) is in the state dict of every holder, because loading must fill every copy; saving writes
+each key once, from one rank, as DCP's save planner keeps one writer per key (its `dedup_save_plans`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+
+from zbcompile.errors import CheckpointError
+
+__all__ = ["OPTIONS", "save", "load", "attach_share", "share_of", "check_state_dict"]
+
+# Torch's default optimizer state dict keeps hyperparameters per param-group *position*: every rank writes its
+# own group 0 (its own parameter list, lr, betas) under the same keys ("optim.param_groups.0.*"), DCP keeps
+# one rank's copy, and a rank whose parameters are not in that list loads a group without lr. Flattened, every
+# entry is keyed by its parameter's FQN ("optim.param_groups.<fqn>.lr", "optim.state.<fqn>.exp_avg"), so any
+# layout reads exactly its own: torch made this option for pipeline parallelism.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+_SHOWN = 8   # mismatches named in an error
+
+
+# ---- the share an nn.Module exposes ---------------------------------------------------------------------
+def share_of(model: nn.Module, params, buffers) -> dict[str, torch.Tensor]:
+    """FQN -> live tensor for every entry of `model.state_dict()` that is one of the parameters `params` or the
+    buffers `buffers` (names in the model), in state_dict order; a tied parameter under each of its names."""
+    held = {id(model.get_parameter(n)) for n in params} | {id(model.get_buffer(n)) for n in buffers}
+    out: dict[str, torch.Tensor] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) in held:
+                out[prefix + name] = p
+        for name, b in mod._buffers.items():
+            if b is not None and id(b) in held and name not in mod._non_persistent_buffers_set:
+                out[prefix + name] = b
+    return out
+
+
+def attach_share(root: nn.Module, model: nn.Module, params, buffers) -> None:
+    """Register `share_of(model, params, buffers)` in `root` under the same FQNs, in plain container modules
+    mirroring the model's tree: root.state_dict() then has the model's keys for these tensors, in the model's
+    order, and named_parameters() names a tied parameter as the model does (its first name).
+
+    Entries go into the `_modules` / `_parameters` / `_buffers` dicts directly: a user's name may equal one of
+    root's own attributes (`model`, `rank`), which register_module would refuse; state_dict, load_state_dict
+    and named_parameters read those dicts, never the attributes."""
+    for fqn, tensor in share_of(model, params, buffers).items():
+        *path, leaf = fqn.split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod._modules[part] = _Share()
+            mod = mod._modules[part]
+        (mod._parameters if isinstance(tensor, nn.Parameter) else mod._buffers)[leaf] = tensor
+
+
+class _Share(nn.Module):
+    """A container of a PipelineModule's share: one module path of the user's model (no forward of its own)."""
+
+
+# ---- checks ----------------------------------------------------------------------------------------------
+def check_state_dict(state_dict: Mapping[str, object], expected: Mapping[str, torch.Tensor], *, strict: bool = True,
+                     where: str = "") -> None:
+    """Raise CheckpointError unless `state_dict` has a tensor of the expected shape for every key of `expected`
+    and (strict) no other keys. Shapes are checked whatever `strict` says: nothing is copied on a mismatch."""
+    shapes = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    problems = _mismatches(shapes, {k: tuple(v.shape) for k, v in expected.items()}, strict=strict)
+    if problems:
+        raise CheckpointError(_message(f"the state dict given to load_state_dict ({where})", problems,
+                                       "pass the state dict of this model (or load with strict=False to skip "
+                                       "missing and unexpected keys; shapes must match)"))
+
+
+def _mismatches(got: Mapping[str, tuple], want: Mapping[str, tuple], *, strict: bool = True,
+                prefix: str = "") -> list[str]:
+    """Missing keys, then other shapes, then (strict) unexpected keys, each as one line."""
+    missing = [f"missing: {prefix}{k} {list(s)}" for k, s in want.items() if k not in got]
+    shape = [f"shape: {prefix}{k} is {list(got[k])} there, {list(s)} in the model" for k, s in want.items()
+             if k in got and got[k] != s]
+    extra = [f"unexpected: {prefix}{k}" for k in got if k not in want] if strict else []
+    return missing + shape + extra
+
+
+def _message(what: str, problems: list[str], fix: str) -> str:
+    shown = "\n  ".join(problems[:_SHOWN])
+    more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
+    return (f"{what} does not fit this model, nothing was loaded; {len(problems)} mismatch(es):\n  {shown}{more}\n"
+            f"It comes from another model or another configuration of it: {fix}.")
+
+
+# ---- save / load ------------------------------------------------------------------------------------------
+def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write `module`'s state (a PipelineModule: this rank's share; call on every rank) and `optimizer`'s into
+    the directory `path` in DCP's format, keyed by the user's FQNs."""
+    pg = getattr(module, "process_group", None)
+    with _single_process_is_meant():
+        dcp.save(_state_dict(module, optimizer), checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
+
+
+def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint `save` wrote (at any pipeline layout, or from the plain model) into `module` (a
+    PipelineModule on every rank, or a plain nn.Module in one process) and `optimizer`.
+
+    First every rank checks the checkpoint's keys and shapes against the model and this rank's optimizer, and
+    the ranks exchange what they found: a checkpoint of another model raises the same CheckpointError on every
+    rank, naming the first mismatches, before any tensor or optimizer state is touched."""
+    pg = getattr(module, "process_group", None)
+    _check_checkpoint(path, module, optimizer, pg)
+    state = _state_dict(module, optimizer)
+    with _single_process_is_meant():
+        dcp.load(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
+    if optimizer is None:
+        set_model_state_dict(module, state["model"], options=OPTIONS)
+    else:
+        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=OPTIONS)
+
+
+def _distributed(pg) -> bool:
+    return pg is not None and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """DCP warns that it "assumes" one process whenever it runs without a process group, even when asked to
+    with no_dist=True; here that is the plain model's case, chosen on purpose, so the warning says nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _state_dict(module: nn.Module, optimizer) -> dict[str, object]:
+    if optimizer is None:
+        return {"model": get_model_state_dict(module, options=OPTIONS)}
+    model_sd, optim_sd = get_state_dict(module, optimizer, options=OPTIONS)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _check_checkpoint(path, module: nn.Module, optimizer, pg) -> None:
+    problems = _checkpoint_problems(path, module, optimizer)
+    if _distributed(pg):   # every rank raises, with every rank's findings, or none does (no rank left waiting)
+        found: list = [None] * pg.size()
+        dist.all_gather_object(found, problems, group=pg)
+        problems = list(dict.fromkeys(p for rank_problems in found for p in rank_problems))
+    if problems:
+        raise CheckpointError(_message(f"checkpoint {os.fspath(path)!r}", problems,
+                                       "load it into the model (and optimizer) it was saved from"))
+
+
+def _checkpoint_problems(path, module: nn.Module, optimizer) -> list[str]:
+    """This rank's mismatches between the checkpoint at `path` and `module` / `optimizer`, read from the
+    checkpoint's metadata only: keys this rank loads that are missing or have other shapes, model keys that no
+    rank of this model would load, and parameters of `optimizer` without saved optimizer state."""
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except (OSError, ValueError) as exc:
+        return [f"no checkpoint readable at {os.fspath(path)!r} ({type(exc).__name__}: {exc})"]
+    saved = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
+    mine = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    problems = _mismatches(saved, mine, strict=False, prefix="model.")
+    problems += [f"unexpected: model.{k}" for k in saved if k not in _whole_model_keys(module)]
+    if optimizer is not None:
+        problems += _optimizer_problems(meta, module, optimizer)
+    return problems
+
+
+def _whole_model_keys(module: nn.Module) -> set[str]:
+    """The model keys some rank of this pipeline holds (every key of a plain module)."""
+    staged = getattr(module, "staged", None)
+    if staged is None:
+        return set(module.state_dict(keep_vars=True))
+    params = {p for st in staged.stages for p in st.params}
+    buffers = {b for st in staged.stages for b in st.buffers}
+    return set(share_of(module.model, params, buffers))
+
+
+def _optimizer_problems(meta: Mapping[str, object], module: nn.Module, optimizer) -> list[str]:
+    """Every parameter of `optimizer` needs its param-group entries in the checkpoint (written for every
+    parameter the saving optimizer held, with or without state)."""
+    saved = {k for k in meta if k.startswith("optim.param_groups.")}
+    if not saved:
+        return ["no optimizer state in the checkpoint (it was saved without an optimizer): load without one"]
+    names = {id(p): n for n, p in module.named_parameters()}
+    wanted = [names[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names]
+    have = {k[len("optim.param_groups."):].rsplit(".", 1)[0] for k in saved}
+    return [f"missing: optimizer state of {n}" for n in wanted if n not in have]
