@@ -40,7 +40,8 @@ class PartitionError(ZBCompileError):
 
 
 class SplitError(ZBCompileError):
-    """A stage's backward cannot be split into B and W."""
+    """A stage cannot be split into F, B and W, or a split pass broke the stage IR's contract (the boundary
+    checks between the split passes: a bug of ours, and the message says which pass)."""
 
 
 class LoweringError(ZBCompileError):
