@@ -2,8 +2,9 @@
 
 `build_compute` is the front end (each rank's actions as RUN ops, the stage graphs they call copied into the
 program's graph table); then the lowering is a list of named, pure passes over the tuple of all ranks'
-programs, each checked after it runs. A pass is either cross-rank (it reads every rank's program: messages
-must agree on both sides) or per-rank (wrapped by `each`). Options are pass arguments (`lookahead=`).
+programs (checked after each with `check_each_pass=True`, as the suite does, and always at the end). A
+pass is either cross-rank (it reads every rank's program: messages must agree on both sides) or per-rank
+(wrapped by `each`). Options are pass arguments (`lookahead=`).
 
     insert_p2p           receives posted early / waited late, batched sends, deterministic tags   (cross-rank)
     accumulate_grads     per-microbatch parameter grads -> one sum -> Parameter.grad               (per rank)
