@@ -9,9 +9,7 @@ losses must equal the uninterrupted eager run's (step 4 also proves the AdamW st
 from __future__ import annotations
 
 import copy
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 sys.path.insert(0, os.path.dirname(__file__))
 
 import ckpt_common as common  # noqa: E402
-from test_dist import _free_port  # noqa: E402
+from launch import launch  # noqa: E402
 
 from zbcompile import checkpoint  # noqa: E402
 from zbcompile.errors import CheckpointError  # noqa: E402
@@ -33,21 +31,9 @@ TOL = 1e-6
 
 
 def _launch(pp: int, out, ckpt, *flags: str) -> list[dict]:
-    port = _free_port()
-    procs = []
-    for r in range(pp):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
-                   WORLD_SIZE=str(pp), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, WORKER, "--out", str(out), "--ckpt", str(ckpt), *flags],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    logs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
-    results = []
-    for r in range(pp):
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no results:\n{logs[r][-3000:]}"
-        res = json.loads(path.read_text())
+    results = launch(WORKER, pp, out, "--ckpt", str(ckpt), *flags, timeout=300)
+    for r, res in enumerate(results):
         assert "error" not in res, f"rank {r}:\n{res['error']}"
-        results.append(res)
     return results
 
 

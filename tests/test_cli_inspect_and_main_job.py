@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from launch import free_port
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -50,16 +51,10 @@ def test_inspect_ops_view_and_bad_rank():
     assert missing.returncode == 2 and "cannot import module 'no_such_module'" in missing.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.dist
 def test_main_job_trains_under_torchrun():
     out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), "-m", "zbcompile.examples.train_gpt", "--schedule", "zb-h1",
+               "--master-port", str(free_port()), "-m", "zbcompile.examples.train_gpt", "--schedule", "zb-h1",
                "--steps", "6", "--dim", "64", "--layers", "2", "--seq", "32")
     # on failure show the ranks' own last words (a C++ abort message comes before torchrun's summary)
     assert out.returncode == 0, out.stdout[-2000:] + "\n".join(

@@ -9,13 +9,11 @@ and a peer that raises (pp=2) or stalls (pp=4). One launch per pp runs tests/com
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
+
+from launch import launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -24,29 +22,12 @@ TOL = 1e-5
 _LAUNCHED: dict[int, tuple] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
 def run(request, tmp_path_factory):
     pp = request.param
     if pp not in _LAUNCHED:
-        out, port = tmp_path_factory.mktemp(f"compile{pp}"), _free_port()
         failure = "raise" if pp == 2 else "hang"
-        procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out), "--failure", failure],
-                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                                           LOCAL_RANK=str(r), WORLD_SIZE=str(pp), OMP_NUM_THREADS="1"),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(pp)]
-        logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
-        results = []
-        for r in range(pp):
-            path = out / f"rank{r}.json"
-            assert path.exists(), f"rank {r} wrote no results:\n{logs[r][-3000:]}"
-            results.append(json.loads(path.read_text()))
-        _LAUNCHED[pp] = pp, results
+        _LAUNCHED[pp] = pp, launch(WORKER, pp, tmp_path_factory.mktemp(f"compile{pp}"), "--failure", failure)
     return _LAUNCHED[pp]
 
 

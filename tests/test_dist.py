@@ -7,13 +7,11 @@ rank dying mid-step; each rank writes JSON that the tests below read.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
+
+from launch import launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -21,12 +19,6 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "v-min", "v-half", "v-zb",
              "dualpipe", "dualpipev"]
 TOL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _LAUNCHED: dict[int, tuple] = {}
@@ -44,23 +36,9 @@ def run_pp2(tmp_path_factory):
 
 
 def _launch(pp: int, tmp_path_factory):
-    if pp in _LAUNCHED:
-        return _LAUNCHED[pp]
-    out = tmp_path_factory.mktemp(f"pp{pp}")
-    port = _free_port()
-    procs = []
-    for r in range(pp):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
-                   WORLD_SIZE=str(pp), OMP_NUM_THREADS="1")
-        args = [sys.executable, WORKER, "--out", str(out)] + (["--hf"] if pp == 2 else [])
-        procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
-    results = []
-    for r in range(pp):
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no results:\n{logs[r][-3000:]}"
-        results.append(json.loads(path.read_text()))
-    _LAUNCHED[pp] = pp, results
+    if pp not in _LAUNCHED:
+        out = tmp_path_factory.mktemp(f"pp{pp}")
+        _LAUNCHED[pp] = pp, launch(WORKER, pp, out, *(["--hf"] if pp == 2 else []))
     return _LAUNCHED[pp]
 
 

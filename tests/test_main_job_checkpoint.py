@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_dist import _free_port  # noqa: E402
+from launch import free_port  # noqa: E402
 
 from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 from zbcompile.examples.train_gpt import batches, corpus_tokens  # noqa: E402
@@ -24,7 +24,7 @@ JOB = ["--microbatches", "4", "--microbatch-size", "2", "--seq", "16", "--dim", 
 
 def _job(*args: str) -> list[float]:
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", str(_free_port()), "-m", "zbcompile.examples.train_gpt",
+                          "127.0.0.1", "--master-port", str(free_port()), "-m", "zbcompile.examples.train_gpt",
                           *JOB, *args], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

@@ -1,0 +1,35 @@
+"""Launch a worker script as the ranks of one pipeline (the torchrun environment, gloo on 127.0.0.1, one
+thread per rank) and read what each rank wrote to `<out>/rank<r>.json`. Shared by the multi-process tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(worker: str, pp: int, out, *args: str, timeout: float = 600) -> list[dict]:
+    """Run `worker --out OUT *args` as ranks 0..pp-1; returns each rank's JSON. A rank that wrote nothing fails
+    the test with the end of its output."""
+    port = free_port()
+    procs = []
+    for r in range(pp):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
+                   WORLD_SIZE=str(pp), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, worker, "--out", str(out), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    results = []
+    for r in range(pp):
+        path = out / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no results:\n{logs[r][-3000:]}"
+        results.append(json.loads(path.read_text()))
+    return results
