@@ -6,7 +6,7 @@ step. A RankProgram is self-contained: besides its ops it holds the table of gra
 pass sees everything it may change and nothing else, and a graph variant (the accumulating W, the boxed
 form) is a pass that adds or replaces an entry of that table.
 
-    # rank 1 of 1f1b: 4 microbatches, ops 24
+    # rank 1 of 1f1b: 4 microbatches, inputs 2, ops 24
     graph stage1_f = (param:l1.weight, act:h) -> (loss, saved:0)
     graph stage1_bw = (saved:0, grad:loss) -> (grad:act:h: [1, 16] float32, grad:param:l1.weight: [16, 16] float32)
     inputs grad_loss, param:l1.weight
@@ -28,14 +28,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-
 from zbcompile.errors import LoweringError
 from zbcompile.program.ops import (SPECS, Op, OpKind, RunArgs, TensorType, spec_by_text)
 from zbcompile.program.values import parse as parse_value
 from zbcompile.schedule import Action
 from zbcompile.stages import Graph
 
-__all__ = ["ProgramGraph", "RankProgram", "first_use"]
+__all__ = ["ProgramGraph", "RankProgram"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +47,6 @@ class ProgramGraph(Graph):
 
     types: tuple[TensorType | None, ...] = field(default=(), kw_only=True)
     boxed: bool = field(default=False, kw_only=True)
-
-    def type_of(self, output: str) -> TensorType | None:
-        for name, t in zip(self.outputs, self.types):
-            if name == output:
-                return t
-        return None
 
     def signature(self) -> str:
         outs = [f"{n}: {t}" if t is not None else n for n, t in zip(self.outputs, self.types or
@@ -203,13 +196,6 @@ def _cut(line: str, width: int | None) -> str:
 
 def _mib(types: Iterable[TensorType]) -> float:
     return sum(t.nbytes for t in types) / 2**20
-
-
-def first_use(ops: Iterable[Op], value: str) -> int | None:
-    for i, op in enumerate(ops):
-        if value in op.ins:
-            return i
-    return None
 
 
 # ---- reading the text form -----------------------------------------------------------------------------
