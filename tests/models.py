@@ -15,7 +15,7 @@ from torch import nn
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
-__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits"]
+__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp"]
 
 
 class Case(NamedTuple):
@@ -146,3 +146,69 @@ def masknet(batch: int = 4) -> Case:
     torch.manual_seed(0)
     x, y = torch.randn(batch, 8), torch.randn(batch, 8)
     return Case(MaskNet(), F.mse_loss, (x, y), 3)
+
+
+class _DictBlock(nn.Module):
+    """A pre-norm residual block: norm, a two-layer MLP, residual add."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+class DictLM(nn.Module):
+    """torchtitan's layout: blocks in an nn.ModuleDict keyed "0".."n-1", looped over `.values()`."""
+
+    def __init__(self, layers: int = 6, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleDict({str(i): _DictBlock(d) for i in range(layers)})
+        self.norm = nn.LayerNorm(d)
+        self.output = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(idx)
+        for block in self.layers.values():
+            h = block(h)
+        return self.output(self.norm(h))
+
+
+def dict_lm(layers: int = 6, batch: int = 2, seq: int = 8) -> Case:
+    torch.manual_seed(0)
+    model = DictLM(layers)
+    idx, tgt = torch.randint(0, 32, (batch, seq)), torch.randint(0, 32, (batch, seq))
+    return Case(model, gpt_loss, (idx, tgt), layers)
+
+
+class MarkedMLP(nn.Module):
+    """Blocks held as plain attributes (no container), with torch.distributed.pipelining's `pipe_split()`
+    markers between them: the markers are the split points."""
+
+    def __init__(self, width: int = 8, marks: tuple[int, ...] = (1, 3)) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.mid = nn.Linear(width, width)
+        self.deep = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+        self.marks = marks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.pipelining import pipe_split
+
+        for i, layer in enumerate((self.inp, self.mid, self.deep, self.out)):
+            x = torch.tanh(layer(x))
+            if i in self.marks:
+                pipe_split()
+        return x
+
+
+def marked_mlp(marks: tuple[int, ...] = (0, 2), batch: int = 4) -> Case:
+    """MarkedMLP with a marker after the layers in `marks` (len(marks) + 1 stages)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    return Case(MarkedMLP(marks=marks), F.mse_loss, (x, y), len(marks) + 1)
