@@ -52,3 +52,41 @@ def test_module_dict_blocks_are_the_cuttable_units():
 
 def test_module_dict_model_trains_equal_to_eager_pipelined():
     threaded_step_matches_eager(models.dict_lm(layers=4), "1f1b", 4)
+
+
+# (2) split points users already wrote: pipe_split() markers, torch's split_spec of SplitPoints
+
+def test_pipe_split_markers_are_the_automatic_split_points():
+    case = models.marked_mlp(marks=(0, 2))
+    staged = split_model(case.model, case.loss_fn, case.example)
+    assert staged.meta["split_points"] == ("pipe_split:0", "pipe_split:1")
+    assert [st.modules for st in staged.stages] == [("inp",), ("mid", "deep"), ("out",)]
+    check_against_eager(staged, case)
+
+
+def test_pipe_split_model_trains_equal_to_eager_pipelined():
+    threaded_step_matches_eager(models.marked_mlp(marks=(1,)), "1f1b", 2)
+
+
+def test_split_spec_of_split_points_cuts_like_the_markers():
+    from torch.distributed.pipelining import SplitPoint
+
+    case = models.marked_mlp(marks=())
+    spec = {"out": SplitPoint.BEGINNING, "inp": SplitPoint.END}   # any order, as torch's pipeline() takes it
+    staged = split_model(case.model, case.loss_fn, case.example, split_points=spec)
+    assert staged.meta["split_points"] == ("after:inp", "out")
+    assert [st.modules for st in staged.stages] == [("inp",), ("mid", "deep"), ("out",)]
+    check_against_eager(staged, case)
+
+
+def test_explicit_split_points_win_over_markers():
+    case = models.marked_mlp(marks=(0, 2))
+    staged = split_model(case.model, case.loss_fn, case.example, split_points=["out"])
+    assert [st.modules for st in staged.stages] == [("inp", "mid", "deep"), ("out",)]
+    check_against_eager(staged, case)
+
+
+def test_markers_disagreeing_with_the_stage_count_say_so():
+    case = models.marked_mlp(marks=(0, 2))
+    with pytest.raises(PartitionError, match=r"calls pipe_split\(\) 2 times \(3 stages\) but 2 stages"):
+        split_model(case.model, case.loss_fn, case.example, num_stages=2)
