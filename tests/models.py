@@ -15,7 +15,7 @@ from torch import nn
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
-__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp"]
+__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net"]
 
 
 class Case(NamedTuple):
@@ -212,3 +212,115 @@ def marked_mlp(marks: tuple[int, ...] = (0, 2), batch: int = 4) -> Case:
     torch.manual_seed(0)
     x, y = torch.randn(batch, 8), torch.randn(batch, 8)
     return Case(MarkedMLP(marks=marks), F.mse_loss, (x, y), len(marks) + 1)
+
+
+class _Attention(nn.Module):
+    """Multi-head attention over SDPA, written as T5 is: `transpose(1, 2).contiguous().view(...)` after SDPA,
+    whose `.contiguous()` export drops (its traced SDPA output is already laid out [B, T, H, D])."""
+
+    def __init__(self, d: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.bias = nn.Parameter(0.1 * torch.randn(heads, 1, 1))   # a learned position bias, as T5's
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (f(z).view(b, -1, self.heads, d // self.heads).transpose(1, 2)   # [b, h, t, d/h]
+                   for f, z in ((self.q, x), (self.k, memory), (self.v, memory)))
+        mask = self.bias.expand(b, -1, t, k.shape[2]).clone()                      # [b, h, t, s]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        return self.o(y.transpose(1, 2).contiguous().view(b, t, d))
+
+
+class _EncoderLayer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.attn, self.norm = _Attention(d), nn.LayerNorm(d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.attn(self.norm(h), self.norm(h))
+
+
+class _Transposer(nn.Module):
+    """Hands the next module its output permuted ([b, d, t], a non-contiguous view), as conv-fronted or
+    channels-first encoders do; the next module transposes it back and flattens it with `.view`."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(h).transpose(1, 2)
+
+
+class _Untransposer(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, d, t = h.shape
+        return self.proj(h.transpose(1, 2).reshape(b * t, d).view(b, t, d))
+
+
+class Seq2Seq(nn.Module):
+    """An encoder-decoder: ids and decoder ids (two model inputs); a permuted view crosses from `encoder.1` to
+    `encoder.2`; the decoder's cross-attention reads the encoder output."""
+
+    def __init__(self, vocab: int = 32, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.encoder = nn.ModuleList([_EncoderLayer(d), _Transposer(d), _Untransposer(d), _EncoderLayer(d)])
+        self.decoder = nn.ModuleList([_Attention(d), _Attention(d)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor, dec_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.encoder:
+            h = layer(h)
+        y = self.embed(dec_ids)
+        for layer in self.decoder:
+            y = y + layer(y, h)
+        return self.head(y)
+
+
+def seq2seq(batch: int = 2, seq: int = 8) -> Case:
+    torch.manual_seed(0)
+    ids, dec, tgt = (torch.randint(0, 32, (batch, seq)) for _ in range(3))
+    return Case(Seq2Seq(), gpt_loss, ((ids, dec), (tgt,)), 6)
+
+
+class _Cast(nn.Module):
+    """Returns its input: `.to(float32)` of a float32 tensor computes nothing (export keeps only a metadata
+    assertion), as encoders' dtype casts of the hidden states do."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.to(torch.float32)
+
+
+class _Heads(nn.Module):
+    """Returns a view of its input: [b, d] -> [b, 2, d/2]."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.view(h.shape[0], 2, -1)
+
+
+class CastNet(nn.Module):
+    """Stages that return their input (`cast`) or a view of it (`heads`) when cut before and after them."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.cast = _Cast()
+        self.heads = _Heads()
+        self.out = nn.Linear(width // 2, width // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.heads(self.cast(torch.tanh(self.inp(x))))).flatten(1)
+
+
+def cast_net(batch: int = 4) -> Case:
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    return Case(CastNet(), F.mse_loss, (x, y), 4)
