@@ -201,7 +201,9 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
     - outputs that are views or inputs are cloned (aot forbids outputs aliasing inputs), a value returned
       twice is cloned the second time;
     - sent activations are contiguous (`aten.contiguous`: a copy only where the traced layout is not);
-    - every `aten.view` is an `aten.reshape`, which views where the layout allows and copies where not.
+    - every `aten.view` is an `aten.reshape`, which views where the layout allows and copies where not;
+    - every functional `aten.copy` (what export makes of a slice assignment `q[:, :k] = x`) is an
+      `expand_copy` of its source (`_differentiable_copy`): autograd has no derivative for aten.copy.
 
     Why the last two, rather than recording strides in the boundary spec and restoring them with
     as_strided on receive: the layouts export recorded are not the layouts the stage graphs produce. Export
@@ -216,7 +218,9 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in stage.gm.graph.nodes:
-        if node.op != "output":
+        if node.target is _aten.copy.default:
+            env[node] = _differentiable_copy(g, node, env)
+        elif node.op != "output":
             env[node] = g.node_copy(node, lambda n: env[n])
             if node.target is _aten.view.default:
                 env[node].target = _aten.reshape.default
@@ -238,6 +242,21 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
         results.append(value)
     g.output(tuple(results))
     return tuple(names), fx.GraphModule(stage.gm, g, class_name=f"Stage{stage.index}Diff")
+
+
+def _differentiable_copy(g: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:
+    """`aten.copy(dst, src)` as ops autograd differentiates: the result is `src` converted to dst's dtype and
+    broadcast to dst's shape, in fresh memory; dst's values are overwritten, so no grad flows into dst (the
+    slice_scatter that follows puts the result back into the base tensor, as in eager)."""
+    dst, src = node.args[0], node.args[1]
+    want, have = dst.meta["val"], src.meta["val"]   # aten.copy's source is a Tensor: always a node here
+    value = env[src]
+    if have.dtype != want.dtype or have.device != want.device:
+        value = g.call_function(_aten._to_copy.default, (value,), {"dtype": want.dtype, "device": want.device})
+        value.meta["val"] = have.to(want.dtype)
+    out = g.call_function(_aten.expand_copy.default, (value, list(want.shape)))
+    out.meta = dict(node.meta)
+    return out
 
 
 def _trivial_program(stage: Graph, diff_names, diff_gm, in_rg) -> tuple[Graph, Graph, Graph, Graph]:

@@ -15,7 +15,7 @@ from torch import nn
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
-__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net"]
+__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net"]
 
 
 class Case(NamedTuple):
@@ -324,3 +324,37 @@ def cast_net(batch: int = 4) -> Case:
     torch.manual_seed(0)
     x, y = torch.randn(batch, 8), torch.randn(batch, 8)
     return Case(CastNet(), F.mse_loss, (x, y), 4)
+
+
+class _LatentAttention(nn.Module):
+    """Slice assignment into activations, as latent-attention (MLA) code builds its queries: a fresh tensor
+    filled by `q[..., :k] = ...` / `q[..., k:] = ...`, and an in-place write into the incoming activation."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.nope, self.rope, self.first = nn.Linear(d, d // 2), nn.Linear(d, d // 2), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 1.0                                   # an activation of this module, written in place below
+        h[:, 0] = torch.tanh(self.first(x[:, 0]))
+        q = h.new_empty(h.shape)
+        q[..., : h.shape[-1] // 2] = self.nope(h)
+        q[..., h.shape[-1] // 2 :] = torch.sin(self.rope(h)).to(torch.float64)   # a cast on the way in
+        return h + q
+
+
+class LatentNet(nn.Module):
+    def __init__(self, blocks: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_LatentAttention(d) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def latent_net(batch: int = 2, seq: int = 4) -> Case:
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, seq, 8), torch.randn(batch, seq, 8)
+    return Case(LatentNet(), F.mse_loss, (x, y), 4)

@@ -151,3 +151,17 @@ def test_stage_returning_its_input_or_a_view_of_it_matches_eager(points):
 
 def test_stage_returning_its_input_trains_equal_to_eager_pipelined():
     threaded_step_matches_eager(models.cast_net(), "1f1b", 3, split_points=["cast", "heads"])
+
+
+# (5) in-place writes into slices of activations
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_slice_assignment_into_activations_matches_eager(num_stages):
+    case = models.latent_net()
+    staged = split_model(case.model, case.loss_fn, case.example, num_stages=num_stages)
+    assert not any(n.target is torch.ops.aten.copy.default for st in staged.stages for n in st.f.gm.graph.nodes)
+    check_against_eager(staged, case)
+
+
+def test_slice_assignment_model_trains_equal_to_eager_pipelined():
+    threaded_step_matches_eager(models.latent_net(), "1f1b", 2)
