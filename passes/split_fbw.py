@@ -28,6 +28,7 @@ values are F outputs. Parameters are never constants of a graph.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -65,7 +66,37 @@ def split_fbw(cut: Partition) -> StagedModel:
         acts.update((spec.name, spec.requires_grad) for spec in stage.send)
         stages.append(stage)
     meta = {"split_points": cut.split_points}
-    return StagedModel(tuple(stages), traced.num_inputs, traced.num_targets, traced.tied, meta)
+    return StagedModel(_hold_unused(tuple(stages), traced), traced.num_inputs, traced.num_targets, traced.tied,
+                       meta)
+
+
+def _hold_unused(stages: tuple[Stage, ...], traced) -> tuple[Stage, ...]:
+    """`stages` where each parameter and buffer of the model that no stage reads (a rotary embedding's saved
+    copy of its frequencies, a parameter of an unused head) is listed by exactly one stage: the one whose
+    modules hold the longest prefix of its name, else the first. A rank keeps real storage only for what its
+    stages list (zbcompile.distributed.keep_only), so without this such state would be dropped everywhere and
+    vanish from the model's state dict; listed here, it stays real on that stage's rank, untouched."""
+    used = {name for st in stages for name in st.f.inputs}
+    unused = [n for n in traced.graph.inputs if role_of(n) in (Role.PARAM, Role.BUFFER) and n not in used]
+    extra: list[list[str]] = [[] for _ in stages]
+    for name in unused:
+        extra[_holding_stage(stages, key_of(name))].append(name)
+    return tuple(
+        dataclasses.replace(st, params=st.params + tuple(key_of(n) for n in more if role_of(n) is Role.PARAM),
+                            buffers=st.buffers + tuple(key_of(n) for n in more if role_of(n) is Role.BUFFER))
+        if more else st
+        for st, more in zip(stages, extra)
+    )
+
+
+def _holding_stage(stages: Sequence[Stage], fqn: str) -> int:
+    """The stage whose module paths are the longest prefix of `fqn` (0 when none is)."""
+    best, best_len = 0, -1
+    for st in stages:
+        for path in st.modules:
+            if fqn.startswith(path + ".") and len(path) > best_len:
+                best, best_len = st.index, len(path)
+    return best
 
 
 def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torch.device | None = None) -> Stage:

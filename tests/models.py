@@ -15,7 +15,7 @@ from torch import nn
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
-__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net"]
+__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net", "rope_net"]
 
 
 class Case(NamedTuple):
@@ -358,3 +358,37 @@ def latent_net(batch: int = 2, seq: int = 4) -> Case:
     torch.manual_seed(0)
     x, y = torch.randn(batch, seq, 8), torch.randn(batch, seq, 8)
     return Case(LatentNet(), F.mse_loss, (x, y), 4)
+
+
+class _RopeBlock(nn.Module):
+    """Uses its `freqs` buffer; keeps a saved copy (`freqs_saved`) and a `spare` parameter it never reads."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("freqs", torch.linspace(0.5, 2.0, d))
+        self.register_buffer("freqs_saved", torch.linspace(0.5, 2.0, d))
+        self.spare = nn.Parameter(torch.randn(d))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(h) * self.freqs)
+
+
+class RopeNet(nn.Module):
+    """Blocks with state no stage reads, and one such buffer at the top level."""
+
+    def __init__(self, blocks: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_RopeBlock(d) for _ in range(blocks))
+        self.register_buffer("step_count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def rope_net(batch: int = 4) -> Case:
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    return Case(RopeNet(), F.mse_loss, (x, y), 4)

@@ -36,8 +36,12 @@ def threaded_step_matches_eager(case, schedule: str, pp: int, *, split_points=No
     losses, ranks, _ = run_threaded(case.model, staged, sched, batch)
     assert all(abs(v - loss.item()) <= 1e-5 * abs(loss.item()) for v in losses), (losses, loss.item())
     holders = param_holders(sched, staged)
-    err, where = max_grad_error(ref, ranks, [[f for f, rs in holders.items() if r in rs] for r in range(pp)])
+    graded = {name for name, p in ref.named_parameters() if p.grad is not None}
+    owned = [[f for f, rs in holders.items() if r in rs and f in graded] for r in range(pp)]
+    err, where = max_grad_error(ref, ranks, owned)
     assert err <= 1e-5, where
+    for r, mdl in enumerate(ranks):   # what eager leaves without a grad (parameters no stage reads) stays so
+        assert all(p.grad is None for name, p in mdl.named_parameters() if name not in graded), r
 
 
 # (1) blocks in an nn.ModuleDict: the repeated units come from the traced graph, whatever holds them
@@ -165,3 +169,46 @@ def test_slice_assignment_into_activations_matches_eager(num_stages):
 
 def test_slice_assignment_model_trains_equal_to_eager_pipelined():
     threaded_step_matches_eager(models.latent_net(), "1f1b", 2)
+
+
+# (6) parameters and buffers no stage uses: real on exactly one rank
+
+_UNUSED = ("blocks.0.spare", "blocks.0.freqs_saved", "blocks.3.spare", "blocks.3.freqs_saved", "step_count")
+
+
+def test_unused_state_is_held_by_exactly_one_stage():
+    case = models.rope_net()
+    staged = split_model(case.model, case.loss_fn, case.example, split_points=["blocks.2"])
+    held = [n for st in staged.stages for n in st.params + st.buffers]
+    for name in _UNUSED:
+        assert held.count(name) == 1, name
+    first, last = staged.stages
+    assert {"blocks.0.spare", "blocks.0.freqs_saved", "step_count"} <= set(first.params + first.buffers)
+    assert {"blocks.3.spare", "blocks.3.freqs_saved"} <= set(last.params + last.buffers)
+    check_against_eager(staged, case)
+
+
+def test_unused_state_stays_real_on_exactly_one_rank():
+    from zbcompile.distributed import keep_only
+
+    case = models.rope_net()
+    sched = generate("1f1b", 2, 4)
+    staged = split_model(case.model, case.loss_fn, case.example, num_stages=2,
+                         placement=model_stage_placement(sched))
+    state = case.model.state_dict()
+    real: dict[str, list[int]] = {}
+    for rank in range(2):   # what each rank keeps, as zbcompile.api builds it
+        model = copy.deepcopy(case.model)
+        mine = [staged.stages[sched.model_stage(s)] for s, r in enumerate(sched.placement) if r == rank]
+        keep_only(model, [p for st in mine for p in st.params], [b for st in mine for b in st.buffers],
+                  torch.device("cpu"), None)
+        for name, value in model.state_dict().items():
+            if not value.is_meta:
+                assert torch.equal(value, state[name]), name
+                real.setdefault(name, []).append(rank)
+    assert set(real) == set(state), sorted(set(state) - set(real))
+    assert all(len(real[name]) == 1 for name in _UNUSED), {n: real[n] for n in _UNUSED}
+
+
+def test_model_with_unused_state_trains_equal_to_eager_pipelined():
+    threaded_step_matches_eager(models.rope_net(), "1f1b", 2)
