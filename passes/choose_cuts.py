@@ -98,8 +98,10 @@ def cut_units(model: nn.Module, traced: Traced, *, within_blocks: int = 0) -> li
 
 
 def _spine(traced: Traced) -> str:
-    """The main repeated container: the module whose children, as the traced step ran them, include the most
-    modules of one class (transformer blocks), the shallowest on ties; '' (the model) when nothing repeats.
+    """The main repeated container: the module with the most children of one class, as the traced step ran
+    them, preferring classes with modules of their own (transformer blocks over a block's four Linears), then
+    containers that never run themselves (a ModuleList of blocks over a model holding an encoder and a decoder
+    of one class), then the shallowest; '' (the model) when nothing repeats.
 
     Read from the graph's module stacks rather than from container types, so blocks held in an nn.ModuleDict
     (torchtitan's layout), a ModuleList, a Sequential or plain attributes are found alike; the container itself
@@ -110,9 +112,14 @@ def _spine(traced: Traced) -> str:
         for path, kind in module_stack(node):
             if path:
                 children.setdefault(path.rpartition(".")[0], {})[path] = kind
-    best, best_key = "", (1, 0)
+    ran = {child for kinds in children.values() for child in kinds} | {""}
+    # modules with modules of their own that ran (perhaps behind a container: T5Block.layer is a ModuleList)
+    outer = {path[:i] for path in ran for i, c in enumerate(path) if c == "."}
+    best, best_key = "", (False, 1, False, 0)
     for parent, kinds in children.items():
-        key = (max(Counter(kinds.values()).values()), -_depth(parent))
+        kind, count = Counter(kinds.values()).most_common(1)[0]
+        inner = any(child in outer for child, k in kinds.items() if k == kind)
+        key = (inner, count, parent not in ran, -_depth(parent))
         if key > best_key:
             best, best_key = parent, key
     return best

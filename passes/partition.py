@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import bisect
 import difflib
-import itertools
 from typing import Iterable, Mapping, Sequence
 
 from torch import fx, nn
 
+from zbcompile._torch_private import OpOverload
 from zbcompile.errors import PartitionError
 from zbcompile.names import Role, role_of
 from zbcompile.passes.analysis.step import constant_nodes
@@ -73,8 +73,7 @@ def markers(traced: Traced) -> tuple[str, ...]:
 
 
 def _marker_nodes(traced: Traced) -> list[fx.Node]:
-    return [n for n in traced.gm.graph.nodes
-            if n.op == "call_function" and getattr(n.target, "name", lambda: "")() == _PIPE_SPLIT]
+    return [n for n in traced.gm.graph.nodes if isinstance(n.target, OpOverload) and n.target.name() == _PIPE_SPLIT]
 
 
 def check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
@@ -158,11 +157,11 @@ def cut_starts(traced: Traced, split_points: Sequence[str]) -> list[int]:
 def _assign(traced: Traced, split_points: tuple[str, ...]) -> dict[fx.Node, int]:
     """Stage of every node: the number of split points whose stage begins at or before it (graph order)."""
     starts = cut_starts(traced, split_points)
-    for a, b in itertools.pairwise(range(len(starts))):
-        if starts[b] < starts[a]:  # a later split point runs before the current one
+    for a in range(len(starts) - 1):
+        if starts[a + 1] < starts[a]:  # a later split point runs before the current one
             by_start = [p for _, p in sorted(zip(starts, split_points))]
             raise PartitionError(
-                f"split point `{split_points[b]}` runs before `{split_points[a]}`: list split points in "
+                f"split point `{split_points[a + 1]}` runs before `{split_points[a]}`: list split points in "
                 f"execution order, e.g. {by_start}"
             )
     return {node: bisect.bisect_right(starts, i) for i, node in enumerate(traced.gm.graph.nodes)}

@@ -15,7 +15,7 @@ from torch import nn
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
-__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net", "rope_net"]
+__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net", "rope_net", "hf_t5"]
 
 
 class Case(NamedTuple):
@@ -392,3 +392,28 @@ def rope_net(batch: int = 4) -> Case:
     torch.manual_seed(0)
     x, y = torch.randn(batch, 8), torch.randn(batch, 8)
     return Case(RopeNet(), F.mse_loss, (x, y), 4)
+
+
+class HFSeq2SeqLogits(nn.Module):
+    """A HuggingFace encoder-decoder returning just its logits; ids and decoder ids are two model inputs."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, ids: torch.Tensor, dec_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=ids, decoder_input_ids=dec_ids).logits
+
+
+def hf_t5(layers: int = 2, batch: int = 2, seq: int = 8) -> Case:
+    """transformers' T5ForConditionalGeneration from a tiny random config (no downloads): encoder and decoder
+    are two T5Stacks whose blocks sit behind ModuleLists, and its attention's `.contiguous()` after SDPA is
+    dropped by export."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=layers, num_decoder_layers=layers,
+                   num_heads=2, dropout_rate=0.0, decoder_start_token_id=0)
+    model = HFSeq2SeqLogits(T5ForConditionalGeneration(cfg))
+    ids, dec, tgt = (torch.randint(0, 64, (batch, seq)) for _ in range(3))
+    return Case(model, gpt_loss, ((ids, dec), (tgt,)), 4)

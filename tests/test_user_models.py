@@ -212,3 +212,12 @@ def test_unused_state_stays_real_on_exactly_one_rank():
 
 def test_model_with_unused_state_trains_equal_to_eager_pipelined():
     threaded_step_matches_eager(models.rope_net(), "1f1b", 2)
+
+
+def test_hf_t5_splits_automatically_and_matches_eager():
+    """An encoder-decoder users bring: two inputs, blocks behind ModuleLists inside two stacks of one class,
+    SDPA's layout under autograd; the automatic split cuts between blocks."""
+    case = models.hf_t5()
+    staged = split_model(case.model, case.loss_fn, case.example, num_stages=4)
+    assert staged.meta["split_points"][0].startswith("hf.encoder.block."), staged.meta["split_points"]
+    check_against_eager(staged, case)
