@@ -15,7 +15,7 @@ from torch import nn
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
-__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net", "rope_net", "hf_t5"]
+__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net", "rope_net", "hf_t5", "keyword_lm"]
 
 
 class Case(NamedTuple):
@@ -417,3 +417,28 @@ def hf_t5(layers: int = 2, batch: int = 2, seq: int = 8) -> Case:
     model = HFSeq2SeqLogits(T5ForConditionalGeneration(cfg))
     ids, dec, tgt = (torch.randint(0, 64, (batch, seq)) for _ in range(3))
     return Case(model, gpt_loss, ((ids, dec), (tgt,)), 4)
+
+
+class KeywordLM(nn.Module):
+    """A keyword-only forward (`model(input_ids=..., attention_mask=...)`, as HF-style wrappers take it), with
+    a padding mask beside the ids; blocks in a ModuleList."""
+
+    def __init__(self, layers: int = 4, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(_DictBlock(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids) * attention_mask[..., None]
+        for block in self.blocks:
+            h = block(h) * attention_mask[..., None]
+        return self.head(h)
+
+
+def keyword_lm(batch: int = 2, seq: int = 8) -> Case:
+    """Inputs as a dict of keyword arguments: data:0 = input_ids, data:1 = attention_mask (its order)."""
+    torch.manual_seed(0)
+    ids, tgt = torch.randint(0, 32, (batch, seq)), torch.randint(0, 32, (batch, seq))
+    mask = (torch.rand(batch, seq) > 0.2).float()
+    return Case(KeywordLM(), gpt_loss, ({"input_ids": ids, "attention_mask": mask}, (tgt,)), 4)
