@@ -30,7 +30,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from zbcompile._torch_private import tree_map
 from zbcompile.errors import TraceError
-from zbcompile.stages import Graph, Partition, Traced
+from zbcompile.stages import Graph, Partition, Traced, module_path
 
 __all__ = ["trace", "flatten_example", "input_keywords", "retarget_device", "retarget_stages"]
 
@@ -247,6 +247,26 @@ def _lift_constant(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> No
     gm.graph.erase_node(node)
 
 
+def _explain_mutation(ep, spec, position: int) -> str:
+    """TraceError's text for a step output torch.export made of an in-place write the pipeline cannot carry:
+    into a model input (USER_INPUT_MUTATION) or a parameter (PARAMETER_MUTATION); names the module and op."""
+    node = ep.graph.output_node().args[0][position]   # the new value, computed out of place by export
+    paths = [p for p in module_path(node) if p] if isinstance(node, fx.Node) else []
+    where = f"module `{paths[-1]}`" if paths else "the model's top level or the loss"
+    op = f"`{node.target}`" if isinstance(node, fx.Node) else "an in-place op"
+    if spec.kind == OutputKind.USER_INPUT_MUTATION:
+        what = f"writes into a model input in place ({op} in {where})"
+        fix = "work on a copy (`x = x.clone()` before the in-place op, or its out-of-place form)"
+    elif spec.kind == OutputKind.PARAMETER_MUTATION:
+        what = f"updates parameter `{_strip(spec.target)}` in place inside forward ({op} in {where})"
+        fix = ("keep forward free of parameter updates: do them between steps (after `step()`, under "
+               "torch.no_grad()), or hold the value in a buffer")
+    else:
+        what = f"returns an output of kind {spec.kind.name} (`{spec.target}`)"
+        fix = "return one loss from loss_fn and keep the model's other state in parameters and buffers"
+    return f"the training step {what}, which a pipeline stage cannot carry across microbatches; fix: {fix}"
+
+
 def _name_outputs(ep) -> tuple[str, ...]:
     names = []
     for spec in ep.graph_signature.output_specs:
@@ -255,7 +275,7 @@ def _name_outputs(ep) -> tuple[str, ...]:
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             names.append("buffer:" + _strip(spec.target))
         else:
-            raise TraceError(f"unsupported output kind {spec.kind.name} (`{spec.target}`) in the exported step")
+            raise TraceError(_explain_mutation(ep, spec, len(names)))
     if names.count("loss") != 1:
         raise TraceError(f"loss_fn must return one scalar tensor; the step returns {names.count('loss')} values")
     output = ep.graph.output_node()

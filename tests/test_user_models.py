@@ -1,6 +1,11 @@
 """Models users bring that the split used to reject: each class reproduced by a small model, split, and
 checked against eager autograd (loss, every gradient, updated buffers) stage graph by stage graph
-(test_split.check_against_eager), and for the first classes also as a threaded pipeline step."""
+(test_split.check_against_eager), most also as a threaded pipeline step (tests/threaded.py). The classes:
+blocks in an nn.ModuleDict; split points users already wrote (pipe_split() markers, torch's split_spec);
+stages returning their input or a view of it; non-contiguous boundary tensors and SDPA's layout under
+autograd (an encoder-decoder, HF T5); slice assignment into activations; parameters and buffers no stage
+reads; keyword-only inputs with a mask; and the in-place writes that still cannot work, which get one clear
+error."""
 
 from __future__ import annotations
 
@@ -258,3 +263,46 @@ def test_keyword_only_model_trains_equal_to_eager_pipelined():
     holders = param_holders(sched, staged)
     err, where = max_grad_error(ref, ranks, [[f for f, rs in holders.items() if r in rs] for r in range(pp)])
     assert err <= 1e-5, where
+
+
+# what still cannot work: one clear error naming the module, the op and the fix
+
+class _WritesInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.fc(x)
+
+
+class _UpdatesWeight(_WritesInput):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.fc.weight.mul_(0.5)
+        return self.fc(x)
+
+
+class _Holder(torch.nn.Module):
+    """Hands the model input straight to `layers.1`."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), block])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](x) + self.layers[0](x.detach())
+
+
+@pytest.mark.parametrize("block,text", [
+    (_WritesInput, r"writes into a model input in place \(`aten.mul.Tensor` in module `layers.1`\).*x.clone\(\)"),
+    (_UpdatesWeight, r"updates parameter `layers.1.fc.weight` in place inside forward \(`aten.mul.Tensor` in "
+                     r"module `layers.1`\).*fix: keep forward free of parameter updates"),
+])
+def test_in_place_writes_the_pipeline_cannot_carry_name_module_op_and_fix(block, text):
+    from zbcompile.errors import TraceError
+
+    model = _Holder(block())
+    with pytest.raises(TraceError, match=text):
+        split_model(model, torch.nn.functional.mse_loss, (torch.randn(2, 4), torch.randn(2, 4)), num_stages=2)
