@@ -95,6 +95,17 @@ def test_explicit_split_points_win_over_markers():
     check_against_eager(staged, case)
 
 
+@pytest.mark.parametrize("points,text", [
+    (["pipe_split:2"], r"split point `pipe_split:2`: the traced step has 2 pipe_split\(\) markers"),
+    (["out", "after:inp"], r"split point `after:inp` runs before `out`: .* \['after:inp', 'out'\]"),
+    (["after:nothing"], r"unknown split point `after:nothing`: the model has no module `nothing`"),
+])
+def test_wrong_split_points_say_which_and_how(points, text):
+    case = models.marked_mlp(marks=(0, 2))
+    with pytest.raises(PartitionError, match=text):
+        split_model(case.model, case.loss_fn, case.example, split_points=points)
+
+
 def test_markers_disagreeing_with_the_stage_count_say_so():
     case = models.marked_mlp(marks=(0, 2))
     with pytest.raises(PartitionError, match=r"calls pipe_split\(\) 2 times \(3 stages\) but 2 stages"):
