@@ -22,20 +22,15 @@ PP = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("user_models")
-    port = _free_port()
-    procs = []
-    for r in range(PP):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
-                   WORLD_SIZE=str(PP), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, WORKER, "--out", str(out)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(PP),
+                "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out)],
+                              env={**os.environ, **torchrun, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(PP)]
     logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
-    results = []
-    for r in range(PP):
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote nothing:\n{logs[r][-3000:]}"
-        results.append(json.loads(path.read_text()))
-    return results
+    missing = {r: log[-3000:] for r, log in enumerate(logs) if not (out / f"rank{r}.json").exists()}
+    assert not missing, f"ranks that wrote nothing, with their output: {missing}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(PP)]
 
 
 @pytest.mark.parametrize("tag,points", [("dict", "layers."), ("marked", "pipe_split:0")])
