@@ -44,7 +44,8 @@ from zbcompile.passes.analysis.step import constant_nodes
 from zbcompile.passes.choose_cuts import FLOPS_PER_BYTE, auto_split_points, cut_units
 from zbcompile.stages import Graph, Partition, Traced, module_path
 
-__all__ = ["partition", "check_split_points", "split_point_names", "markers", "cut_starts", "auto_split_points", "cut_units", "module_path", "FLOPS_PER_BYTE"]
+__all__ = ["partition", "check_split_points", "split_point_names", "markers", "cut_starts", "auto_split_points",
+           "cut_units", "module_path", "FLOPS_PER_BYTE"]
 
 
 MARKER_PREFIX = "pipe_split:"   # "pipe_split:<k>": at the k-th pipe_split() marker of the traced step
@@ -73,7 +74,8 @@ def markers(traced: Traced) -> tuple[str, ...]:
 
 
 def _marker_nodes(traced: Traced) -> list[fx.Node]:
-    return [n for n in traced.gm.graph.nodes if isinstance(n.target, OpOverload) and n.target.name() == _PIPE_SPLIT]
+    return [n for n in traced.gm.graph.nodes
+            if isinstance(n.target, OpOverload) and n.target.name() == _PIPE_SPLIT]
 
 
 def check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
@@ -139,11 +141,11 @@ def cut_starts(traced: Traced, split_points: Sequence[str]) -> list[int]:
     for point in split_points:
         module = point.removeprefix(AFTER_PREFIX)
         if point.startswith(MARKER_PREFIX):
-            k = int(point[len(MARKER_PREFIX):])
-            if not 0 <= k < len(marks):
+            k = point[len(MARKER_PREFIX):]
+            if not (k.isdigit() and int(k) < len(marks)):
                 raise PartitionError(f"split point `{point}`: the traced step has {len(marks)} pipe_split() "
                                      "markers; markers count from 0 in execution order")
-            starts.append(marks[k])
+            starts.append(marks[int(k)])
         elif module not in first:
             raise PartitionError(
                 f"split point `{point}` is a module of the model but computes nothing in the traced step "

@@ -9,7 +9,10 @@ first to last.
 1. Joint: `aot_export_joint_simple` traces forward + backward of the stage's functional forward, with
    parameters and received activations requiring grad. Pass-through activations are left out of the traced
    function (an output aliasing an input is not allowed there) and wired in by hand: F re-sends the input, and
-   the backward adds the incoming grad to whatever the stage itself contributes.
+   the backward adds the incoming grad to whatever the stage itself contributes. Before the trace the stage
+   forward is made fit for it (`_differentiable_forward`): outputs aliasing inputs cloned, boundary tensors
+   contiguous, views as reshapes, slice assignments (aten.copy) as expand_copy. A stage with nothing to
+   differentiate (no input requires grad, or it only re-sends what it received) gets a trivial backward.
 2. F / BW: `min_cut_rematerialization_partition` picks what F saves (`saved:*`) and what the backward
    recomputes; its backward is BW, the fused backward of plain 1F1B.
 3. B / W by dependency analysis on BW:
@@ -236,8 +239,8 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
     - every functional `aten.copy` (what export makes of a slice assignment `q[:, :k] = x`) is an
       `expand_copy` of its source (`_differentiable_copy`): autograd has no derivative for aten.copy.
 
-    Why the last two, rather than recording strides in the boundary spec and restoring them with
-    as_strided on receive: the layouts export recorded are not the layouts the stage graphs produce. Export
+    Why contiguous sends and reshape, rather than recording strides in the boundary spec and restoring them
+    with as_strided on receive: the layouts export recorded are not the layouts the stage graphs produce. Export
     traces without autograd, and ops such as SDPA on CPU pick another kernel, with another output layout,
     when their inputs require grad; export has by then dropped a `.contiguous()` that looked redundant
     (T5: `attn.transpose(1, 2).contiguous().view(...)`), so the recorded strides are not worth restoring and a

@@ -97,6 +97,8 @@ def test_explicit_split_points_win_over_markers():
 
 @pytest.mark.parametrize("points,text", [
     (["pipe_split:2"], r"split point `pipe_split:2`: the traced step has 2 pipe_split\(\) markers"),
+    (["pipe_split:one"], r"split point `pipe_split:one`: the traced step has 2 pipe_split\(\) markers; markers "
+                         r"count from 0"),
     (["out", "after:inp"], r"split point `after:inp` runs before `out`: .* \['after:inp', 'out'\]"),
     (["after:nothing"], r"unknown split point `after:nothing`: the model has no module `nothing`"),
 ])
