@@ -3,7 +3,8 @@
     model, Traced, num_stages, placement  ->  split points (module names, in execution order)
 
 Automatic cuts (`auto_split_points`) choose among "units": the children of the model's main repeated container
-(the ModuleList / Sequential with the most children, e.g. transformer blocks) and of its ancestors, and, inside
+(the module whose children in the traced step include the most modules of one class, e.g. transformer blocks,
+whatever holds them: ModuleList, Sequential, ModuleDict or plain attributes) and of its ancestors, and, inside
 each block, its children where the cut sends no more bytes than a cut between blocks (a pre-norm block: before
 `ln2`, where only the residual crosses). Leaf modules are never cut inside. A unit weighs its estimated training
 time (`_node_time`: forward and backward, FLOPs plus bytes at FLOPS_PER_BYTE). The cuts minimize the heaviest
@@ -21,6 +22,7 @@ lowers the heaviest rank by more than REFINE_GAIN:
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from typing import Sequence
 
 import torch
@@ -30,7 +32,7 @@ from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
 from zbcompile.passes.analysis.step import constant_nodes, first_positions
 from zbcompile.passes.balance import balance_placed, device_loads, group_weights, placement_loads
-from zbcompile.stages import Traced, module_path
+from zbcompile.stages import Traced, module_path, module_stack
 
 __all__ = ["auto_split_points", "cut_units", "FLOPS_PER_BYTE", "BACKWARD_PER_FORWARD", "WITHIN_BLOCK_GAIN",
            "REFINE_WIDTH", "REFINE_GAIN"]
@@ -78,7 +80,7 @@ def cut_units(model: nn.Module, traced: Traced, *, within_blocks: int = 0) -> li
     container (1: `blocks.3.ln2`, 2: also `blocks.3.attn.proj`), without checking how much such a cut sends
     (auto_split_points does).
     """
-    spine = _spine(model)
+    spine = _spine(traced)
     allowed = set()
     for name, module in model.named_modules():
         if name == spine or (spine.startswith(name + ".") if name else True):
@@ -95,15 +97,36 @@ def cut_units(model: nn.Module, traced: Traced, *, within_blocks: int = 0) -> li
     return list(units.values())
 
 
-def _spine(model: nn.Module) -> str:
-    """The ModuleList / Sequential with the most children (shallowest on ties); '' if there is none."""
-    best, best_key = "", (0, 0)
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            key = (len(module), -name.count("."))
-            if key > best_key:
-                best, best_key = name, key
+def _spine(traced: Traced) -> str:
+    """The main repeated container: the module with the most children of one class, as the traced step ran
+    them, preferring classes with modules of their own (transformer blocks over a block's four Linears), then
+    containers that never run themselves (a ModuleList of blocks over a model holding an encoder and a decoder
+    of one class), then the shallowest; '' (the model) when nothing repeats.
+
+    Read from the graph's module stacks rather than from container types, so blocks held in an nn.ModuleDict
+    (torchtitan's layout), a ModuleList, a Sequential or plain attributes are found alike; the container itself
+    need not appear in the trace (a ModuleDict is never called).
+    """
+    children: dict[str, dict[str, str]] = {}   # parent path -> {child path: class}
+    for node in traced.gm.graph.nodes:
+        for path, kind in module_stack(node):
+            if path:
+                children.setdefault(path.rpartition(".")[0], {})[path] = kind
+    ran = {child for kinds in children.values() for child in kinds} | {""}
+    # modules with modules of their own that ran (perhaps behind a container: T5Block.layer is a ModuleList)
+    outer = {path[:i] for path in ran for i, c in enumerate(path) if c == "."}
+    best, best_key = "", (False, 1, False, 0)
+    for parent, kinds in children.items():
+        kind, count = Counter(kinds.values()).most_common(1)[0]
+        inner = any(child in outer for child, k in kinds.items() if k == kind)
+        key = (inner, count, parent not in ran, -_depth(parent))
+        if key > best_key:
+            best, best_key = parent, key
     return best
+
+
+def _depth(path: str) -> int:
+    return path.count(".") + 1 if path else 0
 
 
 def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,

@@ -2,9 +2,13 @@
 
     Traced, split_points  ->  Partition(stages=(Graph, ...))       (zbcompile.stages)
 
-A split point is a module name; the cut goes right BEFORE the first node the module computes. Nodes are
-assigned in graph (= execution) order: a running stage counter advances when a node belongs to the next
-split point's module (read from `meta["nn_module_stack"]`). So everything between two split points, including
+A split point is a module name; the cut goes right BEFORE the first node the module computes. Two more forms
+cover the split points users already wrote for torch.distributed.pipelining: `after:<module>` cuts right after
+the module's last node (`SplitPoint.END` in a `split_spec`; `split_point_names` converts a split_spec), and
+`pipe_split:<k>` cuts at the k-th `pipe_split()` marker the model calls (the trace keeps the markers as
+`pippy._pipe_split` nodes; they compute nothing and are never copied into a stage). Nodes are assigned in
+graph (= execution) order: a running stage counter advances at the first node of the next split point
+(modules read from `meta["nn_module_stack"]`). So everything between two split points, including
 top-level glue code, lands in the earlier stage, and the loss lands in the last one.
 
     graph order:  arange  embedding ... | blocks.2 ...         | blocks.4 ... ln_f lm_head loss
@@ -26,35 +30,74 @@ the pipeline); this module only cuts. `auto_split_points`, `cut_units` and `FLOP
 
 from __future__ import annotations
 
+import bisect
 import difflib
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from torch import fx, nn
 
+from zbcompile._torch_private import OpOverload
 from zbcompile.errors import PartitionError
 from zbcompile.names import Role, role_of
-from zbcompile.passes.analysis.step import constant_nodes, first_positions
+from zbcompile.passes.analysis.step import constant_nodes
 # re-exported so that the chooser stays importable from here; cutting itself never calls it
 from zbcompile.passes.choose_cuts import FLOPS_PER_BYTE, auto_split_points, cut_units
 from zbcompile.stages import Graph, Partition, Traced, module_path
 
-__all__ = ["partition", "check_split_points", "auto_split_points", "cut_units", "module_path", "FLOPS_PER_BYTE"]
+__all__ = ["partition", "check_split_points", "split_point_names", "markers", "cut_starts", "auto_split_points",
+           "cut_units", "module_path", "FLOPS_PER_BYTE"]
+
+
+MARKER_PREFIX = "pipe_split:"   # "pipe_split:<k>": at the k-th pipe_split() marker of the traced step
+AFTER_PREFIX = "after:"         # "after:<module>": right after the module's last node (SplitPoint.END)
+_PIPE_SPLIT = "pippy::_pipe_split"
+
+
+def split_point_names(split_points) -> tuple[str, ...]:
+    """Split points as names: a sequence of names passes through; torch.distributed.pipelining's `split_spec`
+    ({module: SplitPoint.BEGINNING or SplitPoint.END}) becomes `<module>` / `after:<module>`, in its order."""
+    if not isinstance(split_points, Mapping):
+        return tuple(split_points)
+    names = []
+    for module, where in split_points.items():
+        kind = getattr(where, "name", where)
+        if kind not in ("BEGINNING", "END"):
+            raise PartitionError(f"split_spec[{module!r}] is {where!r}: use torch.distributed.pipelining's "
+                                 "SplitPoint.BEGINNING (cut before the module) or SplitPoint.END (cut after it)")
+        names.append(module if kind == "BEGINNING" else AFTER_PREFIX + module)
+    return tuple(names)
+
+
+def markers(traced: Traced) -> tuple[str, ...]:
+    """The split points the model wrote itself: one `pipe_split:<k>` per pipe_split() call in the traced step."""
+    return tuple(f"{MARKER_PREFIX}{k}" for k, _ in enumerate(_marker_nodes(traced)))
+
+
+def _marker_nodes(traced: Traced) -> list[fx.Node]:
+    return [n for n in traced.gm.graph.nodes
+            if isinstance(n.target, OpOverload) and n.target.name() == _PIPE_SPLIT]
 
 
 def check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
+    """Raise PartitionError for a split point naming no module of `model` (with close names) or a repeated one;
+    `pipe_split:<k>` markers are checked against the trace (`partition`)."""
     names = [n for n, _ in model.named_modules() if n]
     known = set(names)
     for point in split_points:
-        if point not in known:
-            close = difflib.get_close_matches(point, names, n=5, cutoff=0.5)
+        if point.startswith(MARKER_PREFIX):
+            continue
+        module = point.removeprefix(AFTER_PREFIX)
+        if module not in known:
+            close = difflib.get_close_matches(module, names, n=5, cutoff=0.5)
             hint = f"; close names: {', '.join(close)}" if close else ""
-            raise PartitionError(f"unknown split point `{point}`: the model has no such module{hint}")
+            raise PartitionError(f"unknown split point `{point}`: the model has no module `{module}`{hint}")
     if len(set(split_points)) != len(split_points):
         raise PartitionError(f"split points repeat a module: {list(split_points)}")
 
 
 def partition(traced: Traced, split_points: Sequence[str]) -> Partition:
-    """Cut `traced` before each of `split_points` (module names, in execution order)."""
+    """Cut `traced` before each of `split_points` (in execution order): module names, `after:<module>` or
+    `pipe_split:<k>` markers."""
     stage_of = _assign(traced, tuple(split_points))
     const = constant_nodes(traced)
     graph = traced.gm.graph
@@ -82,32 +125,48 @@ def partition(traced: Traced, split_points: Sequence[str]) -> Partition:
     return Partition(tuple(stages), tuple(split_points), traced)
 
 
+def cut_starts(traced: Traced, split_points: Sequence[str]) -> list[int]:
+    """Graph position where each split point's stage begins: a module's first node, the node after a module's
+    last one (`after:`), or a pipe_split() marker (`pipe_split:<k>`)."""
+    nodes = list(traced.gm.graph.nodes)
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, node in enumerate(nodes):
+        for path in module_path(node):
+            first.setdefault(path, i)
+            last[path] = i
+    position = {n: i for i, n in enumerate(nodes)}
+    marks = [position[n] for n in _marker_nodes(traced)]
+    starts = []
+    for point in split_points:
+        module = point.removeprefix(AFTER_PREFIX)
+        if point.startswith(MARKER_PREFIX):
+            k = point[len(MARKER_PREFIX):]
+            if not (k.isdigit() and int(k) < len(marks)):
+                raise PartitionError(f"split point `{point}`: the traced step has {len(marks)} pipe_split() "
+                                     "markers; markers count from 0 in execution order")
+            starts.append(marks[int(k)])
+        elif module not in first:
+            raise PartitionError(
+                f"split point `{point}` is a module of the model but computes nothing in the traced step "
+                "(it is never called): choose a module that runs"
+            )
+        else:
+            starts.append(last[module] + 1 if point.startswith(AFTER_PREFIX) else first[module])
+    return starts
+
+
 def _assign(traced: Traced, split_points: tuple[str, ...]) -> dict[fx.Node, int]:
-    """Stage of every node, advancing through split points in graph order."""
-    stage_of: dict[fx.Node, int] = {}
-    position = {p: i for i, p in enumerate(split_points)}
-    stage = 0
-    for node in traced.gm.graph.nodes:
-        paths = module_path(node)
-        while stage < len(split_points) and split_points[stage] in paths:
-            stage += 1
-        for path in paths:
-            if position.get(path, -1) >= stage:  # a later split point runs before the current one
-                raise PartitionError(
-                    f"split point `{path}` runs before `{split_points[stage]}`: list split points in "
-                    f"execution order, e.g. {sorted(split_points, key=lambda p: _order_key(traced, p))}"
-                )
-        stage_of[node] = stage
-    if stage < len(split_points):
-        raise PartitionError(
-            f"split point `{split_points[stage]}` is a module of the model but computes nothing in the traced "
-            "step (it is never called): choose a module that runs"
-        )
-    return stage_of
-
-
-def _order_key(traced: Traced, point: str) -> int:
-    return first_positions(traced).get(point, 1 << 30)
+    """Stage of every node: the number of split points whose stage begins at or before it (graph order)."""
+    starts = cut_starts(traced, split_points)
+    for a in range(len(starts) - 1):
+        if starts[a + 1] < starts[a]:  # a later split point runs before the current one
+            by_start = [p for _, p in sorted(zip(starts, split_points))]
+            raise PartitionError(
+                f"split point `{split_points[a + 1]}` runs before `{split_points[a]}`: list split points in "
+                f"execution order, e.g. {by_start}"
+            )
+    return {node: bisect.bisect_right(starts, i) for i, node in enumerate(traced.gm.graph.nodes)}
 
 
 def _last_use(graph: fx.Graph, stage_of, const, out_values) -> dict[fx.Node, int]:

@@ -9,7 +9,10 @@ first to last.
 1. Joint: `aot_export_joint_simple` traces forward + backward of the stage's functional forward, with
    parameters and received activations requiring grad. Pass-through activations are left out of the traced
    function (an output aliasing an input is not allowed there) and wired in by hand: F re-sends the input, and
-   the backward adds the incoming grad to whatever the stage itself contributes.
+   the backward adds the incoming grad to whatever the stage itself contributes. Before the trace the stage
+   forward is made fit for it (`_differentiable_forward`): outputs aliasing inputs cloned, boundary tensors
+   contiguous, views as reshapes, slice assignments (aten.copy) as expand_copy. A stage with nothing to
+   differentiate (no input requires grad, or it only re-sends what it received) gets a trivial backward.
 2. F / BW: `min_cut_rematerialization_partition` picks what F saves (`saved:*`) and what the backward
    recomputes; its backward is BW, the fused backward of plain 1F1B.
 3. B / W by dependency analysis on BW:
@@ -28,6 +31,7 @@ values are F outputs. Parameters are never constants of a graph.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -65,7 +69,37 @@ def split_fbw(cut: Partition) -> StagedModel:
         acts.update((spec.name, spec.requires_grad) for spec in stage.send)
         stages.append(stage)
     meta = {"split_points": cut.split_points}
-    return StagedModel(tuple(stages), traced.num_inputs, traced.num_targets, traced.tied, meta)
+    return StagedModel(_hold_unused(tuple(stages), traced), traced.num_inputs, traced.num_targets, traced.tied,
+                       meta)
+
+
+def _hold_unused(stages: tuple[Stage, ...], traced) -> tuple[Stage, ...]:
+    """`stages` where each parameter and buffer of the model that no stage reads (a rotary embedding's saved
+    copy of its frequencies, a parameter of an unused head) is listed by exactly one stage: the one whose
+    modules hold the longest prefix of its name, else the first. A rank keeps real storage only for what its
+    stages list (zbcompile.distributed.keep_only), so without this such state would be dropped everywhere and
+    vanish from the model's state dict; listed here, it stays real on that stage's rank, untouched."""
+    used = {name for st in stages for name in st.f.inputs}
+    unused = [n for n in traced.graph.inputs if role_of(n) in (Role.PARAM, Role.BUFFER) and n not in used]
+    extra: list[list[str]] = [[] for _ in stages]
+    for name in unused:
+        extra[_holding_stage(stages, key_of(name))].append(name)
+    return tuple(
+        dataclasses.replace(st, params=st.params + tuple(key_of(n) for n in more if role_of(n) is Role.PARAM),
+                            buffers=st.buffers + tuple(key_of(n) for n in more if role_of(n) is Role.BUFFER))
+        if more else st
+        for st, more in zip(stages, extra)
+    )
+
+
+def _holding_stage(stages: Sequence[Stage], fqn: str) -> int:
+    """The stage whose module paths are the longest prefix of `fqn` (0 when none is)."""
+    best, best_len = 0, -1
+    for st in stages:
+        for path in st.modules:
+            if fqn.startswith(path + ".") and len(path) > best_len:
+                best, best_len = st.index, len(path)
+    return best
 
 
 def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torch.device | None = None) -> Stage:
@@ -77,7 +111,7 @@ def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torc
     placeholders = list(stage.gm.graph.find_nodes(op="placeholder"))
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # lifted constants are real tensors
     args = tuple(
-        _fake_arg(mode, ph, requires_grad(name), device) for name, ph in zip(stage.inputs, placeholders)
+        _fake_arg(mode, name, ph, requires_grad(name), device) for name, ph in zip(stage.inputs, placeholders)
     )
     diff_names, diff_gm = _differentiable_forward(stage)
     with mode, torch.enable_grad():
@@ -85,8 +119,11 @@ def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torc
     out_rg = {name: bool(o.requires_grad) for name, o in zip(diff_names, outs)}
     in_rg = {name: bool(a.requires_grad) for name, a in zip(stage.inputs, args)}
     rg = {**in_rg, **out_rg, **{p: in_rg[p] for p in stage.passthrough}}
-    if not any(in_rg.values()):
-        return _stage(stage, *_no_grad_program(stage, diff_names, diff_gm), rg)
+    if not any(in_rg.values()) or not diff_names:
+        # nothing to differentiate: no input requires grad, or the stage only re-sends what it received (a
+        # stage that returns its input, e.g. one doing nothing but `.to(dtype)`); aot cannot trace a joint
+        # without outputs
+        return _stage(stage, *_trivial_program(stage, diff_names, diff_gm, in_rg), rg)
     try:
         joint = aot_export_joint_simple(diff_gm, args, trace_joint=True)
         fw, bw = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=len(diff_names))
@@ -178,29 +215,61 @@ def _fix(text: str, culprits: Sequence[fx.Node]) -> str:
             "above, or choose other split_points to isolate it")
 
 
-def _fake_arg(mode: FakeTensorMode, ph: fx.Node, requires_grad: bool, device: torch.device | None) -> torch.Tensor:
+def _fake_arg(mode: FakeTensorMode, name: str, ph: fx.Node, requires_grad: bool,
+              device: torch.device | None) -> torch.Tensor:
+    """A fake tensor for stage input `name`: the traced layout, except a received activation, which is
+    contiguous, as every boundary tensor is on the wire (see _differentiable_forward)."""
     val = ph.meta["val"]
     if device is None or val.device.type != "meta":
         device = val.device
+    stride = torch.empty(val.shape, device="meta").stride() if role_of(name) is Role.ACT else val.stride()
     with mode:
-        t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device)
+        t = torch.empty_strided(val.shape, stride, dtype=val.dtype, device=device)
     return t.requires_grad_(requires_grad and (val.is_floating_point() or val.is_complex()))
 
 
 def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModule]:
-    """The stage forward without pass-through outputs; outputs that are views are cloned (aot forbids aliases)."""
+    """The stage forward made fit for aot's joint trace and for the wire:
+
+    - without pass-through outputs (F re-sends those inputs by hand);
+    - outputs that are views or inputs are cloned (aot forbids outputs aliasing inputs), a value returned
+      twice is cloned the second time;
+    - sent activations are contiguous (`aten.contiguous`: a copy only where the traced layout is not);
+    - every `aten.view` is an `aten.reshape`, which views where the layout allows and copies where not;
+    - every functional `aten.copy` (what export makes of a slice assignment `q[:, :k] = x`) is an
+      `expand_copy` of its source (`_differentiable_copy`): autograd has no derivative for aten.copy.
+
+    Why contiguous sends and reshape, rather than recording strides in the boundary spec and restoring them
+    with as_strided on receive: the layouts export recorded are not the layouts the stage graphs produce. Export
+    traces without autograd, and ops such as SDPA on CPU pick another kernel, with another output layout,
+    when their inputs require grad; export has by then dropped a `.contiguous()` that looked redundant
+    (T5: `attn.transpose(1, 2).contiguous().view(...)`), so the recorded strides are not worth restoring and a
+    `view` can fail ("Cannot view a tensor with shape ... and strides ..."). A graph that does not depend on
+    strides works for any layout; a contiguous wire needs no strides in the boundary spec, the P2P send needs
+    contiguous tensors anyway, and a received tensor is then exactly what the receiver's joint was traced on
+    (`_fake_arg`). The cost is a copy on the sender for a permuted view that crosses a cut.
+    """
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in stage.gm.graph.nodes:
-        if node.op != "output":
+        if node.target is _aten.copy.default:
+            env[node] = _differentiable_copy(g, node, env)
+        elif node.op != "output":
             env[node] = g.node_copy(node, lambda n: env[n])
+            if node.target is _aten.view.default:
+                env[node].target = _aten.reshape.default
     names, results, seen = [], [], set()
     for name, node in zip(stage.outputs, stage.gm.graph.output_node().args[0]):
         if name in stage.passthrough:
             continue
         value = env[node]
+        sent = role_of(name) is Role.ACT
         if value in seen or may_alias_input(value):
-            value = g.call_function(_aten.clone.default, (value,))
+            kwargs = {"memory_format": torch.contiguous_format} if sent else {}
+            value = g.call_function(_aten.clone.default, (value,), kwargs)
+            value.meta["val"] = node.meta["val"]
+        elif sent:
+            value = g.call_function(_aten.contiguous.default, (value,))
             value.meta["val"] = node.meta["val"]
         seen.add(value)
         names.append(name)
@@ -209,9 +278,25 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
     return tuple(names), fx.GraphModule(stage.gm, g, class_name=f"Stage{stage.index}Diff")
 
 
-def _no_grad_program(stage: Graph, diff_names, diff_gm) -> tuple[Graph, Graph, Graph, Graph]:
-    """F, B, W, BW of a stage nothing flows back through (no parameter or input requires grad): an empty
-    backward."""
+def _differentiable_copy(g: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:
+    """`aten.copy(dst, src)` as ops autograd differentiates: the result is `src` converted to dst's dtype and
+    broadcast to dst's shape, in fresh memory; dst's values are overwritten, so no grad flows into dst (the
+    slice_scatter that follows puts the result back into the base tensor, as in eager)."""
+    dst, src = node.args[0], node.args[1]
+    want, have = dst.meta["val"], src.meta["val"]   # aten.copy's source is a Tensor: always a node here
+    value = env[src]
+    if have.dtype != want.dtype or have.device != want.device:
+        value = g.call_function(_aten._to_copy.default, (value,), {"dtype": want.dtype, "device": want.device})
+        value.meta["val"] = have.to(want.dtype)
+    out = g.call_function(_aten.expand_copy.default, (value, list(want.shape)))
+    out.meta = dict(node.meta)
+    return out
+
+
+def _trivial_program(stage: Graph, diff_names, diff_gm, in_rg) -> tuple[Graph, Graph, Graph, Graph]:
+    """F, B, W, BW of a stage with no backward of its own: F runs the forward and re-sends its pass-throughs;
+    B and BW hand each pass-through's incoming grad straight back (none where nothing requires grad); W is
+    empty."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for name, node in zip(stage.inputs, diff_gm.graph.find_nodes(op="placeholder")):
@@ -225,8 +310,20 @@ def _no_grad_program(stage: Graph, diff_names, diff_gm) -> tuple[Graph, Graph, G
     g.output(tuple(results))
     f = Graph(fx.GraphModule(diff_gm, g, class_name=f"Stage{stage.index}F"), stage.inputs,
               diff_names + stage.passthrough)
-    empty = _empty_graph(f"Stage{stage.index}Empty")
-    return f, empty, empty, empty
+    grads = tuple(f"grad:{p}" for p in stage.passthrough if in_rg[p])
+    bw = _identity_graph(stage, grads, f"Stage{stage.index}BW") if grads else _empty_graph(f"Stage{stage.index}Empty")
+    return f, bw, _empty_graph(f"Stage{stage.index}Empty"), bw
+
+
+def _identity_graph(stage: Graph, names: Sequence[str], class_name: str) -> Graph:
+    """A graph returning its inputs, named `names` in and out (grad:act:<x> of pass-throughs)."""
+    g = fx.Graph()
+    nodes = []
+    for name in names:
+        nodes.append(g.placeholder(_identifier(name)))
+        nodes[-1].meta = dict(_placeholder(stage.gm, stage.inputs.index(name[len("grad:"):])).meta)
+    g.output(tuple(nodes))
+    return Graph(fx.GraphModule(torch.nn.Module(), g, class_name=class_name), tuple(names), tuple(names))
 
 
 def _empty_graph(class_name: str) -> Graph:
@@ -316,10 +413,22 @@ def _backward_graph(stage, bw: fx.GraphModule, saved: Mapping[str, str], tangent
             continue
         if not in_rg[name]:
             raise SplitError(f"stage {stage.index}: the backward produces a grad for `{name}`, which needs none")
+        if role_of(name) is Role.ACT:  # sent back to the previous stage: contiguous on the wire
+            value = _contiguous(g, value)
         out_names.append(f"grad:{name}")
         results.append(value)
     g.output(tuple(results))
     return Graph(fx.GraphModule(bw, g, class_name=f"Stage{stage.index}BW"), tuple(names), tuple(out_names))
+
+
+def _contiguous(g: fx.Graph, value: fx.Node) -> fx.Node:
+    """`value`, or a contiguous copy of it where its traced layout (meta["val"], from aot's fake run) is not."""
+    val = value.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.is_contiguous():
+        return value
+    out = g.call_function(_aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
+    out.meta["val"] = val.contiguous()
+    return out
 
 
 def _add(g: fx.Graph, a: fx.Node, b: fx.Node) -> fx.Node:

@@ -30,39 +30,58 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from zbcompile._torch_private import tree_map
 from zbcompile.errors import TraceError
-from zbcompile.stages import Graph, Partition, Traced
+from zbcompile.stages import Graph, Partition, Traced, module_path
 
-__all__ = ["trace", "flatten_example", "retarget_device", "retarget_stages"]
+__all__ = ["trace", "flatten_example", "input_keywords", "retarget_device", "retarget_stages"]
 
 _WRAPPED = "model"  # the user's model is the `model` child of the exported wrapper
 
 
 class _Step(nn.Module):
-    """The exported wrapper: `forward(*flat) = loss_fn(model(*flat[:n]), *flat[n:])`."""
+    """The exported wrapper: `forward(*flat) = loss_fn(model(*flat[:n]), *flat[n:])`, the model's inputs
+    passed by keyword instead when `keywords` names them (a dict of inputs in the example)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, num_inputs: int) -> None:
+    def __init__(self, model: nn.Module, loss_fn: Callable, num_inputs: int, keywords: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.model = model
         object.__setattr__(self, "_loss_fn", loss_fn)  # not a submodule: its state is no model state
         self._num_inputs = num_inputs
+        self._keywords = keywords
 
     def forward(self, *flat: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(self.model(*flat[: self._num_inputs]), *flat[self._num_inputs :])
+        inputs, targets = flat[: self._num_inputs], flat[self._num_inputs :]
+        if self._keywords:
+            return self._loss_fn(self.model(**dict(zip(self._keywords, inputs))), *targets)
+        return self._loss_fn(self.model(*inputs), *targets)
 
 
 def flatten_example(example) -> tuple[tuple[torch.Tensor, ...], int, int]:
-    """`(inputs, targets)`, each a tensor or a tuple of tensors -> (flat args, num_inputs, num_targets)."""
+    """`(inputs, targets)`, each a tensor, a tuple of tensors or (inputs only) a dict of keyword arguments ->
+    (flat args, num_inputs, num_targets); a dict's tensors go in its order (`input_keywords`)."""
     if not (isinstance(example, (tuple, list)) and len(example) == 2):
         raise TraceError(
-            "example must be a pair (inputs, targets), each a tensor or a tuple of tensors; "
-            f"got {type(example).__name__}"
+            "example must be a pair (inputs, targets), each a tensor or a tuple of tensors (inputs may be a dict "
+            f"of keyword arguments); got {type(example).__name__}"
         )
-    parts = [(x,) if isinstance(x, torch.Tensor) else tuple(x) for x in example]
+    parts = [(x,) if isinstance(x, torch.Tensor) else tuple(x.values()) if isinstance(x, dict) else tuple(x)
+             for x in example]
     flat = parts[0] + parts[1]
     for i, x in enumerate(flat):
         if not isinstance(x, torch.Tensor):
             raise TraceError(f"example argument data:{i} is a {type(x).__name__}, not a tensor")
     return flat, len(parts[0]), len(parts[1])
+
+
+def input_keywords(example) -> tuple[str, ...]:
+    """The keyword names of the model's inputs when the example gives them as a dict, in the flat order of
+    `flatten_example` (data:0, data:1, ...: the order a batch is passed to a step in); () otherwise."""
+    inputs = example[0] if isinstance(example, (tuple, list)) and len(example) == 2 else None
+    if not isinstance(inputs, dict):
+        return ()
+    bad = [k for k in inputs if not isinstance(k, str)]
+    if bad:
+        raise TraceError(f"example inputs given as a dict must be keyword arguments named by strings; got {bad}")
+    return tuple(inputs)
 
 
 def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
@@ -73,7 +92,7 @@ def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
         # a model built on the meta device traces with meta data: nothing is ever computed
         device = next((x.device for x in flat if not x.is_meta), torch.device("cpu"))
         flat = tuple(x.to("meta") for x in flat)
-    ep = _export(model, loss_fn, flat, num_inputs)
+    ep = _export(model, loss_fn, flat, num_inputs, input_keywords(example))
     aliases = _tied_groups(model)
     graph = _name_values(ep, aliases)
     frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
@@ -110,8 +129,9 @@ def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
     return fx.GraphModule(gm, g, class_name=type(gm).__name__)
 
 
-def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int) -> torch.export.ExportedProgram:
-    step = _Step(model, loss_fn, num_inputs)
+def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
+            keywords: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
+    step = _Step(model, loss_fn, num_inputs, keywords)
     try:
         ep = torch.export.export(step, tuple(flat), strict=False)
         with warnings.catch_warnings():
@@ -227,6 +247,26 @@ def _lift_constant(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> No
     gm.graph.erase_node(node)
 
 
+def _explain_mutation(ep, spec, position: int) -> str:
+    """TraceError's text for a step output torch.export made of an in-place write the pipeline cannot carry:
+    into a model input (USER_INPUT_MUTATION) or a parameter (PARAMETER_MUTATION); names the module and op."""
+    node = ep.graph.output_node().args[0][position]   # the new value, computed out of place by export
+    paths = [p for p in module_path(node) if p] if isinstance(node, fx.Node) else []
+    where = f"module `{paths[-1]}`" if paths else "the model's top level or the loss"
+    op = f"`{node.target}`" if isinstance(node, fx.Node) else "an in-place op"
+    if spec.kind == OutputKind.USER_INPUT_MUTATION:
+        what = f"writes into a model input in place ({op} in {where})"
+        fix = "work on a copy (`x = x.clone()` before the in-place op, or its out-of-place form)"
+    elif spec.kind == OutputKind.PARAMETER_MUTATION:
+        what = f"updates parameter `{_strip(spec.target)}` in place inside forward ({op} in {where})"
+        fix = ("keep forward free of parameter updates: do them between steps (after `step()`, under "
+               "torch.no_grad()), or hold the value in a buffer")
+    else:
+        what = f"returns an output of kind {spec.kind.name} (`{spec.target}`)"
+        fix = "return one loss from loss_fn and keep the model's other state in parameters and buffers"
+    return f"the training step {what}, which a pipeline stage cannot carry across microbatches; fix: {fix}"
+
+
 def _name_outputs(ep) -> tuple[str, ...]:
     names = []
     for spec in ep.graph_signature.output_specs:
@@ -235,7 +275,7 @@ def _name_outputs(ep) -> tuple[str, ...]:
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             names.append("buffer:" + _strip(spec.target))
         else:
-            raise TraceError(f"unsupported output kind {spec.kind.name} (`{spec.target}`) in the exported step")
+            raise TraceError(_explain_mutation(ep, spec, len(names)))
     if names.count("loss") != 1:
         raise TraceError(f"loss_fn must return one scalar tensor; the step returns {names.count('loss')} values")
     output = ep.graph.output_node()

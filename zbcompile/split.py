@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from zbcompile.errors import PartitionError, SplitError
 from zbcompile.passes.analysis.stage_report import report
-from zbcompile.passes.partition import auto_split_points, check_split_points, partition
+from zbcompile.passes.partition import (auto_split_points, check_split_points, cut_starts, markers, partition,
+                                       split_point_names)
 from zbcompile.passes.split_fbw import split_fbw
 from zbcompile.passes.trace import retarget_stages, trace
 from zbcompile.stages import Partition, StagedModel, Traced
@@ -86,17 +87,22 @@ def split_model(
 ) -> StagedModel:
     """Trace `loss_fn(model(*inputs), *targets)` for `example = (inputs, targets)` and cut it into stages.
 
-    `split_points` are module names to cut BEFORE, in execution order; without them, `num_stages` (default 1,
-    or len(placement)) stages are balanced by estimated training time (forward + backward FLOPs and bytes),
-    cutting between children of the model's main repeated container and its ancestors, or inside a block
-    where that balances better (before `ln2` or an attention projection; zbcompile.passes.partition).
+    `split_points` are module names to cut BEFORE, in execution order, or `after:<module>`, `pipe_split:<k>`
+    (zbcompile.passes.partition), or torch.distributed.pipelining's split_spec, {module: SplitPoint.BEGINNING
+    or SplitPoint.END}, in any order. Without them, `pipe_split()` markers the model calls are the split
+    points (then num_stages, if given, must be one more than the markers); without those either, `num_stages`
+    (default 1, or len(placement)) stages are balanced by estimated training time (forward + backward FLOPs
+    and bytes), cutting between children of the model's main repeated container and its ancestors, or inside a
+    block where that balances better (before `ln2` or an attention projection; zbcompile.passes.choose_cuts).
+    So explicit split points win over markers, and markers over the automatic balance.
     `placement[s]` is the pipeline rank (any group id) that runs stage s: the cuts then balance the summed
     work per rank, e.g. a V over two ranks `placement=(0, 1, 1, 0)`. Placement is ignored with explicit split
     points.
     Raises TraceError / PartitionError / SplitError; nothing is half-built.
     """
+    spec = split_points
     if split_points is not None:
-        split_points = tuple(split_points)
+        split_points = split_point_names(split_points)
         check_split_points(model, split_points)
         if num_stages is not None and num_stages != len(split_points) + 1:
             raise PartitionError(
@@ -109,6 +115,8 @@ def split_model(
         raise PartitionError(f"placement {list(placement)} has {len(placement)} stages but num_stages={num_stages}")
     started = time.perf_counter()
     traced = trace(model, loss_fn, example)
+    if isinstance(spec, Mapping):   # a split_spec names modules in no particular order
+        split_points = tuple(p for _, p in sorted(zip(cut_starts(traced, split_points), split_points)))
     staged = split_traced(model, traced, num_stages=num_stages, split_points=split_points, placement=placement)
     return StagedModel(staged.stages, staged.num_inputs, staged.num_targets, staged.tied,
                        {**staged.meta, "seconds": time.perf_counter() - started})
@@ -118,9 +126,24 @@ def split_traced(
     model: nn.Module, traced: Traced, *, num_stages: int | None = None, split_points: Sequence[str] | None = None,
     placement: Sequence[int] | None = None,
 ) -> StagedModel:
-    """`split_model` after the trace pass: partition and split an already traced step (cheap to repeat)."""
+    """`split_model` after the trace pass: partition and split an already traced step (cheap to repeat).
+    Explicit `split_points` win over the model's pipe_split() markers, and markers over the automatic balance."""
     if split_points is None:
         if num_stages is None and placement is not None:
             num_stages = len(placement)
-        split_points = auto_split_points(model, traced, num_stages or 1, placement)
+        split_points = _marked_split_points(traced, num_stages) or auto_split_points(
+            model, traced, num_stages or 1, placement)
     return run_split_passes(traced, split_passes(split_points))
+
+
+def _marked_split_points(traced: Traced, num_stages: int | None) -> tuple[str, ...]:
+    """The traced step's pipe_split() markers as split points (none without markers); PartitionError when
+    `num_stages` asks for another number of stages than the markers make."""
+    marked = markers(traced)
+    if marked and num_stages is not None and num_stages != len(marked) + 1:
+        raise PartitionError(
+            f"the model calls pipe_split() {len(marked)} times ({len(marked) + 1} stages) but {num_stages} stages "
+            f"were asked for (the schedule's model stages): add or remove pipe_split() calls, or pass "
+            "split_points=[...] (explicit split points win over the markers)"
+        )
+    return marked

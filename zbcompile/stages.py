@@ -45,20 +45,27 @@ from zbcompile.errors import SplitError
 from zbcompile.names import Role, role_of
 from zbcompile.passes.analysis.stage_report import report
 
-__all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel", "module_path"]
+__all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel", "module_path", "module_stack"]
 
 
 def module_path(node: fx.Node) -> tuple[str, ...]:
     """The module paths in the user's model that computed `node` (a node of any graph here), outermost first
     ('' = the model itself); read from the `nn_module_stack` the trace recorded and every pass copies along."""
+    return tuple(path for path, _ in module_stack(node))
+
+
+def module_stack(node: fx.Node) -> tuple[tuple[str, str], ...]:
+    """(module path, qualified class name) of each module of the user's model that computed `node`, outermost
+    first: `module_path` with the class of each module, as torch.export recorded it."""
     stack = node.meta.get("nn_module_stack") or {}
-    paths = []
-    for path, _ in stack.values():
+    entries = []
+    for path, kind in stack.values():
+        kind = kind if isinstance(kind, str) else getattr(kind, "__qualname__", str(kind))
         if path == "model":   # the trace exports the user's model as the `model` child of a wrapper
-            paths.append("")
+            entries.append(("", kind))
         elif path.startswith("model."):
-            paths.append(path[len("model.") :])
-    return tuple(paths)
+            entries.append((path[len("model.") :], kind))
+    return tuple(entries)
 
 
 @dataclass(frozen=True)
@@ -211,8 +218,10 @@ class Stage:
     b: Graph
     w: Graph
     bw: Graph
-    params: tuple[str, ...]          # canonical FQNs of the parameters this stage uses
-    buffers: tuple[str, ...]         # FQNs of the buffers this stage reads (and maybe updates)
+    # canonical FQNs of the parameters this stage uses, then of those no stage uses that it holds (each such
+    # parameter or buffer is listed by exactly one stage, so that one rank keeps it: split_fbw._hold_unused)
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]         # FQNs of the buffers this stage reads (and maybe updates), then held ones
     recv: tuple[TensorSpec, ...]     # activations from stage index-1, named act:<name> in the graphs
     send: tuple[TensorSpec, ...]     # activations to stage index+1 (empty for the last stage)
     data: tuple[int, ...]            # which flat user arguments this stage reads (data:<i>)
