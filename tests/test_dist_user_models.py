@@ -4,14 +4,11 @@ tests/dist_user_worker.py; each rank writes JSON that the tests read."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from test_dist import _free_port
+from launch import launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -21,16 +18,7 @@ PP = 2
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("user_models")
-    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(PP),
-                "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, WORKER, "--out", str(out)],
-                              env={**os.environ, **torchrun, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(PP)]
-    logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
-    missing = {r: log[-3000:] for r, log in enumerate(logs) if not (out / f"rank{r}.json").exists()}
-    assert not missing, f"ranks that wrote nothing, with their output: {missing}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(PP)]
+    return launch(WORKER, PP, tmp_path_factory.mktemp("user_models"))
 
 
 @pytest.mark.parametrize("tag,points", [("dict", "layers."), ("marked", "pipe_split:0")])

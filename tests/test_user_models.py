@@ -20,7 +20,6 @@ from threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.api import model_stage_placement
 from zbcompile.errors import PartitionError
 from zbcompile.passes.schedules import generate
-from zbcompile.passes.trace import trace
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)
@@ -118,7 +117,6 @@ def test_markers_disagreeing_with_the_stage_count_say_so():
 
 def _boundary_layouts(staged, case):
     """Every sent activation and every gradient sent back, run on the example: (name, is_contiguous)."""
-    from test_split import run_staged  # noqa: F401  (the same wiring, here only the F / B outputs matter)
     from zbcompile.passes.trace import flatten_example
 
     flat, _, _ = flatten_example(case.example)

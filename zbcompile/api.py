@@ -67,6 +67,9 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
         zb-auto, zbv, v-min, v-half, v-zb, dualpipe, dualpipev) or a ready Schedule. ScheduleError passes
         through (e.g. too few microbatches).
     example: `(inputs, targets)` for ONE microbatch, as `zbcompile.split.split_model` takes it.
+    split_points: where to cut (module names to cut before, `after:<module>`, torch's `split_spec` dict of
+        SplitPoints, or `pipe_split:<k>`). Default: the model's `pipe_split()` markers if it has any, else cuts
+        balanced per rank for the schedule's placement.
     pp: pipeline ranks; defaults to the size of `group` and must equal it.
     group: a ProcessGroup, a 1-D DeviceMesh (or a named dimension of one, `mesh["pp"]`), or None for the
         default group (initialized here from the torchrun environment when needed: gloo on CPU, NCCL on CUDA).
