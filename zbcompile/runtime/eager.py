@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import fx
 
-from zbcompile.errors import RuntimeFailure
+from zbcompile.errors import RuntimeFailure, UsageError
 from zbcompile.program import RankProgram
 from zbcompile.program.values import Role, key_of, parse
 from zbcompile.runtime.abi import StepContext, wait
@@ -64,19 +64,22 @@ class RankRuntime:
     params / buffers: canonical fqn -> live tensor for every param:/buffer: the program reads.
     pg: the pipeline's ProcessGroup (pipeline rank = its group rank); None runs a one-rank pipeline.
     channels: (up, down) groups over the same ranks for P2P, one per direction (see abi.StepContext).
-    peers: every rank's RankProgram (defaults to `(ir,)`): the timings name every rank's actions, every rank's
+    peers: every rank's RankProgram (ir among them): the timings name every rank's actions, every rank's
     gathered row has room for the busiest rank's, and the batch check knows every argument's shape.
     """
 
     def __init__(self, ir: RankProgram, program: fx.GraphModule, *, pg, device: torch.device,
                  params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                 timeout: float = 60.0, channels: tuple | None = None,
-                 peers: Sequence[RankProgram] | None = None):
+                 peers: Sequence[RankProgram], timeout: float = 60.0, channels: tuple | None = None):
         self.ir = ir
         self.program = program
         if device.type == "cpu":
             retain_freed_cpu_memory()
-        peers = tuple(peers) if peers is not None else (ir,)
+        peers = tuple(peers)
+        size = 1 if pg is None else pg.size()
+        if len(peers) != size or peers[ir.rank] is not ir and peers[ir.rank] != ir:
+            raise UsageError(f"RankRuntime of rank {ir.rank}: peers must be every rank's RankProgram in rank order "
+                             f"({size} for this process group), this rank's among them; got {len(peers)}")
         self.pg = pg
         self.device = device
         self.timeout = timeout
@@ -84,8 +87,8 @@ class RankRuntime:
         m = ir.microbatches
         # every rank's action names, for the timings record; built once, not per step
         self._names = tuple(tuple(str(op.action) for op in p.run_ops()) for p in peers)
-        self.names = self._names[ir.rank] if len(peers) > ir.rank else tuple(str(op.action) for op in ir.run_ops())
-        self.max_actions = max(len(n) for n in self._names + (self.names,))
+        self.names = self._names[ir.rank]
+        self.max_actions = max(len(n) for n in self._names)
         # as many slots as the busiest rank has: every rank's gathered row has the same length
         self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
                                channels=channels, buffers=ir.buffers)

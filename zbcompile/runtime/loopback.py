@@ -7,7 +7,7 @@ destination, tag) and allgather. Sends are buffered (they complete at once); a r
 matching send has arrived.
 
     world = LoopbackWorld(2)
-    runtime = RankRuntime(program, gm, pg=world.group(rank), ...)    # in rank `rank`'s thread
+    runtime = RankRuntime(programs[rank], gm, pg=world.group(rank), peers=programs, ...)   # rank `rank`'s thread
 """
 
 from __future__ import annotations
