@@ -77,3 +77,17 @@ def test_zoo_step_matches_eager_microbatches(arch, schedule):
                 continue
             expect = want_bufs[name] if name in mine else init[name]
             torch.testing.assert_close(buf, expect, rtol=1e-5, atol=1e-6, msg=f"rank {r}: {name}")
+
+
+def test_stage_ending_in_a_linear_on_3d_input_splits_and_matches_eager():
+    """aten.linear on 3-d input decomposes to view(addmm(view(x))): a stage whose sent output is that view of an
+    intermediate (BERT's cut after `output.dense` under zbv) used to fail aot's joint export."""
+    from models import Case
+    from test_split import check_against_eager
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    case = Case(model, torch.nn.functional.mse_loss, ((torch.randn(2, 3, 8),), (torch.randn(2, 3, 8),)), 2)
+    staged = split_model(case.model, case.loss_fn, case.example, num_stages=2)
+    assert staged.stages[0].send[0].shape == (2, 3, 8)
+    check_against_eager(staged, case)
