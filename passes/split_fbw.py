@@ -269,13 +269,26 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
             value = g.call_function(_aten.clone.default, (value,), kwargs)
             value.meta["val"] = node.meta["val"]
         elif sent:
+            decomposes = _may_decompose_to_view(value)
             value = g.call_function(_aten.contiguous.default, (value,))
             value.meta["val"] = node.meta["val"]
+            if decomposes:   # e.g. aten.linear on 3-d input: view(addmm(view(x))), a view of an intermediate
+                value = g.call_function(_aten._unsafe_view.default, (value, list(node.meta["val"].shape)))
+                value.meta["val"] = node.meta["val"]
         seen.add(value)
         names.append(name)
         results.append(value)
     g.output(tuple(results))
     return tuple(names), fx.GraphModule(stage.gm, g, class_name=f"Stage{stage.index}Diff")
+
+
+def _may_decompose_to_view(node: fx.Node) -> bool:
+    """True for a call of a composite aten op (one autograd decomposes, such as `aten.linear`, which returns a
+    `view` of its `addmm` for 3-d input): its result may be a view of an intermediate, an output aot's joint
+    export rejects; `_unsafe_view` of it (no copy) hides the alias as aot itself does."""
+    target = node.target
+    return (isinstance(target, OpOverload) and not target.is_view
+            and torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"))
 
 
 def _differentiable_copy(g: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:
