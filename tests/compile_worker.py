@@ -133,6 +133,24 @@ def different_starts_case(results, pp, timeout):
         results["different_starts"] = dict(error=traceback.format_exc())
 
 
+def dropout_case(results, pp, timeout):
+    """Dropout in train mode: masks are drawn afresh (the loss differs from the same model without dropout,
+    and from one step to the next on the same batch), and a fixed seed repeats the run's losses: each rank's
+    program draws in one fixed order, from its process's generator."""
+    def losses(p: float, seed: int) -> list[float]:
+        case = gpt(layers=2 * pp, dropout=p, batch=2 * pp)
+        pipe = zb.compile(case.model, schedule="zbv", microbatches=2 * pp, loss_fn=case.loss_fn,
+                          example=((case.example[0][:1],), (case.example[1][:1],)), timeout=timeout)
+        torch.manual_seed(seed + dist.get_rank())
+        return [pipe.step(*case.example) for _ in range(2)]
+
+    try:
+        results["dropout"] = dict(first=losses(0.3, 7), again=losses(0.3, 7), other_seed=losses(0.3, 8),
+                                  none=losses(0.0, 7))
+    except Exception:
+        results["dropout"] = dict(error=traceback.format_exc())
+
+
 def failure_case(results, pp, key, victim, action):
     """One rank's B graph raises (or hangs) in the second step; the others must raise RuntimeFailure naming it."""
     model, loss_fn, (x, y), _ = mlp(layers=4, batch=8)
@@ -205,6 +223,8 @@ def main() -> None:
         run_case(results, f"bn/{name}", c.model, c.loss_fn, *c.example, 2 * pp, t, schedule=name)
     decorator_case(results, pp, t)
     different_starts_case(results, pp, t)
+    if full:
+        dropout_case(results, pp, t)
     dump()
     failure_case(results, pp, "failure", victim=pp - 1, action=args.failure)
     dump()

@@ -22,13 +22,22 @@ TOL = 1e-5
 _LAUNCHED: dict[int, tuple] = {}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
-def run(request, tmp_path_factory):
-    pp = request.param
+def _launch(pp: int, tmp_path_factory):
     if pp not in _LAUNCHED:
         failure = "raise" if pp == 2 else "hang"
         _LAUNCHED[pp] = pp, launch(WORKER, pp, tmp_path_factory.mktemp(f"compile{pp}"), "--failure", failure)
     return _LAUNCHED[pp]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
+def run(request, tmp_path_factory):
+    return _launch(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def run_pp2(tmp_path_factory):
+    """The pp=2 launch, which alone runs every path (see CASES)."""
+    return _launch(2, tmp_path_factory)
 
 
 def _case(results, key):
@@ -119,3 +128,13 @@ def test_a_failing_peer_is_named_within_the_timeout(run):
         assert v["seconds"] < 30, (r, v)
     neighbour = vals[victim - 1]["message"]
     assert f"rank {victim - 1}:" in neighbour and f"rank {victim}" in neighbour, neighbour
+
+
+def test_dropout_draws_fresh_masks_and_a_seed_repeats_the_run(run_pp2):
+    """Dropout in train mode under zbv: on, fresh masks every step, and a fixed seed repeats the losses."""
+    pp, results = run_pp2
+    for r, v in enumerate(_case(results, "dropout")):
+        assert v["first"] == v["again"], (r, v)              # a fixed seed repeats the losses exactly
+        assert v["first"] != v["other_seed"], (r, v)         # another seed, other masks
+        assert v["first"][0] != v["none"][0], (r, v)         # dropout is on in train mode
+        assert v["first"][0] != v["first"][1], (r, v)        # fresh masks from one step to the next
