@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,3 +35,31 @@ def launch(worker: str, pp: int, out, *args: str, timeout: float = 600) -> list[
         assert path.exists(), f"rank {r} wrote no results:\n{logs[r][-3000:]}"
         results.append(json.loads(path.read_text()))
     return results
+
+
+class Launches:
+    """A module's launches of `worker`, one per pipeline size, shared by its fixtures (processes start in
+    seconds and each launch runs many cases). `args(pp)` gives the worker's arguments besides --out."""
+
+    def __init__(self, worker: str, args=lambda pp: ()):
+        self.worker, self.args, self.done = worker, args, {}
+
+    def __call__(self, pp: int, tmp_path_factory) -> tuple[int, list[dict]]:
+        if pp not in self.done:
+            out = tmp_path_factory.mktemp(f"{os.path.basename(self.worker).removesuffix('.py')}_pp{pp}")
+            self.done[pp] = pp, launch(self.worker, pp, out, *self.args(pp))
+        return self.done[pp]
+
+
+def pipeline_fixtures(launches: Launches):
+    """The module-scoped fixtures of a multi-process test module: `run` (pp=2, then pp=4) and `run_pp2` (the
+    pp=2 launch alone, for what runs only there); assign them to module names: `run, run_pp2 = ...`."""
+    @pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
+    def run(request, tmp_path_factory):
+        return launches(request.param, tmp_path_factory)
+
+    @pytest.fixture(scope="module")
+    def run_pp2(tmp_path_factory):
+        return launches(2, tmp_path_factory)
+
+    return run, run_pp2

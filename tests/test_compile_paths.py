@@ -13,31 +13,18 @@ import os
 
 import pytest
 
-from launch import launch
+from launch import Launches, pipeline_fixtures
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 WORKER = os.path.join(os.path.dirname(__file__), "compile_worker.py")
 TOL = 1e-5
-_LAUNCHED: dict[int, tuple] = {}
+# the last case makes the last rank raise (pp=2) or stall (pp=4): one failure per launch, since a broken step
+# leaves messages in flight that a later pipeline on the same groups could receive
+_launch = Launches(WORKER, lambda pp: ["--failure", "raise" if pp == 2 else "hang"])
 
-
-def _launch(pp: int, tmp_path_factory):
-    if pp not in _LAUNCHED:
-        failure = "raise" if pp == 2 else "hang"
-        _LAUNCHED[pp] = pp, launch(WORKER, pp, tmp_path_factory.mktemp(f"compile{pp}"), "--failure", failure)
-    return _LAUNCHED[pp]
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
-def run(request, tmp_path_factory):
-    return _launch(request.param, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def run_pp2(tmp_path_factory):
-    """The pp=2 launch, which alone runs every path (see CASES)."""
-    return _launch(2, tmp_path_factory)
+# `run_pp2`: the pp=2 launch, which alone runs every path (see CASES)
+run, run_pp2 = pipeline_fixtures(_launch)
 
 
 def _case(results, key):

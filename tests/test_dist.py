@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from launch import launch
+from launch import Launches, pipeline_fixtures
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -19,27 +19,10 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "v-min", "v-half", "v-zb",
              "dualpipe", "dualpipev"]
 TOL = 1e-5
+_launch = Launches(WORKER, lambda pp: ["--hf"] if pp == 2 else [])
 
-
-_LAUNCHED: dict[int, tuple] = {}
-
-
-@pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
-def run(request, tmp_path_factory):
-    return _launch(request.param, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def run_pp2(tmp_path_factory):
-    """The pp=2 launch, which alone also runs the HuggingFace model (to keep the suite short)."""
-    return _launch(2, tmp_path_factory)
-
-
-def _launch(pp: int, tmp_path_factory):
-    if pp not in _LAUNCHED:
-        out = tmp_path_factory.mktemp(f"pp{pp}")
-        _LAUNCHED[pp] = pp, launch(WORKER, pp, out, *(["--hf"] if pp == 2 else []))
-    return _LAUNCHED[pp]
+# `run_pp2`: the pp=2 launch, which alone also runs the HuggingFace model (to keep the suite short)
+run, run_pp2 = pipeline_fixtures(_launch)
 
 
 def _cases(results, prefix):
