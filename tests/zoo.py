@@ -10,21 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import Case, HFLogits
+from models import Case, HFLogits, HFSeq2SeqLogits
 from zbcompile.examples.gpt import loss_fn as token_loss
 
 VOCAB, SEQ, D, HEADS, FF = 64, 8, 32, 2, 64
-
-
-class Seq2SeqLogits(nn.Module):
-    """An encoder-decoder taking (input_ids, decoder_input_ids), returning the decoder's logits."""
-
-    def __init__(self, hf: nn.Module) -> None:
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, ids: torch.Tensor, dec: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=ids, decoder_input_ids=dec).logits
 
 
 class ImageLogits(nn.Module):
@@ -144,7 +133,7 @@ def roberta_mlm() -> Case:
 
 def _seq2seq(model: nn.Module) -> Case:
     ids, dec, tgt = (torch.randint(2, VOCAB, (1, SEQ)) for _ in range(3))
-    return Case(Seq2SeqLogits(model), token_loss, ((ids, dec), (tgt,)), 4)
+    return Case(HFSeq2SeqLogits(model), token_loss, ((ids, dec), (tgt,)), 4)
 
 
 def bart() -> Case:
