@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from zbcompile.schedule import CELL_FORMS, COST_KEYS, KIND_SPECS, Action, Kind, KindSpec, Schedule, loop_placement
+from zbcompile.schedule import CELL_FORMS, COST_KEYS, VOCAB_COST_KEYS, KIND_SPECS, Action, Kind, KindSpec, Schedule, loop_placement
 from zbcompile.simulate import Costs, MemoryModel
 
 
@@ -20,7 +20,8 @@ def test_every_kind_has_a_complete_spec(kind: Kind) -> None:
         assert value is not None or field.name == "torch", f"{kind!r}: {field.name} is missing"
     assert spec.meaning.strip() and "\n" not in spec.meaning, f"{kind!r}: meaning must be one line"
     assert spec.code and spec.code.isalpha() and spec.code.isupper(), f"{kind!r}: code {spec.code!r}"
-    assert spec.cost and set(spec.cost) <= set(COST_KEYS), f"{kind!r}: cost keys {spec.cost} not in {COST_KEYS}"
+    keys = VOCAB_COST_KEYS if spec.sharded else COST_KEYS
+    assert spec.cost and set(spec.cost) <= set(keys), f"{kind!r}: cost keys {spec.cost} not in {keys}"
     assert callable(spec.deps) and callable(spec.memory)
     assert isinstance(spec.memory(0.5, 1.0), float)
     action = Action(kind, 1, 2)

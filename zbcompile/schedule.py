@@ -29,7 +29,7 @@ from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
 
 from zbcompile.errors import ScheduleError
 
-__all__ = ["Kind", "KindSpec", "KIND_SPECS", "CELL_FORMS", "Action", "Overlap", "parse_step", "Schedule", "loop_placement", "v_placement", "dual_placement"]
+__all__ = ["Kind", "KindSpec", "KIND_SPECS", "COST_KEYS", "VOCAB_COST_KEYS", "CELL_FORMS", "Action", "Overlap", "parse_step", "Schedule", "loop_placement", "v_placement", "dual_placement"]
 
 
 class Kind(str, enum.Enum):
@@ -44,6 +44,12 @@ class Kind(str, enum.Enum):
     B = "B"
     W = "W"
     BW = "BW"
+    # vocabulary parallelism: sharded kinds, run by every rank on its own shard (the action's stage field is
+    # the shard, which is the rank)
+    S = "S"
+    T = "T"
+    IF = "IF"
+    IB = "IB"
 
     def __repr__(self) -> str:
         return f"Kind.{self.name}"
@@ -62,9 +68,20 @@ class DepContext(Protocol):
 
     def backward_of(self, stage: int, microbatch: int) -> Action: ...
 
+    @property
+    def vocab_shards(self) -> int:
+        """How many vocabulary shards the schedule's sharded actions run on (one per rank); 0 without any."""
+
+    def first_of(self, microbatch: int) -> int:
+        """The first stage on `microbatch`'s pipeline."""
+
+    def last_of(self, microbatch: int) -> int:
+        """The last stage on `microbatch`'s pipeline."""
+
 
 DepRule = Callable[[DepContext, int, int], "tuple[Action, ...]"]
 COST_KEYS = ("f", "b", "w")  # the per-stage times a `zbcompile.simulate.Costs` holds, in per_stage order
+VOCAB_COST_KEYS = ("s", "t", "i")  # its per-shard times of the sharded kinds (an S, a T, an IF or an IB)
 
 
 @dataclass(frozen=True)
@@ -76,10 +93,12 @@ class KindSpec:
     code      the text code between stage and microbatch (`2F0`); codes must be unique
     torch     torch.distributed.pipelining's code for it in the compute-only CSV, or None if torch has none
     deps      (context, stage, microbatch) -> the actions this one consumes (their results must exist first)
-    cost      the COST_KEYS whose times add up to this action's time (BW: b + w)
+    cost      the COST_KEYS (VOCAB_COST_KEYS for sharded kinds) whose times add up to this action's time (BW: b + w)
     memory    (b_frees, scale) -> activation units held after minus before (`zbcompile.simulate.MemoryModel`:
               `b_frees` is the share of an F's activations its B frees, `scale` an F's units on this stage)
     in_cell   whether the kind counts in `Schedule.validate`'s per-(stage, microbatch) check against CELL_FORMS
+    sharded   run by every rank on its own vocabulary shard: the action's stage field is the shard (= the rank),
+              and each comes with a collective every rank joins in the same order (vocabulary parallelism)
     """
 
     meaning: str
@@ -90,20 +109,51 @@ class KindSpec:
     cost: tuple[str, ...]
     memory: Callable[[float, float], float]
     in_cell: bool = True
+    sharded: bool = False
+
+
+def _all_shards(ctx: DepContext, kind: Kind, mb: int) -> tuple[Action, ...]:
+    return tuple(Action(kind, shard, mb) for shard in range(ctx.vocab_shards))
 
 
 def _forward_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
-    return () if ctx.is_first(s) else (Action(Kind.F, s - 1, mb),)
+    """An F needs the previous stage's F; with vocabulary parallelism a first stage needs every shard's IF
+    (their partial embeddings are summed into its input)."""
+    if ctx.is_first(s):
+        return _all_shards(ctx, Kind.IF, mb)
+    return (Action(Kind.F, s - 1, mb),)
 
 
 def _input_grad_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
-    """A B or BW needs its own stage's F and the next stage's input gradient (its B, or its BW if fused)."""
+    """A B or BW needs its own stage's F and the next stage's input gradient (its B, or its BW if fused); with
+    vocabulary parallelism a last stage needs every shard's T (their shares of the gradient are summed)."""
     own_f = Action(Kind.F, s, mb)
-    return (own_f,) if ctx.is_last(s) else (own_f, ctx.backward_of(s + 1, mb))
+    if ctx.is_last(s):
+        return (own_f,) + _all_shards(ctx, Kind.T, mb)
+    return (own_f, ctx.backward_of(s + 1, mb))
 
 
 def _weight_grad_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
     return (Action(Kind.B, s, mb),)
+
+
+def _output_forward_deps(ctx: DepContext, shard: int, mb: int) -> tuple[Action, ...]:
+    """S needs the last stage's output, broadcast to every rank."""
+    return (Action(Kind.F, ctx.last_of(mb), mb),)
+
+
+def _output_backward_deps(ctx: DepContext, shard: int, mb: int) -> tuple[Action, ...]:
+    """T needs every shard's softmax statistics (gathered after their S)."""
+    return _all_shards(ctx, Kind.S, mb)
+
+
+def _input_forward_deps(ctx: DepContext, shard: int, mb: int) -> tuple[Action, ...]:
+    return ()
+
+
+def _input_backward_deps(ctx: DepContext, shard: int, mb: int) -> tuple[Action, ...]:
+    """IB needs the first stage's input gradient, broadcast to every rank."""
+    return (ctx.backward_of(ctx.first_of(mb), mb),)
 
 
 KIND_SPECS: dict[Kind, KindSpec] = {
@@ -120,6 +170,25 @@ KIND_SPECS: dict[Kind, KindSpec] = {
     Kind.BW: KindSpec(
         meaning="B and W fused, as in plain 1F1B", label="fused backward",
         code="BW", torch="B", deps=_input_grad_deps, cost=("b", "w"), memory=lambda b_frees, scale: -scale),
+    Kind.S: KindSpec(
+        meaning="output layer forward on this rank's vocabulary shard: local logits and softmax statistics "
+                "(after the last stage's output is broadcast; its statistics are then gathered by every rank)",
+        label="vocab output (S)", code="S", torch=None, deps=_output_forward_deps, cost=("s",),
+        memory=lambda b_frees, scale: 0.0, in_cell=False, sharded=True),
+    Kind.T: KindSpec(
+        meaning="output layer backward on this rank's shard: the loss, the shard's weight gradient and its share "
+                "of the last stage's output gradient (summed onto the last stage's rank)",
+        label="vocab output (T)", code="T", torch=None, deps=_output_backward_deps, cost=("t",),
+        memory=lambda b_frees, scale: 0.0, in_cell=False, sharded=True),
+    Kind.IF: KindSpec(
+        meaning="input embedding forward on this rank's shard: a partial lookup, summed onto the first stage's rank",
+        label="vocab input (IF)", code="IF", torch=None, deps=_input_forward_deps, cost=("i",),
+        memory=lambda b_frees, scale: 0.0, in_cell=False, sharded=True),
+    Kind.IB: KindSpec(
+        meaning="input embedding backward on this rank's shard: the first stage's input gradient (broadcast) "
+                "scattered into the shard's rows",
+        label="vocab input (IB)", code="IB", torch=None, deps=_input_backward_deps, cost=("i",),
+        memory=lambda b_frees, scale: 0.0, in_cell=False, sharded=True),
 }
 
 # The kind sets a (stage, microbatch) on a microbatch's pipeline may hold (kinds with in_cell=False aside).
@@ -266,6 +335,21 @@ class Schedule:
 
     def is_last(self, stage: int) -> bool:
         return stage % self.num_model_stages == self.num_model_stages - 1
+
+    def first_of(self, microbatch: int) -> int:
+        return self.pipeline_of(microbatch) * self.num_model_stages
+
+    def last_of(self, microbatch: int) -> int:
+        return self.first_of(microbatch) + self.num_model_stages - 1
+
+    @property
+    def vocab_shards(self) -> int:
+        """Vocabulary shards (one per rank) when the schedule holds sharded actions (S, T, IF, IB), else 0."""
+        found = self.__dict__.get("_vocab_shards")
+        if found is None:
+            found = self.num_ranks if any(KIND_SPECS[a.kind].sharded for row in self.ranks for a in _expand(row)) else 0
+            object.__setattr__(self, "_vocab_shards", found)
+        return found
 
     def microbatches_of(self, stage: int) -> range:
         """The microbatches that pass through `stage`."""

@@ -96,6 +96,14 @@ class _Chain:
     def backward_of(self, stage: int, microbatch: int) -> Action:
         return Action(Kind.B, stage, microbatch)
 
+    vocab_shards = 0   # the order-building generators place no vocabulary actions
+
+    def first_of(self, microbatch: int) -> int:
+        return 0
+
+    def last_of(self, microbatch: int) -> int:
+        return self.num_stages - 1
+
 
 @dataclass(frozen=True, eq=False)
 class ScheduleProblem:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from zbcompile.errors import ScheduleError, SimulationError
-from zbcompile.schedule import COST_KEYS, KIND_SPECS, Action, Kind, Schedule
+from zbcompile.schedule import COST_KEYS, KIND_SPECS, VOCAB_COST_KEYS, Action, Kind, Schedule
 from zbcompile.schedule_problem import ScheduleProblem, list_schedule
 
 __all__ = ["Costs", "MemoryModel", "SimResult", "simulate", "list_schedule"]
@@ -58,9 +58,12 @@ class Costs:
     w: float = 1.0
     comm: float = 0.0
     per_stage: tuple[tuple[float, float, float], ...] | None = None
+    s: float = 0.0   # vocabulary parallelism, per shard: an S, a T, an IF or IB (not scaled by p/S)
+    t: float = 0.0
+    i: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm"):
+        for name in ("f", "b", "w", "comm", "s", "t", "i"):
             object.__setattr__(self, name, _check_cost(name, getattr(self, name)))
         if self.per_stage is not None:
             rows = []
@@ -107,6 +110,7 @@ class Costs:
                 times = dict(zip(COST_KEYS, self.per_stage[schedule.model_stage(s)]))
             else:
                 times = {key: getattr(self, key) * scale for key in COST_KEYS}
+            times.update((key, getattr(self, key)) for key in VOCAB_COST_KEYS)
             for kind, spec in KIND_SPECS.items():
                 table[kind, s] = _total(times[key] for key in spec.cost)
         return table
