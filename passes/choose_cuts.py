@@ -130,11 +130,12 @@ def _depth(path: str) -> int:
 
 
 def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
-                      placement: Sequence[int] | None = None) -> tuple[str, ...]:
+                      placement: Sequence[int] | None = None, skip: frozenset[fx.Node] = frozenset()) -> tuple[str, ...]:
     """Split points for `num_stages` stages balanced by estimated training time over `cut_units`.
 
     placement[s] is the rank (any group id) running stage s; without it every stage is its own rank. The cuts
-    minimize the heaviest rank's summed weight, then the heaviest stage's.
+    minimize the heaviest rank's summed weight, then the heaviest stage's. Nodes in `skip` weigh nothing: their
+    work is not the stages' (the vocabulary layers, which vocabulary parallelism spreads over every rank).
     """
     placement = tuple(range(num_stages)) if placement is None else tuple(placement)
     if len(placement) != num_stages:
@@ -150,7 +151,7 @@ def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
         )
     units = _narrow_units(traced, coarse, cut_units(model, traced, within_blocks=True))
     coarse_set = set(coarse)
-    weights = _unit_weights(traced, units)
+    weights = _unit_weights(traced, units, skip)
     between = [i for i, u in enumerate(units) if u in coarse_set]  # units[0] is always one
     coarse_weights = [sum(weights[a:b]) for a, b in itertools.pairwise((*between, len(units)))]
     coarse_cuts = balance_placed(coarse_weights, placement)
@@ -161,18 +162,18 @@ def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
         if fine < (1 - WITHIN_BLOCK_GAIN) * max(placement_loads(coarse_weights, coarse_cuts, placement).values()):
             cuts = fine_cuts
     chosen = [units[i] for i in cuts]
-    return _refine(traced, coarse, chosen, cut_units(model, traced, within_blocks=2), placement)
+    return _refine(traced, coarse, chosen, cut_units(model, traced, within_blocks=2), placement, skip)
 
 
 def _refine(traced: Traced, coarse: Sequence[str], chosen: Sequence[str], finest: Sequence[str],
-            placement: Sequence[int]) -> tuple[str, ...]:
+            placement: Sequence[int], skip: frozenset[fx.Node] = frozenset()) -> tuple[str, ...]:
     """`chosen` cuts, each moved inside the blocks next to it while that lowers the heaviest rank by more than
     REFINE_GAIN (see REFINE_WIDTH). A cut stays between the block boundaries around it, so the stages keep the
     sizes the balance gave them; one best move at a time, until none helps."""
     first = first_positions(traced)
     width = _boundary_bytes(traced)
     units = _narrow_units(traced, coarse, finest, factor=REFINE_WIDTH, keep=chosen)
-    weights = _unit_weights(traced, units)
+    weights = _unit_weights(traced, units, skip)
     transfer = [_BOUNDARY_PASSES_PER_SIDE * FLOPS_PER_BYTE * width[first[u]] for u in units]
     index = {u: i for i, u in enumerate(units)}
     walls = [index[u] for u in coarse] + [len(units)]
@@ -235,7 +236,7 @@ def _boundary_bytes(traced: Traced) -> list[float]:
     return list(itertools.accumulate(delta))
 
 
-def _unit_weights(traced: Traced, units: Sequence[str]) -> list[float]:
+def _unit_weights(traced: Traced, units: Sequence[str], skip: frozenset[fx.Node] = frozenset()) -> list[float]:
     """Estimated training time (`_node_time`) of the nodes from each unit's first node up to the next unit's."""
     starts = {name: i for i, name in enumerate(units)}
     weights = [0.0] * len(units)
@@ -244,7 +245,7 @@ def _unit_weights(traced: Traced, units: Sequence[str]) -> list[float]:
         for path in module_path(node):
             if path in starts and starts[path] >= current:
                 current = starts[path]
-        if node.op == "call_function":
+        if node.op == "call_function" and node not in skip:
             weights[current] += _node_time(node)
     return weights
 

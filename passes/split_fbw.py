@@ -41,7 +41,7 @@ from torch import fx
 from zbcompile._torch_private import (FakeTensorMode, OpOverload, aot_export_joint_simple,
                                       min_cut_rematerialization_partition)
 from zbcompile.errors import SplitError
-from zbcompile.names import Role, key_of, role_of
+from zbcompile.names import VOCAB_EMB, Role, key_of, role_of
 from zbcompile.passes.analysis.aliases import graph_output_aliases, may_alias_input
 from zbcompile.stages import Graph, Partition, Stage, StagedModel, TensorSpec, module_path
 
@@ -54,6 +54,8 @@ def split_fbw(cut: Partition) -> StagedModel:
     """A split pass: every stage of `cut` as F, B, W and BW (see the module docstring)."""
     traced = cut.traced
     acts: dict[str, bool] = {}   # does each sent activation carry a gradient back
+    if cut.vocab is not None:    # the summed lookup of the sharded embedding, which is trained
+        acts[VOCAB_EMB] = True
 
     def requires_grad(name: str) -> bool:
         role = role_of(name)
@@ -69,17 +71,19 @@ def split_fbw(cut: Partition) -> StagedModel:
         acts.update((spec.name, spec.requires_grad) for spec in stage.send)
         stages.append(stage)
     meta = {"split_points": cut.split_points}
-    return StagedModel(_hold_unused(tuple(stages), traced), traced.num_inputs, traced.num_targets, traced.tied,
-                       meta)
+    sharded = frozenset(cut.vocab.params) if cut.vocab is not None else frozenset()
+    return StagedModel(_hold_unused(tuple(stages), traced, sharded), traced.num_inputs, traced.num_targets,
+                       traced.tied, meta, cut.vocab)
 
 
-def _hold_unused(stages: tuple[Stage, ...], traced) -> tuple[Stage, ...]:
+def _hold_unused(stages: tuple[Stage, ...], traced, sharded: frozenset[str] = frozenset()) -> tuple[Stage, ...]:
     """`stages` where each parameter and buffer of the model that no stage reads (a rotary embedding's saved
     copy of its frequencies, a parameter of an unused head) is listed by exactly one stage: the one whose
     modules hold the longest prefix of its name, else the first. A rank keeps real storage only for what its
     stages list (zbcompile.distributed.keep_only), so without this such state would be dropped everywhere and
-    vanish from the model's state dict; listed here, it stays real on that stage's rank, untouched."""
-    used = {name for st in stages for name in st.f.inputs}
+    vanish from the model's state dict; listed here, it stays real on that stage's rank, untouched. The
+    vocabulary parameters (`sharded`) are every rank's, as shards: no stage lists them."""
+    used = {name for st in stages for name in st.f.inputs} | {"param:" + n for n in sharded}
     unused = [n for n in traced.graph.inputs if role_of(n) in (Role.PARAM, Role.BUFFER) and n not in used]
     extra: list[list[str]] = [[] for _ in stages]
     for name in unused:

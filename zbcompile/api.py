@@ -25,10 +25,11 @@ from typing import Callable, Sequence
 import torch
 from torch import fx, nn
 
-from zbcompile.distributed import (device_for, is_meta, keep_only, p2p_channels, resolve_group, stage_ranks,
-                                   sync_copies, to_device)
+from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, resolve_group,
+                                   shard_vocab_params, stage_ranks, sync_copies, to_device)
 from zbcompile.errors import UsageError, ZBCompileWarning
 from zbcompile.names import Role, key_of, role_of
+from zbcompile.program.values import VOCAB_OFFSET
 from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.runtime import RankRuntime, StepTimings
 from zbcompile.runtime import abi
@@ -54,12 +55,14 @@ class CompileOptions:
     mem_limit: float | None = None
     init_fn: Callable[[nn.Module], None] | None = None
     timeout: float = 60.0
+    vocab_parallel: bool = False
 
 
 def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microbatches: int,
             loss_fn: Callable[..., torch.Tensor], example, pp: int | None = None, chunks: int | None = None,
             split_points: Sequence[str] | None = None, group=None, costs=None, mem_limit: float | None = None,
-            init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0):
+            init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0,
+            vocab_parallel: bool = False):
     """Compile `model` for pipeline-parallel training; returns a PipelineModule (or, without `model`, a
     class decorator whose instances are PipelineModules).
 
@@ -81,10 +84,15 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
         parameters and buffers its own stages use, then calls `init_fn(module)` on every module that directly
         holds one of them — or, without init_fn, that module's `reset_parameters()`. Copies of one parameter
         on several ranks (tied weights, DualPipe's mirrored stages) are then made equal from the lowest rank.
+    vocab_parallel: shard the input embedding and the output layer + cross-entropy over every rank
+        (vocabulary parallelism; passes/shard_vocab.py): each rank holds rows [r * V/p, (r + 1) * V/p) of each
+        vocabulary parameter and runs 1/p of their work in S, T, IF, IB actions the schedule gets
+        (passes/schedules/vocab.py). The step must look up token ids in an embedding and end in
+        `cross_entropy(linear(x, W), targets)`; VocabError says what was found otherwise.
     """
     options = CompileOptions(schedule=schedule, microbatches=microbatches, loss_fn=loss_fn, example=example,
                              pp=pp, chunks=chunks, split_points=split_points, group=group, costs=costs,
-                             mem_limit=mem_limit, init_fn=init_fn, timeout=timeout)
+                             mem_limit=mem_limit, init_fn=init_fn, timeout=timeout, vocab_parallel=vocab_parallel)
     if model is None:
         return functools.partial(_decorate, options=options)
     return compile_with(model, options)
@@ -113,7 +121,8 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
     if is_meta(model):   # traced on meta; the graphs' tensor factories then target the device the rank runs on
         example = to_device(example, device_for(model, resolved[0]))
     staged = split_model(model, options.loss_fn, example, num_stages=sched.num_model_stages,
-                         split_points=options.split_points, placement=model_stage_placement(sched))
+                         split_points=options.split_points, placement=model_stage_placement(sched),
+                         vocab_shards=pp if options.vocab_parallel else None)
     return _build(model, staged, sched, resolved, options.init_fn, options.timeout)
 
 
@@ -125,18 +134,30 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
     if schedule.num_model_stages != len(staged.stages):
         raise UsageError(f"schedule {schedule.name!r} needs {schedule.num_model_stages} model stages but the "
                          f"split made {len(staged.stages)}")
+    if bool(schedule.vocab_shards) != (staged.vocab is not None):
+        raise UsageError(f"schedule {schedule.name!r} {'has' if schedule.vocab_shards else 'has no'} vocabulary "
+                         f"actions but the model was split {'without' if staged.vocab is None else 'with'} "
+                         "vocabulary parallelism; build both with vocab_parallel / vocab_shards, or neither")
     programs = lower_all(schedule, staged)
     _warn_mirrored_buffer_updates(staged, schedule)
     mine = [staged.stages[schedule.model_stage(s)] for s, r in enumerate(schedule.placement) if r == rank]
-    owned_params = tuple(dict.fromkeys(p for st in mine for p in st.params))
+    vocab = staged.vocab.params if staged.vocab is not None else ()
+    owned_params = tuple(dict.fromkeys([p for st in mine for p in st.params] + list(vocab)))
     owned_buffers = tuple(dict.fromkeys(b for st in mine for b in st.buffers))
     device = device_for(model, pg)
+    was_meta = is_meta(model)
     keep_only(model, owned_params, owned_buffers, device, init_fn)
     sync_copies(model, staged, schedule, rank, pg, timeout)
+    constants = {}
+    if staged.vocab is not None:
+        shard_vocab_params(model, staged.vocab, rank, pg, initialized_here=was_meta, timeout=timeout)
+        constants[VOCAB_OFFSET] = torch.tensor(rank * staged.vocab.rows, device=device)
     params = {n: model.get_parameter(n) for n in owned_params}
     buffers = {n: model.get_buffer(n) for n in owned_buffers}
     runtime = RankRuntime(programs[rank], emit_fx(programs[rank], abi), pg=pg, device=device, params=params,
-                          buffers=buffers, timeout=timeout, channels=p2p_channels(pg, timeout), peers=programs)
+                          buffers=buffers, timeout=timeout, channels=p2p_channels(pg, timeout), peers=programs,
+                          constants=constants,
+                          collectives=collective_group(pg, timeout) if staged.vocab is not None else None)
     return PipelineModule(model, staged, schedule, programs, runtime, rank, owned_params, owned_buffers, pg)
 
 
@@ -259,6 +280,9 @@ def _schedule(options: CompileOptions, pp: int) -> Schedule:
         return schedule.validate().check_order()
     from zbcompile.passes.schedules import generate
 
+    if options.vocab_parallel:
+        return generate(schedule, pp, m, chunks=options.chunks, costs=options.costs, mem_limit=options.mem_limit,
+                        vocab=True)
     return generate(schedule, pp, m, chunks=options.chunks, costs=options.costs, mem_limit=options.mem_limit)
 
 

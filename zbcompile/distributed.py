@@ -5,6 +5,8 @@
     stage_ranks        per model stage, the ranks that run it ("which ranks hold X", once)
     keep_only          a rank keeps real storage only for what its stages use (meta-device models initialized)
     sync_copies        copies of one parameter / buffer on several ranks made equal from the lowest rank
+    collective_group   one more group over the pipeline's ranks for the vocabulary layers' collectives
+    shard_vocab_params each rank keeps its rows of the vocabulary parameters, as Parameters of their own
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from zbcompile.runtime.host import process_threads, tune_io_threads
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
-__all__ = ["resolve_group", "p2p_channels", "stage_ranks", "holders", "device_for", "keep_only", "sync_copies",
-           "is_meta", "to_device"]
+__all__ = ["resolve_group", "p2p_channels", "collective_group", "stage_ranks", "holders", "device_for", "keep_only",
+           "sync_copies", "shard_vocab_params", "is_meta", "to_device"]
 
 
 def stage_ranks(sched: Schedule) -> list[set[int]]:
@@ -92,6 +94,56 @@ def p2p_channels(pg, timeout: float) -> tuple | None:
                                 f"over them would number the ranks differently; pass a group with sorted ranks")
     _CHANNELS[key] = channels
     return channels
+
+
+_COLLECTIVES: dict[tuple, object] = {}
+
+
+def collective_group(pg, timeout: float):
+    """A group over the pipeline group's ranks for the vocabulary layers' collectives: on a device each group has
+    its own stream, so the collectives never queue behind P2P (made once per pipeline group). The pipeline
+    group itself for a one-rank pipeline or a stand-in group."""
+    if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
+        return pg
+    ranks = dist.get_process_group_ranks(pg)
+    key = (process_group_name(pg), tuple(ranks))
+    found = _COLLECTIVES.get(key)
+    if found is None or found not in live_process_groups():
+        found = _COLLECTIVES[key] = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)),
+                                                   backend=dist.get_backend(pg), use_local_synchronization=True)
+        if found.rank() != pg.rank():
+            raise UsageError(f"the pipeline group's ranks {ranks} are not in ascending order; pass a group with "
+                             "sorted ranks")
+    return found
+
+
+def shard_vocab_params(model: nn.Module, vocab, rank: int, pg, *, initialized_here: bool,
+                       timeout: float) -> dict[str, nn.Parameter]:
+    """Replace each vocabulary parameter of `model` (VocabLayers.params) by this rank's rows of it, rows
+    [rank * rows, (rank + 1) * rows), zero rows past the vocabulary: a Parameter of its own under every name of
+    the original (a tied embedding / head stays one Parameter). A table each rank initialized itself (a model
+    built on the meta device) is first made rank 0's everywhere, so the shards are of one table. Returns
+    {name: shard}."""
+    lo = rank * vocab.rows
+    shards: dict[str, nn.Parameter] = {}
+    with torch.no_grad():
+        for name in vocab.params:
+            full = model.get_parameter(name)
+            if initialized_here and pg is not None and pg.size() > 1:
+                work = pg.broadcast([full.data], 0)
+                if work.wait(timedelta(seconds=timeout)) is False:
+                    raise RuntimeFailure(f"rank {rank}: sharing the initial {name} timed out")
+            rows = full[lo:lo + vocab.rows]
+            pad = vocab.rows - rows.shape[0]
+            if pad:
+                rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
+            shard = nn.Parameter(rows.clone(), requires_grad=full.requires_grad)
+            for mod in model.modules():
+                for attr, p in list(mod._parameters.items()):
+                    if p is full:
+                        mod._parameters[attr] = shard
+            shards[name] = shard
+    return shards
 
 
 def is_meta(model: nn.Module) -> bool:

@@ -11,6 +11,7 @@ __all__ = [
     "TraceError",
     "PartitionError",
     "SplitError",
+    "VocabError",
     "LoweringError",
     "UsageError",
     "RuntimeFailure",
@@ -42,6 +43,11 @@ class PartitionError(ZBCompileError):
 class SplitError(ZBCompileError):
     """A stage cannot be split into F, B and W, or a split pass broke the stage IR's contract (the boundary
     checks between the split passes: a bug of ours, and the message says which pass)."""
+
+
+class VocabError(SplitError):
+    """vocab_parallel=True on a step that is not an embedding lookup ... a linear layer to V logits ->
+    cross-entropy, or in a form the vocabulary shards cannot reproduce exactly (label smoothing, class weights)."""
 
 
 class LoweringError(ZBCompileError):

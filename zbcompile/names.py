@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Role", "role_of", "key_of", "primal_of"]
+__all__ = ["Role", "role_of", "key_of", "primal_of", "VOCAB_X", "VOCAB_EMB", "is_vocab_boundary"]
+
+# With vocabulary parallelism (passes/shard_vocab.py) the first stage receives the summed embedding and the last
+# stage sends the output layer's input, each through a collective over all ranks instead of a neighbour's P2P.
+# They are act: names (so the split differentiates through them as through any boundary); no fx node name has
+# a dot, so they cannot collide with a boundary the partition names.
+VOCAB_EMB = "act:vocab.emb"
+VOCAB_X = "act:vocab.x"
 
 
 class Role(enum.Enum):
@@ -23,6 +30,7 @@ class Role(enum.Enum):
     GRAD_PARAM = "grad:param:"  # a parameter's gradient (per microbatch, or a sum: see Value.scope)
     GRAD_LOSS = "grad:loss"   # the loss's seed gradient
     LOSS = "loss"             # a microbatch's loss, or the program's loss sum
+    VOCAB = "vocab:"          # a value of the vocabulary layers (passes/shard_vocab.py)
     HANDLE = "h:"             # a P2P handle
     OTHER = ""                # anything else (a later pass's own values)
 
@@ -32,7 +40,7 @@ class Role(enum.Enum):
         return self in _ACTIVATION
 
 
-_ACTIVATION = frozenset({Role.ACT, Role.SAVED, Role.WSAVED, Role.GRAD_ACT})
+_ACTIVATION = frozenset({Role.ACT, Role.SAVED, Role.WSAVED, Role.GRAD_ACT, Role.VOCAB})
 # longest prefix first: grad:act: before act:
 _PREFIXES = tuple(sorted((r for r in Role if r.value), key=lambda r: -len(r.value)))
 _ROLES: dict[str, Role] = {}
@@ -58,3 +66,11 @@ def primal_of(grad: str) -> str:
     if role_of(grad) not in (Role.GRAD_ACT, Role.GRAD_PARAM):
         raise ValueError(f"{grad!r} is not the name of an activation's or a parameter's gradient")
     return grad[len("grad:"):]
+
+
+def is_vocab_boundary(name: str) -> bool:
+    """Whether `name` (or its gradient's name) is one of the vocabulary layers' boundaries, VOCAB_EMB / VOCAB_X."""
+    return name in _VOCAB_BOUNDARIES
+
+
+_VOCAB_BOUNDARIES = frozenset({VOCAB_EMB, VOCAB_X, "grad:" + VOCAB_EMB, "grad:" + VOCAB_X})

@@ -14,8 +14,9 @@ The split side is a list of named, pure passes over the IRs of zbcompile.stages,
     (choose cuts)     auto_split_points, unless split points are given: a decision, not a rewrite
     partition         Traced -> Partition                      cut the step before each split point
     retarget_stages   Partition -> Partition                   meta traces: tensors made on the example's device
-    [shard_vocab]     Partition -> Partition                   the slot for vocabulary parallelism: shard the
-                                                               output layer and the loss over the ranks
+    [shard_vocab]     Partition -> Partition                   vocabulary parallelism (vocab_shards=p): the
+                                                               embedding and the output layer + loss cut out
+                                                               of the end stages and sharded over the ranks
     split_fbw         Partition -> StagedModel                 differentiate each stage, cut its backward into B, W
 
 A pass with options is a functools.partial (partition's split points), named after the function it binds.
@@ -23,6 +24,7 @@ A pass with options is a functools.partial (partition's split points), named aft
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Callable, Mapping, Sequence
@@ -34,6 +36,7 @@ from zbcompile.errors import PartitionError, SplitError
 from zbcompile.passes.analysis.stage_report import report
 from zbcompile.passes.partition import (auto_split_points, check_split_points, cut_starts, markers, partition,
                                        split_point_names)
+from zbcompile.passes.shard_vocab import find_vocab_layers, shard_vocab
 from zbcompile.passes.split_fbw import split_fbw
 from zbcompile.passes.trace import retarget_stages, trace
 from zbcompile.stages import Partition, StagedModel, Traced
@@ -43,14 +46,14 @@ __all__ = ["split_model", "split_traced", "split_passes", "run_split_passes", "r
 SplitPass = Callable[[Traced | Partition], Partition | StagedModel]
 
 
-def split_passes(split_points: Sequence[str]) -> tuple[SplitPass, ...]:
-    """The passes after the trace, in order, for cuts before `split_points` (see the module docstring).
-
-    A new Partition -> Partition pass (shard_vocab) goes between retarget_stages and split_fbw.
-    """
+def split_passes(split_points: Sequence[str], vocab_shards: int | None = None) -> tuple[SplitPass, ...]:
+    """The passes after the trace, in order, for cuts before `split_points` (see the module docstring);
+    with `vocab_shards`, the vocabulary layers are sharded over that many ranks."""
+    vocab = (functools.partial(shard_vocab, shards=vocab_shards),) if vocab_shards else ()
     return (
         functools.partial(partition, split_points=tuple(split_points)),
         retarget_stages,
+        *vocab,
         split_fbw,
     )
 
@@ -84,6 +87,7 @@ def split_model(
     num_stages: int | None = None,
     split_points: Sequence[str] | None = None,
     placement: Sequence[int] | None = None,
+    vocab_shards: int | None = None,
 ) -> StagedModel:
     """Trace `loss_fn(model(*inputs), *targets)` for `example = (inputs, targets)` and cut it into stages.
 
@@ -98,6 +102,9 @@ def split_model(
     `placement[s]` is the pipeline rank (any group id) that runs stage s: the cuts then balance the summed
     work per rank, e.g. a V over two ranks `placement=(0, 1, 1, 0)`. Placement is ignored with explicit split
     points.
+    `vocab_shards=p` shards the input embedding and the output layer + cross-entropy over p ranks
+    (passes/shard_vocab.py; VocabError where the step has no such layers); the automatic cuts then balance
+    the rest of the model.
     Raises TraceError / PartitionError / SplitError; nothing is half-built.
     """
     spec = split_points
@@ -117,23 +124,27 @@ def split_model(
     traced = trace(model, loss_fn, example)
     if isinstance(spec, Mapping):   # a split_spec names modules in no particular order
         split_points = tuple(p for _, p in sorted(zip(cut_starts(traced, split_points), split_points)))
-    staged = split_traced(model, traced, num_stages=num_stages, split_points=split_points, placement=placement)
-    return StagedModel(staged.stages, staged.num_inputs, staged.num_targets, staged.tied,
-                       {**staged.meta, "seconds": time.perf_counter() - started})
+    staged = split_traced(model, traced, num_stages=num_stages, split_points=split_points, placement=placement,
+                          vocab_shards=vocab_shards)
+    return dataclasses.replace(staged, meta={**staged.meta, "seconds": time.perf_counter() - started})
 
 
 def split_traced(
     model: nn.Module, traced: Traced, *, num_stages: int | None = None, split_points: Sequence[str] | None = None,
-    placement: Sequence[int] | None = None,
+    placement: Sequence[int] | None = None, vocab_shards: int | None = None,
 ) -> StagedModel:
     """`split_model` after the trace pass: partition and split an already traced step (cheap to repeat).
     Explicit `split_points` win over the model's pipe_split() markers, and markers over the automatic balance."""
     if split_points is None:
         if num_stages is None and placement is not None:
             num_stages = len(placement)
+        skip = frozenset()
+        if vocab_shards:   # the vocabulary layers weigh on every rank alike: balance the rest
+            p = find_vocab_layers(traced.graph, traced.graph)
+            skip = frozenset((p.embedding, p.linear, *p.chain, p.loss))
         split_points = _marked_split_points(traced, num_stages) or auto_split_points(
-            model, traced, num_stages or 1, placement)
-    return run_split_passes(traced, split_passes(split_points))
+            model, traced, num_stages or 1, placement, skip)
+    return run_split_passes(traced, split_passes(split_points, vocab_shards))
 
 
 def _marked_split_points(traced: Traced, num_stages: int | None) -> tuple[str, ...]:

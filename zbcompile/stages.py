@@ -42,10 +42,11 @@ import torch
 from torch import fx
 
 from zbcompile.errors import SplitError
-from zbcompile.names import Role, role_of
+from zbcompile.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, role_of
 from zbcompile.passes.analysis.stage_report import report
 
-__all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel", "module_path", "module_stack"]
+__all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel", "VocabLayers", "module_path",
+           "module_stack"]
 
 
 def module_path(node: fx.Node) -> tuple[str, ...]:
@@ -183,6 +184,7 @@ class Partition:
     stages: tuple[Graph, ...]
     split_points: tuple[str, ...]
     traced: Traced                         # the step the stages were cut from (its whole-step facts)
+    vocab: VocabLayers | None = None       # the sharded vocabulary layers (passes/shard_vocab.py), if any
 
     def check(self, where: str = "partition") -> Partition:
         for s, stage in enumerate(self.stages):
@@ -190,13 +192,23 @@ class Partition:
             if stage.index != s:
                 raise SplitError(f"{where}: stage {s} is numbered {stage.index}")
         _check_chain([_acts(st.outputs) for st in self.stages], [_acts(st.inputs) for st in self.stages], where)
-        if "loss" not in self.stages[-1].outputs:
+        if self.vocab is None and "loss" not in self.stages[-1].outputs:
             raise SplitError(f"{where}: the last stage does not return the loss")
+        if self.vocab is not None:
+            self.vocab.check(where)
+            _check_vocab_ends(self.stages[0].inputs, self.stages[-1].outputs, where)
         return self
 
 
 def _acts(names: Sequence[str]) -> tuple[str, ...]:
-    return tuple(n for n in names if role_of(n) is Role.ACT)
+    """The boundary activations between neighbouring stages (the vocabulary layers' own boundaries aside)."""
+    return tuple(n for n in names if role_of(n) is Role.ACT and not is_vocab_boundary(n))
+
+
+def _check_vocab_ends(first_inputs: Sequence[str], last_outputs: Sequence[str], where: str) -> None:
+    if VOCAB_EMB not in first_inputs or VOCAB_X not in last_outputs or "loss" in last_outputs:
+        raise SplitError(f"{where}: with vocabulary parallelism the first stage must read {VOCAB_EMB} and the "
+                         f"last stage return {VOCAB_X} instead of the loss")
 
 
 def _check_chain(sends: Sequence[Sequence[str]], recvs: Sequence[Sequence[str]], where: str) -> None:
@@ -238,6 +250,7 @@ class StagedModel:
     num_targets: int                 # the next num_targets to the loss function
     tied: tuple[tuple[str, ...], ...] = ()   # aliases of one Parameter; the canonical name first
     meta: Mapping[str, object] = field(default_factory=dict)
+    vocab: VocabLayers | None = None         # the sharded vocabulary layers, with vocabulary parallelism
 
     def report(self) -> str:
         """Per-stage table: modules, params, estimated F/B/W FLOPs, saved bytes, boundary tensors, tied groups."""
@@ -249,8 +262,58 @@ class StagedModel:
                 raise SplitError(f"{where}: stage {s} is numbered {st.index}")
             for kind in ("f", "b", "w", "bw"):
                 getattr(st, kind).check(f"{where}, stage {s} {kind.upper()}")
-            if st.has_loss != (s == len(self.stages) - 1):
+            if st.has_loss != (self.vocab is None and s == len(self.stages) - 1):
                 raise SplitError(f"{where}: stage {s} of {len(self.stages)} has_loss={st.has_loss}")
-        _check_chain([[t.name for t in st.send] for st in self.stages],
-                     [[t.name for t in st.recv] for st in self.stages], where)
+        _check_chain([_acts([t.name for t in st.send]) for st in self.stages],
+                     [_acts([t.name for t in st.recv]) for st in self.stages], where)
+        if self.vocab is not None:
+            self.vocab.check(where)
+            _check_vocab_ends(self.stages[0].f.inputs, self.stages[-1].f.outputs, where)
+        return self
+
+
+@dataclass(frozen=True)
+class VocabLayers:
+    """The input embedding and the output layer + cross-entropy, sharded by rows over `shards` ranks.
+
+    Shard r holds rows [r * rows, (r + 1) * rows) of each vocabulary parameter (`params`: the embedding table,
+    the output weight and its bias, one name if tied), zero rows past `size` on the last shard. One graph per
+    pass serves every shard: it reads the shard's first row as `vocab:offset` (a 0-dim int64). The passes, per
+    microbatch, and the collectives between them (all ranks, in the same order):
+
+        if  param:E, vocab:offset, data:*            -> vocab:part      reduce-sum onto the first stage: act:vocab.emb
+        s   param:W[, param:b], vocab:x, vocab:offset, data:*
+                                                     -> vocab:stats, vocab:saved:*   (x: the last stage's
+                                                        act:vocab.x, broadcast; stats all-gathered: vocab:gathered)
+        t   vocab:gathered, vocab:saved:*, vocab:x, param:W, vocab:offset, data:*, grad:loss
+                                                     -> grad:param:W[, grad:param:b], vocab:dx, loss
+                                                        (dx reduce-summed onto the last stage: grad:act:vocab.x)
+        ib  vocab:demb, vocab:offset, data:*         -> grad:param:E     (demb: the first stage's
+                                                        grad:act:vocab.emb, broadcast)
+    """
+
+    shards: int
+    size: int                        # V, the vocabulary
+    rows: int                        # rows per shard: ceil(V / shards)
+    embedding: str                   # canonical fqn of the input table
+    head: str                        # canonical fqn of the output weight (== embedding when tied)
+    bias: str | None
+    graphs: Mapping[str, Graph]      # "if", "s", "t", "ib"
+    x: TensorSpec                    # act:vocab.x: the output layer's input, [tokens, d]
+    emb: TensorSpec                  # act:vocab.emb: the embedding lookup's output
+    stats: TensorSpec                # vocab:stats, per shard
+    pattern: str = ""                # what was found, for reports: "wte.weight[ids] ... lm_head -> cross_entropy"
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p for p in (self.embedding, self.head, self.bias) if p))
+
+    def check(self, where: str) -> VocabLayers:
+        missing = {"if", "s", "t", "ib"} - set(self.graphs)
+        if missing:
+            raise SplitError(f"{where}: the vocabulary layers lack graphs {sorted(missing)}")
+        for key, g in self.graphs.items():
+            g.check(f"{where}, vocabulary pass {key.upper()}")
+        if self.rows * self.shards < self.size:
+            raise SplitError(f"{where}: {self.shards} shards of {self.rows} rows do not hold {self.size} rows")
         return self

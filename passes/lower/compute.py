@@ -25,8 +25,9 @@ from zbcompile.program import ProgramGraph, RankProgram
 from zbcompile.program.ops import AccumArgs, AccumMode, Op, OpKind, RunArgs, SetGradArgs, TensorType
 from zbcompile.names import key_of, primal_of
 from zbcompile.program.values import (GRAD_LOSS, LOSS, Role, acc_value, data_value, parse, python_name,
-                                      role_of, stage_value)
-from zbcompile.schedule import Action, Kind, Schedule
+                                      role_of, stage_value, vocab_value)
+from zbcompile.passes.lower.vocab import VocabLowering, is_sharded_loss, vocab_input
+from zbcompile.schedule import KIND_SPECS, Action, Kind, Schedule
 from zbcompile.stages import Graph, Stage, StagedModel
 
 __all__ = ["build_compute", "accumulate_grads", "graph_key", "ACCUMULATING"]
@@ -83,6 +84,9 @@ def _resolve_input(schedule: Schedule, action: Action, name: str) -> str:
         return data_value(mb, int(key_of(name)))
     if role is Role.GRAD_LOSS:
         return GRAD_LOSS
+    vocab = vocab_input(name, mb)
+    if vocab is not None:
+        return vocab
     if role is Role.ACT:
         if schedule.is_first(s):
             raise LoweringError(f"{action}: stage {s} is a first stage but its graph reads {name!r}; "
@@ -100,11 +104,18 @@ def _resolve_input(schedule: Schedule, action: Action, name: str) -> str:
 
 
 def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankProgram:
-    """Rank `rank`'s program: one RUN op per action, buffer copies after F, and the loss sum at the end."""
+    """Rank `rank`'s program: one RUN op per action, buffer copies after F, and the loss sum at the end; the
+    vocabulary layers' actions with their collectives (passes/lower/vocab.py)."""
     ops: list[Op] = []
     losses: list[str] = []
     graphs: dict[str, ProgramGraph] = {}
+    vocab = VocabLowering(schedule, staged.vocab, rank, graphs) if schedule.vocab_shards else None
     for action in schedule.ranks[rank]:
+        if KIND_SPECS[action.kind].sharded:
+            ops += vocab.action(action)
+            if is_sharded_loss(action, LOSS):
+                losses.append(vocab_value(action.microbatch, LOSS))
+            continue
         stage = staged.stages[schedule.model_stage(action.stage)]
         g = getattr(stage, _GRAPH_ATTR[action.kind])
         key = graph_key(schedule, action)
@@ -112,7 +123,8 @@ def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankPro
             graphs[key] = _program_graph(stage, g)
         ins = tuple(_resolve_input(schedule, action, n) for n in g.inputs)
         outs = tuple(stage_value(action.stage, action.microbatch, n) for n in g.outputs)
-        ops.append(Op(OpKind.RUN, ins, outs, RunArgs(action, key)))
+        run = Op(OpKind.RUN, ins, outs, RunArgs(action, key))
+        ops += vocab.before(run) if vocab is not None else [run]
         if action.kind is not Kind.F:
             continue
         for name, vid in zip(g.outputs, outs):
@@ -120,6 +132,8 @@ def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankPro
                 losses.append(vid)
             elif role_of(name) is Role.BUFFER:
                 ops.append(Op(OpKind.COPY_BUFFER, (name, vid), note="buffer update"))
+    if vocab is not None:
+        ops += vocab.finish()
     if losses:  # one sum of every microbatch's (0-dim) loss: one call, not one add per microbatch
         ops.append(Op(OpKind.ADD_LOSS, tuple(losses), (LOSS,), note=f"{len(losses)} microbatches"))
     return RankProgram(schedule.name, rank, schedule.num_microbatches, inputs=_program_inputs(ops),
@@ -131,10 +145,10 @@ def _program_inputs(ops: list[Op]) -> tuple[str, ...]:
     seen: dict[str, None] = {}
     for op in ops:
         for v in op.ins:
-            if parse(v).scope in ("seed", "state", "data"):
+            if parse(v).scope in ("seed", "state", "data", "shard"):
                 seen.setdefault(v)
-    order = {Role.GRAD_LOSS: 0, Role.PARAM: 1, Role.BUFFER: 2}
-    return tuple(sorted(seen, key=lambda v: order.get(parse(v).role, 3)))
+    order = {Role.GRAD_LOSS: 0, Role.PARAM: 1, Role.BUFFER: 2, Role.VOCAB: 3}
+    return tuple(sorted(seen, key=lambda v: order.get(parse(v).role, 4)))
 
 
 # ---- the accumulating variant of a stage graph ----------------------------------------------------------

@@ -151,6 +151,18 @@ class Emitter:
     def wait_send(self, i: int, op: Op) -> None:
         self.call(self.fn(op), (self.ctx, self.env[op.ins[0]]))
 
+    def collective(self, i: int, op: Op) -> None:
+        """collective(ctx, op, root, shape, dtype, what, *tensors): a handle for wait_coll."""
+        a = op.args
+        what = f"{op.ins[0] if op.ins else op.note} (collective {a.seq})"
+        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, a.op.value, a.root, tuple(a.type.shape),
+                                                       a.type.dtype, what, *self.values(op.ins)), op.outs[0])
+
+    def wait_coll(self, i: int, op: Op) -> None:
+        node = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]]), op.outs[0] if op.outs else None)
+        if op.outs:
+            self.env[op.outs[0]] = node
+
     def free(self, i: int, op: Op) -> None:
         """free(...) of what the program still holds; values handed to a stage graph were released in it."""
         kept = [self.env[v] for v in op.ins if v not in self.gone]

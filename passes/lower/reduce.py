@@ -26,16 +26,21 @@ from zbcompile.passes.lower.p2p import TagSpace
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, SetGradArgs, TensorType
 from zbcompile.program.values import Role, handle, key_of, parse, role_of
+from zbcompile.schedule import KIND_SPECS
 
 __all__ = ["reduce_shared_grads", "grad_holders"]
 
 
 def grad_holders(programs: Sequence[RankProgram]) -> dict[str, tuple[int, ...]]:
-    """Parameter fqn -> the sorted ranks whose programs hand a gradient of it to .grad."""
+    """Parameter fqn -> the sorted ranks whose programs hand a gradient of it to .grad. A vocabulary parameter
+    is no shared one: each rank holds its own shard of rows (read by the sharded actions' graphs)."""
+    sharded = {parse(v).key for p in programs for op in p.run_ops() if KIND_SPECS[op.args.action.kind].sharded
+               for v in op.ins if parse(v).role is Role.PARAM}
     holders: dict[str, set[int]] = {}
     for p in programs:
         for op in p.of_kind(OpKind.SET_GRAD):
-            holders.setdefault(parse(op.ins[0]).key, set()).add(p.rank)
+            if parse(op.ins[0]).key not in sharded:
+                holders.setdefault(parse(op.ins[0]).key, set()).add(p.rank)
     return {fqn: tuple(sorted(r)) for fqn, r in sorted(holders.items())}
 
 

@@ -11,10 +11,12 @@ receive of that activation before its send of the gradient, is a cycle no host c
 So the runtime gives every direction its own communicator (`channel`: 'directed', the default; 'pair'
 models a single process group) and this check proves, per schedule, that the event graph is acyclic:
 
-    nodes  one per compute op of each rank, one per message (its send and receive merged)
-    edges  compute i-1 -> compute i;  last compute before a post -> the message;
+    nodes  one per compute op of each rank, one per message (its send and receive merged), one per
+           collective (every rank's post merged)
+    edges  compute i-1 -> compute i;  last compute before a post -> the message or collective;
            previous message on the same (rank, channel) stream -> the message;
-           a waited message -> the next compute op after the wait
+           previous collective of the rank -> the collective (the collective group's own stream);
+           a waited message or collective -> the next compute op after the wait
 
 A cycle is reported as the chain of ops that wait on one another.
 """
@@ -67,6 +69,19 @@ def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node
                     last_on_stream[comm] = node
             elif sync is Sync.WAIT:
                 waited += [("m",) + key for key in handles[op.ins[0]]]
+            elif sync is Sync.COLLECTIVE:
+                # one node per collective, joined by every rank's post; the collective group has a stream of
+                # its own on each rank, so collectives queue behind each other and nothing else
+                node = ("k", op.args.seq)
+                handles[op.outs[0]] = [node]
+                before = deps.setdefault(node, set())
+                if last_compute is not None:
+                    before.add(last_compute)
+                if "coll" in last_on_stream:
+                    before.add(last_on_stream["coll"])
+                last_on_stream["coll"] = node
+            elif sync is Sync.JOIN:
+                waited += handles[op.ins[0]]
             elif sync is not Sync.NONE or stream not in (Stream.COMPUTE, Stream.HOST):
                 raise LoweringError(f"rank {r} op {i} ({op}): the stream check does not model {sync.value} ops "
                                     f"on the {stream.value} stream yet; add their rule to streams._edges")
@@ -121,6 +136,8 @@ def _describe(node: Node, by_rank: dict[int, RankProgram], channel: str) -> str:
     if node[0] == "c":
         _, r, i = node
         return f"rank {r} op {i}: {by_rank[r].ops[i]}"
+    if node[0] == "k":
+        return f"collective seq {node[1]} on the collective group (every rank posts it)"
     _, src, dst, tag = node
     where = [f"rank {src} op {_op_of(by_rank[src], OpKind.SEND, dst, tag)}",
              f"rank {dst} op {_op_of(by_rank[dst], OpKind.RECV, src, tag)}"]

@@ -3,9 +3,11 @@
 Checks, over all ranks at once:
 1. every receive has exactly one send with the same (source, destination, tag), shape and dtype, and
    every send is received;
-2. the programs cannot deadlock, running them under the strictest P2P model (a wait on a receive needs
-   the peer to have posted the send; a wait on a send needs the peer to have posted the receive;
-   posting never blocks). A stuck state is reported as the ops each rank is blocked on.
+2. every rank posts the same collectives in the same order (`check_collectives`);
+3. the programs cannot deadlock, running them under the strictest P2P model (a wait on a receive needs
+   the peer to have posted the send; a wait on a send needs the peer to have posted the receive; a wait on
+   a collective needs every rank to have posted it; posting never blocks). A stuck state is reported as the
+   ops each rank is blocked on.
 
 `check_pair_order` adds the rule NCCL needs, which ignores tags: for every ordered pair (a -> b), rank b
 posts its receives from a in the order rank a posts its sends to b (each batch in its listed order).
@@ -20,7 +22,7 @@ from zbcompile.passes.lower.order_p2p import pair_sequences
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import Sync
 
-__all__ = ["validate_programs", "check_pair_order"]
+__all__ = ["validate_programs", "check_pair_order", "check_collectives"]
 
 
 def _endpoints(programs: Sequence[RankProgram]):
@@ -59,8 +61,35 @@ def validate_programs(programs: Sequence[RankProgram]) -> Sequence[RankProgram]:
         if key not in recvs:
             raise LoweringError(f"rank {r} op {i} sends to rank {key[1]} with tag {key[2]} but rank {key[1]} "
                                 f"never receives it\n{by_rank[r].to_text(mark=i, window=4)}")
+    check_collectives(programs)
     _simulate(programs, sends, recvs)
     return programs
+
+
+def check_collectives(programs: Sequence[RankProgram]) -> Sequence[RankProgram]:
+    """Every rank posts the same collectives (op, root, type) in the same order, numbered 0, 1, ... by seq:
+    a collective group matches them by order, so anything else would mix tensors up or hang."""
+    seqs = {p.rank: [(i, op.args) for i, op in enumerate(p.ops) if op.spec.sync is Sync.COLLECTIVE]
+            for p in programs}
+    by_rank = {p.rank: p for p in programs}
+    ref_rank = min(seqs, default=0)
+    ref = seqs.get(ref_rank, [])
+    for r, mine in seqs.items():
+        for k in range(max(len(ref), len(mine))):
+            a = ref[k][1] if k < len(ref) else None
+            b = mine[k][1] if k < len(mine) else None
+            if a is None or b is None or a != b or b.seq != k:
+                at = mine[k][0] if k < len(mine) else len(by_rank[r].ops) - 1
+                raise LoweringError(
+                    f"collective number {k} differs between rank {ref_rank} ({_coll(a)}) and rank {r} ({_coll(b)}); "
+                    f"every rank must post the same collectives in the same order\n"
+                    f"{by_rank[r].to_text(mark=at, window=4)}\n"
+                    "fix: give every rank the same sequence of vocabulary actions (Schedule.validate checks it)")
+    return programs
+
+
+def _coll(args) -> str:
+    return "none" if args is None else f"{args.op.value} root {args.root} seq {args.seq} {args.type}"
 
 
 def _simulate(programs, sends, recvs) -> None:
@@ -68,6 +97,8 @@ def _simulate(programs, sends, recvs) -> None:
     pos = {p.rank: 0 for p in programs}
     posted: set[tuple[str, tuple[int, int, int]]] = set()
     handles: dict[tuple[int, str], list[tuple[str, tuple[int, int, int]]]] = {}
+    joined: dict[int, int] = {}            # collective seq -> how many ranks have posted it
+    collective: dict[tuple[int, str], int] = {}
     progressed = True
     while progressed:
         progressed = False
@@ -84,6 +115,12 @@ def _simulate(programs, sends, recvs) -> None:
                     mine = handles[(r, op.ins[0])]
                     need = [("recv" if side == "send" else "send", key) for side, key in mine]
                     if not all(n in posted for n in need):
+                        break
+                elif sync is Sync.COLLECTIVE:
+                    collective[(r, op.outs[0])] = op.args.seq
+                    joined[op.args.seq] = joined.get(op.args.seq, 0) + 1
+                elif sync is Sync.JOIN:
+                    if joined.get(collective[(r, op.ins[0])], 0) < len(programs):
                         break
                 elif sync is not Sync.NONE:
                     raise LoweringError(f"rank {r} op {pos[r]} ({op}): the deadlock check does not model "

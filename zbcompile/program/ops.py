@@ -31,7 +31,8 @@ import torch
 from zbcompile.errors import LoweringError
 from zbcompile.schedule import Action
 
-__all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs",
+__all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
+           "CollArgs",
            "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "Op", "OpSpec", "SPECS", "spec"]
 
 
@@ -51,6 +52,8 @@ class OpKind(str, enum.Enum):
     ADD_LOSS = "add_loss"
     COPY_BUFFER = "copy_buffer"
     STAMP = "stamp"
+    COLLECTIVE = "collective"
+    WAIT_COLL = "wait_coll"
 
 
 class Sync(str, enum.Enum):
@@ -59,7 +62,8 @@ class Sync(str, enum.Enum):
     NONE = "none"              # runs on its own
     POST = "post"              # posts P2P messages (returns a handle at once; never blocks)
     WAIT = "wait"              # blocks until the messages of a handle are matched by the peer
-    COLLECTIVE = "collective"  # blocks until every rank of its group reaches it (not used yet)
+    COLLECTIVE = "collective"  # posts a collective on the all-ranks group (returns a handle; never blocks)
+    JOIN = "join"              # blocks until every rank of the group has posted the collective of a handle
 
 
 class Stream(str, enum.Enum):
@@ -161,6 +165,25 @@ class StampArgs(NamedTuple):
     """STAMP: the timing slot it writes."""
 
     slot: int
+
+
+class Coll(str, enum.Enum):
+    """What a COLLECTIVE does (over every rank, on the collective group)."""
+
+    BROADCAST = "broadcast"     # root's tensor to every rank: ins = (tensor,) on the root, () elsewhere
+    REDUCE = "reduce"           # sum of every rank's tensor onto the root (in place there): ins = (tensor,)
+    ALL_GATHER = "all_gather"   # every rank's tensor stacked on a new first dim, on every rank: ins = (tensor,)
+
+
+class CollArgs(NamedTuple):
+    """COLLECTIVE: what it does, its root (-1 for none), its position `seq` in the group's sequence (every rank
+    posts the same collectives in the same order, and the checks match them by seq) and the type of each
+    rank's tensor."""
+
+    op: Coll
+    root: int
+    seq: int
+    type: TensorType
 
 
 # ---- ops --------------------------------------------------------------------------------------------
@@ -303,6 +326,32 @@ def _send_posts(op: Op, rank: int) -> list[tuple[int, int, int, TensorType]]:
     return [(rank, m.peer, m.tag, m.type) for m in op.args.messages]
 
 
+def _format_coll(op: Op) -> str:
+    a = op.args
+    head = f"{_values(op)}; " if op.ins else ""
+    return f"{head}{a.op.value} root {a.root} seq {a.seq} {a.type}"
+
+
+_COLL_RE = re.compile(r"(?:(.*);\s*)?(\w+) root (-?\d+) seq (\d+) (\[[\d,\s]*\] \w+)")
+
+
+def _parse_coll(inner: str, outs) -> tuple[tuple[str, ...], CollArgs]:
+    m = _COLL_RE.fullmatch(inner.strip())
+    if not m or m.group(2) not in {c.value for c in Coll}:
+        raise LoweringError(f"cannot read collective({inner}): expected '[VALUES; ]OP root ROOT seq SEQ [SHAPE] "
+                            f"DTYPE' with OP one of {[c.value for c in Coll]}")
+    return _split(m.group(1) or ""), CollArgs(Coll(m.group(2)), int(m.group(3)), int(m.group(4)),
+                                              TensorType.parse(m.group(5)))
+
+
+def _coll_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    return [(v, op.outs[0]) for v in op.ins]   # the handle holds the tensor until WAIT_COLL (the result, on a root)
+
+
+def _joined_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    return [(op.ins[0], op.outs[0])] if op.outs else []
+
+
 def _never_keeps(op: Op) -> bool:
     return False
 
@@ -376,6 +425,13 @@ SPECS: dict[OpKind, OpSpec] = {s.kind: s for s in (
     OpSpec(OpKind.STAMP, "record the time into a timing slot (action start / end)", StampArgs, "stamp",
            _stamp_fmt, _stamp_parse, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
            sync=Sync.NONE, stream=Stream.HOST, emit="stamp", runtime=()),
+    OpSpec(OpKind.COLLECTIVE, "post a collective over every rank (broadcast, reduce, all-gather); outs = (handle,)",
+           CollArgs, "collective", _format_coll, _parse_coll, aliases=_coll_aliases, keeps=_never_keeps,
+           posts=_no_posts, sync=Sync.COLLECTIVE, stream=Stream.COMM, emit="collective", runtime=("collective",)),
+    OpSpec(OpKind.WAIT_COLL, "wait for a posted collective; ins = (handle,), outs = (its result,) or () where "
+           "this rank gets none (a reduce off its root)", None, "wait_coll", _values, _no_args,
+           aliases=_joined_aliases, keeps=_never_keeps, posts=_no_posts, sync=Sync.JOIN, stream=Stream.COMM,
+           emit="wait_coll", runtime=("wait_collective",)),
 )}
 
 _BY_TEXT = {s.text: s for s in SPECS.values()}

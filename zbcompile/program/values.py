@@ -6,6 +6,9 @@ boundary (the receiver's receive defines the same name the sender's compute defi
     s{stage}.mb{mb}.{local}     a value of one (stage, microbatch); `local` is a stage-IR name
                                 (zbcompile.stages): `s1.mb0.act:h`, `s1.mb0.saved:3`, `s2.mb0.grad:act:h`
     mb{mb}.data:{i}             the microbatch slice of the i-th flat user argument (a program input)
+    v.mb{mb}.{local}            a value of the vocabulary layers for one microbatch on this rank's shard
+                                (zbcompile.stages.VocabLayers): `v.mb0.vocab:x`, `v.mb0.grad:param:wte.weight`
+    vocab:offset                the first vocabulary row of this rank's shard (a program input)
     param:{fqn} / buffer:{fqn}  the live Parameter / buffer (program inputs; canonical names)
     grad_loss                   the seed gradient 1 / num_microbatches (a program input)
     acc{k}.grad:param:{fqn}     the k-th running sum of a parameter's gradient on this rank
@@ -25,15 +28,17 @@ from typing import NamedTuple
 from zbcompile.names import Role, key_of, role_of
 
 __all__ = ["Role", "Value", "parse", "role_of", "key_of", "stage_value", "data_value", "acc_value", "handle",
-           "python_name", "GRAD_LOSS", "LOSS"]
+           "vocab_value", "python_name", "GRAD_LOSS", "LOSS", "VOCAB_OFFSET"]
 
 GRAD_LOSS = "grad_loss"
 LOSS = "loss"
+VOCAB_OFFSET = "vocab:offset"
 
 
 class Value(NamedTuple):
-    """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "data", "state" (param:/buffer:), "acc",
-    "copy" (r{q}.), "sum", "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are
+    """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "vocab" (v.mb{mb}.local), "data", "state"
+    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "handle", "seed" (grad_loss), "loss"
+    or "other"; stage / microbatch / index are
     -1 where the scope has none (index: data argument, accumulation step or source rank)."""
 
     scope: str
@@ -67,11 +72,17 @@ def _parse(vid: str) -> Value:
         return Value("seed", Role.GRAD_LOSS, vid)
     if vid == LOSS:
         return Value("loss", Role.LOSS, vid)
+    if vid == VOCAB_OFFSET:
+        return Value("shard", Role.VOCAB, vid)
     head, dot, rest = vid.partition(".")
     if dot and head[:1] == "s" and head[1:].isdigit():
         mb, dot2, local = rest.partition(".")
         if dot2 and mb[:2] == "mb" and mb[2:].isdigit() and local:
             return Value("stage", role_of(local), local, int(head[1:]), int(mb[2:]))
+    if dot and head == "v":
+        mb, dot2, local = rest.partition(".")
+        if dot2 and mb[:2] == "mb" and mb[2:].isdigit() and local:
+            return Value("vocab", role_of(local), local, -1, int(mb[2:]))
     if dot and head[:2] == "mb" and head[2:].isdigit() and rest.startswith("data:") and rest[5:].isdigit():
         return Value("data", Role.DATA, rest, -1, int(head[2:]), int(rest[5:]))
     for scope, prefix in (("acc", "acc"), ("copy", "r")):
@@ -88,6 +99,11 @@ def _parse(vid: str) -> Value:
 def stage_value(stage: int, microbatch: int, local: str) -> str:
     """The global name of value `local` of (stage, microbatch)."""
     return f"s{stage}.mb{microbatch}.{local}"
+
+
+def vocab_value(microbatch: int, local: str) -> str:
+    """The global name of the vocabulary layers' value `local` for `microbatch` (on each rank its own shard's)."""
+    return f"v.mb{microbatch}.{local}"
 
 
 def data_value(microbatch: int, index: int) -> str:

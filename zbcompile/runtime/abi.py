@@ -16,12 +16,13 @@ from datetime import timedelta
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
 from zbcompile.errors import RuntimeFailure
 
-__all__ = ["StepContext", "recv", "recv_into", "wait_recv", "send", "wait_send", "wait", "free", "set_grad",
-           "copy_buffer", "accumulate_", "sum_losses", "sum_in_order"]
+__all__ = ["StepContext", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective", "wait_collective",
+           "wait", "free", "set_grad", "copy_buffer", "accumulate_", "sum_losses", "sum_in_order"]
 
 
 class StepContext:
@@ -37,13 +38,18 @@ class StepContext:
     higher ranks, `down` to lower ones. Without channels everything goes through `pg` (gloo matches by tag
     and never blocks a stream, so one group is enough for it). Peers are the groups' ranks.
     bufs: the static receive buffers, by slot (see passes/lower/buffers.py).
+    coll_pg: the group the vocabulary layers' collectives run on (all ranks): a group of their own, so that on a
+    device they never queue behind P2P on a communicator's stream.
     """
 
-    __slots__ = ("pg", "rank", "device", "timeout", "row", "t", "send_pg", "recv_pg", "bufs", "_specs")
+    __slots__ = ("pg", "rank", "ranks", "device", "timeout", "row", "t", "send_pg", "recv_pg", "bufs", "coll_pg",
+                 "_specs")
 
     def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
-                 ranks: int = 1, channels: tuple | None = None, buffers: Sequence = ()):
+                 ranks: int = 1, channels: tuple | None = None, buffers: Sequence = (), collectives=None):
         self.pg = pg
+        self.ranks = ranks
+        self.coll_pg = collectives if collectives is not None else pg
         self.rank = rank
         self.device = device
         self.timeout = timedelta(seconds=timeout)
@@ -108,6 +114,51 @@ def wait_send(ctx: StepContext, handle) -> None:
     works, what, peers = handle
     for work in works:
         wait(ctx, work, "sending", what, peers)
+
+
+@fx.node.has_side_effect
+def collective(ctx: StepContext, op: str, root: int, shape: tuple[int, ...], dtype: torch.dtype, what: str,
+               *tensors: torch.Tensor):
+    """Post a collective on ctx.coll_pg (passes/lower/vocab.py): `broadcast` of the root's tensor (a fresh buffer
+    elsewhere), `reduce` (sum) onto the root in place, or `all_gather` into a fresh [ranks, *shape] tensor.
+    Returns a handle for wait_collective. One rank (no group) has nothing to exchange."""
+    pg = ctx.coll_pg
+    if op == "all_gather":
+        buf = torch.empty((ctx.ranks, *shape), dtype=dtype, device=ctx.device)
+    elif tensors:
+        buf = tensors[0].contiguous()
+    else:
+        buf = torch.empty(shape, dtype=dtype, device=ctx.device)
+    if pg is None:
+        if op == "all_gather":
+            buf[0].copy_(tensors[0])
+        return buf, None, what
+    try:
+        if op == "broadcast":
+            work = pg.broadcast([buf], _root_options(dist.BroadcastOptions(), root))
+        elif op == "reduce":
+            options = _root_options(dist.ReduceOptions(), root)
+            options.reduceOp = dist.ReduceOp.SUM
+            work = pg.reduce([buf], options)
+        else:
+            work = pg.allgather([list(buf.unbind(0))], [tensors[0].contiguous()])
+    except Exception as e:
+        raise RuntimeFailure(f"rank {ctx.rank}: posting the {op} of {what} failed: {e}") from e
+    return buf, work, what
+
+
+def _root_options(options, root: int):
+    options.rootRank = root
+    return options
+
+
+@fx.node.has_side_effect
+def wait_collective(ctx: StepContext, handle) -> torch.Tensor:
+    """Wait for a posted collective; returns its result on this rank (the buffer it posted)."""
+    buf, work, what = handle
+    if work is not None:
+        wait(ctx, work, "joining the collective of", what, None)
+    return buf
 
 
 def wait(ctx: StepContext, work, doing: str, what: str, peer) -> None:

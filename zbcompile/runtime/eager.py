@@ -64,13 +64,16 @@ class RankRuntime:
     params / buffers: canonical fqn -> live tensor for every param:/buffer: the program reads.
     pg: the pipeline's ProcessGroup (pipeline rank = its group rank); None runs a one-rank pipeline.
     channels: (up, down) groups over the same ranks for P2P, one per direction (see abi.StepContext).
+    constants: fixed program inputs besides params and buffers (vocab:offset); collectives: the group the
+    vocabulary layers' collectives run on (default: pg).
     peers: every rank's RankProgram (ir among them): the timings name every rank's actions, every rank's
     gathered row has room for the busiest rank's, and the batch check knows every argument's shape.
     """
 
     def __init__(self, ir: RankProgram, program: fx.GraphModule, *, pg, device: torch.device,
                  params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                 peers: Sequence[RankProgram], timeout: float = 60.0, channels: tuple | None = None):
+                 peers: Sequence[RankProgram], timeout: float = 60.0, channels: tuple | None = None,
+                 constants: Mapping[str, torch.Tensor] | None = None, collectives=None):
         self.ir = ir
         self.program = program
         if device.type == "cpu":
@@ -91,7 +94,7 @@ class RankRuntime:
         self.max_actions = max(len(n) for n in self._names)
         # as many slots as the busiest rank has: every rank's gathered row has the same length
         self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
-                               channels=channels, buffers=ir.buffers)
+                               channels=channels, buffers=ir.buffers, collectives=collectives)
         self.grad_loss = torch.full((), 1.0 / m, device=device)
         self._fixed = {}
         for n in ir.inputs:
@@ -101,6 +104,7 @@ class RankRuntime:
             elif value.role is Role.BUFFER:
                 self._fixed[n] = buffers[value.key]
         self._fixed["grad_loss"] = self.grad_loss
+        self._fixed.update(constants or {})   # vocab:offset: the first row of this rank's vocabulary shard
         self._data = [(parse(n).microbatch, parse(n).index) if parse(n).scope == "data" else None
                       for n in ir.inputs]
         # which flat user arguments (model inputs, then targets) this rank's program reads

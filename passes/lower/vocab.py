@@ -1,0 +1,178 @@
+"""The vocabulary layers in a rank program: one RUN op per sharded action, with its collectives.
+
+build_compute calls `VocabLowering.action` for each sharded action (S, T, IF, IB: every rank, its own shard).
+Every rank posts the same collectives in the same order (the schedule's sharded sequence is the same on every
+rank; Schedule.validate), numbered by `seq`:
+
+    [0IF3] v.mb3.vocab:part = vocab_if(param:wte, vocab:offset, mb3.data:0)
+    h:c7 = collective(v.mb3.vocab:part; reduce root 0 seq 7 [2, 8, 64] float32)
+    ...                                        (on rank 0, where stage 0 runs:)
+    v.mb3.vocab:emb = wait_coll(h:c7)          right before [0F3] reads it as act:vocab.emb
+
+    h:c8 = collective(s1.mb3.act:vocab.x; broadcast root 1 seq 8 [16, 64] float32)   (no input off the root)
+    v.mb3.vocab:x = wait_coll(h:c8)
+    [0S3] v.mb3.vocab:stats, v.mb3.vocab:saved:0 = vocab_s(param:wte, v.mb3.vocab:x, vocab:offset, mb3.data:1)
+    h:c9 = collective(v.mb3.vocab:stats; all_gather root -1 seq 9 [16, 3] float32)
+    ...
+    v.mb3.vocab:gathered = wait_coll(h:c9)     right before T
+    [0T3] v.mb3.grad:param:wte, v.mb3.vocab:dx, v.mb3.loss = vocab_t(...)
+    h:c10 = collective(v.mb3.vocab:dx; reduce root 1 seq 10 [16, 64] float32)
+    v.mb3.vocab:gx = wait_coll(h:c10)          on rank 1, right before [1B3] reads it as grad:act:vocab.x
+
+    h:c11 = collective(s0.mb3.grad:act:vocab.emb; broadcast root 0 seq 11 [2, 8, 64] float32)
+    v.mb3.vocab:demb = wait_coll(h:c11)
+    [0IB3] v.mb3.grad:param:wte = vocab_ib(v.mb3.vocab:demb, vocab:offset, mb3.data:0)
+
+A wait goes right before the first op that reads its result; a wait whose result this rank does not get (a
+reduce off its root) goes before the rank's next sharded action, so at most one such collective is in flight.
+"""
+
+from __future__ import annotations
+
+from zbcompile.errors import LoweringError
+from zbcompile.names import Role, is_vocab_boundary, role_of
+from zbcompile.program import ProgramGraph
+from zbcompile.program.ops import Coll, CollArgs, Op, OpKind, RunArgs, TensorType
+from zbcompile.program.values import GRAD_LOSS, LOSS, VOCAB_OFFSET, data_value, handle, stage_value, vocab_value
+from zbcompile.names import key_of, VOCAB_EMB, VOCAB_X
+from zbcompile.schedule import Action, Kind, Schedule
+from zbcompile.stages import VocabLayers
+
+__all__ = ["VocabLowering", "vocab_input", "VOCAB_GRAPHS"]
+
+VOCAB_GRAPHS = {Kind.IF: "if", Kind.S: "s", Kind.T: "t", Kind.IB: "ib"}
+
+# the program values the stage graphs read in place of a neighbour's boundary tensor
+_SUMMED_EMB, _SUMMED_GRAD = "vocab:emb", "vocab:gx"
+
+
+def vocab_input(name: str, microbatch: int) -> str | None:
+    """The value a first / last stage graph reads for a vocabulary boundary (None for other names)."""
+    if not is_vocab_boundary(name):
+        return None
+    if name == VOCAB_EMB:
+        return vocab_value(microbatch, _SUMMED_EMB)
+    if name == "grad:" + VOCAB_X:
+        return vocab_value(microbatch, _SUMMED_GRAD)
+    raise LoweringError(f"stage graph input {name!r}: a vocabulary boundary only a first stage (act:vocab.emb) "
+                        f"or a last stage (grad:act:vocab.x) reads")
+
+
+class VocabLowering:
+    """The sharded actions of one rank's program, in order, with their collectives and deferred waits."""
+
+    def __init__(self, schedule: Schedule, vocab: VocabLayers | None, rank: int,
+                 graphs: dict[str, ProgramGraph]):
+        if vocab is None:
+            raise LoweringError(f"schedule {schedule.name!r} has vocabulary actions (S, T, IF, IB) but the model "
+                                "was split without vocabulary parallelism; split with vocab_shards=p "
+                                "(zb.compile(..., vocab_parallel=True))")
+        if vocab.shards != schedule.num_ranks:
+            raise LoweringError(f"the vocabulary is split into {vocab.shards} shards but schedule "
+                                f"{schedule.name!r} has {schedule.num_ranks} ranks; split with "
+                                f"vocab_shards={schedule.num_ranks}")
+        self.schedule, self.vocab, self.rank, self.graphs = schedule, vocab, rank, graphs
+        self.seq = 0
+        self.pending: list[Op] = []   # waits not placed yet
+
+    # ---- the ops of one action ------------------------------------------------------------------------
+    def action(self, action: Action) -> list[Op]:
+        """The ops of sharded `action` (this rank's shard), after the waits due before it."""
+        kind, _, mb = action
+        ops = self._flush_resultless()
+        sched = self.schedule
+        first, last = sched.placement[sched.first_of(mb)], sched.placement[sched.last_of(mb)]
+        if kind is Kind.S:
+            ops += self._post(Coll.BROADCAST, last, mb, stage_value(sched.last_of(mb), mb, VOCAB_X), "vocab:x",
+                              self.vocab.x.shape, self.vocab.x.dtype, now=True)
+        elif kind is Kind.IB:
+            ops += self._post(Coll.BROADCAST, first, mb, stage_value(sched.first_of(mb), mb, "grad:" + VOCAB_EMB),
+                              "vocab:demb", self.vocab.emb.shape, self.vocab.emb.dtype, now=True)
+        ops += self._before_reads(self._run(action))
+        if kind is Kind.IF:
+            ops += self._post(Coll.REDUCE, first, mb, vocab_value(mb, "vocab:part"), _SUMMED_EMB,
+                              self.vocab.emb.shape, self.vocab.emb.dtype)
+        elif kind is Kind.S:
+            ops += self._post(Coll.ALL_GATHER, -1, mb, vocab_value(mb, "vocab:stats"), "vocab:gathered",
+                              self.vocab.stats.shape, self.vocab.stats.dtype)
+        elif kind is Kind.T:
+            ops += self._post(Coll.REDUCE, last, mb, vocab_value(mb, "vocab:dx"), _SUMMED_GRAD,
+                              self.vocab.x.shape, self.vocab.x.dtype)
+        return ops
+
+    def before(self, op: Op) -> list[Op]:
+        """The deferred waits whose results `op` reads, to go right before it."""
+        return self._before_reads([op])
+
+    def finish(self) -> list[Op]:
+        """Every wait still pending, for the program's end."""
+        ops, self.pending = self.pending, []
+        return ops
+
+    # ---- helpers ---------------------------------------------------------------------------------------
+    def _run(self, action: Action) -> list[Op]:
+        kind, _, mb = action
+        key = "vocab_" + VOCAB_GRAPHS[kind]
+        g = self.vocab.graphs[VOCAB_GRAPHS[kind]]
+        if key not in self.graphs:
+            self.graphs[key] = ProgramGraph(g.gm, g.inputs, g.outputs, types=_output_types(g))
+        ins = tuple(self._input(name, mb) for name in g.inputs)
+        outs = tuple(vocab_value(mb, name) for name in g.outputs)
+        return [Op(OpKind.RUN, ins, outs, RunArgs(action, key))]
+
+    def _input(self, name: str, mb: int) -> str:
+        role = role_of(name)
+        if name == VOCAB_OFFSET or role is Role.PARAM:
+            return name
+        if role is Role.DATA:
+            return data_value(mb, int(key_of(name)))
+        if role is Role.GRAD_LOSS:
+            return GRAD_LOSS
+        if role is Role.VOCAB:
+            return vocab_value(mb, name)
+        raise LoweringError(f"vocabulary graph input {name!r} has no known meaning")
+
+    def _post(self, op: Coll, root: int, mb: int, source: str, result: str, shape, dtype,
+              now: bool = False) -> list[Op]:
+        """Post one collective; its wait goes to `pending` (or right after it with `now`)."""
+        sends = op is not Coll.BROADCAST or root == self.rank
+        gets = op is not Coll.REDUCE or root == self.rank
+        h = handle(f"c{self.seq}")
+        args = CollArgs(op, root, self.seq, TensorType(tuple(shape), dtype))
+        self.seq += 1
+        post = Op(OpKind.COLLECTIVE, (source,) if sends else (), (h,), args, note=f"microbatch {mb}")
+        wait = Op(OpKind.WAIT_COLL, (h,), (vocab_value(mb, result),) if gets else ())
+        if now:
+            return [post, wait]
+        self.pending.append(wait)
+        return [post]
+
+    def _before_reads(self, ops: list[Op]) -> list[Op]:
+        out = []
+        for op in ops:
+            reads = set(op.ins)
+            due = [w for w in self.pending if w.outs and w.outs[0] in reads]
+            self.pending = [w for w in self.pending if w not in due]
+            out += due + [op]
+        return out
+
+    def _flush_resultless(self) -> list[Op]:
+        due = [w for w in self.pending if not w.outs]
+        self.pending = [w for w in self.pending if w.outs]
+        return due
+
+
+def _output_types(g) -> tuple[TensorType | None, ...]:
+    """Types of the gradient outputs (shards of parameters), read off the traced graph."""
+    types = []
+    for name, node in g.output_nodes().items():
+        val = node.meta.get("val") if hasattr(node, "meta") else None
+        types.append(TensorType(tuple(val.shape), val.dtype) if role_of(name) is Role.GRAD_PARAM and val is not None
+                     else None)
+    return tuple(types)
+
+
+def is_sharded_loss(action: Action, name: str) -> bool:
+    """Whether output `name` of sharded `action` is the microbatch loss this rank reports: every shard's T
+    computes the same loss; shard 0's counts."""
+    return action.kind is Kind.T and action.stage == 0 and name == LOSS

@@ -1,0 +1,431 @@
+"""The split pass for vocabulary parallelism: shard the input embedding and the output layer over every rank.
+
+    Partition -> Partition (with .vocab: VocabLayers, zbcompile.stages)
+
+It finds, in the stage forwards, the pattern
+
+    first stage:  emb = embedding(param:E, ids(data))                           E: [V, d]
+    last stage:   loss = cross_entropy(view/slice/cast...(linear(x, param:W[, param:b])), target(data))   W: [V, d]
+
+and cuts it out: the first stage reads `act:vocab.emb` instead of computing the lookup, and the last stage
+returns `act:vocab.x` (x after the same token reshapes and slices the logits went through, [tokens, d])
+instead of the loss. The removed work becomes four graphs that every rank runs on its own shard of rows
+(zbcompile.stages.VocabLayers), joined by collectives the lowering inserts:
+
+    IF  partial lookup: rows of the shard, zeros for ids of other shards     -> reduce-sum onto the first stage
+    S   local logits y = x W_r^T and per token (max, sum of exp(y - max), target logit if in the shard)
+                                                                            -> all-gather (one barrier)
+    T   the online-softmax combine: lse = M + log sum_j s_j exp(m_j - M); the loss (cross-entropy's
+        reduction and ignore_index); dy = g (exp(y - lse) - onehot); dW_r = dy^T x; dx_r = dy W_r
+                                                                            -> reduce-sum onto the last stage
+    IB  the first stage's input gradient (broadcast) scattered into the shard's rows
+
+This is the paper's forward-phase algorithm (Yeung et al., MLSys 2025, "Vocab-1"): max and sum merged into one
+barrier by the online-softmax rescaling, the input-gradient shares reduced after T. Padded rows (V rounded up
+to a multiple of the shards) get -inf logits, so they never enter the softmax, and no id looks them up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+from typing import Callable, Sequence
+
+import torch
+from torch import fx
+
+from zbcompile._torch_private import FakeTensorMode
+from zbcompile.errors import VocabError
+from zbcompile.names import VOCAB_EMB, VOCAB_X, Role, key_of, role_of
+from zbcompile.stages import Graph, Partition, TensorSpec, VocabLayers, module_path
+
+__all__ = ["shard_vocab", "find_vocab_layers", "VocabPattern"]
+
+_aten = torch.ops.aten
+# ops the logits may pass through between the linear layer and the cross-entropy: each acts on token dims only
+# (checked), so it can act on the layer's input instead
+_RESHAPES = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
+_IDENTITIES = (_aten.alias.default, _aten.clone.default, _aten.contiguous.default, _aten.detach.default)
+_TOKEN_OPS = (_aten.slice.Tensor, _aten.select.int)
+_CAST = _aten._to_copy.default
+_EXPECTED = ("an embedding lookup `embedding(E, ids)` in the first stage and, as the loss, "
+             "`cross_entropy(linear(x, W)[...], targets)` in the last, with E and W of shape [V, d]")
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabPattern:
+    """Where the vocabulary layers are in the stage forwards (nodes of stage 0's and the last stage's graphs)."""
+
+    embedding: fx.Node
+    linear: fx.Node
+    chain: tuple[fx.Node, ...]         # the nodes from the linear's output to the cross-entropy's input
+    loss: fx.Node                      # the cross_entropy_loss node
+    table: str                         # param:E
+    weight: str                        # param:W
+    bias: str | None                   # param:b
+    size: int                          # V
+    reduction: int                     # 1 mean, 2 sum
+    ignore_index: int
+    padding_idx: int
+    logits_dtype: torch.dtype
+
+
+def shard_vocab(cut: Partition, *, shards: int) -> Partition:
+    """A split pass: `cut` with its vocabulary layers taken out of the first and last stage and sharded over
+    `shards` ranks (see the module docstring). Raises VocabError naming what was expected and what was found."""
+    if shards < 1:
+        raise VocabError(f"vocabulary parallelism needs at least 1 shard, got {shards}")
+    first, last = cut.stages[0], cut.stages[-1]
+    pattern = find_vocab_layers(first, last, cut.traced.frozen)
+    stages = list(cut.stages)
+    x_val, new_last = _output_layer_input(last, pattern)
+    stages[-1] = new_last
+    emb_source = stages[0]
+    stages[0] = _embedding_input(emb_source, pattern)
+    _check_only_vocab_uses(stages, pattern)
+    d = int(x_val.shape[-1])
+    rows = -(-pattern.size // shards)
+    emb_val = pattern.embedding.meta["val"]
+    device = cut.traced.device or x_val.device
+    graphs = _shard_graphs(pattern, first, last, rows, shards, d, x_val, emb_val, device)
+    vocab = VocabLayers(
+        shards=shards, size=pattern.size, rows=rows, embedding=key_of(pattern.table), head=key_of(pattern.weight),
+        bias=key_of(pattern.bias) if pattern.bias else None, graphs=graphs,
+        x=TensorSpec(VOCAB_X, tuple(x_val.shape), x_val.dtype),
+        emb=TensorSpec(VOCAB_EMB, tuple(emb_val.shape), emb_val.dtype),
+        stats=TensorSpec("vocab:stats", (int(x_val.shape[0]), 3), torch.float32, requires_grad=False),
+        pattern=_describe(pattern))
+    return dataclasses.replace(cut, stages=tuple(stages), vocab=vocab)
+
+
+# ---- finding the pattern ----------------------------------------------------------------------------------
+def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPattern:
+    """The vocabulary layers of a partition's first and last stage forwards, checked; VocabError otherwise."""
+    loss = last.output_nodes().get("loss")
+    if loss is None or loss.target is not _aten.cross_entropy_loss.default:
+        got = "nothing" if loss is None else f"`{loss.format_node()}`"
+        raise VocabError(f"vocab_parallel=True expects {_EXPECTED}; the loss is computed by {got}.\n"
+                         "fix: return the logits from the model and let loss_fn be `F.cross_entropy(logits.view(-1, "
+                         "V), targets.view(-1))` (no ops after it), or compile without vocab_parallel")
+    reduction, ignore_index, smoothing, weight = (_arg(loss, 3, "reduction", 1), _arg(loss, 4, "ignore_index", -100),
+                                                  _arg(loss, 5, "label_smoothing", 0.0), _arg(loss, 2, "weight"))
+    if weight is not None or smoothing or reduction not in (1, 2):
+        raise VocabError("vocab_parallel=True supports cross_entropy with reduction 'mean' or 'sum', no class "
+                         f"weights and no label smoothing; found weight={'given' if weight is not None else None}, "
+                         f"label_smoothing={smoothing}, reduction={['none', 'mean', 'sum'][reduction]}.\n"
+                         "fix: use plain cross-entropy, or compile without vocab_parallel")
+    chain, node = [], loss.args[0]
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in (
+            *_RESHAPES, *_IDENTITIES, *_TOKEN_OPS, _CAST):
+        chain.append(node)
+        node = node.args[0]
+    linear = node
+    if not (isinstance(linear, fx.Node) and linear.target is _aten.linear.default
+            and _placeholder_name(last, linear.args[1]) is not None):
+        what = linear.format_node() if isinstance(linear, fx.Node) else repr(linear)
+        raise VocabError(f"vocab_parallel=True expects {_EXPECTED}; the cross-entropy's logits come from "
+                         f"`{what}`, not from a linear layer with a parameter weight.\n"
+                         "fix: compute the logits with an nn.Linear (or F.linear) on the model's parameter")
+    weight_name = _placeholder_name(last, linear.args[1])
+    bias_arg = linear.args[2] if len(linear.args) > 2 else None
+    bias_name = _placeholder_name(last, bias_arg) if bias_arg is not None else None
+    size = int(linear.args[1].meta["val"].shape[0])
+    logits = loss.args[0].meta["val"]
+    if logits.dim() != 2 or int(logits.shape[-1]) != size:
+        raise VocabError(f"vocab_parallel=True expects the cross-entropy's input as [tokens, V={size}]; it is "
+                         f"{list(logits.shape)}.\nfix: pass `logits.view(-1, V)` and `targets.view(-1)`")
+    for n in (linear, *chain):
+        if len(n.users) != 1:
+            raise VocabError(f"the logits `{n.name}` are read by more than the cross-entropy "
+                             f"({', '.join(u.name for u in n.users)}); vocab_parallel=True never materializes the "
+                             "whole logits. fix: compute only the loss from them")
+    for n in chain:
+        _check_token_op(n, size)
+    embedding = _find_embedding(first, size)
+    table = _placeholder_name(first, embedding.args[0])
+    if _arg(embedding, 3, "scale_grad_by_freq", False) or _arg(embedding, 4, "sparse", False):
+        raise VocabError("vocab_parallel=True does not support an embedding with scale_grad_by_freq=True or "
+                         "sparse=True; fix: use a plain nn.Embedding, or compile without vocab_parallel")
+    for name in (table, weight_name, bias_name):
+        if name is not None and key_of(name) in frozen:
+            raise VocabError(f"vocab_parallel=True: {key_of(name)} does not require grad; sharded vocabulary "
+                             "parameters must be trained. fix: compile without vocab_parallel")
+    _check_from_data(first, embedding.args[1], "the embedding's ids")
+    _check_from_data(last, loss.args[1], "the cross-entropy's targets")
+    return VocabPattern(embedding, linear, tuple(reversed(chain)), loss, table, weight_name, bias_name, size,
+                        reduction, ignore_index, _arg(embedding, 2, "padding_idx", -1), logits.dtype)
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _placeholder_name(g: Graph, node) -> str | None:
+    """The stage input name of `node` when it is a parameter placeholder of `g`."""
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return None
+    name = dict(zip(g.input_nodes().values(), g.inputs)).get(node)
+    return name if name is not None and role_of(name) is Role.PARAM else None
+
+
+def _find_embedding(first: Graph, size: int) -> fx.Node:
+    found = [n for n in first.gm.graph.nodes if n.target is _aten.embedding.default
+             and _placeholder_name(first, n.args[0]) is not None and int(n.args[0].meta["val"].shape[0]) == size]
+    if len(found) != 1:
+        seen = [f"`{n.format_node()}`" for n in first.gm.graph.nodes if n.target is _aten.embedding.default]
+        raise VocabError(f"vocab_parallel=True expects {_EXPECTED}; the first stage has "
+                         f"{len(found)} embedding lookups on a [{size}, d] parameter"
+                         f"{' (lookups: ' + ', '.join(seen) + ')' if seen else ''}.\n"
+                         "fix: look the token ids up in one nn.Embedding(V, d) at the start of the model")
+    return found[0]
+
+
+def _check_token_op(node: fx.Node, size: int) -> None:
+    """Between the linear layer and the loss only ops that leave the vocabulary dim whole may act."""
+    val = node.args[0].meta["val"]
+    if node.target in _TOKEN_OPS:
+        dim = node.args[1] if len(node.args) > 1 else 0
+        if dim % val.dim() == val.dim() - 1:
+            raise VocabError(f"`{node.format_node()}` slices the vocabulary dim of the logits; vocab_parallel=True "
+                             "needs every logit of the vocabulary. fix: slice the tokens, not the vocabulary")
+    elif node.target is _CAST and set(node.kwargs) - {"dtype"}:
+        raise VocabError(f"`{node.format_node()}` moves the logits; only a dtype cast may act on them")
+    elif node.target in _RESHAPES and int(node.meta["val"].shape[-1]) != size:
+        raise VocabError(f"`{node.format_node()}` reshapes the vocabulary dim of the logits (to "
+                         f"{list(node.meta['val'].shape)}); fix: keep V as the last dim, e.g. logits.view(-1, V)")
+
+
+def _check_from_data(g: Graph, node: fx.Node, what: str) -> None:
+    """`node` must be computed from the user's data alone (every rank has the data, none the activations)."""
+    names = dict(zip(g.input_nodes().values(), g.inputs))
+    for n in _ancestors(node):
+        if n.op == "placeholder" and role_of(names[n]) is not Role.DATA:
+            raise VocabError(f"{what} depend on `{names[n]}`, not only on the step's inputs; every rank computes "
+                             f"them from the batch. fix: pass them in as model inputs / loss targets")
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node]:
+    seen: dict[fx.Node, None] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen[n] = None
+        stack.extend(n.all_input_nodes)
+    return list(seen)
+
+
+def _describe(p: VocabPattern) -> str:
+    head = key_of(p.weight) + (f" + {key_of(p.bias)}" if p.bias else "")
+    return (f"embedding {key_of(p.table)}[ids] ... linear {head} -> cross_entropy"
+            f"({'mean' if p.reduction == 1 else 'sum'}, ignore_index={p.ignore_index}), V={p.size}")
+
+
+# ---- rewriting the stage forwards ---------------------------------------------------------------------------
+def _output_layer_input(last: Graph, p: VocabPattern) -> tuple[torch.Tensor, Graph]:
+    """The last stage returning act:vocab.x (the linear's input through the logits' token ops) for the loss."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(last.gm.graph, env)
+    x = env[p.linear.args[0]]
+    for n in p.chain:
+        if n.target in _IDENTITIES or n.target is _CAST:
+            continue
+        args = list(n.args)
+        args[0] = x
+        if n.target in _RESHAPES:
+            shape = list(args[1])
+            shape[-1] = -1 if shape[-1] == -1 else int(p.linear.args[0].meta["val"].shape[-1])
+            args[1] = shape
+        x = graph.call_function(n.target, tuple(args), dict(n.kwargs))
+        x.meta = {**n.meta, "val": n.target(*fx.node.map_arg(tuple(args), lambda a: a.meta["val"]), **n.kwargs)}
+    outs = dict(zip(last.outputs, out if isinstance(out, (tuple, list)) else (out,)))
+    x = graph.call_function(_aten.contiguous.default, (x,))   # sent as [tokens, d], contiguous on the wire
+    x.meta = {"val": x.args[0].meta["val"].contiguous()}
+    names = (VOCAB_X,) + tuple(n for n in last.outputs if n != "loss")
+    graph.output(tuple(x if n == VOCAB_X else outs[n] for n in names))
+    g = _pruned(last, graph, names)
+    return x.meta["val"], g
+
+
+def _embedding_input(first: Graph, p: VocabPattern) -> Graph:
+    """The first stage reading the summed lookup as act:vocab.emb instead of computing it."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(first.gm.graph, env)
+    lookup = env.get(p.embedding)
+    if lookup is None:   # a one-stage pipeline: the first stage is the last stage, rewritten above
+        lookup = next(n for n in graph.nodes if n.target is _aten.embedding.default and n.name == p.embedding.name)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    with graph.inserting_after(placeholders[-1]):
+        emb = graph.placeholder("vocab_emb")
+    emb.meta = {"val": lookup.meta["val"]}
+    lookup.replace_all_uses_with(emb)
+    graph.erase_node(lookup)
+    graph.output(out)
+    return _pruned(first, graph, first.outputs, extra_inputs=(VOCAB_EMB,))
+
+
+def _pruned(old: Graph, graph: fx.Graph, outputs: Sequence[str], extra_inputs: Sequence[str] = ()) -> Graph:
+    """`graph` without dead nodes and without the placeholders nothing reads any more, as a Graph record."""
+    graph.eliminate_dead_code()
+    names = list(old.inputs) + list(extra_inputs)
+    kept = []
+    for name, ph in zip(names, list(graph.find_nodes(op="placeholder"))):
+        if ph.users or role_of(name) is Role.ACT:
+            kept.append(name)
+        else:
+            graph.erase_node(ph)
+    graph.lint()
+    gm = fx.GraphModule(old.gm, graph)
+    return dataclasses.replace(old, gm=gm, inputs=tuple(kept), outputs=tuple(outputs))
+
+
+def _check_only_vocab_uses(stages: Sequence[Graph], p: VocabPattern) -> None:
+    """After the rewrite no stage may read a vocabulary parameter: it exists only as shards."""
+    for st in stages:
+        for name in {p.table, p.weight, p.bias} & set(st.inputs):
+            users = [u.name for u in st.input_nodes()[name].users]
+            where = ", ".join(sorted({path for u in st.input_nodes()[name].users for path in module_path(u)[-1:]}))
+            raise VocabError(f"vocab_parallel=True shards {key_of(name)} over the ranks, but stage {st.index} also "
+                             f"reads it outside the embedding lookup and the output layer ({', '.join(users)}"
+                             f"{' in ' + where if where else ''}). fix: use it only in those two places, or compile "
+                             "without vocab_parallel")
+
+
+# ---- the shard graphs ---------------------------------------------------------------------------------------
+def _data_fn(g: Graph, node: fx.Node) -> tuple[tuple[str, ...], fx.GraphModule]:
+    """The data inputs `node` is computed from and a GraphModule computing it from them."""
+    names = dict(zip(g.input_nodes().values(), g.inputs))
+    order = {n: i for i, n in enumerate(g.gm.graph.nodes)}
+    needed = sorted(_ancestors(node), key=order.__getitem__)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs = []
+    for n in needed:
+        if n.op == "placeholder":
+            env[n] = graph.placeholder(n.name)
+            env[n].meta = dict(n.meta)
+            inputs.append(names[n])
+        else:
+            env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[node])
+    return tuple(inputs), fx.GraphModule(g.gm, graph)
+
+
+def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, rows: int, shards: int, d: int,
+                  x_val: torch.Tensor, emb_val: torch.Tensor, device: torch.device) -> dict[str, Graph]:
+    id_inputs, ids_fn = _data_fn(first, p.embedding.args[1])
+    target_inputs, target_fn = _data_fn(last, p.loss.args[1])
+    table_val = p.embedding.args[0].meta["val"]
+    weight_val = p.linear.args[1].meta["val"]
+    bias_val = p.linear.args[2].meta["val"] if p.bias else None
+    data_vals = {**{n: ph.meta["val"] for n, ph in first.input_nodes().items()},
+                 **{n: ph.meta["val"] for n, ph in last.input_nodes().items()}}
+    padded = rows * shards != p.size
+    heads = (p.weight,) + ((p.bias,) if p.bias else ())
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(val, shape=None, dtype=None):
+        with mode:
+            return torch.empty(tuple(val.shape) if shape is None else shape, dtype=dtype or val.dtype, device=device)
+
+    offset = fake(None, (), torch.int64)
+    tokens = int(x_val.shape[0])
+    fx_if = functools.partial(_input_forward, ids_fn=ids_fn, rows=rows)
+    fx_ib = functools.partial(_input_backward, ids_fn=ids_fn, rows=rows, padding_idx=p.padding_idx)
+    fx_s = functools.partial(_output_forward, target_fn=target_fn, rows=rows, size=p.size if padded else None,
+                             logits_dtype=p.logits_dtype, n_data=len(target_inputs), has_bias=bool(p.bias))
+    fx_t = functools.partial(_output_backward, target_fn=target_fn, rows=rows, reduction=p.reduction,
+                             ignore_index=p.ignore_index, logits_dtype=p.logits_dtype, has_bias=bool(p.bias))
+    ids = tuple(fake(data_vals[n]) for n in id_inputs)
+    targets = tuple(fake(data_vals[n]) for n in target_inputs)
+    head_vals = (fake(weight_val, (rows, d)),) + ((fake(bias_val, (rows,)),) if p.bias else ())
+    x = fake(x_val)
+    saved = fake(None, (tokens, rows), p.logits_dtype)
+    gathered = fake(None, (shards, tokens, 3), torch.float32)
+    seed = fake(None, (), torch.float32)
+    grads = tuple("grad:" + n for n in heads)
+    return {
+        "if": _traced(fx_if, ("param:" + key_of(p.table), "vocab:offset") + id_inputs, ("vocab:part",),
+                      (fake(table_val, (rows, d)), offset) + ids),
+        "s": _traced(fx_s, heads + ("vocab:x", "vocab:offset") + target_inputs, ("vocab:stats", "vocab:saved:0"),
+                     head_vals + (x, offset) + targets),
+        "t": _traced(fx_t, ("vocab:gathered", "vocab:saved:0", "vocab:x") + heads + ("vocab:offset", "grad:loss")
+                     + target_inputs, grads + ("vocab:dx", "loss"),
+                     (gathered, saved, x) + head_vals + (offset, seed) + targets),
+        "ib": _traced(fx_ib, ("vocab:demb", "vocab:offset") + id_inputs, ("grad:" + p.table,),
+                      (fake(emb_val), offset) + ids),
+    }
+
+
+def _traced(fn: Callable, inputs: Sequence[str], outputs: Sequence[str], args: Sequence[torch.Tensor]) -> Graph:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    return Graph(gm, tuple(inputs), tuple(outputs))
+
+
+# The four passes as plain torch, traced once into fx graphs. `offset` is the shard's first row; rows past the
+# shard, or ids of other shards, are masked, never indexed.
+def _shard_local(ids: torch.Tensor, offset: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    local = ids - offset
+    inside = (local >= 0) & (local < rows)
+    return torch.where(inside, local, 0), inside
+
+
+def _input_forward(table, offset, *data, ids_fn, rows):
+    safe, inside = _shard_local(ids_fn(*data), offset, rows)
+    return (torch.where(inside.unsqueeze(-1), torch.nn.functional.embedding(safe, table), 0),)
+
+
+def _input_backward(demb, offset, *data, ids_fn, rows, padding_idx):
+    ids = ids_fn(*data)
+    safe, inside = _shard_local(ids, offset, rows)
+    if padding_idx >= 0:   # the padding row gets no gradient, as in nn.Embedding
+        inside = inside & (ids != padding_idx)
+    grad = torch.where(inside.unsqueeze(-1), demb, 0)
+    return (torch.ops.aten.embedding_dense_backward(grad, safe, rows, -1, False),)
+
+
+def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias):
+    weight, bias = args[0], (args[1] if has_bias else None)
+    x, offset = args[1 + has_bias], args[2 + has_bias]
+    data = args[3 + has_bias:]
+    y = torch.nn.functional.linear(x, weight, bias).to(logits_dtype)
+    if size is not None:   # the last shard's padded rows: -inf, outside every softmax
+        valid = torch.arange(rows, device=y.device) + offset < size
+        y = torch.where(valid, y, float("-inf"))
+    yf = y.float()
+    top = yf.amax(-1)
+    total = torch.exp(yf - top.unsqueeze(-1)).sum(-1)
+    safe, inside = _shard_local(target_fn(*data), offset, rows)
+    picked = torch.where(inside, yf.gather(1, safe.unsqueeze(-1)).squeeze(-1), 0.0)
+    return torch.stack([top, total, picked], dim=1), y
+
+
+def _output_backward(gathered, y, x, *args, target_fn, rows, reduction, ignore_index, logits_dtype, has_bias):
+    weight = args[0]
+    offset, seed = args[1 + has_bias], args[2 + has_bias]
+    data = args[3 + has_bias:]
+    top = gathered[..., 0].amax(0)
+    total = (gathered[..., 1] * torch.exp(gathered[..., 0] - top)).sum(0)
+    lse = top + torch.log(total)
+    target = target_fn(*data)
+    keep = target != ignore_index
+    per_token = torch.where(keep, lse - gathered[..., 2].sum(0), 0.0)
+    weights = keep.float()
+    if reduction == 1:   # mean over the tokens that count
+        count = weights.sum()
+        loss, weights = per_token.sum() / count, weights / count
+    else:
+        loss = per_token.sum()
+    g = weights * seed
+    dy = torch.exp(y.float() - lse.unsqueeze(-1)) * g.unsqueeze(-1)
+    safe, inside = _shard_local(target, offset, rows)
+    dy = dy.scatter_add(1, safe.unsqueeze(-1), torch.where(inside, -g, 0.0).unsqueeze(-1)).to(weight.dtype)
+    grads = (dy.t().mm(x),) + ((dy.sum(0),) if has_bias else ())
+    return (*grads, dy.mm(weight), loss.to(logits_dtype))
