@@ -265,7 +265,7 @@ def _embedding_input(first: Graph, p: VocabPattern) -> Graph:
     emb.meta = {"val": lookup.meta["val"]}
     lookup.replace_all_uses_with(emb)
     graph.erase_node(lookup)
-    graph.output(out)
+    graph.output(fx.node.map_arg(out, lambda n: emb if n is lookup else n))
     return _pruned(first, graph, first.outputs, extra_inputs=(VOCAB_EMB,))
 
 
