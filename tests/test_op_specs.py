@@ -15,7 +15,7 @@ from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.passes.lower.emit import Emitter
 from zbcompile.passes.schedules import GENERATORS, generate
 from zbcompile.program import RankProgram
-from zbcompile.program.ops import (SPECS, AccumArgs, AccumMode, Message, Op, OpKind, RecvArgs, RunArgs,
+from zbcompile.program.ops import (Coll, CollArgs, SPECS, AccumArgs, AccumMode, Message, Op, OpKind, RecvArgs, RunArgs,
                                    SendArgs, SetGradArgs, StampArgs, Stream, Sync, TensorType)
 from zbcompile.runtime import abi
 from zbcompile.schedule import Action, Schedule
@@ -41,6 +41,9 @@ SAMPLES = {
     OpKind.ADD_LOSS: Op(OpKind.ADD_LOSS, ("s1.mb0.loss", "s1.mb1.loss"), ("loss",)),
     OpKind.COPY_BUFFER: Op(OpKind.COPY_BUFFER, ("buffer:bn.mean", "s1.mb0.buffer:bn.mean")),
     OpKind.STAMP: Op(OpKind.STAMP, args=StampArgs(7)),
+    OpKind.COLLECTIVE: Op(OpKind.COLLECTIVE, ("v.mb1.vocab:dx",), ("h:c3",), CollArgs(Coll.REDUCE, 1, 3, _T),
+                          note="microbatch 1"),
+    OpKind.WAIT_COLL: Op(OpKind.WAIT_COLL, ("h:c3",), ("v.mb1.vocab:gx",)),
 }
 
 
