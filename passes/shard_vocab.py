@@ -95,7 +95,8 @@ def shard_vocab(cut: Partition, *, shards: int) -> Partition:
         bias=key_of(pattern.bias) if pattern.bias else None, graphs=graphs,
         x=TensorSpec(VOCAB_X, tuple(x_val.shape), x_val.dtype),
         emb=TensorSpec(VOCAB_EMB, tuple(emb_val.shape), emb_val.dtype),
-        stats=TensorSpec("vocab:stats", (int(x_val.shape[0]), 3), torch.float32, requires_grad=False),
+        stats=TensorSpec("vocab:stats", (int(x_val.shape[0]), 3), _stat_dtype(pattern.logits_dtype),
+                         requires_grad=False),
         pattern=_describe(pattern))
     return dataclasses.replace(cut, stages=tuple(stages), vocab=vocab)
 
@@ -346,7 +347,7 @@ def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, rows: int, shards:
     head_vals = (fake(weight_val, (rows, d)),) + ((fake(bias_val, (rows,)),) if p.bias else ())
     x = fake(x_val)
     saved = fake(None, (tokens, rows), p.logits_dtype)
-    gathered = fake(None, (shards, tokens, 3), torch.float32)
+    gathered = fake(None, (shards, tokens, 3), _stat_dtype(p.logits_dtype))
     seed = fake(None, (), torch.float32)
     grads = tuple("grad:" + n for n in heads)
     return {
@@ -399,12 +400,17 @@ def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias
     if size is not None:   # the last shard's padded rows: -inf, outside every softmax
         valid = torch.arange(rows, device=y.device) + offset < size
         y = torch.where(valid, y, float("-inf"))
-    yf = y.float()
+    yf = y.to(_stat_dtype(logits_dtype))
     top = yf.amax(-1)
     total = torch.exp(yf - top.unsqueeze(-1)).sum(-1)
     safe, inside = _shard_local(target_fn(*data), offset, rows)
     picked = torch.where(inside, yf.gather(1, safe.unsqueeze(-1)).squeeze(-1), 0.0)
     return torch.stack([top, total, picked], dim=1), y
+
+
+def _stat_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """The softmax statistics are kept in float32 at least (half-precision logits lose the sum's digits)."""
+    return torch.promote_types(logits_dtype, torch.float32)
 
 
 def _output_backward(gathered, y, x, *args, target_fn, rows, reduction, ignore_index, logits_dtype, has_bias):
@@ -417,14 +423,14 @@ def _output_backward(gathered, y, x, *args, target_fn, rows, reduction, ignore_i
     target = target_fn(*data)
     keep = target != ignore_index
     per_token = torch.where(keep, lse - gathered[..., 2].sum(0), 0.0)
-    weights = keep.float()
+    weights = keep.to(gathered.dtype)
     if reduction == 1:   # mean over the tokens that count
         count = weights.sum()
         loss, weights = per_token.sum() / count, weights / count
     else:
         loss = per_token.sum()
     g = weights * seed
-    dy = torch.exp(y.float() - lse.unsqueeze(-1)) * g.unsqueeze(-1)
+    dy = torch.exp(y.to(lse.dtype) - lse.unsqueeze(-1)) * g.unsqueeze(-1)
     safe, inside = _shard_local(target, offset, rows)
     dy = dy.scatter_add(1, safe.unsqueeze(-1), torch.where(inside, -g, 0.0).unsqueeze(-1)).to(weight.dtype)
     grads = (dy.t().mm(x),) + ((dy.sum(0),) if has_bias else ())
