@@ -281,7 +281,9 @@ def build_ours(cfg: dict, name: str, rank: int, world: int, group=None):
     kw = dict(schedule=name, microbatches=cfg["n_mb"], loss_fn=loss_fn, example=(x[:mbs], y[:mbs]), pp=world)
     if chunks:
         kw["chunks"] = chunks
-    if cfg.get("our_split", "same") == "same":
+    if cfg.get("vocab_parallel"):
+        kw["vocab_parallel"] = True
+    if cfg.get("our_split", "same") == "same" and not cfg.get("vocab_parallel"):
         kw["split_points"] = split_points(parts)
     if group is not None:
         kw["group"] = group

@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", action="store_true",
                         help="print the rank-program IR (one op per line) instead of the generated Python")
     parser.add_argument("--svg", type=Path, default=None, help="also draw the schedule to this SVG file")
+    parser.add_argument("--vocab-parallel", action="store_true",
+                        help="shard the embedding and the output layer over every rank (vocabulary parallelism): "
+                             "shows the vocabulary passes, their S / T / IF / IB actions and the collectives")
 
 
 def load_factory(target: str) -> Callable[[], tuple]:
@@ -61,17 +64,22 @@ def run(args: argparse.Namespace) -> int:
                              f"(0..{args.pp - 1})")
     model, loss_fn, example = _build(load_factory(args.target))
     m = args.microbatches or 2 * args.pp
-    schedule = generate(args.schedule, args.pp, m, chunks=args.chunks)
+    vocab = getattr(args, "vocab_parallel", False)
+    schedule = generate(args.schedule, args.pp, m, chunks=args.chunks, **({"vocab": True} if vocab else {}))
     split_points = args.split_points.split(",") if args.split_points else None
     # the cuts zb.compile would make: balanced per rank for this schedule's placement
     staged = split_model(model, loss_fn, example, num_stages=None if split_points else schedule.num_model_stages,
-                         split_points=split_points, placement=model_stage_placement(schedule))
+                         split_points=split_points, placement=model_stage_placement(schedule),
+                         vocab_shards=args.pp if vocab else None)
     if len(staged.stages) != schedule.num_model_stages:
         raise ZBCompileError(f"inspect: --split-points gives {len(staged.stages)} stages but schedule "
                              f"{args.schedule!r} on {args.pp} ranks needs {schedule.num_model_stages}")
     programs = lower_all(schedule, staged)
     print(report(staged))
     print()
+    if staged.vocab is not None:
+        print(_vocab_report(staged.vocab))
+        print()
     print(schedule.to_text())
     ranks = range(args.pp) if args.rank is None else [args.rank]
     for r in ranks:
@@ -81,6 +89,26 @@ def run(args: argparse.Namespace) -> int:
     if args.svg:
         _draw(schedule, args.svg)
     return 0
+
+
+def _vocab_report(vocab) -> str:
+    """The vocabulary layers: what was found, the shard of each rank and the four passes' graphs."""
+    from tabulate import tabulate
+
+    rows = [[r, f"[{r * vocab.rows}, {min((r + 1) * vocab.rows, vocab.size)})",
+             (r + 1) * vocab.rows - min((r + 1) * vocab.rows, vocab.size)] for r in range(vocab.shards)]
+    lines = [f"# vocabulary parallelism: {vocab.pattern}", f"# each rank holds {vocab.rows} rows of "
+             f"{', '.join(vocab.params)}",
+             tabulate(rows, headers=["rank", "rows", "padding rows"])]
+    for key, title in (("if", "IF: partial embedding lookup (then reduce-sum onto the first stage)"),
+                       ("s", "S: local logits and softmax statistics (then all-gather)"),
+                       ("t", "T: online-softmax combine, loss, weight gradient, input-gradient share (then "
+                             "reduce-sum onto the last stage)"),
+                       ("ib", "IB: scatter of the first stage's input gradient into the shard's rows")):
+        g = vocab.graphs[key]
+        lines.append(f"# ---- vocab_{key} ({title}): {', '.join(g.inputs)} -> {', '.join(g.outputs)}")
+        lines.append(g.gm.code.strip())
+    return "\n".join(lines)
 
 
 def _build(factory: Callable[[], tuple]) -> tuple:

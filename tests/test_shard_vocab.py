@@ -1,0 +1,181 @@
+"""The shard_vocab split pass (passes/shard_vocab.py), in one process: the four vocabulary graphs, run shard by
+shard with the collectives done by hand, reproduce eager cross-entropy (loss and every gradient, padded shards
+and ignored targets included); the stage graphs read and return the vocabulary boundaries; the cut chooser
+balances the blocks alone; what is not the pattern raises VocabError naming what was found."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models import gpt
+from zbcompile.errors import VocabError
+from zbcompile.names import VOCAB_EMB, VOCAB_X
+from zbcompile.split import split_model
+
+torch.set_num_threads(1)
+
+
+def _shards(case, shards: int, num_stages: int = 2):
+    return split_model(copy.deepcopy(case.model), case.loss_fn, case.example, num_stages=num_stages,
+                       vocab_shards=shards)
+
+
+def _run(g, **values):
+    return g({**values})
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 5])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_shard_graphs_reproduce_cross_entropy(shards, reduction):
+    """IF summed over shards = the lookup; S, all-gather, T = cross-entropy's loss and its gradients w.r.t. the
+    head and its input; IB = the embedding's gradient; padded rows get nothing (V=61 over 2, 3 and 5 shards)."""
+    torch.manual_seed(0)
+    V, d, tokens = 61, 16, 12
+    model = _Tiny(V, d)
+    x = torch.randint(0, V, (3, 4))
+    y = torch.randint(0, V, (3, 4))
+    y[0, 1] = -100
+    loss_fn = lambda logits, t: F.cross_entropy(logits.view(-1, V), t.view(-1), reduction=reduction)  # noqa: E731
+    staged = split_model(copy.deepcopy(model), loss_fn, (x, y), num_stages=1, vocab_shards=shards)
+    vocab = staged.vocab
+    assert vocab.rows == -(-V // shards) and vocab.size == V
+    emb_w = model.emb.weight.detach()
+    head_w = model.head.weight.detach()
+    hidden = torch.randn(tokens, d, dtype=torch.float64).float()
+    demb = torch.randn(3, 4, d)
+    seed = torch.tensor(0.5)
+
+    def rows(w, r):
+        part = w[r * vocab.rows:(r + 1) * vocab.rows]
+        return torch.cat([part, part.new_zeros(vocab.rows - part.shape[0], *part.shape[1:])])
+
+    g = vocab.graphs
+    parts, stats, saved = [], [], []
+    for r in range(shards):
+        off = torch.tensor(r * vocab.rows)
+        parts.append(g["if"]({"param:emb.weight": rows(emb_w, r), "vocab:offset": off, "data:0": x})["vocab:part"])
+        out = g["s"]({"param:head.weight": rows(head_w, r), "vocab:x": hidden, "vocab:offset": off, "data:1": y})
+        stats.append(out["vocab:stats"])
+        saved.append(out["vocab:saved:0"])
+    gathered = torch.stack(stats)
+    torch.testing.assert_close(sum(parts), F.embedding(x, emb_w), rtol=0, atol=0)
+    # the independent reference: autograd through torch's cross-entropy
+    h = hidden.clone().requires_grad_()
+    w = head_w.clone().requires_grad_()
+    ref = F.cross_entropy(F.linear(h, w), y.view(-1), reduction=reduction)
+    (ref * seed).backward()
+    dx, dw, losses = 0, [], []
+    for r in range(shards):
+        off = torch.tensor(r * vocab.rows)
+        out = g["t"]({"vocab:gathered": gathered, "vocab:saved:0": saved[r], "vocab:x": hidden,
+                      "param:head.weight": rows(head_w, r), "vocab:offset": off, "grad:loss": seed, "data:1": y})
+        dx = dx + out["vocab:dx"]
+        dw.append(out["grad:param:head.weight"])
+        losses.append(out["loss"])
+    for loss in losses:
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(dx, h.grad, rtol=1e-5, atol=1e-7)
+    full = torch.cat(dw)
+    torch.testing.assert_close(full[:V], w.grad, rtol=1e-5, atol=1e-7)
+    assert not full[V:].any(), "a padded row got a gradient"
+    # IB: the lookup's gradient, row by row
+    e = emb_w.clone().requires_grad_()
+    F.embedding(x, e).backward(demb)
+    ib = torch.cat([g["ib"]({"vocab:demb": demb, "vocab:offset": torch.tensor(r * vocab.rows), "data:0": x})
+                    ["grad:param:emb.weight"] for r in range(shards)])
+    torch.testing.assert_close(ib[:V], e.grad, rtol=1e-6, atol=1e-7)
+    assert not ib[V:].any()
+
+
+class _Tiny(nn.Module):
+    def __init__(self, V: int, d: int, tied: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, V, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(x))))
+
+
+def test_stage_graphs_read_and_return_the_vocabulary_boundaries():
+    staged = _shards(gpt(layers=4), 2)
+    first, last = staged.stages[0], staged.stages[-1]
+    assert VOCAB_EMB in first.f.inputs and "param:wte.weight" not in first.f.inputs
+    assert "grad:" + VOCAB_EMB in first.b.outputs
+    assert VOCAB_X in last.f.outputs and "loss" not in last.f.outputs and not last.has_loss
+    assert "grad:" + VOCAB_X in last.b.inputs
+    assert staged.vocab.params == ("wte.weight",)          # tied: one parameter, sharded once
+    assert all("wte.weight" not in st.params for st in staged.stages)
+
+
+def test_cuts_balance_the_blocks_alone():
+    """With the head's work on every rank, the automatic cuts split 4 blocks 2 / 2; without, the balancer
+    gives the last stage fewer blocks to make up for the head."""
+    case = gpt(layers=4)
+    model = case.model
+    big = type(model)(model.cfg.__class__(vocab=4096, seq=model.cfg.seq, d=model.cfg.d, heads=model.cfg.heads,
+                                          layers=4))
+    x, y = case.example
+    with_vocab = split_model(copy.deepcopy(big), case.loss_fn, (x, y), num_stages=2, vocab_shards=2)
+    plain = split_model(copy.deepcopy(big), case.loss_fn, (x, y), num_stages=2)
+    assert with_vocab.meta["split_points"] == ("blocks.2",)
+    assert plain.meta["split_points"] != ("blocks.2",)
+
+
+def _case(loss_fn=None, model=None, V=32, d=8):
+    model = model or _Tiny(V, d)
+    x, y = torch.randint(0, V, (2, 4)), torch.randint(0, V, (2, 4))
+    loss_fn = loss_fn or (lambda logits, t: F.cross_entropy(logits.view(-1, V), t.view(-1)))
+    return model, loss_fn, (x, y)
+
+
+@pytest.mark.parametrize("loss_fn,found", [
+    (lambda lg, t: F.cross_entropy(lg.view(-1, 32), t.view(-1), label_smoothing=0.1), "label_smoothing=0.1"),
+    (lambda lg, t: F.mse_loss(lg, torch.zeros_like(lg)), "the loss is computed by"),
+    (lambda lg, t: 2 * F.cross_entropy(lg.view(-1, 32), t.view(-1)), "the loss is computed by"),
+    (lambda lg, t: F.cross_entropy(lg.view(-1, 32), t.view(-1)) + lg.mean(), "the loss is computed by"),
+    (lambda lg, t: F.cross_entropy(lg[..., :16].reshape(-1, 16), t.view(-1) % 16), "input as [tokens, V=32]; it is [8, 16]"),
+])
+def test_a_loss_that_is_not_plain_cross_entropy_says_what_was_found(loss_fn, found):
+    model, loss_fn, example = _case(loss_fn)
+    with pytest.raises(VocabError, match="vocab_parallel=True") as info:
+        split_model(model, loss_fn, example, num_stages=1, vocab_shards=2)
+    assert found in str(info.value) and "fix:" in str(info.value)
+
+
+class _Reused(_Tiny):
+    def forward(self, x):
+        h = self.emb(x) * self.emb.weight[0, 0]   # the table read outside the lookup
+        return self.head(torch.tanh(self.mix(h)))
+
+
+class _NoEmbedding(nn.Module):
+    def __init__(self, V=32, d=8):
+        super().__init__()
+        self.inp = nn.Linear(4, d)
+        self.head = nn.Linear(d, V, bias=False)
+
+    def forward(self, x):
+        return self.head(self.inp(x))
+
+
+def test_a_vocabulary_parameter_used_elsewhere_is_refused():
+    model, loss_fn, example = _case(model=_Reused(32, 8))
+    with pytest.raises(VocabError, match="emb.weight .*also reads it"):
+        split_model(model, loss_fn, example, num_stages=1, vocab_shards=2)
+
+
+def test_a_model_without_an_embedding_lookup_is_refused():
+    model = _NoEmbedding()
+    x, y = torch.randn(2, 3, 4), torch.randint(0, 32, (2, 3))
+    loss_fn = lambda logits, t: F.cross_entropy(logits.view(-1, 32), t.view(-1))  # noqa: E731
+    with pytest.raises(VocabError, match="embedding lookups on a \\[32, d\\] parameter"):
+        split_model(model, loss_fn, (x, y), num_stages=1, vocab_shards=2)
