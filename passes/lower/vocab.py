@@ -117,7 +117,7 @@ class VocabLowering:
         if key not in self.graphs:
             self.graphs[key] = ProgramGraph(g.gm, g.inputs, g.outputs, types=_output_types(g))
         ins = tuple(self._input(name, mb) for name in g.inputs)
-        outs = tuple(vocab_value(mb, name) for name in g.outputs)
+        outs = tuple(vocab_value(mb, name, input_layer=kind is Kind.IB) for name in g.outputs)
         return [Op(OpKind.RUN, ins, outs, RunArgs(action, key))]
 
     def _input(self, name: str, mb: int) -> str:

@@ -7,7 +7,8 @@ boundary (the receiver's receive defines the same name the sender's compute defi
                                 (zbcompile.stages): `s1.mb0.act:h`, `s1.mb0.saved:3`, `s2.mb0.grad:act:h`
     mb{mb}.data:{i}             the microbatch slice of the i-th flat user argument (a program input)
     v.mb{mb}.{local}            a value of the vocabulary layers for one microbatch on this rank's shard
-                                (zbcompile.stages.VocabLayers): `v.mb0.vocab:x`, `v.mb0.grad:param:wte.weight`
+                                (zbcompile.stages.VocabLayers): `v.mb0.vocab:x`, `v.mb0.grad:param:wte.weight`;
+                                `vi.mb{mb}.` for the input layer's gradient (IB), beside the head's (T)
     vocab:offset                the first vocabulary row of this rank's shard (a program input)
     param:{fqn} / buffer:{fqn}  the live Parameter / buffer (program inputs; canonical names)
     grad_loss                   the seed gradient 1 / num_microbatches (a program input)
@@ -79,7 +80,7 @@ def _parse(vid: str) -> Value:
         mb, dot2, local = rest.partition(".")
         if dot2 and mb[:2] == "mb" and mb[2:].isdigit() and local:
             return Value("stage", role_of(local), local, int(head[1:]), int(mb[2:]))
-    if dot and head == "v":
+    if dot and head in ("v", "vi"):
         mb, dot2, local = rest.partition(".")
         if dot2 and mb[:2] == "mb" and mb[2:].isdigit() and local:
             return Value("vocab", role_of(local), local, -1, int(mb[2:]))
@@ -101,9 +102,10 @@ def stage_value(stage: int, microbatch: int, local: str) -> str:
     return f"s{stage}.mb{microbatch}.{local}"
 
 
-def vocab_value(microbatch: int, local: str) -> str:
-    """The global name of the vocabulary layers' value `local` for `microbatch` (on each rank its own shard's)."""
-    return f"v.mb{microbatch}.{local}"
+def vocab_value(microbatch: int, local: str, input_layer: bool = False) -> str:
+    """The global name of the vocabulary layers' value `local` for `microbatch` (on each rank its own shard's);
+    the input layer's backward (IB) names its outputs `vi.`, so that a tied table's two gradients differ."""
+    return f"{'vi' if input_layer else 'v'}.mb{microbatch}.{local}"
 
 
 def data_value(microbatch: int, index: int) -> str:
