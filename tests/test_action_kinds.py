@@ -23,7 +23,7 @@ def test_every_kind_has_a_complete_spec(kind: Kind) -> None:
     keys = VOCAB_COST_KEYS if spec.sharded else COST_KEYS
     assert spec.cost and set(spec.cost) <= set(keys), f"{kind!r}: cost keys {spec.cost} not in {keys}"
     assert callable(spec.deps) and callable(spec.memory)
-    assert isinstance(spec.memory(0.5, 1.0), float)
+    assert isinstance(spec.memory(MemoryModel(b_frees=0.5, vocab=2.0), 1.0), float)
     action = Action(kind, 1, 2)
     assert Action.parse(str(action)) == action
     context = Schedule("probe", 4, loop_placement(3), ((), (), ()))

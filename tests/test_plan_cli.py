@@ -205,3 +205,38 @@ def test_compare_agrees_with_the_papers_closed_forms(pp, m):
             assert row.result.bubble_rate == pytest.approx(bubble, abs=1e-12), row.name
         if memory is not None:
             assert max(row.result.peak_memory) <= memory, row.name
+
+
+# ---- --vocab-parallel ---------------------------------------------------------------------------------------
+def test_vocab_parallel_balances_compute_for_a_constant_memory_overhead(capsys: pytest.CaptureFixture) -> None:
+    """The paper's direction at ratio 4.6: makespan and bubble fall; 1F1B's peak rises by about one microbatch
+    (one extra warm-up forward plus the S -> T units), the same at m = 8 and m = 16."""
+    overhead = []
+    for m in ("8", "16"):
+        assert main(["plan", "--schedule", "1f1b", "--pp", "4", "-m", m, "--vocab-parallel", "--vocab-ratio",
+                     "4.6", "--layers", "32", "--json"]) == 0
+        row = json.loads(capsys.readouterr().out)["schedules"][0]
+        last, vocab = row["last_stage"], row["vocab_parallel"]
+        assert vocab["schedule"] == "1f1b+vocab" and last["schedule"] == "1f1b"
+        assert vocab["makespan"] < 0.85 * last["makespan"] and vocab["bubble_rate"] < last["bubble_rate"]
+        overhead.append(vocab["peak_memory"] - last["peak_memory"])
+    assert overhead[0] == pytest.approx(overhead[1]) and 1.0 < overhead[0] < 1.5
+
+
+def test_vocab_parallel_table_and_timeline(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    svg = tmp_path / "v.svg"
+    assert main(["plan", "--schedule", "zbv", "--pp", "4", "-m", "8", "--vocab-parallel", "--svg", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert "last stage" in out and "vocab parallel" in out and "change" in out
+    assert "S/T vocab output shard" in out  # the timeline's legend
+    assert "vocab output (S)" in svg.read_text()
+
+
+def test_vocab_parallel_compare_and_bad_combinations(capsys: pytest.CaptureFixture, saved: Path) -> None:
+    assert main(["plan", "--compare", "--pp", "3", "-m", "6", "--vocab-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "zb-h1" in out and "dualpipe" in out and "even pp" in out  # a row that cannot run says why
+    assert main(["plan", "--load", str(saved), "--vocab-parallel"]) == 2
+    assert "--vocab-parallel generates the schedules" in capsys.readouterr().err
+    assert main(["plan", "--schedule", "1f1b", "--pp", "2", "-m", "2", "--vocab-parallel", "--csv", "x.csv"]) == 2
+    assert "torch's CSV has no vocabulary passes" in capsys.readouterr().err

@@ -3,11 +3,13 @@
     zbcompile plan --schedule zb-h1 --pp 4 --microbatches 8 --costs F=1,B=1.1,W=0.6,comm=0.05
     zbcompile plan --compare --pp 8 --microbatches 24 --mem-limit 8
     zbcompile plan --load schedule.csv --svg schedule.svg
+    zbcompile plan --schedule 1f1b --pp 4 --microbatches 16 --vocab-parallel --vocab-ratio 4.6 --layers 32
 
 Prints a summary (makespan, the papers' bubble rate, the idle share, peak activation memory per rank)
 and an ASCII timeline; `--compare` puts every schedule side by side for the same inputs, naming the reason
 in the row when a schedule cannot run there. Memory is counted in 1F1B-stage units (1 = the activations
-one 1F1B stage keeps for one microbatch), and so is `--mem-limit`.
+one 1F1B stage keeps for one microbatch), and so is `--mem-limit`. `--vocab-parallel` simulates the chosen
+schedule(s) with the output layer on the last stage and with vocabulary parallelism (`zbcompile.plan_vocab`).
 
 The functions here (`build_schedule`, `compare`, `compare_table`, ...) are what benchmarks reuse.
 """
@@ -26,6 +28,7 @@ from tabulate import tabulate
 from zbcompile._format import format_memory as format_bytes
 from zbcompile.errors import ScheduleError, ZBCompileError
 from zbcompile.passes.schedules import SCHEDULES, generate, list_schedules
+from zbcompile.plan_vocab import VocabModel, compare_vocab, vocab_table
 from zbcompile.schedule import Schedule
 from zbcompile.simulate import Costs, MemoryModel, SimResult, simulate
 from zbcompile.timeline import ascii_timeline, svg_timeline
@@ -280,10 +283,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--csv", metavar="FILE", help="write torch's compute-only CSV")
     parser.add_argument("--svg", metavar="FILE", help="write the timeline as SVG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    vocab = parser.add_argument_group("vocabulary parallelism")
+    vocab.add_argument("--vocab-parallel", action="store_true",
+                       help="compare the schedule(s) with the output layer on the last stage and sharded over "
+                            "all ranks (S, T, IF, IB passes)")
+    vocab.add_argument("--vocab-ratio", type=_non_negative_float, default=4.6, metavar="R",
+                       help="the output layer's F+B+W time in transformer blocks' (V/(12h+2s); default 4.6, "
+                            "about Gemma-2-9B)")
+    vocab.add_argument("--layers", type=_positive_int, metavar="N",
+                       help="transformer blocks in the model, to convert the ratio into stages (default 8 per "
+                            "rank)")
+    vocab.add_argument("--vocab-act-ratio", type=_non_negative_float, metavar="R",
+                       help="the output layer's activations per microbatch in blocks' (default: --vocab-ratio)")
 
 
 def run(args: argparse.Namespace) -> int:
     memory = MemoryModel(args.b_frees, args.act_bytes)
+    if args.vocab_parallel:
+        return _run_vocab(args, memory)
     if args.compare:
         return _run_compare(args, memory)
     if args.load:
@@ -348,3 +365,43 @@ def _write_files(args: argparse.Namespace, result: SimResult) -> list[str]:
         written.append(f"wrote {path}")
     return written
 
+
+
+def _run_vocab(args: argparse.Namespace, memory: MemoryModel) -> int:
+    if args.load:
+        raise ScheduleError("--vocab-parallel generates the schedules it compares; use --schedule NAME or --compare")
+    _require(args, "--vocab-parallel")
+    if args.csv:
+        raise ScheduleError("--vocab-parallel writes no CSV: torch's CSV has no vocabulary passes; drop --csv")
+    layers = args.layers or 8 * args.pp
+    model = VocabModel(args.vocab_ratio, layers / args.pp, args.vocab_act_ratio)
+    names = schedule_names() if args.compare else [args.schedule]
+    built: list[tuple[str, Schedule | str]] = []
+    for name in names:
+        try:
+            built.append((name, build_schedule(name, args.pp, args.microbatches, chunks=args.chunks,
+                                               costs=args.costs)))
+        except ScheduleError as exc:
+            if not args.compare:
+                raise
+            built.append((name, str(exc).splitlines()[0]))
+    rows = compare_vocab(built, args.costs, memory, model)
+    if args.json:
+        out = {"pp": args.pp, "microbatches": args.microbatches, "costs": str(args.costs),
+               "vocab_ratio": model.ratio, "layers": layers, "vocab_act_ratio": args.vocab_act_ratio,
+               "schedules": [{"schedule": r.name, "note": r.reason,
+                              "last_stage": result_json(r.baseline) if r.baseline else None,
+                              "vocab_parallel": result_json(r.vocab) if r.vocab else None} for r in rows]}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"p={args.pp}, m={args.microbatches}, costs {args.costs}; output layer {model.ratio:g} blocks' "
+          f"F+B+W ({model.stages:.3g} stages at {model.layers_per_stage:g} blocks per stage)")
+    print(vocab_table(rows))
+    if not args.compare and rows[0].vocab is not None:
+        print()
+        print(ascii_timeline(rows[0].vocab, args.width))
+        for line in _write_files(args, rows[0].vocab):
+            print(line)
+    elif args.svg:
+        raise ScheduleError("--svg writes one schedule; use --schedule NAME with it, not --compare")
+    return 0

@@ -21,256 +21,24 @@ torch.distributed.pipelining's compute-only CSV (where torch's `I` is our B and 
 from __future__ import annotations
 
 import csv
-import enum
 import io
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple, Protocol, Sequence
+from typing import Iterable, Sequence
 
+from zbcompile.actions import (CELL_FORMS, COST_KEYS, KIND_SPECS, SHARDED_KINDS, VOCAB_COST_KEYS, Action, DepContext,
+                               Kind, KindSpec, MemoryRates, Overlap, _expand, parse_step)
 from zbcompile.errors import ScheduleError
 
-__all__ = ["Kind", "KindSpec", "KIND_SPECS", "COST_KEYS", "VOCAB_COST_KEYS", "CELL_FORMS", "Action", "Overlap", "parse_step", "Schedule", "loop_placement", "v_placement", "dual_placement"]
+# The action IR (kinds, their specs, actions, overlapped steps) lives in `zbcompile.actions`; it is re-exported
+# here so that one import gives the whole schedule IR.
+__all__ = ["Kind", "KindSpec", "DepContext", "MemoryRates", "KIND_SPECS", "COST_KEYS", "VOCAB_COST_KEYS",
+           "SHARDED_KINDS", "CELL_FORMS", "Action", "Overlap", "parse_step", "Schedule", "build", "loop_placement",
+           "v_placement", "dual_placement"]
 
 
-class Kind(str, enum.Enum):
-    """What an action computes for one (stage, microbatch). A str enum: actions are hashed millions of
-    times when large schedules are checked, and str's hash is C code where Enum's is Python.
-
-    Each kind's meaning, text code, dependency rule, cost and memory effect live in its `KindSpec` in
-    `KIND_SPECS`, the one place that gives a kind its meaning (see docs/design.md, "Adding an action kind").
-    """
-
-    F = "F"
-    B = "B"
-    W = "W"
-    BW = "BW"
-    # vocabulary parallelism: sharded kinds, run by every rank on its own shard (the action's stage field is
-    # the shard, which is the rank)
-    S = "S"
-    T = "T"
-    IF = "IF"
-    IB = "IB"
-
-    def __repr__(self) -> str:
-        return f"Kind.{self.name}"
-
-    @property
-    def spec(self) -> KindSpec:
-        return KIND_SPECS[self]
-
-
-class DepContext(Protocol):
-    """What a dependency rule may ask about the schedule (a `Schedule` is one)."""
-
-    def is_first(self, stage: int) -> bool: ...
-
-    def is_last(self, stage: int) -> bool: ...
-
-    def backward_of(self, stage: int, microbatch: int) -> Action: ...
-
-    @property
-    def vocab_shards(self) -> int:
-        """How many vocabulary shards the schedule's sharded actions run on (one per rank); 0 without any."""
-
-    def first_of(self, microbatch: int) -> int:
-        """The first stage on `microbatch`'s pipeline."""
-
-    def last_of(self, microbatch: int) -> int:
-        """The last stage on `microbatch`'s pipeline."""
-
-
-DepRule = Callable[[DepContext, int, int], "tuple[Action, ...]"]
-COST_KEYS = ("f", "b", "w")  # the per-stage times a `zbcompile.simulate.Costs` holds, in per_stage order
-VOCAB_COST_KEYS = ("s", "t", "i")  # its per-shard times of the sharded kinds (an S, a T, an IF or an IB)
-
-
-@dataclass(frozen=True)
-class KindSpec:
-    """Everything the schedule IR, the simulator and the searches know about one action kind.
-
-    meaning   one line, for docs and error messages
-    label     a few words for legends (`zbcompile.timeline`)
-    code      the text code between stage and microbatch (`2F0`); codes must be unique
-    torch     torch.distributed.pipelining's code for it in the compute-only CSV, or None if torch has none
-    deps      (context, stage, microbatch) -> the actions this one consumes (their results must exist first)
-    cost      the COST_KEYS (VOCAB_COST_KEYS for sharded kinds) whose times add up to this action's time (BW: b + w)
-    memory    (b_frees, scale) -> activation units held after minus before (`zbcompile.simulate.MemoryModel`:
-              `b_frees` is the share of an F's activations its B frees, `scale` an F's units on this stage)
-    in_cell   whether the kind counts in `Schedule.validate`'s per-(stage, microbatch) check against CELL_FORMS
-    sharded   run by every rank on its own vocabulary shard: the action's stage field is the shard (= the rank),
-              and each comes with a collective every rank joins in the same order (vocabulary parallelism)
-    """
-
-    meaning: str
-    label: str
-    code: str
-    torch: str | None
-    deps: DepRule
-    cost: tuple[str, ...]
-    memory: Callable[[float, float], float]
-    in_cell: bool = True
-    sharded: bool = False
-
-
-def _all_shards(ctx: DepContext, kind: Kind, mb: int) -> tuple[Action, ...]:
-    return tuple(Action(kind, shard, mb) for shard in range(ctx.vocab_shards))
-
-
-def _forward_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
-    """An F needs the previous stage's F; with vocabulary parallelism a first stage needs every shard's IF
-    (their partial embeddings are summed into its input)."""
-    if ctx.is_first(s):
-        return _all_shards(ctx, Kind.IF, mb)
-    return (Action(Kind.F, s - 1, mb),)
-
-
-def _input_grad_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
-    """A B or BW needs its own stage's F and the next stage's input gradient (its B, or its BW if fused); with
-    vocabulary parallelism a last stage needs every shard's T (their shares of the gradient are summed)."""
-    own_f = Action(Kind.F, s, mb)
-    if ctx.is_last(s):
-        return (own_f,) + _all_shards(ctx, Kind.T, mb)
-    return (own_f, ctx.backward_of(s + 1, mb))
-
-
-def _weight_grad_deps(ctx: DepContext, s: int, mb: int) -> tuple[Action, ...]:
-    return (Action(Kind.B, s, mb),)
-
-
-def _output_forward_deps(ctx: DepContext, shard: int, mb: int) -> tuple[Action, ...]:
-    """S needs the last stage's output, broadcast to every rank."""
-    return (Action(Kind.F, ctx.last_of(mb), mb),)
-
-
-def _output_backward_deps(ctx: DepContext, shard: int, mb: int) -> tuple[Action, ...]:
-    """T needs every shard's softmax statistics (gathered after their S)."""
-    return _all_shards(ctx, Kind.S, mb)
-
-
-def _input_forward_deps(ctx: DepContext, shard: int, mb: int) -> tuple[Action, ...]:
-    return ()
-
-
-def _input_backward_deps(ctx: DepContext, shard: int, mb: int) -> tuple[Action, ...]:
-    """IB needs the first stage's input gradient, broadcast to every rank."""
-    return (ctx.backward_of(ctx.first_of(mb), mb),)
-
-
-KIND_SPECS: dict[Kind, KindSpec] = {
-    Kind.F: KindSpec(
-        meaning="forward: stage inputs -> stage outputs, saving what the backward needs", label="forward",
-        code="F", torch="F", deps=_forward_deps, cost=("f",), memory=lambda b_frees, scale: scale),
-    Kind.B: KindSpec(
-        meaning="backward for the stage input only (on the critical path)", label="backward (input)",
-        code="B", torch="I", deps=_input_grad_deps, cost=("b",), memory=lambda b_frees, scale: -b_frees * scale),
-    Kind.W: KindSpec(
-        meaning="backward for the weights only (free to move into idle slots)", label="backward (weights)",
-        code="W", torch="W", deps=_weight_grad_deps, cost=("w",),
-        memory=lambda b_frees, scale: -(1.0 - b_frees) * scale),
-    Kind.BW: KindSpec(
-        meaning="B and W fused, as in plain 1F1B", label="fused backward",
-        code="BW", torch="B", deps=_input_grad_deps, cost=("b", "w"), memory=lambda b_frees, scale: -scale),
-    Kind.S: KindSpec(
-        meaning="output layer forward on this rank's vocabulary shard: local logits and softmax statistics "
-                "(after the last stage's output is broadcast; its statistics are then gathered by every rank)",
-        label="vocab output (S)", code="S", torch=None, deps=_output_forward_deps, cost=("s",),
-        memory=lambda b_frees, scale: 0.0, in_cell=False, sharded=True),
-    Kind.T: KindSpec(
-        meaning="output layer backward on this rank's shard: the loss, the shard's weight gradient and its share "
-                "of the last stage's output gradient (summed onto the last stage's rank)",
-        label="vocab output (T)", code="T", torch=None, deps=_output_backward_deps, cost=("t",),
-        memory=lambda b_frees, scale: 0.0, in_cell=False, sharded=True),
-    Kind.IF: KindSpec(
-        meaning="input embedding forward on this rank's shard: a partial lookup, summed onto the first stage's rank",
-        label="vocab input (IF)", code="IF", torch=None, deps=_input_forward_deps, cost=("i",),
-        memory=lambda b_frees, scale: 0.0, in_cell=False, sharded=True),
-    Kind.IB: KindSpec(
-        meaning="input embedding backward on this rank's shard: the first stage's input gradient (broadcast) "
-                "scattered into the shard's rows",
-        label="vocab input (IB)", code="IB", torch=None, deps=_input_backward_deps, cost=("i",),
-        memory=lambda b_frees, scale: 0.0, in_cell=False, sharded=True),
-}
-
-# The kind sets a (stage, microbatch) on a microbatch's pipeline may hold (kinds with in_cell=False aside).
-CELL_FORMS: tuple[frozenset[Kind], ...] = (frozenset({Kind.F, Kind.BW}), frozenset({Kind.F, Kind.B, Kind.W}))
-
-_BY_CODE = {spec.code: kind for kind, spec in KIND_SPECS.items()}
-# Longest code first, so that `BW` is not read as `B` followed by a microbatch.
-_ACTION_RE = re.compile(r"^\s*(\d+)(" + "|".join(sorted(map(re.escape, _BY_CODE), key=len, reverse=True))
-                        + r")(\d+)\s*$")
-
-
-class Action(NamedTuple):
-    """One unit of work: `kind` for `stage` on `microbatch`. Prints and parses as `2F0`."""
-
-    kind: Kind
-    stage: int
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{KIND_SPECS[self.kind].code}{self.microbatch}"
-
-    def __repr__(self) -> str:
-        return f"Action({self})"
-
-    @staticmethod
-    def parse(text: str) -> Action:
-        match = _ACTION_RE.match(text)
-        if not match:
-            raise ScheduleError(
-                f"cannot parse action {text!r}: expected STAGE KIND MICROBATCH such as '2F0', '0B3', '1W3' "
-                f"or '0BW2' (kinds: {', '.join(_BY_CODE)})"
-            )
-        stage, code, microbatch = match.groups()
-        return Action(_BY_CODE[code], int(stage), int(microbatch))
-
-
-class Overlap(NamedTuple):
-    """A composite step: its sub-actions run overlapped on one rank (DualPipe's F&B pair, torch's
-    `OVERLAP_F_B`). Prints and parses as `(2F3;1B1)`; in torch's CSV it is `(2F3;1I1)OVERLAP_F_B`.
-
-    Generators emit flat schedules; composites appear only when asked for (`Schedule.from_text` of text that
-    holds one, `from_torch_csv(keep_overlap=True)`). Everything that times or checks a schedule works on
-    `Schedule.flatten()`, where an Overlap becomes its sub-actions in order, run back to back on the rank.
-    A lowering must flatten (or fuse the sub-actions) itself: an Overlap does not unpack as (kind, stage, mb).
-    """
-
-    actions: tuple[Action, ...]
-
-    def __str__(self) -> str:
-        return "(" + ";".join(map(str, self.actions)) + ")"
-
-    def __repr__(self) -> str:
-        return f"Overlap({self})"
-
-    @staticmethod
-    def parse(text: str) -> Overlap:
-        inner = text.strip()
-        if not (inner.startswith("(") and inner.endswith(")")):
-            raise ScheduleError(f"cannot parse overlapped step {text!r}: expected '(A;B)' such as '(2F3;1B1)'")
-        return Overlap.of(tuple(Action.parse(part) for part in inner[1:-1].split(";")))
-
-    @staticmethod
-    def of(actions: Sequence[Action]) -> Overlap:
-        """An Overlap of two or more plain actions; raises ScheduleError otherwise."""
-        actions = tuple(actions)
-        if len(actions) < 2 or not all(isinstance(a, Action) for a in actions):
-            raise ScheduleError(f"an overlapped step needs two or more plain actions, got "
-                                f"{', '.join(map(str, actions)) or 'none'}")
-        return Overlap(actions)
-
-
-def parse_step(text: str) -> Action | Overlap:
-    """`2F0` -> Action, `(2F3;1B1)` -> Overlap."""
-    return Overlap.parse(text) if text.strip().startswith("(") else Action.parse(text)
-
-
-def _expand(row: Iterable[Action | Overlap]) -> Iterable[Action]:
-    for a in row:
-        if type(a) is Overlap:
-            yield from a.actions
-        else:
-            yield a
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def loop_placement(num_ranks: int, chunks: int = 1) -> tuple[int, ...]:
@@ -294,7 +62,9 @@ class Schedule:
 
     Invariants (checked by `validate`): every action sits on the rank that holds its stage; every
     (stage, microbatch) on the microbatch's pipeline has exactly one F and either one BW or one B and
-    one W; nothing else appears. Dependencies and deadlock freedom are checked by `check_order`.
+    one W; nothing else appears. With vocabulary parallelism (any sharded action) every rank r also runs
+    rS, rT, rIF and rIB once for every microbatch, and all ranks run these in the same (kind, microbatch)
+    sequence, since each joins a collective. Dependencies and deadlock freedom are checked by `check_order`.
     """
 
     name: str
@@ -411,6 +181,13 @@ class Schedule:
         seen: dict[Action, tuple[int, int]] = {}
         kinds: dict[tuple[int, int], set[Kind]] = {}
         for r, i, a in self.actions():
+            if a in seen:
+                raise ScheduleError(self.at(r, i, f"{a} appears twice (first at rank {seen[a][0]}, "
+                                                      f"step {seen[a][1]})"))
+            seen[a] = (r, i)
+            if KIND_SPECS[a.kind].sharded:
+                self._check_shard(r, i, a)
+                continue
             if not 0 <= a.stage < n:
                 raise ScheduleError(self.at(r, i, f"stage {a.stage} does not exist (stages 0..{n - 1})"))
             if self.placement[a.stage] != r:
@@ -418,15 +195,58 @@ class Schedule:
                     r, i, f"{a} runs on rank {r} but stage {a.stage} is placed on rank {self.placement[a.stage]}"))
             if a.microbatch not in self.microbatches_of(a.stage):
                 raise ScheduleError(self.at(r, i, f"microbatch {a.microbatch} never visits stage {a.stage}"))
-            if a in seen:
-                raise ScheduleError(self.at(r, i, f"{a} appears twice (first at rank {seen[a][0]}, "
-                                                      f"step {seen[a][1]})"))
-            seen[a] = (r, i)
             kinds.setdefault((a.stage, a.microbatch), set()).add(a.kind)
         for s in range(n):
             for mb in self.microbatches_of(s):
                 self._check_cell(kinds.get((s, mb), set()), s, mb)
+        if self.vocab_shards:
+            self._check_sharded_complete(seen)
+            self._check_sharded_order()
         return self
+
+    def _check_shard(self, r: int, i: int, a: Action) -> None:
+        """A sharded action runs on its own shard's rank, for a microbatch that exists."""
+        if a.stage != r:
+            raise ScheduleError(self.at(
+                r, i, f"{a} is vocabulary shard {a.stage}'s {a.kind.name}, but rank {r} holds shard {r} (a sharded "
+                      f"action's stage field is its shard, which is the rank that runs it); fix: write "
+                      f"{Action(a.kind, r, a.microbatch)} here, or move {a} to rank {a.stage}"))
+        if not 0 <= a.microbatch < self.num_microbatches:
+            raise ScheduleError(self.at(r, i, f"microbatch {a.microbatch} does not exist (microbatches "
+                                              f"0..{self.num_microbatches - 1})"))
+
+    def _check_sharded_complete(self, seen: dict[Action, tuple[int, int]]) -> None:
+        """Every rank runs every sharded kind once for every microbatch: each one joins a collective over
+        all ranks, which waits forever for a rank that never comes."""
+        missing = [Action(kind, r, mb) for r in range(self.num_ranks) for kind in SHARDED_KINDS
+                   for mb in range(self.num_microbatches) if Action(kind, r, mb) not in seen]
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ScheduleError(
+                f"schedule {self.name!r}: vocabulary parallelism needs every rank to run "
+                f"{', '.join(k.name for k in SHARDED_KINDS)} on its shard for every microbatch (each joins a "
+                f"collective over all ranks); missing: {shown}\n{self.format_grid()}\n"
+                f"fix: add them, e.g. with passes.schedules.vocab.insert_vocab on the schedule without them")
+
+    def _check_sharded_order(self) -> None:
+        """Every rank runs its sharded actions in the same (kind, microbatch) sequence: each joins a
+        collective over all ranks, and collectives entered in different orders pair the wrong tensors or hang."""
+        steps = [[(i, a) for i, a in enumerate(row) if KIND_SPECS[a.kind].sharded] for row in self.ranks]
+        keys = [[(a.kind, a.microbatch) for _, a in row] for row in steps]
+        for r in range(1, self.num_ranks):
+            if keys[r] == keys[0]:
+                continue
+            j = next(j for j, (x, y) in enumerate(zip(keys[0], keys[r])) if x != y)
+            around = range(max(0, j - 3), j + 4)
+            seq = {q: " ".join(("[" + str(steps[q][k][1]) + "]") if k == j else str(steps[q][k][1])
+                               for k in around if k < len(steps[q])) for q in (0, r)}
+            raise ScheduleError(
+                f"schedule {self.name!r}: ranks 0 and {r} run their sharded actions in different orders: the "
+                f"{_ordinal(j + 1)} is {steps[0][j][1]} on rank 0 but {steps[r][j][1]} on rank {r}\n"
+                f"  rank 0 sharded steps: {seq[0]}\n  rank {r} sharded steps: {seq[r]}\n"
+                f"{self.format_grid(mark={0: steps[0][j][0], r: steps[r][j][0]})}\n"
+                f"each sharded action joins a collective over all ranks, and every rank must join them in the same "
+                f"order; fix: order the sharded (kind, microbatch) sequence the same on every rank")
 
     def _check_cell(self, has: set[Kind], s: int, mb: int) -> None:
         has = {k for k in has if KIND_SPECS[k].in_cell}

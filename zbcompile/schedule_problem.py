@@ -19,7 +19,7 @@ largest prefix sum (0 at the start).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from zbcompile.errors import ScheduleError
 from zbcompile.schedule import COST_KEYS, KIND_SPECS, Action, Kind, Schedule
@@ -105,6 +105,13 @@ class _Chain:
         return self.num_stages - 1
 
 
+class _ChainRates(NamedTuple):
+    """The memory rates a chain's rules read (a chain has no vocabulary actions)."""
+
+    b_frees: float
+    vocab: float = 0.0
+
+
 @dataclass(frozen=True, eq=False)
 class ScheduleProblem:
     """Per code: the codes it consumes (`deps`), its time (`cost`), its memory delta (`delta`) and its rank
@@ -131,8 +138,7 @@ class ScheduleProblem:
         codes = ActionCodes(schedule.num_stages, m)
         orders = _code_orders(schedule, codes, error)
         table = costs.action_costs(schedule)
-        scale = schedule.num_ranks / schedule.num_model_stages
-        kind_delta = {kind: memory.delta(kind, scale) for kind in KINDS}
+        deltas = memory.action_deltas(schedule)
         size = codes.size
         deps: list[tuple[int, ...]] = [()] * size
         cost, delta, rank_of = [0.0] * size, [0.0] * size, [0] * size
@@ -152,7 +158,7 @@ class ScheduleProblem:
                     ids.append(j)
                 deps[c] = tuple(ids)
                 cost[c] = table[a.kind, a.stage]
-                delta[c] = kind_delta[a.kind]
+                delta[c] = deltas[a.kind, a.stage]
                 rank_of[c] = r
         return ScheduleProblem(codes, deps, cost, delta, rank_of, costs.comm), orders
 
@@ -168,10 +174,10 @@ class ScheduleProblem:
         size, width = codes.size, codes.width
         deps: list[tuple[int, ...]] = [()] * size
         cost, delta, rank_of = [0.0] * size, [0.0] * size, [0] * size
-        context = _Chain(num_stages)
+        context, rates = _Chain(num_stages), _ChainRates(b_frees)
         for kind in SPLIT_KINDS:
             spec, k = KIND_SPECS[kind], KIND_INDEX[kind]
-            change = spec.memory(b_frees, scale)
+            change = spec.memory(rates, scale)
             for s in range(num_stages):
                 t = dict(zip(COST_KEYS, times[s]))
                 took = t[spec.cost[0]]

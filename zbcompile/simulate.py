@@ -33,8 +33,9 @@ from zbcompile.schedule_problem import ScheduleProblem, list_schedule
 __all__ = ["Costs", "MemoryModel", "SimResult", "simulate", "list_schedule"]
 
 
-_COSTS_FORM = ("expected comma-separated KEY=VALUE pairs with keys F, B, W, comm (any subset, any case) "
-               "and non-negative numbers, e.g. 'F=1,B=1.1,W=0.6,comm=0.05'")
+_COSTS_FORM = ("expected comma-separated KEY=VALUE pairs with keys F, B, W, comm, and S, T, I for vocabulary "
+               "parallelism (any subset, any case) and non-negative numbers, e.g. 'F=1,B=1.1,W=0.6,comm=0.05'")
+_PARSED_KEYS = ("f", "b", "w", "comm") + VOCAB_COST_KEYS
 
 
 def _check_cost(name: str, value: float) -> float:
@@ -75,14 +76,15 @@ class Costs:
 
     @staticmethod
     def parse(text: str) -> Costs:
-        """`"F=1,B=1.1,W=0.6,comm=0.05"` -> Costs; keys are case-insensitive, missing ones keep defaults."""
+        """`"F=1,B=1.1,W=0.6,comm=0.05"` -> Costs; keys are case-insensitive, missing ones keep defaults.
+        `S=..,T=..,I=..` set the per-shard times of vocabulary parallelism's S, T and IF/IB."""
         values: dict[str, float] = {}
         for part in text.split(","):
             if not part.strip():
                 continue
             key, eq, raw = part.partition("=")
             key = key.strip().lower()
-            if not eq or key not in ("f", "b", "w", "comm"):
+            if not eq or key not in _PARSED_KEYS:
                 raise ScheduleError(f"cannot parse costs {text!r} at {part.strip()!r}: {_COSTS_FORM}")
             if key in values:
                 raise ScheduleError(f"cannot parse costs {text!r}: {key} given twice; {_COSTS_FORM}")
@@ -95,6 +97,8 @@ class Costs:
 
     def __str__(self) -> str:
         text = f"F={self.f:g},B={self.b:g},W={self.w:g},comm={self.comm:g}"
+        if any(getattr(self, key) for key in VOCAB_COST_KEYS):
+            text += "".join(f",{key.upper()}={getattr(self, key):g}" for key in VOCAB_COST_KEYS)
         return text + (" (per-stage overrides)" if self.per_stage else "")
 
     def action_costs(self, schedule: Schedule) -> dict[tuple[Kind, int], float]:
@@ -131,10 +135,16 @@ class MemoryModel:
 
     The default (B frees nothing) is the authors' conservative model. `bytes_per_microbatch` converts a unit
     (one 1F1B stage's activations for one microbatch) to bytes for `SimResult.peak_bytes`.
+
+    `per_stage`, when given, holds the units an F holds on each *model* stage, overriding p/S (a stage that
+    also computes the output layer holds more). `vocab` is what vocabulary parallelism keeps per shard from an
+    S until its T: the broadcast last-stage output and the shard's softmax, in the same units (not scaled).
     """
 
     b_frees: float = 0.0
     bytes_per_microbatch: float | None = None
+    vocab: float = 0.0
+    per_stage: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.b_frees <= 1.0:
@@ -142,10 +152,28 @@ class MemoryModel:
                                 f"F's activations that its B frees)")
         if self.bytes_per_microbatch is not None and not self.bytes_per_microbatch >= 0:
             raise ScheduleError(f"bytes_per_microbatch={self.bytes_per_microbatch} must be non-negative")
+        object.__setattr__(self, "vocab", _check_cost("vocab", self.vocab))
+        if self.per_stage is not None:
+            object.__setattr__(self, "per_stage", tuple(_check_cost(f"per_stage[{s}]", units)
+                                                        for s, units in enumerate(self.per_stage)))
 
     def delta(self, kind: Kind, scale: float) -> float:
         """Units held after minus before an action of `kind` on a stage of size `scale` (its KindSpec's rule)."""
-        return KIND_SPECS[kind].memory(self.b_frees, scale)
+        return KIND_SPECS[kind].memory(self, scale)
+
+    def action_deltas(self, schedule: Schedule) -> dict[tuple[Kind, int], float]:
+        """(kind, stage) -> units held after minus before that action in `schedule`."""
+        model_stages = schedule.num_model_stages
+        if self.per_stage is not None and len(self.per_stage) != model_stages:
+            raise ScheduleError(f"memory model gives {len(self.per_stage)} per-stage sizes but schedule "
+                                f"{schedule.name!r} has {model_stages} model stages")
+        uniform = schedule.num_ranks / model_stages
+        table = {}
+        for s in range(schedule.num_stages):
+            scale = uniform if self.per_stage is None else self.per_stage[schedule.model_stage(s)]
+            for kind in KIND_SPECS:
+                table[kind, s] = self.delta(kind, scale)
+        return table
 
 
 @dataclass(frozen=True, eq=False)

@@ -32,6 +32,12 @@ def chunk_of(schedule: Schedule) -> dict[int, int]:
     return chunks
 
 
+def _shade(action: Action, chunks: dict[int, int]) -> int:
+    """1 for an action of a rank's second (fourth, ...) chunk, else 0. A sharded action's stage field is
+    its vocabulary shard, not a stage: it is drawn in the first shade."""
+    return 0 if KIND_SPECS[action.kind].sharded else chunks[action.stage] % 2
+
+
 # ---- ASCII -------------------------------------------------------------------------------------
 def ascii_timeline(result: SimResult, width: int | None = None) -> str:
     """One text row per rank, `width` columns for the makespan (default: wide enough for every label,
@@ -47,10 +53,12 @@ def ascii_timeline(result: SimResult, width: int | None = None) -> str:
         for a, t0, t1 in result.timed(r):
             c0 = min(width - 1, round(t0 * scale))
             c1 = min(width, max(c0 + 1, round(t1 * scale)))
-            cells[c0:c1] = _cell_text(a, chunks[a.stage] % 2 == 1, c1 - c0)
+            cells[c0:c1] = _cell_text(a, _shade(a, chunks) == 1, c1 - c0)
         lines.append(f"rank {r:>2} |" + "".join(cells))
     lines.append(_ascii_axis(result.makespan, width))
     legend = "F forward, B input backward, W weight backward, BW fused backward, . idle"
+    if schedule.vocab_shards:
+        legend += "; S/T vocab output shard, IF/IB vocab input shard"
     if max(chunks.values(), default=0) > 0:
         legend += "; lower case = second chunk on the rank"
     lines.append(legend)
@@ -111,6 +119,11 @@ _COLOURS = {
     Kind.B: ("#3fa36b", "#a5d9b8"),
     Kind.W: ("#8e6bbf", "#d2c2e8"),
     Kind.BW: ("#e08a3c", "#f5c99c"),
+    # vocabulary parallelism: the output layer's shard passes in reds, the input embedding's in teals
+    Kind.S: ("#c8474f", "#e9a3a7"),
+    Kind.T: ("#8f2d56", "#d59ab3"),
+    Kind.IF: ("#2a9d8f", "#9fd8d0"),
+    Kind.IB: ("#1f6f78", "#93c4c9"),
 }
 _OTHER_COLOURS = ("#8c8c8c", "#cfcfcf")  # a kind with no colour of its own here
 _FONT = "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\""
@@ -139,7 +152,7 @@ def svg_timeline(result: SimResult, *, width: int = 1200, title: str | None = No
                    f'{_FONT}>rank {r}</text>')
         out.append(f'<rect x="{left}" y="{y}" width="{width}" height="{row_h}" fill="#f2f2f2"/>')
         for a, t0, t1 in result.timed(r):
-            out.append(_svg_box(a, left + t0 * scale, y, (t1 - t0) * scale, row_h, chunks[a.stage] % 2))
+            out.append(_svg_box(a, left + t0 * scale, y, (t1 - t0) * scale, row_h, _shade(a, chunks)))
     out += _svg_axis(result.makespan, left, top + plot_h, width, scale)
     out += _svg_legend(schedule, chunks, left, top + plot_h + 50)
     out.append("</svg>")
@@ -149,8 +162,8 @@ def svg_timeline(result: SimResult, *, width: int = 1200, title: str | None = No
 def _svg_box(a: Action, x: float, y: float, w: float, h: float, shade: int) -> str:
     fill = _COLOURS.get(a.kind, _OTHER_COLOURS)[shade]
     box = (f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{h}" fill="{fill}" stroke="#222" '
-           f'stroke-width="0.6"><title>{a} ({KIND_SPECS[a.kind].label}, stage {a.stage}, microbatch {a.microbatch})'
-           f'</title></rect>')
+           f'stroke-width="0.6"><title>{a} ({KIND_SPECS[a.kind].label}, '
+           f'{"shard" if KIND_SPECS[a.kind].sharded else "stage"} {a.stage}, microbatch {a.microbatch})</title></rect>')
     text = str(a.microbatch)
     size = min(12.0, h * 0.55, (w - 2) / (0.62 * len(text)))
     if size < 6:  # too narrow to read: the colour and the tooltip still say what it is
@@ -182,7 +195,7 @@ def _svg_legend(schedule: Schedule, chunks: dict[int, int], left: int, y: int) -
     for shade in shades:
         entries = [(_COLOURS.get(k, _OTHER_COLOURS)[shade],
                     f"{KIND_SPECS[k].code} {KIND_SPECS[k].label}" + (" (2nd chunk)" if shade else ""))
-                   for k in kinds]
+                   for k in kinds if not (shade and KIND_SPECS[k].sharded)]
         if shade == 0:
             entries.append(("#f2f2f2", "idle"))
         x = left

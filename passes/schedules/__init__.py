@@ -20,10 +20,11 @@ from .dualpipe import dualpipe, dualpipev
 from .gpipe_1f1b import gpipe, one_f_one_b
 from .interleaved import interleaved_1f1b
 from .v_shape import v_half, v_min, v_zb, zbv
+from .vocab import insert_vocab
 from .zb_auto import zb_auto as _zb_auto  # keeps `schedules.zb_auto` the module
 from .zero_bubble import zb_h1, zb_h2
 
-__all__ = ["ScheduleSpec", "SCHEDULES", "GENERATORS", "generate", "list_schedules"]
+__all__ = ["ScheduleSpec", "SCHEDULES", "GENERATORS", "generate", "list_schedules", "insert_vocab"]
 
 OPTIONS = frozenset({"chunks", "costs", "mem_limit"})
 # (pp, microbatches, chunks) -> (bubble rate, peak memory in 1F1B-stage units), None where the paper has none
@@ -104,13 +105,18 @@ def list_schedules() -> dict[str, str]:
 
 
 def generate(name: str, pp: int, microbatches: int, *, chunks: int | None = None, costs=None,
-             mem_limit: float | None = None) -> Schedule:
+             mem_limit: float | None = None, vocab: bool = False) -> Schedule:
     """Build schedule `name` for `pp` ranks and `microbatches`; raises ScheduleError on bad input.
 
     Each generator reads only the options its `ScheduleSpec.accepts` names (`chunks`: interleaved-1f1b;
     `mem_limit`: zb-auto; `costs`: zb-auto, and zbv and v-zb, which polish their order for them under their
     own peak); the others are fixed orders whatever the costs. `chunks` equal to a fixed generator's own
     stages per rank is accepted and ignored.
+
+    `vocab=True` adds vocabulary parallelism: `insert_vocab(schedule, costs)`, the S, T, IF and IB passes of
+    every microbatch on every rank, named "{name}+vocab" (the base generator reads only costs' f, b, w,
+    comm). Costs without the per-shard s, t, i (or None, unit costs) place them for an output layer as
+    costly as one 1F1B stage's F + B + W; `vocab.vocab_costs` sets them from the output layer's real time.
     """
     spec = SCHEDULES.get(name)
     if spec is None:
@@ -120,4 +126,5 @@ def generate(name: str, pp: int, microbatches: int, *, chunks: int | None = None
                             f"--chunks {chunks}; drop --chunks, or pick interleaved-1f1b for a chosen number of "
                             f"chunks")
     given = {"chunks": chunks, "costs": costs, "mem_limit": mem_limit}
-    return spec.fn(pp, microbatches, **{key: given[key] for key in spec.accepts})
+    schedule = spec.fn(pp, microbatches, **{key: given[key] for key in spec.accepts})
+    return insert_vocab(schedule, costs) if vocab else schedule
