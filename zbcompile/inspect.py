@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     model, loss_fn, example = _build(load_factory(args.target))
     m = args.microbatches or 2 * args.pp
     vocab = getattr(args, "vocab_parallel", False)
-    schedule = generate(args.schedule, args.pp, m, chunks=args.chunks, **({"vocab": True} if vocab else {}))
+    schedule = generate(args.schedule, args.pp, m, chunks=args.chunks, vocab=vocab)
     split_points = args.split_points.split(",") if args.split_points else None
     # the cuts zb.compile would make: balanced per rank for this schedule's placement
     staged = split_model(model, loss_fn, example, num_stages=None if split_points else schedule.num_model_stages,
