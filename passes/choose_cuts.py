@@ -130,12 +130,15 @@ def _depth(path: str) -> int:
 
 
 def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
-                      placement: Sequence[int] | None = None, skip: frozenset[fx.Node] = frozenset()) -> tuple[str, ...]:
+                      placement: Sequence[int] | None = None, skip: frozenset[fx.Node] = frozenset(),
+                      inside: tuple[fx.Node, fx.Node] | None = None) -> tuple[str, ...]:
     """Split points for `num_stages` stages balanced by estimated training time over `cut_units`.
 
     placement[s] is the rank (any group id) running stage s; without it every stage is its own rank. The cuts
     minimize the heaviest rank's summed weight, then the heaviest stage's. Nodes in `skip` weigh nothing: their
     work is not the stages' (the vocabulary layers, which vocabulary parallelism spreads over every rank).
+    With `inside=(a, b)` every cut falls after node a and before node b (a stays in the first stage, b in the
+    last: the embedding lookup and the output layer, which vocabulary parallelism takes out of those stages).
     """
     placement = tuple(range(num_stages)) if placement is None else tuple(placement)
     if len(placement) != num_stages:
@@ -143,13 +146,13 @@ def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
                              "asked for: give one rank per stage")
     if num_stages == 1:
         return ()
-    coarse = cut_units(model, traced)
+    coarse = _within(traced, cut_units(model, traced), inside)
     if len(coarse) < num_stages:
         raise PartitionError(
             f"cannot cut the model into {num_stages} stages: it has only {len(coarse)} cuttable units "
             f"({', '.join(coarse) or 'none'}). Use fewer stages or a model with more layers."
         )
-    units = _narrow_units(traced, coarse, cut_units(model, traced, within_blocks=True))
+    units = _narrow_units(traced, coarse, _within(traced, cut_units(model, traced, within_blocks=True), inside))
     coarse_set = set(coarse)
     weights = _unit_weights(traced, units, skip)
     between = [i for i, u in enumerate(units) if u in coarse_set]  # units[0] is always one
@@ -162,7 +165,18 @@ def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
         if fine < (1 - WITHIN_BLOCK_GAIN) * max(placement_loads(coarse_weights, coarse_cuts, placement).values()):
             cuts = fine_cuts
     chosen = [units[i] for i in cuts]
-    return _refine(traced, coarse, chosen, cut_units(model, traced, within_blocks=2), placement, skip)
+    return _refine(traced, coarse, chosen, _within(traced, cut_units(model, traced, within_blocks=2), inside),
+                   placement, skip)
+
+
+def _within(traced: Traced, units: list[str], inside: tuple[fx.Node, fx.Node] | None) -> list[str]:
+    """`units` (the first always kept) whose cut falls after inside[0] and before inside[1]."""
+    if inside is None:
+        return units
+    position = {n: i for i, n in enumerate(traced.gm.graph.nodes)}
+    lo, hi = position[inside[0]], position[inside[1]]
+    first = first_positions(traced)
+    return units[:1] + [u for u in units[1:] if lo < first[u] < hi]
 
 
 def _refine(traced: Traced, coarse: Sequence[str], chosen: Sequence[str], finest: Sequence[str],

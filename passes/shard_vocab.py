@@ -179,7 +179,8 @@ def _find_embedding(first: Graph, size: int) -> fx.Node:
         raise VocabError(f"vocab_parallel=True expects {_EXPECTED}; the first stage has "
                          f"{len(found)} embedding lookups on a [{size}, d] parameter"
                          f"{' (lookups: ' + ', '.join(seen) + ')' if seen else ''}.\n"
-                         "fix: look the token ids up in one nn.Embedding(V, d) at the start of the model")
+                         "fix: look the token ids up in one nn.Embedding(V, d) at the start of the model, and "
+                         "put the first split point after that lookup")
     return found[0]
 
 

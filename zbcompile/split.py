@@ -138,12 +138,12 @@ def split_traced(
     if split_points is None:
         if num_stages is None and placement is not None:
             num_stages = len(placement)
-        skip = frozenset()
-        if vocab_shards:   # the vocabulary layers weigh on every rank alike: balance the rest
+        skip, inside = frozenset(), None
+        if vocab_shards:   # the vocabulary layers weigh on every rank alike: balance the rest, cut between them
             p = find_vocab_layers(traced.graph, traced.graph)
-            skip = frozenset((p.embedding, p.linear, *p.chain, p.loss))
+            skip, inside = frozenset((p.embedding, p.linear, *p.chain, p.loss)), (p.embedding, p.linear)
         split_points = _marked_split_points(traced, num_stages) or auto_split_points(
-            model, traced, num_stages or 1, placement, skip)
+            model, traced, num_stages or 1, placement, skip, inside)
     return run_split_passes(traced, split_passes(split_points, vocab_shards))
 
 
