@@ -13,10 +13,11 @@ instead of the loss. The removed work becomes four graphs that every rank runs o
 (zbcompile.stages.VocabLayers), joined by collectives the lowering inserts:
 
     IF  partial lookup: rows of the shard, zeros for ids of other shards     -> reduce-sum onto the first stage
-    S   local logits y = x W_r^T and per token (max, sum of exp(y - max), target logit if in the shard)
-                                                                            -> all-gather (one barrier)
+    S   local logits y = x W_r^T and per token (max m, sum of e = exp(y - m), target logit if in the shard);
+        keeps e and m for T                                                 -> all-gather (one barrier)
     T   the online-softmax combine: lse = M + log sum_j s_j exp(m_j - M); the loss (cross-entropy's
-        reduction and ignore_index); dy = g (exp(y - lse) - onehot); dW_r = dy^T x; dx_r = dy W_r
+        reduction and ignore_index); dy = g (e exp(m - lse) - onehot); dW_r = dy^T x; dx_r = dy W_r, the
+        one-hot part applied on the [tokens, d] side (rows of x into dW_r, rows of W_r out of dx_r)
                                                                             -> reduce-sum onto the last stage
     IB  the first stage's input gradient (broadcast) scattered into the shard's rows
 
@@ -347,18 +348,19 @@ def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, rows: int, shards:
     targets = tuple(fake(data_vals[n]) for n in target_inputs)
     head_vals = (fake(weight_val, (rows, d)),) + ((fake(bias_val, (rows,)),) if p.bias else ())
     x = fake(x_val)
-    saved = fake(None, (tokens, rows), p.logits_dtype)
+    saved = fake(None, (tokens, rows), _stat_dtype(p.logits_dtype))
+    top = fake(None, (tokens,), _stat_dtype(p.logits_dtype))
     gathered = fake(None, (shards, tokens, 3), _stat_dtype(p.logits_dtype))
     seed = fake(None, (), torch.float32)
     grads = tuple("grad:" + n for n in heads)
     return {
         "if": _traced(fx_if, ("param:" + key_of(p.table), "vocab:offset") + id_inputs, ("vocab:part",),
                       (fake(table_val, (rows, d)), offset) + ids),
-        "s": _traced(fx_s, heads + ("vocab:x", "vocab:offset") + target_inputs, ("vocab:stats", "vocab:saved:0"),
-                     head_vals + (x, offset) + targets),
-        "t": _traced(fx_t, ("vocab:gathered", "vocab:saved:0", "vocab:x") + heads + ("vocab:offset", "grad:loss")
-                     + target_inputs, grads + ("vocab:dx", "loss"),
-                     (gathered, saved, x) + head_vals + (offset, seed) + targets),
+        "s": _traced(fx_s, heads + ("vocab:x", "vocab:offset") + target_inputs,
+                     ("vocab:stats", "vocab:saved:0", "vocab:saved:1"), head_vals + (x, offset) + targets),
+        "t": _traced(fx_t, ("vocab:gathered", "vocab:saved:0", "vocab:saved:1", "vocab:x") + heads
+                     + ("vocab:offset", "grad:loss") + target_inputs, grads + ("vocab:dx", "loss"),
+                     (gathered, saved, top) + (x,) + head_vals + (offset, seed) + targets),
         "ib": _traced(fx_ib, ("vocab:demb", "vocab:offset") + id_inputs, ("grad:" + p.table,),
                       (fake(emb_val), offset) + ids),
     }
@@ -403,10 +405,10 @@ def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias
         y = torch.where(valid, y, float("-inf"))
     yf = y.to(_stat_dtype(logits_dtype))
     top = yf.amax(-1)
-    total = torch.exp(yf - top.unsqueeze(-1)).sum(-1)
+    e = torch.exp(yf - top.unsqueeze(-1))   # kept for T: its softmax is e * exp(top - lse), one pass
     safe, inside = _shard_local(target_fn(*data), offset, rows)
     picked = torch.where(inside, yf.gather(1, safe.unsqueeze(-1)).squeeze(-1), 0.0)
-    return torch.stack([top, total, picked], dim=1), y
+    return torch.stack([top, e.sum(-1), picked], dim=1), e, top
 
 
 def _stat_dtype(logits_dtype: torch.dtype) -> torch.dtype:
@@ -414,7 +416,8 @@ def _stat_dtype(logits_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(logits_dtype, torch.float32)
 
 
-def _output_backward(gathered, y, x, *args, target_fn, rows, reduction, ignore_index, logits_dtype, has_bias):
+def _output_backward(gathered, e, top_local, x, *args, target_fn, rows, reduction, ignore_index, logits_dtype,
+                     has_bias):
     weight = args[0]
     offset, seed = args[1 + has_bias], args[2 + has_bias]
     data = args[3 + has_bias:]
@@ -431,8 +434,12 @@ def _output_backward(gathered, y, x, *args, target_fn, rows, reduction, ignore_i
     else:
         loss = per_token.sum()
     g = weights * seed
-    dy = torch.exp(y.to(lse.dtype) - lse.unsqueeze(-1)) * g.unsqueeze(-1)
+    # dy = g (softmax - onehot): the softmax part over the whole shard in one pass, the one-hot part on the
+    # [tokens, d] side (a row of x into dW, a row of W out of dx per token whose target is in the shard)
+    dy = (e * (torch.exp(top_local - lse) * g).unsqueeze(-1)).to(weight.dtype)
     safe, inside = _shard_local(target, offset, rows)
-    dy = dy.scatter_add(1, safe.unsqueeze(-1), torch.where(inside, -g, 0.0).unsqueeze(-1)).to(weight.dtype)
-    grads = (dy.t().mm(x),) + ((dy.sum(0),) if has_bias else ())
-    return (*grads, dy.mm(weight), loss.to(logits_dtype))
+    hit = torch.where(inside, g, 0.0).to(weight.dtype).unsqueeze(-1)
+    dw = dy.t().mm(x).index_add(0, safe, -(hit * x))
+    grads = (dw,) + ((dy.sum(0).index_add(0, safe, -hit.squeeze(-1)),) if has_bias else ())
+    dx = dy.mm(weight) - hit * torch.nn.functional.embedding(safe, weight)
+    return (*grads, dx, loss.to(logits_dtype))

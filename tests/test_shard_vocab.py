@@ -61,7 +61,7 @@ def test_shard_graphs_reproduce_cross_entropy(shards, reduction):
         parts.append(g["if"]({"param:emb.weight": rows(emb_w, r), "vocab:offset": off, "data:0": x})["vocab:part"])
         out = g["s"]({"param:head.weight": rows(head_w, r), "vocab:x": hidden, "vocab:offset": off, "data:1": y})
         stats.append(out["vocab:stats"])
-        saved.append(out["vocab:saved:0"])
+        saved.append((out["vocab:saved:0"], out["vocab:saved:1"]))
     gathered = torch.stack(stats)
     torch.testing.assert_close(sum(parts), F.embedding(x, emb_w), rtol=0, atol=0)
     # the independent reference: autograd through torch's cross-entropy
@@ -72,7 +72,8 @@ def test_shard_graphs_reproduce_cross_entropy(shards, reduction):
     dx, dw, losses = 0, [], []
     for r in range(shards):
         off = torch.tensor(r * vocab.rows)
-        out = g["t"]({"vocab:gathered": gathered, "vocab:saved:0": saved[r], "vocab:x": hidden,
+        out = g["t"]({"vocab:gathered": gathered, "vocab:saved:0": saved[r][0], "vocab:saved:1": saved[r][1],
+                      "vocab:x": hidden,
                       "param:head.weight": rows(head_w, r), "vocab:offset": off, "grad:loss": seed, "data:1": y})
         dx = dx + out["vocab:dx"]
         dw.append(out["grad:param:head.weight"])

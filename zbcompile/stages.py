@@ -285,7 +285,7 @@ class VocabLayers:
         s   param:W[, param:b], vocab:x, vocab:offset, data:*
                                                      -> vocab:stats, vocab:saved:*   (x: the last stage's
                                                         act:vocab.x, broadcast; stats all-gathered: vocab:gathered)
-        t   vocab:gathered, vocab:saved:*, vocab:x, param:W, vocab:offset, data:*, grad:loss
+        t   vocab:gathered, vocab:saved:*, vocab:x, param:W[, param:b], vocab:offset, grad:loss, data:*
                                                      -> grad:param:W[, grad:param:b], vocab:dx, loss
                                                         (dx reduce-summed onto the last stage: grad:act:vocab.x)
         ib  vocab:demb, vocab:offset, data:*         -> grad:param:E     (demb: the first stage's
