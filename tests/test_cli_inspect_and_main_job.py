@@ -52,6 +52,22 @@ def test_inspect_ops_view_and_bad_rank():
 
 
 @pytest.mark.dist
+def test_inspect_vocab_parallel_shows_the_passes_and_the_collectives():
+    out = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "1f1b",
+               "--vocab-parallel", "--ops")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "# vocabulary parallelism: embedding wte.weight[ids] ... linear wte.weight -> cross_entropy" in text
+    for graph in ("vocab_if", "vocab_s", "vocab_t", "vocab_ib"):
+        assert f"# ---- {graph} (" in text and (f"= {graph}(" in text or f"= {graph}_acc(" in text), graph
+    for rank in (0, 1):   # every rank runs every microbatch's vocabulary passes, with their collectives
+        for kind in ("IF", "S", "T", "IB"):
+            assert f"[{rank}{kind}3]" in text, (rank, kind)
+    for what in ("broadcast root 1", "all_gather root -1", "reduce root 1", "reduce root 0", "broadcast root 0"):
+        assert what in text, what
+    assert "wait_coll(" in text
+
+
 def test_main_job_trains_under_torchrun():
     out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), "-m", "zbcompile.examples.train_gpt", "--schedule", "zb-h1",

@@ -130,7 +130,9 @@ def shard_vocab_params(model: nn.Module, vocab, rank: int, pg, *, initialized_he
         for name in vocab.params:
             full = model.get_parameter(name)
             if initialized_here and pg is not None and pg.size() > 1:
-                work = pg.broadcast([full.data], 0)
+                options = dist.BroadcastOptions()
+                options.rootRank = 0
+                work = pg.broadcast([full.data], options)
                 if work.wait(timedelta(seconds=timeout)) is False:
                     raise RuntimeFailure(f"rank {rank}: sharing the initial {name} timed out")
             rows = full[lo:lo + vocab.rows]

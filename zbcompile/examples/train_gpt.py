@@ -73,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=None, help="write the last step's timeline as a Chrome trace")
     p.add_argument("--save", type=Path, default=None, help="write a checkpoint into this directory at the end")
     p.add_argument("--resume", type=Path, default=None, help="start from the checkpoint in this directory")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="shard the embedding and the output layer over every rank (vocabulary parallelism)")
     return p.parse_args(argv)
 
 
@@ -103,11 +105,12 @@ def main(argv=None) -> int:
     x, y = next(data)
     mbs = args.microbatch_size
     model = zb.compile(GPT(cfg).to(device), schedule=args.schedule, microbatches=args.microbatches, loss_fn=loss_fn,
-                       example=(x[:mbs].to(device), y[:mbs].to(device)), pp=world, chunks=args.chunks)
+                       example=(x[:mbs].to(device), y[:mbs].to(device)), pp=world, chunks=args.chunks,
+                       vocab_parallel=args.vocab_parallel)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"zbcompile: {args.schedule} on {world} ranks, {args.microbatches} microbatches x {mbs} x {args.seq} "
-        f"tokens, GPT d={cfg.d} layers={cfg.layers}")
+        f"tokens, GPT d={cfg.d} layers={cfg.layers}" + (", vocabulary parallel" if args.vocab_parallel else ""))
     done = resume(args.resume, model, opt) if args.resume else 0
     for _ in range(done):   # the batches the saved run trained on; x, y become the next one
         x, y = next(data)
