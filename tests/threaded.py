@@ -11,7 +11,9 @@ import threading
 
 import torch
 
+from zbcompile.distributed import shard_vocab_params
 from zbcompile.passes.lower import emit_fx, lower_all
+from zbcompile.program.values import VOCAB_OFFSET
 from zbcompile.runtime import RankRuntime
 from zbcompile.runtime.loopback import LoopbackWorld
 
@@ -37,10 +39,14 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
             gm = emit_fx(programs[r])
             if patch is not None:
                 patch(r, gm)
+            constants = {}
+            if staged.vocab is not None:   # this rank's rows of the vocabulary parameters, and where they start
+                shard_vocab_params(mdl, staged.vocab, r, None, initialized_here=False, timeout=timeout)
+                constants[VOCAB_OFFSET] = torch.tensor(r * staged.vocab.rows)
             runtimes[r] = RankRuntime(programs[r], gm, pg=world.group(r),
                                       device=torch.device("cpu"), params=dict(mdl.named_parameters()),
                                       buffers=dict(mdl.named_buffers()), timeout=timeout,
-                                      peers=programs)
+                                      peers=programs, constants=constants, collectives=world.collective_group(r))
             for b in steps:
                 losses[r] = runtimes[r].step_batch(b)
         except BaseException as e:  # reported in the main thread

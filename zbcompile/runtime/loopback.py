@@ -3,8 +3,9 @@
 The CPU "null tier" of the runtime: every rank a thread, messages handed over in memory. It checks a lowering
 end to end (P2P matching, gradient sums, buffer reuse) without starting processes, and lets `inspect`-style
 tools run a schedule in one process. Only what RankRuntime uses: send / recv of single tensors by (source,
-destination, tag) and allgather. Sends are buffered (they complete at once); a receive completes when the
-matching send has arrived.
+destination, tag), allgather, and the vocabulary layers' broadcast / reduce / allgather as posted collectives.
+Sends are buffered (they complete at once); a receive completes when the matching send has arrived; a posted
+collective completes when every rank has posted its k-th one (matched by order, as a real group does).
 
     world = LoopbackWorld(2)
     runtime = RankRuntime(programs[rank], gm, pg=world.group(rank), peers=programs, ...)   # rank `rank`'s thread
@@ -15,7 +16,7 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
-__all__ = ["LoopbackWorld", "LoopbackGroup"]
+__all__ = ["LoopbackWorld", "LoopbackGroup", "LoopbackCollectives"]
 
 
 class _Work:
@@ -41,9 +42,15 @@ class LoopbackWorld:
         self.mail: dict[tuple[int, int, int], list] = {}
         self.barrier = threading.Barrier(size)
         self.gathered: list = [None] * size
+        self.posted = [0] * size                      # collectives each rank has posted
+        self.collectives: dict[int, dict] = {}        # k -> the k-th collective's contributions
 
     def group(self, rank: int) -> "LoopbackGroup":
         return LoopbackGroup(self, rank)
+
+    def collective_group(self, rank: int) -> "LoopbackCollectives":
+        """Rank `rank`'s stand-in for the vocabulary layers' collective group (RankRuntime's `collectives`)."""
+        return LoopbackCollectives(self, rank)
 
 
 class LoopbackGroup:
@@ -78,6 +85,41 @@ class LoopbackGroup:
 
         return _Work(slot[0], fill)
 
+    # ---- posted collectives (zbcompile.runtime.abi.collective) ------------------------------------------------
+    def broadcast(self, tensors, options):
+        root = options.rootRank
+        return self._post(tensors[0].clone() if self.rank_ == root else None,
+                          lambda parts: tensors[0].copy_(parts[root]) if self.rank_ != root else None)
+
+    def reduce(self, tensors, options):
+        root = options.rootRank
+
+        def land(parts):
+            if self.rank_ == root:   # in rank order, like a reduction tree would not promise but tests want
+                total = parts[0].clone()
+                for r in range(1, self.world.size):
+                    total += parts[r]
+                tensors[0].copy_(total)
+        return self._post(tensors[0].clone(), land)
+
+    def _post(self, part, land):
+        world = self.world
+        with world.lock:
+            k = world.posted[self.rank_]
+            world.posted[self.rank_] += 1
+            slot = world.collectives.setdefault(k, {"parts": {}, "event": threading.Event(), "left": world.size})
+            slot["parts"][self.rank_] = part
+            if len(slot["parts"]) == world.size:
+                slot["event"].set()
+
+        def finish():
+            land(slot["parts"])
+            with world.lock:
+                slot["left"] -= 1
+                if not slot["left"]:
+                    world.collectives.pop(k, None)
+        return _Work(slot["event"], finish)
+
     def allgather(self, outputs, inputs):
         self.world.gathered[self.rank_] = inputs[0].clone()
         self.world.barrier.wait()
@@ -85,3 +127,13 @@ class LoopbackGroup:
             out.copy_(val)
         self.world.barrier.wait()
         return _Work()
+
+
+class LoopbackCollectives(LoopbackGroup):
+    """The collective group: its allgather is posted (completes when every rank has posted), like the others."""
+
+    def allgather(self, outputs, inputs):
+        def land(parts):
+            for out, r in zip(outputs[0], range(self.world.size)):
+                out.copy_(parts[r])
+        return self._post(inputs[0].clone(), land)

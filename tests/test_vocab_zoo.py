@@ -1,0 +1,78 @@
+"""Vocabulary parallelism across the transformers zoo (tests/zoo.py), as threaded pp=2 pipelines: every causal
+and masked LM (rotary, ALiBi, learned positions, tied and untied heads, a biased decoder, mixtures of experts)
+under 1f1b+vocab and zbv+vocab over 4 microbatches gives eager microbatch accumulation's loss, and every
+gradient (each rank's rows of the vocabulary parameters against eager's same rows) within 1e-5 relative.
+Architectures outside the pattern raise VocabError naming what was found."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zoo
+from test_zoo import MICROBATCHES, _batch
+from threaded import run_threaded
+from zbcompile.api import model_stage_placement
+from zbcompile.errors import VocabError
+from zbcompile.passes.schedules import generate
+from zbcompile.split import split_model
+
+torch.set_num_threads(1)
+
+LMS = ["llama", "mistral", "qwen2", "bloom", "gpt2", "gpt_neox", "opt", "bert_mlm", "roberta_mlm", "mixtral",
+       "qwen2_moe"]
+REFUSED = {   # a logits bias buffer after the head, one table looked up twice (encoder and decoder), no lookup
+    "bart": "logits come from .*final_logits_bias", "t5": "2 embedding lookups on a \\[64, d\\] parameter",
+    "vit": "not from a linear layer|0 embedding lookups",
+}
+
+
+def _eager(case, inputs, targets):
+    ref = copy.deepcopy(case.model)
+    n, total = len(inputs), 0.0
+    for mb in zip(*(x.chunk(MICROBATCHES) for x in inputs + targets)):
+        loss = case.loss_fn(ref(*mb[:n]), *mb[n:]) / MICROBATCHES
+        loss.backward()
+        total += loss.item()
+    return ref, total
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+@pytest.mark.parametrize("arch", LMS)
+def test_zoo_with_vocabulary_parallelism_matches_eager(arch, schedule):
+    case = zoo.ZOO[arch]()
+    case.model.train()
+    sched = generate(schedule, 2, MICROBATCHES, vocab=True)
+    staged = split_model(copy.deepcopy(case.model), case.loss_fn, case.example, num_stages=sched.num_model_stages,
+                         placement=model_stage_placement(sched), vocab_shards=2)
+    inputs, targets = _batch(case)
+    ref, want = _eager(case, inputs, targets)
+    losses, ranks, _ = run_threaded(case.model, staged, sched, inputs + targets)
+    assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (losses, want)
+    vocab, rows = staged.vocab, staged.vocab.rows
+    expected = dict(ref.named_parameters())
+    # a gradient that is zero in exact arithmetic (OPT's key biases: softmax ignores a shift of every score)
+    # is float noise in both runs; it is measured against 1e-4 of the model's largest gradient instead
+    floor = 1e-4 * max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
+    for r, mdl in enumerate(ranks):
+        mine = {n for s, owner in enumerate(sched.placement) if owner == r
+                for n in staged.stages[sched.model_stage(s)].params} | set(vocab.params)
+        for name, p in mdl.named_parameters():
+            if name not in mine or expected[name].grad is None:
+                continue
+            want_grad = expected[name].grad
+            if name in vocab.params:
+                want_grad = want_grad[r * rows:(r + 1) * rows]
+                assert p.shape[0] == rows and not p.grad[want_grad.shape[0]:].any(), (r, name)
+            got = p.grad[:want_grad.shape[0]]
+            err = ((got - want_grad).abs().max() / want_grad.abs().max().clamp_min(floor)).item()
+            assert err <= 1e-5, (arch, r, name, err)
+
+
+@pytest.mark.parametrize("arch", sorted(REFUSED))
+def test_architectures_outside_the_pattern_say_why(arch):
+    case = zoo.ZOO[arch]()
+    with pytest.raises(VocabError, match=REFUSED[arch]):
+        split_model(case.model, case.loss_fn, case.example, num_stages=2, vocab_shards=2)
