@@ -1,6 +1,6 @@
 """Vocabulary parallelism across the transformers zoo (tests/zoo.py), as threaded pp=2 pipelines: every causal
 and masked LM (rotary, ALiBi, learned positions, tied and untied heads, a biased decoder, mixtures of experts)
-under 1f1b+vocab and zbv+vocab over 4 microbatches gives eager microbatch accumulation's loss, and every
+under 1f1b+vocab and zbv+vocab over 4 microbatches (and Llama under every other kind of schedule) gives eager microbatch accumulation's loss, and every
 gradient (each rank's rows of the vocabulary parameters against eager's same rows) within 1e-5 relative.
 Architectures outside the pattern raise VocabError naming what was found."""
 
@@ -39,8 +39,8 @@ def _eager(case, inputs, targets):
     return ref, total
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-@pytest.mark.parametrize("arch", LMS)
+@pytest.mark.parametrize("arch,schedule", [(arch, s) for arch in LMS for s in ("1f1b", "zbv")]
+                         + [("llama", s) for s in ("gpipe", "zb-h2", "zb-auto", "v-min", "dualpipev", "dualpipe")])
 def test_zoo_with_vocabulary_parallelism_matches_eager(arch, schedule):
     case = zoo.ZOO[arch]()
     case.model.train()
