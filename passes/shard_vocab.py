@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import operator
 from typing import Callable, Sequence
 
 import torch

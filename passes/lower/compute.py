@@ -26,7 +26,7 @@ from zbcompile.program.ops import AccumArgs, AccumMode, Op, OpKind, RunArgs, Set
 from zbcompile.names import key_of, primal_of
 from zbcompile.program.values import (GRAD_LOSS, LOSS, Role, acc_value, data_value, parse, python_name,
                                       role_of, stage_value, vocab_value)
-from zbcompile.passes.lower.vocab import VocabLowering, is_sharded_loss, vocab_input
+from zbcompile.passes.lower.vocab import VocabLowering, reports_loss, vocab_input
 from zbcompile.schedule import KIND_SPECS, Action, Kind, Schedule
 from zbcompile.stages import Graph, Stage, StagedModel
 
@@ -113,7 +113,7 @@ def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankPro
     for action in schedule.ranks[rank]:
         if KIND_SPECS[action.kind].sharded:
             ops += vocab.action(action)
-            if is_sharded_loss(action, LOSS):
+            if reports_loss(action):
                 losses.append(vocab_value(action.microbatch, LOSS))
             continue
         stage = staged.stages[schedule.model_stage(action.stage)]

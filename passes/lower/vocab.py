@@ -30,15 +30,14 @@ reduce off its root) goes before the rank's next sharded action, so at most one 
 from __future__ import annotations
 
 from zbcompile.errors import LoweringError
-from zbcompile.names import Role, is_vocab_boundary, role_of
+from zbcompile.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, key_of, role_of
 from zbcompile.program import ProgramGraph
 from zbcompile.program.ops import Coll, CollArgs, Op, OpKind, RunArgs, TensorType
-from zbcompile.program.values import GRAD_LOSS, LOSS, VOCAB_OFFSET, data_value, handle, stage_value, vocab_value
-from zbcompile.names import key_of, VOCAB_EMB, VOCAB_X
+from zbcompile.program.values import GRAD_LOSS, VOCAB_OFFSET, data_value, handle, stage_value, vocab_value
 from zbcompile.schedule import Action, Kind, Schedule
 from zbcompile.stages import VocabLayers
 
-__all__ = ["VocabLowering", "vocab_input", "VOCAB_GRAPHS"]
+__all__ = ["VocabLowering", "vocab_input", "reports_loss", "VOCAB_GRAPHS"]
 
 VOCAB_GRAPHS = {Kind.IF: "if", Kind.S: "s", Kind.T: "t", Kind.IB: "ib"}
 
@@ -172,7 +171,7 @@ def _output_types(g) -> tuple[TensorType | None, ...]:
     return tuple(types)
 
 
-def is_sharded_loss(action: Action, name: str) -> bool:
-    """Whether output `name` of sharded `action` is the microbatch loss this rank reports: every shard's T
-    computes the same loss; shard 0's counts."""
-    return action.kind is Kind.T and action.stage == 0 and name == LOSS
+def reports_loss(action: Action) -> bool:
+    """Whether sharded `action`'s `loss` output is the microbatch loss the program sums: every shard's T
+    computes the same loss; shard 0's counts (the runtime adds every rank's sum)."""
+    return action.kind is Kind.T and action.stage == 0
