@@ -122,10 +122,10 @@ def _message(what: str, problems: list[str], fix: str) -> str:
 def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Write `module`'s state (a PipelineModule: this rank's share; call on every rank) and `optimizer`'s into
     the directory `path` in DCP's format, keyed by the user's FQNs."""
-    _refuse_vocab_shards(module, "save")
     pg = getattr(module, "process_group", None)
     with _single_process_is_meant():
-        dcp.save(_state_dict(module, optimizer), checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
+        state, _ = _state_dict(module, optimizer)
+        dcp.save(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
 
 
 def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -135,28 +135,18 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     First every rank checks the checkpoint's keys and shapes against the model and this rank's optimizer, and
     the ranks exchange what they found: a checkpoint of another model raises the same CheckpointError on every
     rank, naming the first mismatches, before any tensor or optimizer state is touched."""
-    _refuse_vocab_shards(module, "load")
     pg = getattr(module, "process_group", None)
     _check_checkpoint(path, module, optimizer, pg)
-    state = _state_dict(module, optimizer)
+    state, whole = _state_dict(module, optimizer)
     with _single_process_is_meant():
         dcp.load(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
+    # row shards were read in place through their views: hand the module its whole tensors back
+    state = {part: {k: whole.get((part, k), v) for k, v in entries.items()} for part, entries in state.items()}
     if optimizer is None:
         set_model_state_dict(module, state["model"], options=OPTIONS)
     else:
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=OPTIONS)
-
-
-def _refuse_vocab_shards(module: nn.Module, what: str) -> None:
-    """Every rank holds its own rows of a vocabulary parameter under the parameter's name; written as they are,
-    DCP would keep one rank's rows as the whole table. Refused until the shards are saved as row shards."""
-    vocab = getattr(getattr(module, "staged", None), "vocab", None)
-    if vocab is not None:
-        raise CheckpointError(
-            f"checkpoint.{what}: this pipeline shards {', '.join(vocab.params)} by rows over its ranks "
-            "(vocab_parallel=True), which zbcompile's checkpoints do not support yet. fix: compile without "
-            "vocab_parallel to save or load, or save each rank's pipe.state_dict() with torch.save yourself")
 
 
 def _distributed(pg) -> bool:
@@ -172,11 +162,57 @@ def _single_process_is_meant():
         yield
 
 
-def _state_dict(module: nn.Module, optimizer) -> dict[str, object]:
+def _state_dict(module: nn.Module, optimizer) -> tuple[dict[str, dict], dict[tuple[str, str], torch.Tensor]]:
+    """What DCP reads and writes, and for each row-sharded entry (vocabulary parallelism) the tensor it views."""
     if optimizer is None:
-        return {"model": get_model_state_dict(module, options=OPTIONS)}
+        return _row_shards({"model": get_model_state_dict(module, options=OPTIONS)}, module)
     model_sd, optim_sd = get_state_dict(module, optimizer, options=OPTIONS)
-    return {"model": model_sd, "optim": optim_sd}
+    return _row_shards({"model": model_sd, "optim": optim_sd}, module)
+
+
+# ---- vocabulary parallelism: each rank holds rows of the vocabulary parameters --------------------------------
+def _vocab_rows(module: nn.Module):
+    """(VocabLayers, process group, this rank's first row) of a vocabulary-parallel pipe; None otherwise."""
+    vocab = getattr(getattr(module, "staged", None), "vocab", None)
+    pg = getattr(module, "process_group", None)
+    if vocab is None or not _distributed(pg):
+        return None   # one rank holds the whole tables
+    return vocab, pg, pg.rank() * vocab.rows
+
+
+def _row_shards(state: dict[str, dict], module: nn.Module):
+    """`state` with every entry of a vocabulary parameter (under each of its names, and its optimizer state)
+    as a row-sharded DTensor of the whole table, so that DCP writes one table assembled from every rank's rows
+    and reads back the rows of any layout (vocabulary-parallel at another pp, or not); and, per such entry,
+    the rank's whole tensor the DTensor views (its padding rows are no part of the table)."""
+    found = _vocab_rows(module)
+    whole: dict[tuple[str, str], torch.Tensor] = {}
+    if found is None:
+        return state, whole
+    vocab, pg, lo = found
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    names = _vocab_names(module, vocab)
+    mesh = None
+    for part, entries in state.items():
+        for key, value in list(entries.items()):
+            fqn = key if part == "model" else key.removeprefix("state.").rpartition(".")[0]
+            if fqn not in names or not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            mesh = mesh or DeviceMesh.from_group(pg, value.device.type)
+            rows = max(0, min(vocab.rows, vocab.size - lo))
+            shape = torch.Size((vocab.size, *value.shape[1:]))
+            entries[key] = DTensor.from_local(value[:rows], mesh, [Shard(0)], run_check=False, shape=shape,
+                                              stride=torch.empty(shape, device="meta").stride())
+            whole[part, key] = value
+    return state, whole
+
+
+def _vocab_names(module: nn.Module, vocab) -> set[str]:
+    """Every name of the vocabulary parameters in the module's state dict (a tied one has two)."""
+    sharded = {id(module.model.get_parameter(n)) for n in vocab.params}
+    return {name for name, t in module.state_dict(keep_vars=True).items() if id(t) in sharded}
 
 
 def _check_checkpoint(path, module: nn.Module, optimizer, pg) -> None:
@@ -200,6 +236,10 @@ def _checkpoint_problems(path, module: nn.Module, optimizer) -> list[str]:
         return [f"no checkpoint readable at {os.fspath(path)!r} ({type(exc).__name__}: {exc})"]
     saved = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
     mine = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    found = _vocab_rows(module)
+    if found is not None:   # the checkpoint holds the whole tables this rank holds rows of
+        for name in _vocab_names(module, found[0]):
+            mine[name] = (found[0].size, *mine[name][1:])
     problems = _mismatches(saved, mine, strict=False, prefix="model.")
     problems += [f"unexpected: model.{k}" for k in saved if k not in _whole_model_keys(module)]
     if optimizer is not None:
@@ -212,7 +252,7 @@ def _whole_model_keys(module: nn.Module) -> set[str]:
     staged = getattr(module, "staged", None)
     if staged is None:
         return set(module.state_dict(keep_vars=True))
-    params = {p for st in staged.stages for p in st.params}
+    params = {p for st in staged.stages for p in st.params} | set(staged.vocab.params if staged.vocab else ())
     buffers = {b for st in staged.stages for b in st.buffers}
     return set(share_of(module.model, params, buffers))
 
