@@ -19,6 +19,9 @@ qualified names (`attach_share`), so torch's helpers need nothing from us: keys 
 optimizer's state is keyed by the same names. A tensor several ranks hold (a tied embedding, DualPipe's
 mirrored stages) is in the state dict of every holder, because loading must fill every copy; saving writes
 each key once, from one rank, as DCP's save planner keeps one writer per key (its `dedup_save_plans`).
+With vocabulary parallelism each rank holds rows of the vocabulary tables under their full names: those
+entries (and their optimizer state) go to DCP as row-sharded DTensors of the whole tables (`_row_shards`), so
+the checkpoint holds whole tables and any layout reads back the rows it holds.
 """
 
 from __future__ import annotations
