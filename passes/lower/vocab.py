@@ -11,7 +11,7 @@ rank; Schedule.validate), numbered by `seq`:
 
     h:c8 = collective(s1.mb3.act:vocab.x; broadcast root 1 seq 8 [16, 64] float32)   (no input off the root)
     v.mb3.vocab:x = wait_coll(h:c8)
-    [0S3] v.mb3.vocab:stats, v.mb3.vocab:saved:0 = vocab_s(param:wte, v.mb3.vocab:x, vocab:offset, mb3.data:1)
+    [0S3] v.mb3.vocab:stats, v.mb3.vocab:saved:0, v.mb3.vocab:saved:1 = vocab_s(param:wte, v.mb3.vocab:x, ...)
     h:c9 = collective(v.mb3.vocab:stats; all_gather root -1 seq 9 [16, 3] float32)
     ...
     v.mb3.vocab:gathered = wait_coll(h:c9)     right before T
@@ -21,7 +21,7 @@ rank; Schedule.validate), numbered by `seq`:
 
     h:c11 = collective(s0.mb3.grad:act:vocab.emb; broadcast root 0 seq 11 [2, 8, 64] float32)
     v.mb3.vocab:demb = wait_coll(h:c11)
-    [0IB3] v.mb3.grad:param:wte = vocab_ib(v.mb3.vocab:demb, vocab:offset, mb3.data:0)
+    [0IB3] vi.mb3.grad:param:wte = vocab_ib(v.mb3.vocab:demb, vocab:offset, mb3.data:0)
 
 A wait goes right before the first op that reads its result; a wait whose result this rank does not get (a
 reduce off its root) goes before the rank's next sharded action, so at most one such collective is in flight.
