@@ -403,7 +403,8 @@ def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias
         y = torch.where(valid, y, float("-inf"))
     yf = y.to(_stat_dtype(logits_dtype))
     top = yf.amax(-1)
-    e = torch.exp(yf - top.unsqueeze(-1))   # kept for T: its softmax is e * exp(top - lse), one pass
+    # kept for T (its softmax is e * exp(top - lse), one pass); exp in place: one [tokens, V/p] buffer less
+    e = (yf - top.unsqueeze(-1)).exp_()
     safe, inside = _shard_local(target_fn(*data), offset, rows)
     picked = torch.where(inside, yf.gather(1, safe.unsqueeze(-1)).squeeze(-1), 0.0)
     return torch.stack([top, e.sum(-1), picked], dim=1), e, top
