@@ -137,7 +137,8 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
     if bool(schedule.vocab_shards) != (staged.vocab is not None):
         raise UsageError(f"schedule {schedule.name!r} {'has' if schedule.vocab_shards else 'has no'} vocabulary "
                          f"actions but the model was split {'without' if staged.vocab is None else 'with'} "
-                         "vocabulary parallelism; build both with vocab_parallel / vocab_shards, or neither")
+                         "vocabulary parallelism; build both with vocab_parallel / vocab_shards, or neither "
+                         "(passes.schedules.vocab.insert_vocab adds the vocabulary actions to a schedule)")
     programs = lower_all(schedule, staged)
     _warn_mirrored_buffer_updates(staged, schedule)
     mine = [staged.stages[schedule.model_stage(s)] for s, r in enumerate(schedule.placement) if r == rank]
@@ -280,10 +281,8 @@ def _schedule(options: CompileOptions, pp: int) -> Schedule:
         return schedule.validate().check_order()
     from zbcompile.passes.schedules import generate
 
-    if options.vocab_parallel:
-        return generate(schedule, pp, m, chunks=options.chunks, costs=options.costs, mem_limit=options.mem_limit,
-                        vocab=True)
-    return generate(schedule, pp, m, chunks=options.chunks, costs=options.costs, mem_limit=options.mem_limit)
+    return generate(schedule, pp, m, chunks=options.chunks, costs=options.costs, mem_limit=options.mem_limit,
+                    vocab=options.vocab_parallel)
 
 
 def model_stage_placement(sched: Schedule) -> tuple[int, ...]:
