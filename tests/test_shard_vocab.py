@@ -180,3 +180,40 @@ def test_a_model_without_an_embedding_lookup_is_refused():
     loss_fn = lambda logits, t: F.cross_entropy(logits.view(-1, 32), t.view(-1))  # noqa: E731
     with pytest.raises(VocabError, match="embedding lookups on a \\[32, d\\] parameter"):
         split_model(model, loss_fn, (x, y), num_stages=1, vocab_shards=2)
+
+
+def test_one_rank_pipeline_with_one_shard_trains_equal_to_eager():
+    """pp=1: the collectives have no group and exchange nothing; the loss and gradients are eager's."""
+    from zbcompile.api import PipelineModule
+    from zbcompile.schedule import Schedule
+
+    case = gpt(layers=2)
+    schedule = Schedule.from_text("# zbcompile schedule one: microbatches=2 placement=0 pipelines=1\n"
+                                  "rank 0: 0IF0 0IF1 0F0 0S0 0T0 0BW0 0IB0 0F1 0S1 0T1 0BW1 0IB1\n").validate()
+    staged = _shards(case, 1, num_stages=1)
+    pipe = PipelineModule.from_staged(copy.deepcopy(case.model), staged, schedule)
+    x, y = case.example
+    xb, yb = torch.cat([x, x.flip(0)]), torch.cat([y, y.flip(0)])
+    ref = copy.deepcopy(case.model)
+    want = sum((case.loss_fn(ref(a), b) / 2) for a, b in zip(xb.chunk(2), yb.chunk(2)))
+    want.backward()
+    assert abs(pipe.step(xb, yb) - want.item()) <= 1e-6 * want.item()
+    grads = dict(ref.named_parameters())
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_schedule_and_a_split_that_disagree_on_vocabulary_parallelism_are_refused():
+    from zbcompile.api import PipelineModule
+    from zbcompile.errors import UsageError
+    from zbcompile.passes.schedules import generate
+
+    from zbcompile.runtime.loopback import LoopbackWorld
+
+    case = gpt(layers=2)
+    group = LoopbackWorld(2).group(0)   # refused before anything is exchanged
+    with pytest.raises(UsageError, match="has no vocabulary actions but the model was split with .*insert_vocab"):
+        PipelineModule.from_staged(copy.deepcopy(case.model), _shards(case, 2), generate("1f1b", 2, 2), group=group)
+    plain = split_model(copy.deepcopy(case.model), case.loss_fn, case.example, num_stages=2)
+    with pytest.raises(UsageError, match="has vocabulary actions but the model was split without"):
+        PipelineModule.from_staged(copy.deepcopy(case.model), plain, generate("1f1b", 2, 2, vocab=True), group=group)
