@@ -68,53 +68,48 @@ def resolve_group(group, timeout: float):
     return group, group.rank(), group.size()
 
 
-_CHANNELS: dict[tuple, tuple] = {}
+_SIDE_GROUPS: dict[tuple, tuple] = {}
+
+
+def _side_groups(pg, timeout: float, purpose: str, count: int, *, tune_gloo_threads: bool) -> tuple | None:
+    """`count` more groups over the pipeline group's ranks for `purpose`, made once per pipeline group and reused
+    by every compile on it; None for a one-rank pipeline or a group that is not a torch.distributed ProcessGroup
+    (tests' stand-ins). `tune_gloo_threads`: run the new groups' gloo I/O threads low (runtime/host.py)."""
+    if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
+        return None
+    ranks = dist.get_process_group_ranks(pg)
+    key = (purpose, process_group_name(pg), tuple(ranks))
+    live = live_process_groups()
+    if key in _SIDE_GROUPS and all(g in live for g in _SIDE_GROUPS[key]):
+        return _SIDE_GROUPS[key]
+    backend = dist.get_backend(pg)
+    tune = tune_gloo_threads and backend == "gloo"
+    before = process_threads() if tune else set()
+    groups = tuple(dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)), backend=backend,
+                                  use_local_synchronization=True) for _ in range(count))
+    if tune:   # only the threads these groups started
+        tune_io_threads(process_threads() - before)
+    for g in groups:
+        if g.rank() != pg.rank():  # new_group numbers ranks in sorted order; programs use pg's numbering
+            raise UsageError(f"the pipeline group's ranks {ranks} are not in ascending order, so {purpose} groups "
+                             f"over them would number the ranks differently; pass a group with sorted ranks")
+    _SIDE_GROUPS[key] = groups
+    return groups
 
 
 def p2p_channels(pg, timeout: float) -> tuple | None:
     """Two groups over the pipeline group's ranks, one per P2P direction (StepContext explains why), made
     once per pipeline group and reused by every compile on it. None for a one-rank pipeline or a group that
     is not a torch.distributed ProcessGroup (tests' stand-ins), which then carries both directions."""
-    if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
-        return None
-    ranks = dist.get_process_group_ranks(pg)
-    key = (process_group_name(pg), tuple(ranks))
-    live = live_process_groups()
-    if key in _CHANNELS and all(c in live for c in _CHANNELS[key]):
-        return _CHANNELS[key]
-    backend = dist.get_backend(pg)
-    before = process_threads() if backend == "gloo" else set()
-    channels = tuple(dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)), backend=backend,
-                                    use_local_synchronization=True) for _ in ("up", "down"))
-    if backend == "gloo":   # only the threads these groups started (runtime/host.py says why)
-        tune_io_threads(process_threads() - before)
-    for c in channels:
-        if c.rank() != pg.rank():  # new_group numbers ranks in sorted order; programs use pg's numbering
-            raise UsageError(f"the pipeline group's ranks {ranks} are not in ascending order, so P2P groups "
-                                f"over them would number the ranks differently; pass a group with sorted ranks")
-    _CHANNELS[key] = channels
-    return channels
-
-
-_COLLECTIVES: dict[tuple, object] = {}
+    return _side_groups(pg, timeout, "P2P", 2, tune_gloo_threads=True)
 
 
 def collective_group(pg, timeout: float):
     """A group over the pipeline group's ranks for the vocabulary layers' collectives: on a device each group has
     its own stream, so the collectives never queue behind P2P (made once per pipeline group). The pipeline
     group itself for a one-rank pipeline or a stand-in group."""
-    if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
-        return pg
-    ranks = dist.get_process_group_ranks(pg)
-    key = (process_group_name(pg), tuple(ranks))
-    found = _COLLECTIVES.get(key)
-    if found is None or found not in live_process_groups():
-        found = _COLLECTIVES[key] = dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)),
-                                                   backend=dist.get_backend(pg), use_local_synchronization=True)
-        if found.rank() != pg.rank():
-            raise UsageError(f"the pipeline group's ranks {ranks} are not in ascending order; pass a group with "
-                             "sorted ranks")
-    return found
+    found = _side_groups(pg, timeout, "collective", 1, tune_gloo_threads=False)
+    return pg if found is None else found[0]
 
 
 def shard_vocab_params(model: nn.Module, vocab, rank: int, pg, *, initialized_here: bool,

@@ -103,10 +103,7 @@ class Costs:
 
     def action_costs(self, schedule: Schedule) -> dict[tuple[Kind, int], float]:
         """(kind, stage) -> time of that action in `schedule`."""
-        model_stages = schedule.num_model_stages
-        if self.per_stage is not None and len(self.per_stage) != model_stages:
-            raise ScheduleError(f"costs give {len(self.per_stage)} per-stage triples but schedule "
-                                f"{schedule.name!r} has {model_stages} model stages")
+        model_stages = _check_per_stage(self.per_stage, schedule, "costs give", "triples")
         scale = schedule.num_ranks / model_stages
         table = {}
         for s in range(schedule.num_stages):
@@ -118,6 +115,15 @@ class Costs:
             for kind, spec in KIND_SPECS.items():
                 table[kind, s] = _total(times[key] for key in spec.cost)
         return table
+
+
+def _check_per_stage(per_stage, schedule: Schedule, who: str, what: str) -> int:
+    """The schedule's model stages, after checking that `per_stage` (if given) has one entry for each."""
+    model_stages = schedule.num_model_stages
+    if per_stage is not None and len(per_stage) != model_stages:
+        raise ScheduleError(f"{who} {len(per_stage)} per-stage {what} but schedule {schedule.name!r} has "
+                            f"{model_stages} model stages")
+    return model_stages
 
 
 def _total(times) -> float:
@@ -163,10 +169,7 @@ class MemoryModel:
 
     def action_deltas(self, schedule: Schedule) -> dict[tuple[Kind, int], float]:
         """(kind, stage) -> units held after minus before that action in `schedule`."""
-        model_stages = schedule.num_model_stages
-        if self.per_stage is not None and len(self.per_stage) != model_stages:
-            raise ScheduleError(f"memory model gives {len(self.per_stage)} per-stage sizes but schedule "
-                                f"{schedule.name!r} has {model_stages} model stages")
+        model_stages = _check_per_stage(self.per_stage, schedule, "memory model gives", "sizes")
         uniform = schedule.num_ranks / model_stages
         table = {}
         for s in range(schedule.num_stages):
