@@ -4,9 +4,7 @@ split on the user-model classes of tests/test_user_models.py, one 1F1B step each
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import sys
 import traceback
@@ -16,6 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
+from launch import worker_main  # noqa: E402
 from models import dict_lm, marked_mlp, rope_net  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
@@ -43,11 +42,7 @@ def check(case, m: int) -> dict:
                 ungraded_with_grad=ungraded, split_points=list(pipe.staged.meta["split_points"]), real=real)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    rank, pp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def run(rank: int, pp: int, out: str) -> dict:
     m = 2 * pp
     results = {}
     for tag, case in (("dict", dict_lm(layers=2 * pp, batch=m)), ("marked", marked_mlp(marks=(1,), batch=m)),
@@ -56,10 +51,8 @@ def main() -> None:
             results[tag] = check(case, m)
         except Exception:
             results[tag] = dict(error=traceback.format_exc())
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
-    os._exit(0)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run)

@@ -3,6 +3,7 @@ thread per rank) and read what each rank wrote to `<out>/rank<r>.json`. Shared b
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -35,6 +36,19 @@ def launch(worker: str, pp: int, out, *args: str, timeout: float = 600) -> list[
         assert path.exists(), f"rank {r} wrote no results:\n{logs[r][-3000:]}"
         results.append(json.loads(path.read_text()))
     return results
+
+
+def worker_main(run) -> None:
+    """A worker's entry point, the other end of `launch`: `run(rank, pp, out)` under the torchrun environment,
+    its results written as `<out>/rank<r>.json`; the process then ends without tearing down process groups."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    out = ap.parse_args().out
+    rank, pp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results = run(rank, pp, out)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+    os._exit(0)
 
 
 class Launches:

@@ -9,9 +9,7 @@ vocabulary rows after step 2 (`<out>/rows<r>.pt`).
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import sys
 import traceback
@@ -22,6 +20,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
+from ckpt_worker import train  # noqa: E402
+from launch import worker_main  # noqa: E402
 from models import gpt  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
@@ -56,29 +56,16 @@ def pipeline(model, loss_fn, batches, schedule: str, vocab: bool, perturb: bool 
     return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
 
 
-def train(pipe, opt, batches) -> list[float]:
-    losses = []
-    for batch in batches:
-        losses.append(pipe.step(*batch))
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    rank = int(os.environ["RANK"])
+def run(rank: int, pp: int, out: str) -> dict:
     results = {}
     try:
         model, loss_fn, batches = case()
         pipe, opt = pipeline(model, loss_fn, batches, "1f1b", True)
         results["first"] = train(pipe, opt, batches[:2])
-        ckpt = os.path.join(args.out, "ckpt")
+        ckpt = os.path.join(out, "ckpt")
         checkpoint.save(ckpt, pipe, opt)
         torch.save({n: p.detach() for n, p in pipe.named_parameters() if n in pipe.staged.vocab.params},
-                   os.path.join(args.out, f"rows{rank}.pt"))
+                   os.path.join(out, f"rows{rank}.pt"))
         results["rows"] = pipe.staged.vocab.rows
         results["uninterrupted"] = train(pipe, opt, batches[2:])
         for tag, schedule, vocab in (("zbv_vocab", "zbv", True), ("zbv_plain", "zbv", False)):
@@ -87,10 +74,8 @@ def main() -> None:
             results[tag] = train(other, other_opt, batches[2:])
     except Exception:
         results["error"] = traceback.format_exc()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
-    os._exit(0)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run)

@@ -12,10 +12,8 @@ divides each gradient by its running magnitude, so float32 summation-order noise
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import copy
-import json
 import os
 import sys
 import traceback
@@ -26,6 +24,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
+from launch import worker_main  # noqa: E402
 from models import gpt, hf_gpt2  # noqa: E402
 
 from zbcompile.api import PipelineModule, model_stage_placement  # noqa: E402
@@ -139,11 +138,7 @@ def held_bytes(pp: int, vocab_parallel: bool) -> int:
     return sum(p.numel() * p.element_size() for p in pipe.parameters())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    rank, pp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def run(rank: int, pp: int, out: str) -> dict:
     m = 2 * pp
     cases = {"tied": gpt(layers=2 * pp, batch=1), "untied": untied_gpt(2 * pp, 1), "hf": hf_gpt2(layers=2 * pp, batch=1)}
     results = {}
@@ -166,10 +161,8 @@ def main() -> None:
             except Exception:
                 results[key] = dict(error=traceback.format_exc())
     results["bytes"] = {"vocab": held_bytes(pp, True), "plain": held_bytes(pp, False)}
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
-    os._exit(0)
+    return results
 
 
 if __name__ == "__main__":
-    main()
+    worker_main(run)
