@@ -378,6 +378,8 @@ def _forward_graph(stage: Graph, fw: fx.GraphModule, diff_names) -> tuple[Graph,
     fw_outs = list(fw.graph.output_node().args[0])
     k = len(diff_names)
     results = [env[n] for n in fw_outs[:k]]
+    if "loss" in diff_names:
+        results[diff_names.index("loss")] = _own_scalar(g, results[diff_names.index("loss")])
     by_input = dict(zip(stage.inputs, g.find_nodes(op="placeholder")))
     results += [by_input[p] for p in stage.passthrough]
     saved: dict[str, str] = {}
@@ -436,6 +438,18 @@ def _backward_graph(stage, bw: fx.GraphModule, saved: Mapping[str, str], tangent
         results.append(value)
     g.output(tuple(results))
     return Graph(fx.GraphModule(bw, g, class_name=f"Stage{stage.index}BW"), tuple(names), tuple(out_names))
+
+
+def _own_scalar(g: fx.Graph, loss: fx.Node) -> fx.Node:
+    """A copy of the 0-dim loss in memory of its own. Some loss kernels return a view of their elementwise buffer
+    (aten.mse_loss on CPU: 4 bytes visible, the batch's [N, D] held): the step keeps every microbatch's loss
+    until it sums them, and that buffer with it, which no tensor size (nor the memory plan) shows."""
+    val = loss.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 0:
+        return loss
+    out = g.call_function(_aten.clone.default, (loss,))
+    out.meta["val"] = val.clone()
+    return out
 
 
 def _contiguous(g: fx.Graph, value: fx.Node) -> fx.Node:

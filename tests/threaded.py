@@ -19,11 +19,12 @@ from zbcompile.runtime.loopback import LoopbackWorld
 
 
 def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
-                 staged_inputs: bool = True):
+                 staged_inputs: bool = True, measure: bool = False):
     """One step on `batch` (inputs then targets), then one on each batch of `then`, gradients accumulating;
     returns (last losses per rank, models per rank, runtimes). `patch(rank, program)` may instrument a rank's
     GraphModule before it runs. staged_inputs=False makes the runtime cut every batch into fresh microbatch
-    slices even where the lowering found static input buffers safe."""
+    slices even where the lowering found static input buffers safe. measure: each rank's last step is measured
+    (RankRuntime.measure_step), kept as `runtime.measured`."""
     pp = schedule.num_ranks
     programs = lower_all(schedule, staged)
     if not staged_inputs:
@@ -47,8 +48,11 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
                                       device=torch.device("cpu"), params=dict(mdl.named_parameters()),
                                       buffers=dict(mdl.named_buffers()), timeout=timeout,
                                       peers=programs, constants=constants, collectives=world.collective_group(r))
-            for b in steps:
-                losses[r] = runtimes[r].step_batch(b)
+            for k, b in enumerate(steps):
+                if measure and k == len(steps) - 1:
+                    losses[r], runtimes[r].measured = runtimes[r].measure_step(b)
+                else:
+                    losses[r] = runtimes[r].step_batch(b)
         except BaseException as e:  # reported in the main thread
             errors.append(e)
             world.barrier.abort()

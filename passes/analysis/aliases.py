@@ -37,7 +37,7 @@ from torch import fx
 
 from zbcompile._torch_private import OpOverload, op_schema
 
-__all__ = ["graph_output_aliases", "graph_output_owned", "is_view", "view_base", "may_alias_input",
+__all__ = ["graph_output_aliases", "graph_output_owned", "node_roots", "is_view", "view_base", "may_alias_input",
            "moves_no_data"]
 
 # aten ops whose schema calls the result fresh but that return (a view of) their input's memory
@@ -75,21 +75,30 @@ def _output_roots(gm: fx.GraphModule) -> tuple[frozenset, ...]:
 
 
 def _roots(gm: fx.GraphModule) -> tuple[frozenset, ...]:
+    roots = node_roots(gm)
+    out = next(iter(gm.graph.find_nodes(op="output")), None)
+    if out is None:
+        return ()
+    outs = out.args[0]
+    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+    return tuple(roots.get(o, frozenset()) if isinstance(o, fx.Node) else frozenset() for o in outs)
+
+
+def node_roots(gm: fx.GraphModule) -> dict[fx.Node, frozenset]:
+    """Every node's roots: the placeholder positions (ints) and fresh results (node names, `name[i]` for the
+    i-th result of a multi-result op) whose memory it may use. The memory plan reads this to count each
+    fresh result once, however many views of it a graph makes."""
     roots: dict[fx.Node, frozenset] = {}
     k = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             roots[node] = frozenset({k})
             k += 1
-        elif node.op == "output":
-            out = node.args[0]
-            outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-            return tuple(roots.get(o, frozenset()) if isinstance(o, fx.Node) else frozenset() for o in outs)
-        elif node.op != "get_attr":
-            roots[node] = _node_roots(node, roots)
-        else:
+        elif node.op == "get_attr":
             roots[node] = frozenset({node.name})
-    return ()
+        elif node.op != "output":
+            roots[node] = _node_roots(node, roots)
+    return roots
 
 
 def _node_roots(node: fx.Node, roots: dict[fx.Node, frozenset]) -> frozenset:

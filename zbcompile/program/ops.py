@@ -8,6 +8,7 @@ check, the emitter or the runtime needs to know about it.
                 parse of the arguments between its parentheses
     aliases     which outputs may share memory with which inputs     buffers.py (static receive buffers)
     keeps       whether the op may hold an input beyond the step     buffers.py
+    fresh       per output, the bytes of fresh memory it allocates   passes/analysis/memory.py (memory plan)
     posts       the messages a posting op puts on the wire           validate.py, order_p2p.py, streams.py
     sync        none / posts P2P / waits on P2P / collective          validate.py (deadlock), streams.py
     stream      compute / comm / copy / host                         streams.py (device-stream deadlock)
@@ -352,6 +353,35 @@ def _joined_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
     return [(op.ins[0], op.outs[0])] if op.outs else []
 
 
+# ---- fresh memory: what each output allocates (the memory plan) -------------------------------------------
+def _no_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
+    return (0,) * len(op.outs)
+
+
+def _recv_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
+    return (0 if op.args.slot is not None else op.args.type.nbytes,)   # a slot is made once, before the step
+
+
+def _accum_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
+    n = len(op.outs)
+    return tuple(nbytes(g) for g in op.ins[-n:]) if op.args.mode is AccumMode.ADD else (0,) * n
+
+
+def _first_in_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
+    return (nbytes(op.ins[0]),)
+
+
+def _loss_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
+    return (nbytes(op.ins[0]) if len(op.ins) > 1 else 0,)
+
+
+def _coll_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
+    a = op.args
+    if a.op is Coll.ALL_GATHER:
+        return (ranks * a.type.nbytes,)
+    return (0 if op.ins else a.type.nbytes,)   # a broadcast's receivers get a fresh buffer
+
+
 def _never_keeps(op: Op) -> bool:
     return False
 
@@ -378,6 +408,9 @@ class OpSpec:
     stream: Stream
     emit: str                                 # method of passes.lower.emit.Emitter
     runtime: tuple[str, ...]                  # functions of zbcompile.runtime.abi the code calls
+    # (op, value -> bytes, ranks) -> per output, bytes of fresh device memory (0: none, or what `aliases` says);
+    # None: the memory plan does not model the kind and refuses it. RUN ops are read off their graphs instead.
+    fresh: Callable[[Op, Callable[[str], int], int], tuple[int, ...]] | None = None
 
 
 def _run_parse(inner: str, outs):
@@ -391,47 +424,49 @@ _stamp_fmt, _stamp_parse = _with_arg("slot", int, StampArgs)
 SPECS: dict[OpKind, OpSpec] = {s.kind: s for s in (
     OpSpec(OpKind.RUN, "run one stage graph (F, B, W, BW or a variant) for one action", RunArgs, "run",
            _values, _run_parse, aliases=_run_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="run", runtime=()),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="run", runtime=(), fresh=_no_fresh),
     OpSpec(OpKind.RECV, "post a receive of one tensor (into a static buffer if slotted); outs = (handle,)",
            RecvArgs, "irecv", _format_recv, _parse_recv, aliases=_no_aliases, keeps=_never_keeps,
-           posts=_recv_posts, sync=Sync.POST, stream=Stream.COMM, emit="recv", runtime=("recv", "recv_into")),
+           posts=_recv_posts, sync=Sync.POST, stream=Stream.COMM, emit="recv", runtime=("recv", "recv_into"),
+           fresh=_recv_fresh),
     OpSpec(OpKind.WAIT_RECV, "wait for a posted receive; ins = (handle,), outs = (tensor,)", None, "wait_recv",
            _values, _no_args, aliases=_first_in_is_out, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_recv", runtime=("wait_recv",)),
+           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_recv", runtime=("wait_recv",), fresh=_no_fresh),
     OpSpec(OpKind.SEND, "post a batch of sends, one message per input; outs = (handle,)", SendArgs, "isend",
            _format_send, _parse_send, aliases=_send_aliases, keeps=_never_keeps, posts=_send_posts,
-           sync=Sync.POST, stream=Stream.COMM, emit="send", runtime=("send",)),
+           sync=Sync.POST, stream=Stream.COMM, emit="send", runtime=("send",), fresh=_no_fresh),
     OpSpec(OpKind.WAIT_SEND, "wait for a batch of sends (the peer has the data; the tensors may go)", None,
            "wait_send", _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_send", runtime=("wait_send",)),
+           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_send", runtime=("wait_send",), fresh=_no_fresh),
     OpSpec(OpKind.FREE, "last use of tensors: the program drops its references here", None, "free",
            _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="free", runtime=("free",)),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="free", runtime=("free",), fresh=_no_fresh),
     OpSpec(OpKind.ACCUM, "add microbatch parameter gradients into running sums", AccumArgs, "accum",
            _accum_fmt, _accum_parse, aliases=_accum_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="accum", runtime=("accumulate_",)),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="accum", runtime=("accumulate_",), fresh=_accum_fresh),
     OpSpec(OpKind.SUM, "sum copies of one gradient from several ranks, in rank order", None, "sum",
            _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_in_order",)),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_in_order",), fresh=_first_in_fresh),
     OpSpec(OpKind.SET_GRAD, "accumulate a finished gradient into Parameter.grad", SetGradArgs, "set_grad",
            _grad_fmt, _grad_parse, aliases=_no_aliases, keeps=_set_grad_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="set_grad", runtime=("set_grad",)),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="set_grad", runtime=("set_grad",), fresh=_no_fresh),
     OpSpec(OpKind.ADD_LOSS, "sum the microbatch losses; outs = (loss,)", None, "add_loss",
            _values, _no_args, aliases=_loss_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_losses",)),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_losses",), fresh=_loss_fresh),
     OpSpec(OpKind.COPY_BUFFER, "copy a buffer's new value (an F output) into the live buffer", None, "copy_buffer",
            _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("copy_buffer",)),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("copy_buffer",), fresh=_no_fresh),
     OpSpec(OpKind.STAMP, "record the time into a timing slot (action start / end)", StampArgs, "stamp",
            _stamp_fmt, _stamp_parse, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.HOST, emit="stamp", runtime=()),
+           sync=Sync.NONE, stream=Stream.HOST, emit="stamp", runtime=(), fresh=_no_fresh),
     OpSpec(OpKind.COLLECTIVE, "post a collective over every rank (broadcast, reduce, all-gather); outs = (handle,)",
            CollArgs, "collective", _format_coll, _parse_coll, aliases=_coll_aliases, keeps=_never_keeps,
-           posts=_no_posts, sync=Sync.COLLECTIVE, stream=Stream.COMM, emit="collective", runtime=("collective",)),
+           posts=_no_posts, sync=Sync.COLLECTIVE, stream=Stream.COMM, emit="collective", runtime=("collective",),
+           fresh=_coll_fresh),
     OpSpec(OpKind.WAIT_COLL, "wait for a posted collective; ins = (handle,), outs = (its result,) or () where "
            "this rank gets none (a reduce off its root)", None, "wait_coll", _values, _no_args,
            aliases=_joined_aliases, keeps=_never_keeps, posts=_no_posts, sync=Sync.JOIN, stream=Stream.COMM,
-           emit="wait_coll", runtime=("wait_collective",)),
+           emit="wait_coll", runtime=("wait_collective",), fresh=_no_fresh),
 )}
 
 _BY_TEXT = {s.text: s for s in SPECS.values()}

@@ -166,6 +166,13 @@ class RankRuntime:
             buf.copy_(batch[i])
         return self._run(args)
 
+    def measure_step(self, batch: Sequence[torch.Tensor]):
+        """step_batch(batch), measuring the memory the step allocates (runtime/memory.py: the CUDA allocator's
+        peak, or a storage tracker on CPU); returns (loss, MemoryMeasurement)."""
+        from zbcompile.runtime.memory import measure
+
+        return measure(lambda: self.step_batch(batch), self.device)
+
     def step(self, data: Sequence[Sequence[torch.Tensor] | None]) -> float:
         """Run this rank's program on `data[i][mb]`, microbatch mb of flat user argument i (None for an argument
         this rank does not read, see data_args); returns the batch's mean loss, the same on all ranks."""

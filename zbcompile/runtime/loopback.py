@@ -16,12 +16,15 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+from torch.utils._python_dispatch import _disable_current_modes
+
 __all__ = ["LoopbackWorld", "LoopbackGroup", "LoopbackCollectives"]
 
 
 class _Work:
-    def __init__(self, event: threading.Event | None = None, after=None):
-        self.event, self.after = event, after
+    def __init__(self, event: threading.Event | None = None, after=None, keep=None):
+        # keep: the sent tensor, held as long as the work is, as gloo's send work holds it
+        self.event, self.after, self.keep = event, after, keep
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self.event is not None:
@@ -70,9 +73,12 @@ class LoopbackGroup:
 
     def send(self, tensors, dst: int, tag: int):
         slot = self._slot((self.rank_, dst, tag))
-        slot[1] = tensors[0].clone()
+        # the copy in the mailbox stands in for the wire: a memory tracker on this thread must not count it
+        # (gloo and NCCL send straight from the tensor)
+        with _disable_current_modes():
+            slot[1] = tensors[0].clone()
         slot[0].set()
-        return _Work()
+        return _Work(keep=tensors[0])
 
     def recv(self, tensors, src: int, tag: int):
         key = (src, self.rank_, tag)
