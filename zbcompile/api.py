@@ -190,6 +190,7 @@ class PipelineModule(nn.Module):
         self.process_group = group
         self._owned = owned
         self._fx: dict[int, fx.GraphModule] = {rank: runtime.program}
+        self._plan = None
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
         self._batch_specs = tuple(runtime.batch_specs.get(i) for i in range(staged.num_inputs + staged.num_targets))
         attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
@@ -258,6 +259,26 @@ class PipelineModule(nn.Module):
         if rank not in self._fx:
             self._fx[rank] = emit_fx(self.programs[rank], abi)
         return self._fx[rank]
+
+    def memory_plan(self):
+        """Every rank's device memory over one step, computed from the rank programs (passes/analysis/memory.py):
+        per rank the resident bytes, the bytes live after every op by category, and the peak and where it is.
+        `.table()` prints it; `.to_json()` is what `zbcompile inspect --memory --json` writes."""
+        from zbcompile.passes.analysis.memory import memory_plan
+
+        if self._plan is None:
+            self._plan = memory_plan(self.programs)
+        return self._plan
+
+    def measure_memory(self, *batch: torch.Tensor):
+        """Run one training step (as step()) and measure the memory it allocates, independently of the plan:
+        `torch.cuda.max_memory_allocated` on CUDA, a tracker of every storage the step's aten ops allocate on
+        CPU (zbcompile.runtime.memory). Returns (loss, MemoryMeasurement); compare `.peak` with
+        `memory_plan()[rank].peak_dynamic_bytes`. The plan assumes the step starts with `.grad` None
+        (optimizer.zero_grad()'s default)."""
+        from zbcompile.runtime.memory import measure
+
+        return measure(lambda: self.step(*batch), self.runtime.device)
 
     @property
     def last_step(self) -> StepTimings | None:

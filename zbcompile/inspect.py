@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops", action="store_true",
                         help="print the rank-program IR (one op per line) instead of the generated Python")
     parser.add_argument("--svg", type=Path, default=None, help="also draw the schedule to this SVG file")
+    parser.add_argument("--memory", action="store_true",
+                        help="print each rank's memory plan (peak activation and total bytes, the op at the peak) "
+                             "instead of the programs; with --svg, draw memory over the step per rank")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE",
+                        help="write the memory plan as JSON: {\"ranks\": [{\"rank\": r, \"peak_activation_bytes\": "
+                             "..., \"peak_total_bytes\": ..., ...}]}")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="shard the embedding and the output layer over every rank (vocabulary parallelism): "
                              "shows the vocabulary passes, their S / T / IF / IB actions and the collectives")
@@ -75,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         raise ZBCompileError(f"inspect: --split-points gives {len(staged.stages)} stages but schedule "
                              f"{args.schedule!r} on {args.pp} ranks needs {schedule.num_model_stages}")
     programs = lower_all(schedule, staged)
+    if args.memory or args.json:
+        return _memory(args, programs)
     print(report(staged))
     print()
     if staged.vocab is not None:
@@ -88,6 +96,26 @@ def run(args: argparse.Namespace) -> int:
         print(programs[r] if args.ops else emit_fx(programs[r]).code)
     if args.svg:
         _draw(schedule, args.svg)
+    return 0
+
+
+def _memory(args: argparse.Namespace, programs) -> int:
+    """The memory plan: a table per rank, memory over the step as SVG, the whole plan as JSON."""
+    import json
+
+    from zbcompile.passes.analysis.memory import memory_plan
+    from zbcompile.timeline import svg_memory
+
+    plan = memory_plan(programs)
+    print(f"# memory plan of {args.schedule} on {args.pp} ranks, {programs[0].microbatches} microbatches "
+          "(resident: parameters, buffers, static receive and input buffers; step: what the step allocates)")
+    print(plan.table())
+    if args.svg:
+        args.svg.write_text(svg_memory(plan))
+        print(f"# wrote {args.svg}")
+    if args.json:
+        args.json.write_text(json.dumps(plan.to_json(), indent=1))
+        print(f"# wrote {args.json}")
     return 0
 
 

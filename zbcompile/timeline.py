@@ -17,7 +17,7 @@ from xml.sax.saxutils import escape
 from zbcompile.schedule import KIND_SPECS, Action, Kind, Schedule
 from zbcompile.simulate import SimResult
 
-__all__ = ["ascii_timeline", "svg_timeline"]
+__all__ = ["ascii_timeline", "svg_timeline", "svg_memory"]
 
 _MAX_ASCII_WIDTH = 200
 
@@ -206,3 +206,65 @@ def _svg_legend(schedule: Schedule, chunks: dict[int, int], left: int, y: int) -
             x += 34 + 7 * len(label)
         y += 22
     return out
+
+
+# ---- memory over the step (passes/analysis/memory.py) ----------------------------------------------------
+_MEMORY_COLOURS = {"saved": "#4e79a7", "boundary": "#f28e2b", "grads": "#59a14f", "workspace": "#e15759",
+                   "other": "#bab0ac"}
+
+
+def svg_memory(plan, *, width: int = 1000, row_h: int = 120, title: str | None = None) -> str:
+    """A MemoryPlan as an SVG document: per rank, the step's dynamic bytes after every op stacked by category,
+    the peak while each op runs as a line, and the rank's peak marked; x is the op index. All ranks share one
+    byte scale, so their heights compare."""
+    from zbcompile.passes.analysis.memory import CATEGORIES
+
+    left, top, gap = 90, 44, 34
+    top_bytes = max((r.peak_dynamic_bytes for r in plan.ranks), default=0) or 1
+    total_w, total_h = left + width + 20, top + len(plan.ranks) * (row_h + gap) + 40
+    title = title or f"{plan.name}: device memory the step allocates, per rank (resident memory not shown)"
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_w}" height="{total_h}" '
+           f'viewBox="0 0 {total_w} {total_h}">',
+           f'<rect x="0" y="0" width="{total_w}" height="{total_h}" fill="white"/>',
+           f'<text x="{left}" y="24" font-size="15" font-weight="bold" {_FONT}>{escape(title)}</text>']
+    for k, rank in enumerate(plan.ranks):
+        y0 = top + k * (row_h + gap) + row_h   # the row's baseline
+        n = max(len(rank.samples), 1)
+
+        def x(i: float) -> float:
+            return left + width * i / n
+
+        def y(b: float) -> float:
+            return y0 - row_h * b / top_bytes
+
+        out.append(f'<text x="{left - 8}" y="{y0 - row_h / 2:.1f}" font-size="12" text-anchor="end" {_FONT}>'
+                   f'rank {rank.rank}</text>')
+        out.append(f'<text x="{left - 8}" y="{y0 - row_h / 2 + 15:.1f}" font-size="10" text-anchor="end" '
+                   f'fill="#444" {_FONT}>{rank.peak_dynamic_bytes / 2**20:.2f} MiB</text>')
+        out.append(f'<rect x="{left}" y="{y0 - row_h}" width="{width}" height="{row_h}" fill="#f7f7f7"/>')
+        below = [0] * len(rank.samples)
+        for c, cat in enumerate(CATEGORIES):
+            above = [b + s.after[c] for b, s in zip(below, rank.samples)]
+            if any(s.after[c] for s in rank.samples):
+                pts = [(x(i), y(a)) for i, a in enumerate(above)] + [(x(i), y(b)) for i, b in
+                                                                      reversed(list(enumerate(below)))]
+                out.append(f'<polygon points="{" ".join(f"{px:.1f},{py:.1f}" for px, py in pts)}" '
+                           f'fill="{_MEMORY_COLOURS[cat]}" fill-opacity="0.85"><title>{cat}</title></polygon>')
+            below = above
+        line = " ".join(f"{x(i):.1f},{y(s.peak):.1f}" for i, s in enumerate(rank.samples))
+        out.append(f'<polyline points="{line}" fill="none" stroke="#222" stroke-width="0.8"/>')
+        px, py = x(rank.peak_op), y(rank.peak_dynamic_bytes)
+        out.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3.5" fill="#d00"><title>peak '
+                   f'{rank.peak_dynamic_bytes / 2**20:.3f} MiB during op {rank.peak_op}: {escape(rank.peak_at)}'
+                   f'</title></circle>')
+        out.append(f'<text x="{left + width}" y="{y0 + 14}" font-size="10" text-anchor="end" fill="#444" '
+                   f'{_FONT}>op index ({len(rank.samples)} ops)</text>')
+    lx, ly = left, total_h - 22
+    for cat in (*CATEGORIES, "peak while an op runs"):
+        colour = _MEMORY_COLOURS.get(cat, "#222")
+        out.append(f'<rect x="{lx}" y="{ly}" width="16" height="{14 if cat in _MEMORY_COLOURS else 2}" '
+                   f'fill="{colour}"/>')
+        out.append(f'<text x="{lx + 21}" y="{ly + 11}" font-size="12" {_FONT}>{escape(cat)}</text>')
+        lx += 34 + 7 * len(cat)
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

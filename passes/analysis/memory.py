@@ -341,8 +341,8 @@ class _Walk:
             samples.append(Sample(i, peak, after))
             if peak > best:
                 best, best_op, best_split = peak, i, split
-        at = str(p.ops[best_op]) if best_op >= 0 else ""
-        return RankMemory(p.rank, p.name, resident, tuple(samples), best_op, _short(at), best_split,
+        at = _describe(best_op, p.ops[best_op]) if best_op >= 0 else ""
+        return RankMemory(p.rank, p.name, resident, tuple(samples), best_op, at, best_split,
                           host=_host_bytes(p))
 
     # ---- what exists before the step ----
@@ -379,7 +379,6 @@ class _Walk:
                 st.refs[s].add("\0run")
         live = st.live
         peak, split, workspace = live, tuple(st.totals), 0
-        fresh_live: set[str] = set()
         gone: dict[str, int] = {}
         for born, dead, inputs_done in prof.steps:
             workspace += born
@@ -499,5 +498,9 @@ def _host_bytes(program: RankProgram) -> int:
     return sum(t.nbytes for t in host)
 
 
-def _short(text: str, width: int = 90) -> str:
-    return text if len(text) <= width else text[:width - 3] + "..."
+def _describe(i: int, op: Op) -> str:
+    """`op 84: [3B2] stage3_b`, or `op 12: wait_recv(s0.mb1.act:h)`: where a peak is, short enough for a table."""
+    if op.kind is OpKind.RUN:
+        return f"op {i}: [{op.args.action}] {op.args.graph}"
+    ins = ", ".join(op.ins[:2]) + (", ..." if len(op.ins) > 2 else "")
+    return f"op {i}: {op.spec.text}({ins})"

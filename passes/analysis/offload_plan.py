@@ -1,0 +1,237 @@
+"""plan_offload: what each rank offloads to fit a device-memory budget, and what the copies are expected to cost.
+
+The memory plan (memory.py) says what a rank needs; insert_offload (passes/lower/offload.py) moves a chosen
+F's saved tensors to host memory and back. The planner chooses, per rank and independently (offload is
+local to a rank), PipeOffload's selective strategy: the F actions whose saved tensors live longest go first,
+because removing them removes their whole share of the peak. It takes the shortest such prefix whose planned
+device peak fits the budget, reloading one action ahead of the reader (prefetch 1) and, where that does not
+fit, right before it (prefetch 0: the reload cannot overlap compute then, but it no longer overlaps the
+previous action's activations either). When even every candidate offloaded just in time does not fit,
+OffloadError gives the smallest budget that works, per rank.
+
+Time: a per-rank model of the program on a device (`Device`): a RUN op takes its graph's roofline time
+(FLOPs / throughput, or bytes / memory bandwidth, whichever is longer; passes/cost.py counts both), copies
+queue on one copy stream at `copy_bandwidth` and a wait stalls compute until its copy is done. It gives
+the offload ratio k = (time to copy a unit's tensors out and back) / (its F + B + W time), the paper's
+criterion (k <= 1: the copies can hide behind compute), and the expected slowdown of each rank's own
+compute timeline. P2P waits are not modelled here: a stalled rank also delays its peers.
+
+    "auto": offload the longest-lived units as long as the modelled slowdown stays within 1% (what is free).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from zbcompile.errors import ZBCompileError
+from zbcompile.passes.analysis.memory import rank_memory
+from zbcompile.passes.cost import graph_cost
+from zbcompile.passes.lower.offload import OffloadChoice, insert_offload, offload_candidates
+from zbcompile.program import RankProgram
+from zbcompile.program.ops import OpKind
+
+__all__ = ["Device", "DEVICES", "OffloadError", "RankOffload", "plan_offload", "compute_time", "offload_ratio"]
+
+# slowdown "auto" accepts as free (the model's rounding, not a measured cost)
+_FREE = 1.01
+
+
+class OffloadError(ZBCompileError):
+    """No choice of offloaded activations fits the budget."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """What the time model needs of a device: sustained FLOP/s, memory bandwidth and host-copy bandwidth
+    (bytes/s, each direction; one copy stream)."""
+
+    name: str
+    flops: float
+    memory_bandwidth: float
+    copy_bandwidth: float
+
+
+# Sustained figures, not peaks: ~40% of an H100 SXM's dense bf16 989 TFLOP/s, ~75% of its 3.35 TB/s HBM, and
+# pinned PCIe Gen5 x16 transfers (~50 GB/s of 64); the A100 row is the PipeOffload paper's own assumption
+# (220 TFLOP/s, 15 GB/s per GPU when two share a PCIe switch). The CPU row is this project's 2-core machine
+# (1 thread per rank: ~30 GFLOP/s, ~8 GB/s memcpy), where a "copy" is a memcpy on the compute thread.
+DEVICES = {
+    "h100": Device("h100", 400e12, 2.5e12, 50e9),
+    "a100": Device("a100", 220e12, 1.5e12, 15e9),
+    "cpu": Device("cpu", 30e9, 8e9, 8e9),
+}
+
+
+class RankOffload(NamedTuple):
+    """One rank's offload: the choice, bytes offloaded per step, the planned device peak (total bytes) before
+    and after, the offload ratio k and the modelled slowdown of the rank's compute timeline."""
+
+    rank: int
+    choice: OffloadChoice
+    offloaded_bytes: int
+    peak_before: int
+    peak_after: int
+    k: float
+    slowdown: float
+
+
+def plan_offload(programs: Sequence[RankProgram], budget: int | str | Sequence[int], *,
+                 device: Device = DEVICES["h100"], min_bytes: int | None = None) -> tuple[RankOffload, ...]:
+    """Per rank, the offload that makes its planned device peak (resident + step) fit `budget` (bytes, one for
+    every rank or one per rank), or with "auto" what the time model says is free. Raises OffloadError, with
+    the smallest budget that works on each rank, when no choice fits."""
+    budgets = _budgets(budget, len(programs))
+    reports = [_plan_rank(p, b, device, min_bytes) for p, b in zip(programs, budgets)]
+    if any(r is None for r in reports):
+        raise OffloadError(_too_small(programs, budgets, device, min_bytes))
+    return tuple(reports)
+
+
+def _budgets(budget, n: int) -> list[int | None]:
+    if budget == "auto":
+        return [None] * n
+    if isinstance(budget, bool) or not isinstance(budget, (int, Sequence)) or isinstance(budget, str):
+        raise OffloadError(f"offload={budget!r}: give None, \"auto\" or a device-memory budget in bytes "
+                           "(an int, or one per rank)")
+    out = [int(budget)] * n if isinstance(budget, int) else [int(b) for b in budget]
+    if len(out) != n or any(b <= 0 for b in out):
+        raise OffloadError(f"offload={budget!r}: one positive byte budget, or {n} of them (one per rank)")
+    return out
+
+
+def _plan_rank(program: RankProgram, budget: int | None, device: Device, min_bytes: int | None):
+    kw = {} if min_bytes is None else {"min_bytes": min_bytes}
+    units = _by_lifespan(program, device, **kw)
+    base = rank_memory(program).peak_total_bytes
+    base_time = compute_time(program, device)
+    none = OffloadChoice(units=frozenset(), **kw)
+    if budget is not None and base <= budget:
+        return RankOffload(program.rank, none, 0, base, base, 0.0, 1.0)
+    if budget is None:
+        return _free_prefix(program, units, device, base, base_time, kw)
+    for prefetch in (1, 0):
+        fits = lambda k: _peak(program, OffloadChoice(frozenset(units[:k]), prefetch, **kw)) <= budget  # noqa: E731
+        if not fits(len(units)):
+            continue
+        k = _first_true(fits, len(units))
+        return _report(program, OffloadChoice(frozenset(units[:k]), prefetch, **kw), device, base, base_time)
+    return None
+
+
+def _free_prefix(program, units, device, base, base_time, kw) -> RankOffload:
+    """"auto": the longest prefix of units (longest-lived first) whose modelled slowdown is within 1%."""
+    def slow(k: int) -> bool:
+        return compute_time(insert_offload(program, OffloadChoice(frozenset(units[:k]), 1, **kw)), device) \
+            > _FREE * base_time
+    k = _first_true(slow, len(units)) - 1 if slow(len(units)) else len(units)
+    return _report(program, OffloadChoice(frozenset(units[:max(k, 0)]), 1, **kw), device, base, base_time)
+
+
+def _first_true(pred, n: int) -> int:
+    """The least k in 0..n with pred(k), pred monotone and pred(n) true (binary search: a memory plan per probe)."""
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _peak(program: RankProgram, choice: OffloadChoice) -> int:
+    return rank_memory(insert_offload(program, choice)).peak_total_bytes
+
+
+def _report(program, choice, device, base, base_time) -> RankOffload:
+    after = insert_offload(program, choice)
+    moved = sum(op.args.type.nbytes for op in after.ops if op.kind is OpKind.OFFLOAD)
+    return RankOffload(program.rank, choice, moved, base, rank_memory(after).peak_total_bytes,
+                       offload_ratio(program, choice, device), compute_time(after, device) / (base_time or 1.0))
+
+
+def _by_lifespan(program: RankProgram, device: Device, **kw) -> list[tuple[int, int]]:
+    """This rank's F units with something to offload, longest-lived first (modelled time from F's end to the
+    first reader's start; ties by stage, microbatch)."""
+    times = _op_times(program, device)
+    units = []
+    for unit, cands in offload_candidates(program, **kw).items():
+        if cands:
+            life = max(times[c.reader_index][0] - times[c.f_index][1] for c in cands)
+            units.append((-life, unit))
+    return [u for _, u in sorted(units)]
+
+
+# ---- the time model -------------------------------------------------------------------------------------
+def _run_seconds(program: RankProgram, device: Device) -> dict[str, float]:
+    out = {}
+    for key, g in program.graphs.items():
+        if g.gm is None:
+            out[key] = 0.0
+            continue
+        cost = graph_cost(g.gm)
+        out[key] = max(float(cost.flops) / device.flops, float(cost.bytes) / device.memory_bandwidth)
+    return out
+
+
+def _op_times(program: RankProgram, device: Device) -> list[tuple[float, float]]:
+    """(start, end) of every op on the rank's compute timeline; copies run on one copy stream beside it."""
+    seconds = _run_seconds(program, device)
+    now, copy_free = 0.0, 0.0
+    done: dict[str, float] = {}
+    out = []
+    for op in program.ops:
+        start = now
+        if op.kind is OpKind.RUN:
+            now += seconds[op.args.graph]
+        elif op.kind in (OpKind.OFFLOAD, OpKind.RELOAD):
+            copy_free = max(now, copy_free) + op.args.type.nbytes / device.copy_bandwidth
+            done[op.outs[0]] = copy_free
+        elif op.kind in (OpKind.WAIT_OFFLOAD, OpKind.WAIT_RELOAD):
+            now = max(now, done.get(op.ins[0], now))
+        out.append((start, now))
+    return out
+
+
+def compute_time(program: RankProgram, device: Device) -> float:
+    """Modelled seconds of the rank's compute timeline (its stage graphs, stalled by waits on copies)."""
+    times = _op_times(program, device)
+    return times[-1][1] if times else 0.0
+
+
+def offload_ratio(program: RankProgram, choice: OffloadChoice, device: Device) -> float:
+    """k = T_o / T_c over the chosen units (the largest): the time to copy a unit's offloaded tensors out and
+    back over its F + B + W compute time (PipeOffload's criterion: k <= 1 hides the copies)."""
+    seconds = _run_seconds(program, device)
+    by_unit: dict[tuple[int, int], float] = {}
+    for op in program.ops:
+        a = op.action
+        if a is not None:
+            by_unit[(a.stage, a.microbatch)] = by_unit.get((a.stage, a.microbatch), 0.0) + seconds[op.args.graph]
+    kw = {"min_bytes": choice.min_bytes}
+    k = 0.0
+    for unit, cands in offload_candidates(program, **kw).items():
+        if choice.units is not None and unit not in choice.units or not cands:
+            continue
+        t_o = 2 * sum(c.nbytes for c in cands) / device.copy_bandwidth
+        k = max(k, t_o / (by_unit.get(unit) or 1e-12))
+    return k
+
+
+def _too_small(programs, budgets, device, min_bytes) -> str:
+    from tabulate import tabulate
+
+    kw = {} if min_bytes is None else {"min_bytes": min_bytes}
+    rows, need = [], 0
+    for p, b in zip(programs, budgets):
+        base = rank_memory(p).peak_total_bytes
+        least = _peak(p, OffloadChoice(None, 0, **kw))
+        need = max(need, least)
+        rows.append((p.rank, b, base, least, "fits" if b is None or least <= b else "too small"))
+    table = tabulate(rows, headers=("rank", "budget", "peak without offload", "peak offloading everything",
+                                    ""))
+    return (f"no choice of offloaded activations fits the device-memory budget on every rank; offloading every "
+            f"saved tensor of every F (reloaded just before its reader) still needs:\n{table}\n"
+            f"fix: a budget of at least {need} bytes ({need / 2**20:.2f} MiB), or fewer microbatches in flight "
+            "(another schedule: v-half, v-min), or smaller microbatches")
