@@ -113,6 +113,18 @@ def test_host_slots_are_reused_and_never_shared_while_busy():
         assert assign_host_slots(p) == p   # the colouring is stable
 
 
+def test_offload_applied_in_two_rounds_is_consistent():
+    """Units offloaded in two calls share one coloured pool; a third call finds nothing left to offload."""
+    for p in _programs("1f1b", 2, 8, offload=None):
+        f_units = sorted(offload_candidates(p, 0))
+        first = insert_offload(p, OffloadChoice(units=frozenset(f_units[::2]), min_bytes=0)).check()
+        both = insert_offload(first, OffloadChoice(units=frozenset(f_units[1::2]), min_bytes=0)).check()
+        once = insert_offload(p, EVERY)
+        assert len(both.of_kind(OpKind.OFFLOAD)) == len(once.of_kind(OpKind.OFFLOAD))
+        assert assign_host_slots(both) == both and len(both.host_buffers) <= len(both.of_kind(OpKind.OFFLOAD))
+        assert insert_offload(both, EVERY) == both
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
 def test_offloaded_programs_round_trip_through_text(name):
     for p in _programs(name, 2, 4):

@@ -45,7 +45,7 @@ from torch import fx
 
 from zbcompile.errors import LoweringError, UsageError
 from zbcompile.passes.analysis.aliases import graph_output_owned, view_base
-from zbcompile.program import ProgramGraph, RankProgram
+from zbcompile.program import RankProgram
 from zbcompile.program.ops import HostArgs, Op, OpKind, TensorType
 from zbcompile.program.values import Role, handle, reloaded_value, role_of
 from zbcompile.schedule import Action, Kind
@@ -99,7 +99,7 @@ def offload_candidates(program: RankProgram, min_bytes: int = DEFAULT_MIN_BYTES
             continue
         key = op.args.graph
         if key not in layouts:
-            layouts[key] = _offloadable_outputs(program, program.graph(op))
+            layouts[key] = _offloadable_outputs(program, key)
         found = []
         for value, local, t in zip(op.outs, program.graph(op).outputs, layouts[key]):
             if t is None or role_of(local) is not Role.SAVED or t.nbytes < min_bytes:
@@ -148,12 +148,14 @@ def assign_host_slots(program: RankProgram) -> RankProgram:
 
 
 # ---- candidates --------------------------------------------------------------------------------------
-def _offloadable_outputs(program: RankProgram, graph: ProgramGraph) -> tuple[TensorType | None, ...]:
-    """Per output of an F graph, its type (shape, dtype, stride) if it may be offloaded, else None: fresh memory
-    no input or other output shares, not a constant of the graph, dense, with static sizes."""
+def _offloadable_outputs(program: RankProgram, key: str) -> tuple[TensorType | None, ...]:
+    """Per output of F graph `key`, its type (shape, dtype, stride) if it may be offloaded, else None: fresh
+    memory no input or other output shares, not a constant of the graph, dense, with static sizes."""
+    graph = program.graphs[key]
     if graph.gm is None:
         raise LoweringError(f"rank {program.rank}: offload needs the F graphs' GraphModules (their outputs' sizes "
-                            f"and aliasing), but graph {graph.outputs[:1]}... has none; pass graphs= to from_text")
+                            f"and aliasing), but graph {key!r} has none; read the program with "
+                            f"RankProgram.from_text(text, graphs=...)")
     output = next(iter(graph.gm.graph.find_nodes(op="output")))
     nodes = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     owned = graph_output_owned(graph.gm)
@@ -239,7 +241,8 @@ def _rewrite(program: RankProgram, plans: list[_Plan]) -> tuple[Op, ...]:
     # with prefetch=0 comes right before its own wait)
     before: dict[int, tuple[list[Op], list[Op], list[Op]]] = {}
     renamed: dict[str, str] = {}
-    for k, p in enumerate(plans):
+    # one provisional slot per new offload, above the slots earlier offloads use; assign_host_slots colours all
+    for k, p in enumerate(plans, start=len(program.host_buffers)):
         v, t = p.candidate.value, p.candidate.type
         new, off, re = reloaded_value(v), handle(f"off.{v}"), handle(f"re.{v}")
         renamed[v] = new
