@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from models import gpt, mlp
 from threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.errors import UsageError
-from zbcompile.passes.analysis.aliases import graph_output_owned, is_view
+from zbcompile.passes.analysis.aliases import graph_output_owned, view_base
 from zbcompile.passes.lower import OffloadChoice, check_streams, lower_all, validate_programs
 from zbcompile.passes.lower.buffers import static_recv_buffers
 from zbcompile.passes.lower.offload import assign_host_slots, insert_offload, offload_candidates
@@ -167,7 +167,8 @@ def test_the_four_ops_sit_around_f_and_the_backward():
 
 
 def test_params_views_of_inputs_and_small_tensors_stay():
-    """A candidate is its F graph's own fresh memory (no placeholder, nothing shared), at least min_bytes."""
+    """A candidate is its F graph's own fresh memory (no input or view of one, nothing shared with another
+    output; a view of an intermediate nothing else returns may go), at least min_bytes."""
     for p in lower_all(generate("1f1b", 2, 4), _split("gpt", 2)[3]):
         for found in offload_candidates(p, min_bytes=0).values():
             for c in found:
@@ -175,10 +176,11 @@ def test_params_views_of_inputs_and_small_tensors_stay():
                 gm = p.graph(f).gm
                 k = f.outs.index(c.value)
                 node = next(iter(gm.graph.find_nodes(op="output"))).args[0][k]
-                assert node.op != "placeholder" and graph_output_owned(gm)[k] and not is_view(node), c
-        for found in offload_candidates(p, min_bytes=256).values():
-            assert all(c.nbytes >= 256 for c in found)
-        assert not any(offload_candidates(p).values())   # the default 4 KiB: every tensor here is smaller
+                assert view_base(node).op != "placeholder" and graph_output_owned(gm)[k], c
+        every = sum(map(len, offload_candidates(p, min_bytes=0).values()))
+        for limit, found in ((256, offload_candidates(p, min_bytes=256)), (4096, offload_candidates(p))):
+            assert all(c.nbytes >= limit for cs in found.values() for c in cs)   # 4096: the default
+            assert sum(map(len, found.values())) < every
 
 
 def _hand_made_program() -> RankProgram:
@@ -186,10 +188,12 @@ def _hand_made_program() -> RankProgram:
     def f(w, x):
         y = torch.mm(x, w)           # [8, 8] fresh, but `v` is a view of it: shared
         big = torch.relu(y) * 2      # [8, 8] fresh, its own memory
-        return torch.tanh(y), w, x.view(-1), y, y.t(), x.sum(0), big
+        # dense but transposed: stride (1, 8), its own memory; every other column: gaps, stays
+        return torch.tanh(y), w, x.view(-1), y, y.t(), x.sum(0), big, (y + 1).t(), (y + 2)[:, ::2]
 
     gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
-    outs = ("act:z", "saved:w", "saved:xv", "saved:y", "saved:v", "saved:small", "saved:big")
+    outs = ("act:z", "saved:w", "saved:xv", "saved:y", "saved:v", "saved:small", "saved:big", "saved:bigt",
+            "saved:gaps")
     graphs = {"f": ProgramGraph(gm, ("param:w", "data:0"), outs),
               "b": ProgramGraph(None, outs[1:], ("grad:param:w",))}
     ops = []
@@ -213,30 +217,40 @@ def _op(kind, ins, outs=(), args=None):
 
 
 def test_offload_candidates_on_a_hand_made_graph():
-    """Only `big` of microbatch 0 may go: w is a parameter, xv a view of the input, y and v share memory,
-    small is below min_bytes, and microbatch 1's big is read by a send."""
+    """Only `big` and `bigt` of microbatch 0 may go: w is a parameter, xv a view of the input, y and v share
+    memory, small is below min_bytes, gaps has holes in its layout, and microbatch 1's big is read by a send
+    (its bigt may go)."""
     program = _hand_made_program()
     before = program.to_text()
     found = offload_candidates(program, min_bytes=64)
-    assert set(found) == {(0, 0), (0, 1)} and found[(0, 1)] == ()
-    (c,) = found[(0, 0)]
+    assert set(found) == {(0, 0), (0, 1)} and [c.value for c in found[(0, 1)]] == ["s0.mb1.saved:bigt"]
+    c, t = found[(0, 0)]
     assert c.value == "s0.mb0.saved:big" and c.nbytes == 256 and (c.f_index, c.reader_index) == (0, 3)
     assert c.type == TensorType((8, 8), torch.float32, (8, 1))
-    assert len(found_small := offload_candidates(program, min_bytes=0)[(0, 0)]) == 2
-    assert {x.value for x in found_small} == {"s0.mb0.saved:big", "s0.mb0.saved:small"}
+    assert t.value == "s0.mb0.saved:bigt" and t.type == TensorType((8, 8), torch.float32, (1, 8))
+    assert {x.value for x in offload_candidates(program, min_bytes=0)[(0, 0)]} == {
+        "s0.mb0.saved:big", "s0.mb0.saved:bigt", "s0.mb0.saved:small"}
 
-    after = insert_offload(program, OffloadChoice(prefetch=0, min_bytes=64)).check()
+    after = insert_offload(program, OffloadChoice(units=frozenset({(0, 0)}), prefetch=0, min_bytes=64)).check()
     assert program.to_text() == before   # pure
+    host = "[8, 8] float32 stride (8, 1)"
     assert [str(op) for op in after.ops if op.kind is not OpKind.RUN and op.kind is not OpKind.SEND] == [
-        "h:off.s0.mb0.saved:big = offload(s0.mb0.saved:big -> host 0 [8, 8] float32 stride (8, 1))    # for 0B0",
-        "free(s0.mb0.saved:big)    # offloaded: each handle holds its tensor until wait_offload",
+        f"h:off.s0.mb0.saved:big = offload(s0.mb0.saved:big -> host 0 {host})    # for 0B0",
+        "h:off.s0.mb0.saved:bigt = offload(s0.mb0.saved:bigt -> host 1 [8, 8] float32 stride (1, 8))    # for 0B0",
+        "free(s0.mb0.saved:big, s0.mb0.saved:bigt)    # offloaded: each handle holds its tensor until wait_offload",
         "wait_offload(h:off.s0.mb0.saved:big)",
-        "h:re.s0.mb0.saved:big = reload(host 0 [8, 8] float32 stride (8, 1))    # for 0B0",
+        "wait_offload(h:off.s0.mb0.saved:bigt)",
+        f"h:re.s0.mb0.saved:big = reload(host 0 {host})    # for 0B0",
+        "h:re.s0.mb0.saved:bigt = reload(host 1 [8, 8] float32 stride (1, 8))    # for 0B0",
         "re.s0.mb0.saved:big = wait_reload(h:re.s0.mb0.saved:big)",
+        "re.s0.mb0.saved:bigt = wait_reload(h:re.s0.mb0.saved:bigt)",
         "free(re.s0.mb0.saved:big)"]
-    assert after.host_buffers == (TensorType((8, 8), torch.float32, (8, 1)),)
-    # only one unit chosen, or the reader too close for any gain: nothing changes
-    assert insert_offload(program, OffloadChoice(units=frozenset({(0, 1)}), min_bytes=64)) == program
+    assert after.host_buffers == (c.type, t.type)
+    b0 = next(op for op in after.ops if op.action == Action.parse("0B0"))
+    assert {"re.s0.mb0.saved:big", "re.s0.mb0.saved:bigt"} <= set(b0.ins)   # the backward reads the reloaded values
+    # a backward right after its F: the tensor would come back before it ever left, nothing changes
+    adjacent = program.replace(ops=(program.ops[0], program.ops[3], program.ops[5]))
+    assert offload_candidates(adjacent.check(), 64)[(0, 0)] and insert_offload(adjacent, EVERY) == adjacent
 
 
 def test_bad_offload_options_say_what_is_wrong():

@@ -175,7 +175,7 @@ def _layout(node) -> TensorType | None:
 def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     """The elements fill a block of memory exactly once (some permutation of a contiguous layout)."""
     expected = 1
-    for size, step in sorted((d, s) for d, s in zip(shape, stride) if d != 1):
+    for step, size in sorted((s, d) for d, s in zip(shape, stride) if d != 1):   # innermost first
         if step != expected:
             return False
         expected *= size
