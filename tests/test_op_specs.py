@@ -15,8 +15,8 @@ from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.passes.lower.emit import Emitter
 from zbcompile.passes.schedules import GENERATORS, generate
 from zbcompile.program import RankProgram
-from zbcompile.program.ops import (Coll, CollArgs, SPECS, AccumArgs, AccumMode, Message, Op, OpKind, RecvArgs, RunArgs,
-                                   SendArgs, SetGradArgs, StampArgs, Stream, Sync, TensorType)
+from zbcompile.program.ops import (Coll, CollArgs, SPECS, AccumArgs, AccumMode, HostArgs, Message, Op, OpKind, RecvArgs,
+                                   RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync, TensorType)
 from zbcompile.runtime import abi
 from zbcompile.schedule import Action, Schedule
 from zbcompile.split import split_model
@@ -44,6 +44,11 @@ SAMPLES = {
     OpKind.COLLECTIVE: Op(OpKind.COLLECTIVE, ("v.mb1.vocab:dx",), ("h:c3",), CollArgs(Coll.REDUCE, 1, 3, _T),
                           note="microbatch 1"),
     OpKind.WAIT_COLL: Op(OpKind.WAIT_COLL, ("h:c3",), ("v.mb1.vocab:gx",)),
+    OpKind.OFFLOAD: Op(OpKind.OFFLOAD, ("s0.mb1.saved:3",), ("h:off.s0.mb1.saved:3",),
+                       HostArgs(2, TensorType((2, 8), torch.float32, (1, 2))), note="for 0B1"),
+    OpKind.WAIT_OFFLOAD: Op(OpKind.WAIT_OFFLOAD, ("h:off.s0.mb1.saved:3",)),
+    OpKind.RELOAD: Op(OpKind.RELOAD, (), ("h:re.s0.mb1.saved:3",), HostArgs(2, TensorType((5,), torch.bfloat16, (1,)))),
+    OpKind.WAIT_RELOAD: Op(OpKind.WAIT_RELOAD, ("h:re.s0.mb1.saved:3",), ("re.s0.mb1.saved:3",)),
 }
 
 

@@ -19,14 +19,15 @@ from zbcompile.runtime.loopback import LoopbackWorld
 
 
 def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
-                 staged_inputs: bool = True, measure: bool = False):
+                 staged_inputs: bool = True, offload=None, device: str = "cpu", measure: bool = False):
     """One step on `batch` (inputs then targets), then one on each batch of `then`, gradients accumulating;
     returns (last losses per rank, models per rank, runtimes). `patch(rank, program)` may instrument a rank's
     GraphModule before it runs. staged_inputs=False makes the runtime cut every batch into fresh microbatch
-    slices even where the lowering found static input buffers safe. measure: each rank's last step is measured
-    (RankRuntime.measure_step), kept as `runtime.measured`."""
+    slices even where the lowering found static input buffers safe. offload: lower_all's (activation offload).
+    device: where every rank runs (the model and batch must be there already). measure: each rank's last step
+    is measured (RankRuntime.measure_step), kept as `runtime.measured`."""
     pp = schedule.num_ranks
-    programs = lower_all(schedule, staged)
+    programs = lower_all(schedule, staged, offload=offload)
     if not staged_inputs:
         programs = tuple(p.replace(staged_inputs=False) for p in programs)
     models = [copy.deepcopy(model) for _ in range(pp)]
@@ -45,7 +46,7 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
                 shard_vocab_params(mdl, staged.vocab, r, None, initialized_here=False, timeout=timeout)
                 constants[VOCAB_OFFSET] = torch.tensor(r * staged.vocab.rows)
             runtimes[r] = RankRuntime(programs[r], gm, pg=world.group(r),
-                                      device=torch.device("cpu"), params=dict(mdl.named_parameters()),
+                                      device=torch.device(device), params=dict(mdl.named_parameters()),
                                       buffers=dict(mdl.named_buffers()), timeout=timeout,
                                       peers=programs, constants=constants, collectives=world.collective_group(r))
             for k, b in enumerate(steps):

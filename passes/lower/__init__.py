@@ -19,14 +19,19 @@ then FINISHING, which depends on where every op finally sits:
     static_input_buffers the batch copied into input buffers made once, if nothing aliasing it outlives the step
     box_graphs           graphs in fx's boxed calling convention, ops called through their C++ entry points
 
+then, if asked (`lower_all(..., offload=OffloadChoice(...))`), per rank:
+
+    insert_offload       F's saved activations copied to a host pool after F and back before their B / W,
+                         on the rank's copy stream; host slots coloured like the receive buffers
+
 and `lower_all` checks all programs together:
 
     validate_programs    matched sends / receives, no deadlock
     check_pair_order     per pair (a -> b), b's receive order == a's send order
     check_streams        no deadlock on device streams either (NCCL: one stream per direction of a pair)
 
-Later passes (activation offload / reload, vocab-parallel reductions, CUDA-graph finishing, overlapped F&B)
-slot into these lists; `emit_fx` turns a finished program into the fx GraphModule that runs.
+Later passes (vocab-parallel reductions, CUDA-graph finishing, overlapped F&B) slot into these lists;
+`emit_fx` turns a finished program into the fx GraphModule that runs.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from __future__ import annotations
 import functools
 from typing import Callable, Sequence
 
+from zbcompile.errors import UsageError
 from zbcompile.passes.lower.buffers import static_input_buffers, static_recv_buffers
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
 from zbcompile.passes.lower.emit import emit_fx
 from zbcompile.passes.lower.frees import insert_frees, insert_stamps
+from zbcompile.passes.lower.offload import OffloadChoice, insert_offload
 from zbcompile.passes.lower.order_p2p import order_p2p_by_pair
 from zbcompile.passes.lower.p2p import insert_p2p
 from zbcompile.passes.lower.reduce import reduce_shared_grads
@@ -49,7 +56,8 @@ from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
 __all__ = ["LOWERING", "FINISHING", "lower_all", "run_passes", "each", "emit_fx", "build_compute",
-           "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD"]
+           "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD",
+           "OffloadChoice", "insert_offload"]
 
 Programs = tuple[RankProgram, ...]
 Pass = Callable[[Programs], Programs]
@@ -102,7 +110,8 @@ def run_passes(programs: Sequence[RankProgram], passes: Sequence[Pass], *, check
 
 def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass] = LOWERING,
               recv_lookahead: int = RECV_LOOKAHEAD, pair_order: bool = True,
-              finishing: Sequence[Pass] = FINISHING, check_each_pass: bool = False) -> Programs:
+              finishing: Sequence[Pass] = FINISHING, check_each_pass: bool = False,
+              offload: Sequence[OffloadChoice | None] | OffloadChoice | None = None) -> Programs:
     """Every rank's program, validated together.
 
     recv_lookahead: insert_p2p's `lookahead` (how many RUN ops before its consumer a receive is posted).
@@ -112,6 +121,8 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
     check_each_pass: check every program after every pass, naming the pass that broke it (the suite does,
     for every schedule; it costs about a fifth of the lowering at pp=32). Without it each program is checked
     once at the end; the cross-rank validation always runs.
+    offload: activation offload (passes/lower/offload.py) after the finishing passes: one OffloadChoice for
+    every rank, or one per rank (None: none on that rank); None offloads nothing.
     """
     bound = [functools.partial(p, lookahead=recv_lookahead) if p is insert_p2p else p for p in passes
              if pair_order or p is not order_p2p_by_pair]
@@ -121,7 +132,8 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
     if check_each_pass:
         for q in programs:
             q.check("build_compute", remote_ok=True)
-    programs = run_passes(programs, [*bound, *finishing], check=check_each_pass)
+    after = [_offload_pass(offload, schedule.num_ranks)] if offload is not None else []
+    programs = run_passes(programs, [*bound, *finishing, *after], check=check_each_pass)
     if not check_each_pass:
         for q in programs:
             q.check(q.passes[-1] if q.passes else "")
@@ -130,6 +142,19 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
         check_pair_order(programs)
         check_streams(programs)
     return programs
+
+
+def _offload_pass(offload: Sequence[OffloadChoice | None] | OffloadChoice, ranks: int) -> Pass:
+    """insert_offload with each rank's choice, as a pass over all programs (named insert_offload)."""
+    choices = (offload,) * ranks if isinstance(offload, OffloadChoice) else tuple(offload)
+    if len(choices) != ranks or not all(c is None or isinstance(c, OffloadChoice) for c in choices):
+        raise UsageError(f"offload= takes one OffloadChoice for every rank or a sequence of {ranks} (one per rank, "
+                         f"None for none), got {offload!r}")
+
+    def run(programs: Sequence[RankProgram]) -> Programs:
+        return tuple(p if c is None else insert_offload(p, c) for p, c in zip(programs, choices))
+    run.__name__ = insert_offload.__name__
+    return run
 
 
 def _name(p) -> str:

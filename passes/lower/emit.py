@@ -163,6 +163,21 @@ class Emitter:
         if op.outs:
             self.env[op.outs[0]] = node
 
+    def offload(self, i: int, op: Op) -> None:
+        """offload(ctx, slot, tensor): the copy into host slot `slot`; a handle that holds the tensor until
+        wait_offload (the program itself frees its name right after, as after a send)."""
+        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, op.args.slot, self.env[op.ins[0]]), op.outs[0])
+
+    def wait_offload(self, i: int, op: Op) -> None:
+        self.call(self.fn(op), (self.ctx, self.env[op.ins[0]]))
+
+    def reload(self, i: int, op: Op) -> None:
+        """reload(ctx, slot): a fresh device tensor of the slot's shape, dtype and stride, being filled; a handle."""
+        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, op.args.slot), op.outs[0])
+
+    def wait_reload(self, i: int, op: Op) -> None:
+        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]]), op.outs[0])
+
     def free(self, i: int, op: Op) -> None:
         """free(...) of what the program still holds; values handed to a stage graph were released in it."""
         kept = [self.env[v] for v in op.ins if v not in self.gone]

@@ -12,11 +12,15 @@ So the runtime gives every direction its own communicator (`channel`: 'directed'
 models a single process group) and this check proves, per schedule, that the event graph is acyclic:
 
     nodes  one per compute op of each rank, one per message (its send and receive merged), one per
-           collective (every rank's post merged)
-    edges  compute i-1 -> compute i;  last compute before a post -> the message or collective;
+           collective (every rank's post merged), one per host copy (offload / reload) of each rank
+    edges  compute i-1 -> compute i;  last compute before a post -> the message, collective or copy;
            previous message on the same (rank, channel) stream -> the message;
            previous collective of the rank -> the collective (the collective group's own stream);
-           a waited message or collective -> the next compute op after the wait
+           previous copy of the rank -> the copy (the rank's one copy stream);
+           a waited message, collective or copy -> the next compute op after the wait
+
+A copy involves no other rank, so it cannot close a cycle by itself; it is modelled so that a wait for it
+orders the compute behind it like any other wait.
 
 A cycle is reported as the chain of ops that wait on one another.
 """
@@ -32,7 +36,8 @@ from zbcompile.program.ops import OpKind, Stream, Sync
 __all__ = ["check_streams", "stream_cycle"]
 
 Key = tuple[int, int, int]          # a message: (source, destination, tag)
-Node = tuple                        # ("c", rank, op index) or ("m", source, destination, tag)
+Node = tuple                        # ("c", rank, op index), ("m", source, destination, tag), ("k", seq) or
+                                    # ("x", rank, op index): a copy on the rank's copy stream
 
 
 
@@ -82,6 +87,8 @@ def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node
                 last_on_stream["coll"] = node
             elif sync is Sync.JOIN:
                 waited += handles[op.ins[0]]
+            elif sync is Sync.NONE and stream is Stream.COPY:
+                waited += _copy(deps, handles, last_on_stream, last_compute, r, i, op)
             elif sync is not Sync.NONE or stream not in (Stream.COMPUTE, Stream.HOST):
                 raise LoweringError(f"rank {r} op {i} ({op}): the stream check does not model {sync.value} ops "
                                     f"on the {stream.value} stream yet; add their rule to streams._edges")
@@ -92,6 +99,25 @@ def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node
                     before.add(last_compute)
                 last_compute, waited = node, []
     return deps
+
+
+def _copy(deps: dict[Node, set[Node]], handles: dict[str, list], last_on_stream: dict, last_compute: Node | None,
+          r: int, i: int, op) -> list[Node]:
+    """A copy-stream op: one that reads the handle of an earlier copy waits for it (returned, for the next
+    compute op to wait on); any other posts a copy behind the last compute and the rank's previous copy."""
+    copies = [n for v in op.ins for n in handles.get(v, ()) if n[0] == "x"]
+    if copies:
+        return copies
+    node = ("x", r, i)
+    before = deps.setdefault(node, set())
+    if last_compute is not None:
+        before.add(last_compute)
+    if "copy" in last_on_stream:
+        before.add(last_on_stream["copy"])
+    last_on_stream["copy"] = node
+    for h in op.outs:
+        handles[h] = [node]
+    return []
 
 
 def stream_cycle(programs: Sequence[RankProgram], channel: str = "directed") -> list[Node] | None:
@@ -133,9 +159,10 @@ def check_streams(programs: Sequence[RankProgram], channel: str = "directed") ->
 
 
 def _describe(node: Node, by_rank: dict[int, RankProgram], channel: str) -> str:
-    if node[0] == "c":
+    if node[0] in ("c", "x"):
         _, r, i = node
-        return f"rank {r} op {i}: {by_rank[r].ops[i]}"
+        where = " (on its copy stream)" if node[0] == "x" else ""
+        return f"rank {r} op {i}{where}: {by_rank[r].ops[i]}"
     if node[0] == "k":
         return f"collective seq {node[1]} on the collective group (every rank posts it)"
     _, src, dst, tag = node

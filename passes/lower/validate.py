@@ -6,8 +6,9 @@ Checks, over all ranks at once:
 2. every rank posts the same collectives in the same order (`check_collectives`);
 3. the programs cannot deadlock, running them under the strictest P2P model (a wait on a receive needs
    the peer to have posted the send; a wait on a send needs the peer to have posted the receive; a wait on
-   a collective needs every rank to have posted it; posting never blocks). A stuck state is reported as the
-   ops each rank is blocked on.
+   a collective needs every rank to have posted it; posting never blocks; host copies (offload / reload,
+   Sync.NONE) never block: they involve no other rank). A stuck state is reported as the ops each rank is
+   blocked on.
 
 `check_pair_order` adds the rule NCCL needs, which ignores tags: for every ordered pair (a -> b), rank b
 posts its receives from a in the order rank a posts its sends to b (each batch in its listed order).

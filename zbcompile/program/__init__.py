@@ -64,6 +64,8 @@ class RankProgram:
     output: the value returned (this rank's sum of microbatch losses), or None.
     graphs: graph key -> ProgramGraph, for every key a RUN op names.
     buffers: the static receive buffers the runtime makes once (RECV ops with a slot use them).
+    host_buffers: the host pool of offloaded activations, by slot (OFFLOAD / RELOAD ops name one): the runtime
+    makes it once (pinned on CUDA) and reuses it across microbatches and steps (passes/lower/offload.py).
     staged_inputs: the runtime copies each step's batch into input buffers it makes once and passes fixed
     microbatch views of them (nothing that may alias a data input outlives the step); False: fresh slices.
     passes: names of the passes applied so far.
@@ -77,6 +79,7 @@ class RankProgram:
     output: str | None = None
     graphs: Mapping[str, ProgramGraph] = field(default_factory=dict)
     buffers: tuple[TensorType, ...] = ()
+    host_buffers: tuple[TensorType, ...] = ()
     staged_inputs: bool = False
     passes: tuple[str, ...] = ()
 
@@ -158,6 +161,8 @@ class RankProgram:
                 f"ops {len(self.ops)}")
         if self.buffers:
             head += f", static receive buffers {len(self.buffers)} ({_mib(self.buffers):.2f} MiB)"
+        if self.host_buffers:
+            head += f", host pool {len(self.host_buffers)} ({_mib(self.host_buffers):.2f} MiB)"
         if self.staged_inputs:
             head += ", batch staged in static input buffers"
         return head
@@ -173,6 +178,7 @@ class RankProgram:
         else:
             lines += [f"graph {k} = {g.signature()}" for k, g in self.graphs.items()]
             lines += [f"buffer {k} = {t}" for k, t in enumerate(self.buffers)]
+            lines += [f"host {k} = {t}" for k, t in enumerate(self.host_buffers)]
             lines.append(f"inputs {', '.join(self.inputs)}")
             if self.passes:
                 lines.append(f"passes {', '.join(self.passes)}")
@@ -200,12 +206,13 @@ def _mib(types: Iterable[TensorType]) -> float:
 
 # ---- reading the text form -----------------------------------------------------------------------------
 _HEAD_RE = re.compile(r"# rank (\d+) of (\S+): (\d+) microbatches, inputs \d+, ops \d+(, static receive buffers "
-                      r"\d+ \([\d.]+ MiB\))?(, batch staged in static input buffers)?")
+                      r"\d+ \([\d.]+ MiB\))?(?:, host pool \d+ \([\d.]+ MiB\))?"
+                      r"(, batch staged in static input buffers)?")
 _OP_RE = re.compile(r"(?:>>|  ) +\d+  (?:\[(\S+)\] )?(?:(.+?) = )?([\w.]+)\((.*)\)")
 
 
 class _Reader:
-    """from_text's parser: the header, the graph table, buffers, inputs, then one op per line."""
+    """from_text's parser: the header, the graph table, buffers, the host pool, inputs, then one op per line."""
 
     def __init__(self, text: str, graphs: Mapping[str, ProgramGraph] | None):
         self.lines = text.strip("\n").splitlines()
@@ -223,6 +230,7 @@ class _Reader:
                       staged_inputs=head.group(5) is not None)
         graphs: dict[str, ProgramGraph] = {}
         buffers: list[TensorType] = []
+        host: list[TensorType] = []
         ops: list[Op] = []
         for n, line in enumerate(self.lines[1:], start=1):
             if line.startswith("graph "):
@@ -230,6 +238,8 @@ class _Reader:
                 graphs[key] = g
             elif line.startswith("buffer "):
                 buffers.append(TensorType.parse(line.partition(" = ")[2]))
+            elif line.startswith("host "):
+                host.append(TensorType.parse(line.partition(" = ")[2]))
             elif line.startswith("inputs"):
                 fields["inputs"] = tuple(v.strip() for v in line[len("inputs"):].split(",") if v.strip())
             elif line.startswith("passes "):
@@ -239,7 +249,8 @@ class _Reader:
                 fields["output"] = None if out == "None" else out
             else:
                 ops.append(self.op(n, line))
-        return RankProgram(graphs=graphs, buffers=tuple(buffers), ops=tuple(ops), **fields)
+        return RankProgram(graphs=graphs, buffers=tuple(buffers), host_buffers=tuple(host), ops=tuple(ops),
+                           **fields)
 
     def graph(self, n: int, line: str) -> tuple[str, ProgramGraph]:
         m = re.fullmatch(r"graph (\S+) = \((.*?)\) -> \((.*)\)( boxed)?", line)

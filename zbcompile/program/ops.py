@@ -15,7 +15,7 @@ check, the emitter or the runtime needs to know about it.
     emit        the emitter's method for it                          passes/lower/emit.py
     runtime     the runtime ABI functions its code calls             zbcompile/runtime/abi.py
 
-A new kind (offload / reload, a collective, an overlapped F&B run) is one OpKind member, one args record and
+A new kind (a collective, an overlapped F&B run) is one OpKind member, one args record and
 one OpSpec row; tests/test_op_specs.py fails while any part is missing, and the checks refuse a kind whose
 synchronisation they do not model instead of guessing. docs/design.md walks through adding one.
 """
@@ -34,7 +34,7 @@ from zbcompile.schedule import Action
 
 __all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
            "CollArgs",
-           "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "Op", "OpSpec", "SPECS", "spec"]
+           "HostArgs", "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "Op", "OpSpec", "SPECS", "spec"]
 
 
 class OpKind(str, enum.Enum):
@@ -55,6 +55,10 @@ class OpKind(str, enum.Enum):
     STAMP = "stamp"
     COLLECTIVE = "collective"
     WAIT_COLL = "wait_coll"
+    OFFLOAD = "offload"
+    WAIT_OFFLOAD = "wait_offload"
+    RELOAD = "reload"
+    WAIT_RELOAD = "wait_reload"
 
 
 class Sync(str, enum.Enum):
@@ -72,15 +76,18 @@ class Stream(str, enum.Enum):
 
     COMPUTE = "compute"   # the compute stream
     COMM = "comm"         # a communicator's stream (P2P posts and their waits)
-    COPY = "copy"         # a copy stream (offload / reload, not used yet)
+    COPY = "copy"         # the rank's copy stream (offload / reload between device and host pool)
     HOST = "host"         # host only: enqueues nothing on any stream (timing stamps)
 
 
 class TensorType(NamedTuple):
-    """Shape and dtype of a tensor the program allocates or moves (receive buffers, messages)."""
+    """Shape and dtype of a tensor the program allocates or moves (receive buffers, messages); `stride` where
+    the layout matters too (the host pool of offloaded activations: a reloaded tensor must have the strides
+    the backward graph was traced with), else None. Printed `[4, 8] float32` or `[4, 8] float32 stride (8, 1)`."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    stride: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -90,19 +97,22 @@ class TensorType(NamedTuple):
         return numel * _itemsize(self.dtype)
 
     def __str__(self) -> str:
-        return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+        text = f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}"
+        return text if self.stride is None else f"{text} stride {tuple(self.stride)}"
 
     @staticmethod
     def parse(text: str) -> TensorType:
         m = _TYPE_RE.fullmatch(text.strip())
         dtype = getattr(torch, m.group(2), None) if m else None
         if not isinstance(dtype, torch.dtype):
-            raise LoweringError(f"cannot read tensor type {text!r}: expected SHAPE DTYPE such as '[2, 8] float32'")
+            raise LoweringError(f"cannot read tensor type {text!r}: expected SHAPE DTYPE [stride STRIDE] such as "
+                                f"'[2, 8] float32' or '[2, 8] float32 stride (8, 1)'")
         shape = tuple(int(d) for d in m.group(1).split(",") if d.strip())
-        return TensorType(shape, dtype)
+        stride = None if m.group(3) is None else tuple(int(d) for d in m.group(3).split(",") if d.strip())
+        return TensorType(shape, dtype, stride)
 
 
-_TYPE_RE = re.compile(r"\[([\d,\s]*)\]\s+(\w+)")
+_TYPE_RE = re.compile(r"\[([\d,\s]*)\]\s+(\w+)(?:\s+stride\s+\(([\d,\s]*)\))?")
 _ITEMSIZE: dict[torch.dtype, int] = {}
 
 
@@ -184,6 +194,14 @@ class CollArgs(NamedTuple):
     op: Coll
     root: int
     seq: int
+    type: TensorType
+
+
+class HostArgs(NamedTuple):
+    """OFFLOAD / RELOAD: the slot of RankProgram.host_buffers the copy writes / reads, and the tensor's type
+    (shape, dtype and stride: the reloaded tensor is made with the offloaded one's layout)."""
+
+    slot: int
     type: TensorType
 
 
@@ -382,6 +400,37 @@ def _coll_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
     return (0 if op.ins else a.type.nbytes,)   # a broadcast's receivers get a fresh buffer
 
 
+def _reload_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
+    return (op.args.type.nbytes,)   # the device tensor the host copy comes back into
+
+
+def _format_offload(op: Op) -> str:
+    return f"{op.ins[0]} -> host {op.args.slot} {op.args.type}"
+
+
+_OFFLOAD_RE = re.compile(r"(\S+) -> host (\d+) (.+)")
+_RELOAD_RE = re.compile(r"host (\d+) (.+)")
+
+
+def _parse_offload(inner: str, outs) -> tuple[tuple[str, ...], HostArgs]:
+    m = _OFFLOAD_RE.fullmatch(inner.strip())
+    if not m:
+        raise LoweringError(f"cannot read offload({inner}): expected 'VALUE -> host SLOT [SHAPE] DTYPE stride "
+                            f"(STRIDE)'")
+    return (m.group(1),), HostArgs(int(m.group(2)), TensorType.parse(m.group(3)))
+
+
+def _format_reload(op: Op) -> str:
+    return f"host {op.args.slot} {op.args.type}"
+
+
+def _parse_reload(inner: str, outs) -> tuple[tuple[str, ...], HostArgs]:
+    m = _RELOAD_RE.fullmatch(inner.strip())
+    if not m:
+        raise LoweringError(f"cannot read reload({inner}): expected 'host SLOT [SHAPE] DTYPE stride (STRIDE)'")
+    return (), HostArgs(int(m.group(1)), TensorType.parse(m.group(2)))
+
+
 def _never_keeps(op: Op) -> bool:
     return False
 
@@ -467,6 +516,21 @@ SPECS: dict[OpKind, OpSpec] = {s.kind: s for s in (
            "this rank gets none (a reduce off its root)", None, "wait_coll", _values, _no_args,
            aliases=_joined_aliases, keeps=_never_keeps, posts=_no_posts, sync=Sync.JOIN, stream=Stream.COMM,
            emit="wait_coll", runtime=("wait_collective",), fresh=_no_fresh),
+    # activation offload (passes/lower/offload.py): copies run on the rank's copy stream, never wait for another
+    # rank; a WAIT_* joins the copy back into the compute stream
+    OpSpec(OpKind.OFFLOAD, "copy a device tensor into a host pool slot; outs = (handle,), which holds the tensor "
+           "until WAIT_OFFLOAD", HostArgs, "offload", _format_offload, _parse_offload, aliases=_first_in_is_out,
+           keeps=_never_keeps, posts=_no_posts, sync=Sync.NONE, stream=Stream.COPY, emit="offload",
+           runtime=("offload",), fresh=_no_fresh),
+    OpSpec(OpKind.WAIT_OFFLOAD, "wait for an offload's copy; the device tensor may go", None, "wait_offload",
+           _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts, sync=Sync.NONE,
+           stream=Stream.COPY, emit="wait_offload", runtime=("wait_offload",), fresh=_no_fresh),
+    OpSpec(OpKind.RELOAD, "make a device tensor of a host slot's type and copy the slot into it; outs = (handle,)",
+           HostArgs, "reload", _format_reload, _parse_reload, aliases=_no_aliases, keeps=_never_keeps,
+           posts=_no_posts, sync=Sync.NONE, stream=Stream.COPY, emit="reload", runtime=("reload",), fresh=_reload_fresh),
+    OpSpec(OpKind.WAIT_RELOAD, "wait for a reload's copy; ins = (handle,), outs = (the reloaded tensor,)", None,
+           "wait_reload", _values, _no_args, aliases=_first_in_is_out, keeps=_never_keeps, posts=_no_posts,
+           sync=Sync.NONE, stream=Stream.COPY, emit="wait_reload", runtime=("wait_reload",), fresh=_no_fresh),
 )}
 
 _BY_TEXT = {s.text: s for s in SPECS.values()}

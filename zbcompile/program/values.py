@@ -16,7 +16,11 @@ boundary (the receiver's receive defines the same name the sender's compute defi
     r{q}.grad:param:{fqn}       rank q's sum of a shared parameter's gradient, received
     sum.grad:param:{fqn}        the total of a shared parameter's gradient over its holders
     loss                        the sum of this rank's microbatch losses (the program's output)
-    h:{...}                     a P2P handle (a posted receive or a batch of sends)
+    re.s{stage}.mb{mb}.{local}  an offloaded stage value brought back from the host pool (passes/lower/offload.py):
+                                a new name, since values are defined once; parses to the original's role, stage
+                                and microbatch with scope "reload": `re.s0.mb1.saved:3`
+    h:{...}                     a handle: a posted receive or batch of sends, a collective, or a host copy
+                                (`h:off.s0.mb1.saved:3` an offload's, `h:re.s0.mb1.saved:3` a reload's)
 
 Names stay strings in the IR (cheap to hash, print and compare); `parse` turns one into a `Value` record
 once and remembers it, so passes ask `parse(v).role is Role.SAVED` instead of testing string prefixes.
@@ -29,17 +33,18 @@ from typing import NamedTuple
 from zbcompile.names import Role, key_of, role_of
 
 __all__ = ["Role", "Value", "parse", "role_of", "key_of", "stage_value", "data_value", "acc_value", "handle",
-           "vocab_value", "python_name", "GRAD_LOSS", "LOSS", "VOCAB_OFFSET"]
+           "vocab_value", "reloaded_value", "python_name", "GRAD_LOSS", "LOSS", "VOCAB_OFFSET"]
 
 GRAD_LOSS = "grad_loss"
 LOSS = "loss"
 VOCAB_OFFSET = "vocab:offset"
+RELOADED = "re"   # the head of a reloaded value's name
 
 
 class Value(NamedTuple):
     """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "vocab" (v.mb{mb}.local), "data", "state"
-    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "handle", "seed" (grad_loss), "loss"
-    or "other"; stage / microbatch / index are
+    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "reload" (re.s{s}.mb{mb}.local),
+    "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are
     -1 where the scope has none (index: data argument, accumulation step or source rank)."""
 
     scope: str
@@ -80,6 +85,10 @@ def _parse(vid: str) -> Value:
         mb, dot2, local = rest.partition(".")
         if dot2 and mb[:2] == "mb" and mb[2:].isdigit() and local:
             return Value("stage", role_of(local), local, int(head[1:]), int(mb[2:]))
+    if dot and head == RELOADED:
+        inner = parse(rest)
+        if inner.scope == "stage":
+            return inner._replace(scope="reload")
     if dot and head in ("v", "vi"):
         mb, dot2, local = rest.partition(".")
         if dot2 and mb[:2] == "mb" and mb[2:].isdigit() and local:
@@ -119,6 +128,11 @@ def acc_value(step: int, local: str) -> str:
 
 def handle(what: str) -> str:
     return f"h:{what}"
+
+
+def reloaded_value(vid: str) -> str:
+    """The name of stage value `vid` once reloaded from the host pool: `s0.mb1.saved:3` -> `re.s0.mb1.saved:3`."""
+    return f"{RELOADED}.{vid}"
 
 
 def python_name(vid: str) -> str:

@@ -22,7 +22,8 @@ from torch import fx
 from zbcompile.errors import RuntimeFailure
 
 __all__ = ["StepContext", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective", "wait_collective",
-           "wait", "free", "set_grad", "copy_buffer", "accumulate_", "sum_losses", "sum_in_order"]
+           "wait", "offload", "wait_offload", "reload", "wait_reload", "free", "set_grad", "copy_buffer",
+           "accumulate_", "sum_losses", "sum_in_order"]
 
 
 class StepContext:
@@ -40,13 +41,18 @@ class StepContext:
     bufs: the static receive buffers, by slot (see passes/lower/buffers.py).
     coll_pg: the group the vocabulary layers' collectives run on (all ranks): a group of their own, so that on a
     device they never queue behind P2P on a communicator's stream.
+    host: the host pool of offloaded activations, by slot (RankProgram.host_buffers, passes/lower/offload.py),
+    made once with each slot's stride, pinned on CUDA so that copies to and from it run asynchronously.
+    copy_stream: the rank's one stream for offload / reload copies on CUDA (they queue on it in program order);
+    None on CPU, where the copies run at once.
     """
 
     __slots__ = ("pg", "rank", "ranks", "device", "timeout", "row", "t", "send_pg", "recv_pg", "bufs", "coll_pg",
-                 "_specs")
+                 "host", "copy_stream", "_specs")
 
     def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
-                 ranks: int = 1, channels: tuple | None = None, buffers: Sequence = (), collectives=None):
+                 ranks: int = 1, channels: tuple | None = None, buffers: Sequence = (), collectives=None,
+                 host_buffers: Sequence = ()):
         self.pg = pg
         self.ranks = ranks
         self.coll_pg = collectives if collectives is not None else pg
@@ -60,11 +66,25 @@ class StepContext:
         self.recv_pg = [down if q > rank else up for q in range(ranks)]
         self._specs = tuple(buffers)
         self.renew_buffers()
+        cuda = device.type == "cuda"
+        # made once: reused by every microbatch and step (a pinned allocation is slow and, under CUDA-graph
+        # capture, not allowed)
+        self.host = [torch.empty_strided(s.shape, s.stride if s.stride is not None else _contiguous(s.shape),
+                                         dtype=s.dtype, pin_memory=cuda) for s in host_buffers]
+        self.copy_stream = torch.cuda.Stream(device) if cuda and self.host else None
 
     def renew_buffers(self) -> None:
         """Make the static receive buffers (RankProgram.buffers) afresh: at start, and after a failed step,
         whose receives may still be posted into the old ones."""
         self.bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self._specs]
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 # ---- ops the generated program calls (all marked side-effecting, so dead-code elimination keeps them) ----
@@ -179,6 +199,63 @@ def _describe(doing: str, what: str, peer) -> str:
     if doing == "sending":
         return f"sending {what} to ranks {list(peer)}"
     return f"{doing} {what}"
+
+
+# ---- offload / reload (passes/lower/offload.py) ---------------------------------------------------------------
+# On CUDA the copies run on ctx.copy_stream, joined to the compute stream by events in both directions; no
+# record_stream: a tensor the copy stream reads or writes is only dropped, or read, after the compute stream
+# waited for the copy (wait_offload / wait_reload), so the caching allocator never hands its memory out early
+# (and CUDA-graph capture, which record_stream breaks, stays possible).
+@fx.node.has_side_effect
+def offload(ctx: StepContext, slot: int, tensor: torch.Tensor):
+    """Copy `tensor` into host slot `slot`, after the compute stream's work so far; a handle for wait_offload,
+    which keeps the tensor alive until then."""
+    host, stream = ctx.host[slot], ctx.copy_stream
+    if stream is None:
+        host.copy_(tensor)
+        return tensor, None
+    stream.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return tensor, done
+
+
+@fx.node.has_side_effect
+def wait_offload(ctx: StepContext, handle) -> None:
+    """The compute stream waits for the copy; the handle, the tensor's last reference, goes after this call."""
+    done = handle[1]
+    if done is not None:
+        torch.cuda.current_stream(ctx.device).wait_event(done)
+
+
+@fx.node.has_side_effect
+def reload(ctx: StepContext, slot: int):
+    """A fresh device tensor with host slot `slot`'s shape, dtype and stride, filled from the slot after the
+    compute stream's work so far; a handle for wait_reload."""
+    host, stream = ctx.host[slot], ctx.copy_stream
+    # allocated on the compute stream: its memory belongs to that stream's pool, where the compute stream
+    # frees it after waiting for the copy
+    tensor = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=ctx.device)
+    if stream is None:
+        tensor.copy_(host)
+        return tensor, None
+    stream.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(stream):
+        tensor.copy_(host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return tensor, done
+
+
+@fx.node.has_side_effect
+def wait_reload(ctx: StepContext, handle) -> torch.Tensor:
+    """The compute stream waits for the copy; returns the reloaded tensor."""
+    tensor, done = handle
+    if done is not None:
+        torch.cuda.current_stream(ctx.device).wait_event(done)
+    return tensor
 
 
 @fx.node.has_side_effect

@@ -94,7 +94,8 @@ class RankRuntime:
         self.max_actions = max(len(n) for n in self._names)
         # as many slots as the busiest rank has: every rank's gathered row has the same length
         self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
-                               channels=channels, buffers=ir.buffers, collectives=collectives)
+                               channels=channels, buffers=ir.buffers, collectives=collectives,
+                               host_buffers=ir.host_buffers)
         self.grad_loss = torch.full((), 1.0 / m, device=device)
         self._fixed = {}
         for n in ir.inputs:

@@ -1,0 +1,321 @@
+"""Activation offload (passes/lower/offload.py): F's saved tensors to a host pool and back before their backward.
+
+Equivalence first: every F offloaded, all ranks run as threads, loss and gradients equal eager autograd. Then
+structure: which tensors may go, where the four ops sit, the host pool's slot reuse, the text round trip, the
+checks (device streams, deadlock, static receive buffers) and, on a GPU, the copies on a side stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from models import gpt, mlp
+from threaded import max_grad_error, param_holders, run_threaded
+from zbcompile.errors import UsageError
+from zbcompile.passes.analysis.aliases import graph_output_owned, view_base
+from zbcompile.passes.lower import OffloadChoice, check_streams, lower_all, validate_programs
+from zbcompile.passes.lower.buffers import static_recv_buffers
+from zbcompile.passes.lower.offload import assign_host_slots, insert_offload, offload_candidates
+from zbcompile.passes.lower.streams import _edges, stream_cycle
+from zbcompile.passes.schedules import generate
+from zbcompile.program import ProgramGraph, RankProgram
+from zbcompile.program.ops import Message, Op, OpKind, RunArgs, SendArgs, Stream, TensorType
+from zbcompile.program.values import parse
+from zbcompile.schedule import Action
+from zbcompile.split import split_model
+
+torch.set_num_threads(1)
+
+EVERY = OffloadChoice(min_bytes=0)   # the test models' tensors are far below the default 4 KiB
+
+
+@functools.lru_cache(maxsize=None)
+def _split(model_name: str, stages: int, device: str = "cpu"):
+    model, loss_fn, (x, y), _ = gpt(layers=4, batch=4) if model_name == "gpt" else mlp(layers=8, batch=4)
+    model, x, y = model.to(device), x.to(device), y.to(device)
+    return model, loss_fn, (x, y), split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=stages)
+
+
+def _programs(name: str, pp: int, m: int, model_name: str = "gpt", offload=EVERY):
+    sched = generate(name, pp, m)
+    *_, staged = _split(model_name, sched.num_model_stages)
+    return lower_all(sched, staged, offload=offload, check_each_pass=True)
+
+
+def _count(programs, kind: OpKind) -> int:
+    return sum(len(p.of_kind(kind)) for p in programs)
+
+
+def _check_against_eager(name: str, pp: int, model_name: str, choice: OffloadChoice, steps: int = 1,
+                         device: str = "cpu"):
+    sched = generate(name, pp, 2 * pp)
+    model, loss_fn, (x, y), staged = _split(model_name, sched.num_model_stages, device)
+    x, y = x.repeat(pp, 1)[: 2 * pp], y.repeat(pp, 1)[: 2 * pp]
+    batches = [(x, y), (x.roll(1, 0), y.roll(1, 0))][:steps]
+    ref = copy.deepcopy(model)
+    for bx, by in batches:   # gradients accumulate over the steps, as they do in the runtime
+        loss = loss_fn(ref(bx), by)
+        loss.backward()
+    losses, models, runtimes = run_threaded(model, staged, sched, batches[0], then=batches[1:], offload=choice,
+                                            device=device)
+    assert all(abs(v - loss.item()) <= 1e-5 * abs(loss.item()) for v in losses), (losses, loss.item())
+    holders = param_holders(sched, staged)
+    err, where = max_grad_error(ref, models, [[f for f, rs in holders.items() if r in rs] for r in range(pp)])
+    assert err <= 1e-5, where
+    return runtimes
+
+
+@pytest.mark.parametrize("prefetch", [1, 0])
+@pytest.mark.parametrize("model_name,name,pp", [
+    ("gpt", "1f1b", 2), ("gpt", "zb-h1", 2), ("gpt", "zbv", 2), ("gpt", "interleaved-1f1b", 2),
+    ("gpt", "dualpipev", 2), ("gpt", "1f1b", 4), ("gpt", "zbv", 4),
+    ("mlp", "1f1b", 2), ("mlp", "zbv", 2), ("mlp", "dualpipev", 2), ("mlp", "zb-h1", 4)])
+def test_offloaded_step_matches_eager(model_name, name, pp, prefetch):
+    choice = OffloadChoice(prefetch=prefetch, min_bytes=0)
+    runtimes = _check_against_eager(name, pp, model_name, choice)
+    assert sum(len(rt.ir.of_kind(OpKind.OFFLOAD)) for rt in runtimes) > 0, "nothing was offloaded"
+
+
+def test_two_steps_reuse_the_host_pool():
+    """The pool is made once per runtime and serves both steps; gradients accumulate as in eager."""
+    runtimes = _check_against_eager("zbv", 2, "gpt", EVERY, steps=2)
+    for rt in runtimes:
+        assert [(tuple(h.shape), h.dtype, h.stride()) for h in rt.ctx.host] == \
+            [(t.shape, t.dtype, t.stride) for t in rt.ir.host_buffers]
+        assert rt.ctx.copy_stream is None   # CPU: the copies run at once
+
+
+def test_host_slots_are_reused_and_never_shared_while_busy():
+    programs = _programs("1f1b", 2, 8)
+    for p in programs:
+        offloads = p.of_kind(OpKind.OFFLOAD)
+        if not offloads:
+            continue
+        assert len(p.host_buffers) < len(offloads)
+        busy: dict[int, str] = {}   # slot -> the value whose copy occupies it
+        waits = {op.ins[0]: op for op in p.of_kind(OpKind.WAIT_RELOAD)}
+        for op in p.ops:
+            if op.kind is OpKind.OFFLOAD:
+                assert op.args.slot not in busy, f"slot {op.args.slot} reused while {busy[op.args.slot]} is in it"
+                assert p.host_buffers[op.args.slot] == op.args.type
+                busy[op.args.slot] = op.ins[0]
+            elif op.kind is OpKind.RELOAD:
+                assert p.host_buffers[op.args.slot] == op.args.type and op.outs[0] in waits
+            elif op.kind is OpKind.WAIT_RELOAD:
+                slot = next(s for s, v in busy.items() if op.outs[0] == f"re.{v}")
+                del busy[slot]
+        assert not busy
+        assert assign_host_slots(p) == p   # the colouring is stable
+
+
+def test_offload_applied_in_two_rounds_is_consistent():
+    """Units offloaded in two calls share one coloured pool; a third call finds nothing left to offload."""
+    for p in _programs("1f1b", 2, 8, offload=None):
+        f_units = sorted(offload_candidates(p, 0))
+        first = insert_offload(p, OffloadChoice(units=frozenset(f_units[::2]), min_bytes=0)).check()
+        both = insert_offload(first, OffloadChoice(units=frozenset(f_units[1::2]), min_bytes=0)).check()
+        once = insert_offload(p, EVERY)
+        assert len(both.of_kind(OpKind.OFFLOAD)) == len(once.of_kind(OpKind.OFFLOAD))
+        assert assign_host_slots(both) == both and len(both.host_buffers) <= len(both.of_kind(OpKind.OFFLOAD))
+        assert insert_offload(both, EVERY) == both
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
+def test_offloaded_programs_round_trip_through_text(name):
+    for p in _programs(name, 2, 4):
+        text = p.to_text()
+        assert RankProgram.from_text(text, graphs=p.graphs) == p
+        bare = RankProgram.from_text(text)
+        assert bare.ops == p.ops and bare.host_buffers == p.host_buffers and bare.to_text() == text
+        if p.host_buffers:
+            assert "host pool" in p.header() and "\nhost 0 = [" in text and " stride (" in text
+            assert p.passes[-1] == "insert_offload"
+
+
+def test_the_four_ops_sit_around_f_and_the_backward():
+    """Per offloaded value: OFFLOAD after its F, WAIT_OFFLOAD before the next RUN, RELOAD `prefetch` RUN ops
+    before the first reader (never before the wait), WAIT_RELOAD right before it; later readers read the new
+    name; the original is freed right after its offload and never read again."""
+    for prefetch in (0, 1, 2):
+        for p in _programs("1f1b", 4, 8, offload=OffloadChoice(prefetch=prefetch, min_bytes=0)):
+            run_at = [i for i, op in enumerate(p.ops) if op.kind is OpKind.RUN]
+            where = {}
+            for i, op in enumerate(p.ops):
+                if op.kind in (OpKind.OFFLOAD, OpKind.WAIT_OFFLOAD, OpKind.RELOAD, OpKind.WAIT_RELOAD):
+                    name = (op.ins or op.outs)[0].split(".", 1)[1] if op.kind is not OpKind.OFFLOAD else op.ins[0]
+                    where[(op.kind, name)] = i
+            for (kind, v), off in list(where.items()):
+                if kind is not OpKind.OFFLOAD:
+                    continue
+                wait, reload, back = (where[(k, v)] for k in (OpKind.WAIT_OFFLOAD, OpKind.RELOAD, OpKind.WAIT_RELOAD))
+                runs_between = lambda a, b: sum(a < j < b for j in run_at)  # noqa: E731
+                f = max(j for j in run_at if j < off)
+                reader = min(j for j in run_at if j > back)
+                assert v in p.ops[f].outs and f"re.{v}" in p.ops[reader].ins
+                assert off < wait < reload < back < reader
+                assert runs_between(f, wait) == 0 and runs_between(back, reader) == 0
+                assert runs_between(wait, reload) >= 1   # off the device during at least one RUN
+                assert runs_between(reload, back) == min(prefetch, runs_between(wait, back) - 1)
+                readers = [i for i, op in enumerate(p.ops) if v in op.ins]
+                assert p.ops[readers[-1]].kind is OpKind.FREE
+                assert all(p.ops[j].kind is OpKind.OFFLOAD for j in range(off + 1, readers[-1]))
+
+
+def test_params_views_of_inputs_and_small_tensors_stay():
+    """A candidate is its F graph's own fresh memory (no input or view of one, nothing shared with another
+    output; a view of an intermediate nothing else returns may go), at least min_bytes."""
+    for p in lower_all(generate("1f1b", 2, 4), _split("gpt", 2)[3]):
+        for found in offload_candidates(p, min_bytes=0).values():
+            for c in found:
+                f = p.ops[c.f_index]
+                gm = p.graph(f).gm
+                k = f.outs.index(c.value)
+                node = next(iter(gm.graph.find_nodes(op="output"))).args[0][k]
+                assert view_base(node).op != "placeholder" and graph_output_owned(gm)[k], c
+        every = sum(map(len, offload_candidates(p, min_bytes=0).values()))
+        for limit, found in ((256, offload_candidates(p, min_bytes=256)), (4096, offload_candidates(p))):
+            assert all(c.nbytes >= limit for cs in found.values() for c in cs)   # 4096: the default
+            assert sum(map(len, found.values())) < every
+
+
+def _hand_made_program() -> RankProgram:
+    """F of microbatches 0 and 1, then the backward of microbatch 0; a send reads microbatch 1's `big`."""
+    def f(w, x):
+        y = torch.mm(x, w)           # [8, 8] fresh, but `v` is a view of it: shared
+        big = torch.relu(y) * 2      # [8, 8] fresh, its own memory
+        # dense but transposed: stride (1, 8), its own memory; every other column: gaps, stays
+        return torch.tanh(y), w, x.view(-1), y, y.t(), x.sum(0), big, (y + 1).t(), (y + 2)[:, ::2]
+
+    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
+    outs = ("act:z", "saved:w", "saved:xv", "saved:y", "saved:v", "saved:small", "saved:big", "saved:bigt",
+            "saved:gaps")
+    graphs = {"f": ProgramGraph(gm, ("param:w", "data:0"), outs),
+              "b": ProgramGraph(None, outs[1:], ("grad:param:w",))}
+    ops = []
+    for mb in (0, 1):
+        ops.append(_run(f"0F{mb}", "f", ("param:w", f"mb{mb}.data:0"), tuple(f"s0.mb{mb}.{o}" for o in outs)))
+    ops.append(_op(OpKind.SEND, ("s0.mb1.saved:big",), ("h:send0",), SendArgs((Message(1, 0, TensorType((8, 8),
+                                                                                          torch.float32)),))))
+    ops.append(_run("0B0", "b", tuple(f"s0.mb0.{o}" for o in outs[1:]), ("s0.mb0.grad:param:w",)))
+    ops.append(_run("0B1", "b", tuple(f"s0.mb1.{o}" for o in outs[1:]), ("s0.mb1.grad:param:w",)))
+    ops.append(_op(OpKind.FREE, ("s0.mb0.saved:big",)))
+    return RankProgram("hand", 0, 2, inputs=("param:w", "mb0.data:0", "mb1.data:0"), ops=tuple(ops),
+                       graphs=graphs).check()
+
+
+def _run(action: str, graph: str, ins, outs):
+    return Op(OpKind.RUN, ins, outs, RunArgs(Action.parse(action), graph))
+
+
+def _op(kind, ins, outs=(), args=None):
+    return Op(kind, ins, outs, args)
+
+
+def test_offload_candidates_on_a_hand_made_graph():
+    """Only `big` and `bigt` of microbatch 0 may go: w is a parameter, xv a view of the input, y and v share
+    memory, small is below min_bytes, gaps has holes in its layout, and microbatch 1's big is read by a send
+    (its bigt may go)."""
+    program = _hand_made_program()
+    before = program.to_text()
+    found = offload_candidates(program, min_bytes=64)
+    assert set(found) == {(0, 0), (0, 1)} and [c.value for c in found[(0, 1)]] == ["s0.mb1.saved:bigt"]
+    c, t = found[(0, 0)]
+    assert c.value == "s0.mb0.saved:big" and c.nbytes == 256 and (c.f_index, c.reader_index) == (0, 3)
+    assert c.type == TensorType((8, 8), torch.float32, (8, 1))
+    assert t.value == "s0.mb0.saved:bigt" and t.type == TensorType((8, 8), torch.float32, (1, 8))
+    assert {x.value for x in offload_candidates(program, min_bytes=0)[(0, 0)]} == {
+        "s0.mb0.saved:big", "s0.mb0.saved:bigt", "s0.mb0.saved:small"}
+
+    after = insert_offload(program, OffloadChoice(units=frozenset({(0, 0)}), prefetch=0, min_bytes=64)).check()
+    assert program.to_text() == before   # pure
+    host = "[8, 8] float32 stride (8, 1)"
+    assert [str(op) for op in after.ops if op.kind is not OpKind.RUN and op.kind is not OpKind.SEND] == [
+        f"h:off.s0.mb0.saved:big = offload(s0.mb0.saved:big -> host 0 {host})    # for 0B0",
+        "h:off.s0.mb0.saved:bigt = offload(s0.mb0.saved:bigt -> host 1 [8, 8] float32 stride (1, 8))    # for 0B0",
+        "free(s0.mb0.saved:big, s0.mb0.saved:bigt)    # offloaded: each handle holds its tensor until wait_offload",
+        "wait_offload(h:off.s0.mb0.saved:big)",
+        "wait_offload(h:off.s0.mb0.saved:bigt)",
+        f"h:re.s0.mb0.saved:big = reload(host 0 {host})    # for 0B0",
+        "h:re.s0.mb0.saved:bigt = reload(host 1 [8, 8] float32 stride (1, 8))    # for 0B0",
+        "re.s0.mb0.saved:big = wait_reload(h:re.s0.mb0.saved:big)",
+        "re.s0.mb0.saved:bigt = wait_reload(h:re.s0.mb0.saved:bigt)",
+        "free(re.s0.mb0.saved:big)"]
+    assert after.host_buffers == (c.type, t.type)
+    b0 = next(op for op in after.ops if op.action == Action.parse("0B0"))
+    assert {"re.s0.mb0.saved:big", "re.s0.mb0.saved:bigt"} <= set(b0.ins)   # the backward reads the reloaded values
+    # a backward right after its F: the tensor would come back before it ever left, nothing changes
+    adjacent = program.replace(ops=(program.ops[0], program.ops[3], program.ops[5]))
+    assert offload_candidates(adjacent.check(), 64)[(0, 0)] and insert_offload(adjacent, EVERY) == adjacent
+
+
+def test_bad_offload_options_say_what_is_wrong():
+    with pytest.raises(UsageError, match="prefetch"):
+        OffloadChoice(prefetch=-1)
+    sched = generate("1f1b", 2, 2)
+    with pytest.raises(UsageError, match="one per rank"):
+        lower_all(sched, _split("gpt", 2)[3], offload=[EVERY])
+
+
+@pytest.mark.parametrize("name,pp", [("1f1b", 2), ("zbv", 2), ("dualpipev", 2), ("zb-h1", 4)])
+def test_streams_and_deadlock_checks_model_the_copies(name, pp):
+    programs = _programs(name, pp, 2 * pp)
+    validate_programs(programs)
+    check_streams(programs)
+    assert stream_cycle(programs) is None
+    deps = _edges(programs, "directed")
+    for p in programs:
+        computes = [i for i, op in enumerate(p.ops) if op.spec.stream is Stream.COMPUTE]
+        for i, op in enumerate(p.ops):
+            if op.kind in (OpKind.OFFLOAD, OpKind.RELOAD):
+                before = [j for j in computes if j < i]
+                # the copy waits for the last compute before its post (none before the first compute)
+                assert deps[("x", p.rank, i)] >= ({("c", p.rank, before[-1])} if before else set())
+            if op.kind in (OpKind.WAIT_OFFLOAD, OpKind.WAIT_RELOAD):
+                nxt = next(j for j in computes if j > i)
+                post = next(j for j, o in enumerate(p.ops) if o.outs and o.outs[0] == op.ins[0])
+                assert ("x", p.rank, post) in deps[("c", p.rank, nxt)]
+        copies = sorted(n for n in deps if n[0] == "x" and n[1] == p.rank)
+        for a, b in zip(copies, copies[1:]):   # one copy stream per rank: in program order
+            assert a in deps[b]
+
+
+def test_static_receive_buffers_are_unchanged_by_offload():
+    """Offload inserts ops after static_recv_buffers: colouring the offloaded program again gives the same
+    slots, so the buffers' busy intervals kept their order."""
+    for name, pp in (("1f1b", 2), ("zbv", 2), ("zb-h1", 4)):
+        for p in _programs(name, pp, 2 * pp):
+            again = static_recv_buffers(p)
+            assert again.ops == p.ops and again.buffers == p.buffers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copies_run_on_a_side_stream_and_match_eager(monkeypatch):
+    """On CUDA each rank's copies run on its copy stream (not the compute stream) into a pinned pool, and the
+    step still equals eager."""
+    from zbcompile.runtime import abi
+
+    seen: list[tuple[bool, bool]] = []
+    real_offload, real_reload = abi.offload, abi.reload
+
+    def offload(ctx, slot, tensor):
+        handle = real_offload(ctx, slot, tensor)
+        seen.append((ctx.copy_stream is not None and ctx.copy_stream != torch.cuda.current_stream(),
+                     ctx.host[slot].is_pinned() and isinstance(handle[1], torch.cuda.Event)))
+        return handle
+
+    def reload(ctx, slot):
+        handle = real_reload(ctx, slot)
+        seen.append((ctx.copy_stream != torch.cuda.current_stream(), handle[0].is_cuda))
+        return handle
+
+    monkeypatch.setattr(abi, "offload", offload)
+    monkeypatch.setattr(abi, "reload", reload)
+    _check_against_eager("1f1b", 2, "mlp", OffloadChoice(prefetch=1, min_bytes=0), device="cuda")
+    torch.cuda.synchronize()
+    assert seen and all(a and b for a, b in seen)
