@@ -56,13 +56,14 @@ class CompileOptions:
     init_fn: Callable[[nn.Module], None] | None = None
     timeout: float = 60.0
     vocab_parallel: bool = False
+    offload: int | str | Sequence[int] | None = None
 
 
 def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microbatches: int,
             loss_fn: Callable[..., torch.Tensor], example, pp: int | None = None, chunks: int | None = None,
             split_points: Sequence[str] | None = None, group=None, costs=None, mem_limit: float | None = None,
             init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0,
-            vocab_parallel: bool = False):
+            vocab_parallel: bool = False, offload: int | str | Sequence[int] | None = None):
     """Compile `model` for pipeline-parallel training; returns a PipelineModule (or, without `model`, a
     class decorator whose instances are PipelineModules).
 
@@ -89,10 +90,16 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
         vocabulary parameter and runs 1/p of their work in S, T, IF, IB actions the schedule gets
         (passes/schedules/vocab.py). The step must look up token ids in an embedding and end in
         `cross_entropy(linear(x, W), targets)`; VocabError says what was found otherwise.
+    offload: activation offload (PipeOffload; passes/analysis/offload_plan.py). A device-memory budget in bytes
+        (one for every rank, or one per rank): each rank's planned peak (`memory_plan()`) must fit it, so the
+        saved tensors of the longest-lived forwards are copied to a host pool after their F and back before
+        their backward, as few as fit; OffloadError says the smallest budget that works. "auto": offload what
+        the time model says hides behind compute. None: no offload. `pipe.offload_report` says what was chosen.
     """
     options = CompileOptions(schedule=schedule, microbatches=microbatches, loss_fn=loss_fn, example=example,
                              pp=pp, chunks=chunks, split_points=split_points, group=group, costs=costs,
-                             mem_limit=mem_limit, init_fn=init_fn, timeout=timeout, vocab_parallel=vocab_parallel)
+                             mem_limit=mem_limit, init_fn=init_fn, timeout=timeout, vocab_parallel=vocab_parallel,
+                             offload=offload)
     if model is None:
         return functools.partial(_decorate, options=options)
     return compile_with(model, options)
@@ -123,10 +130,11 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
     staged = split_model(model, options.loss_fn, example, num_stages=sched.num_model_stages,
                          split_points=options.split_points, placement=model_stage_placement(sched),
                          vocab_shards=pp if options.vocab_parallel else None)
-    return _build(model, staged, sched, resolved, options.init_fn, options.timeout)
+    return _build(model, staged, sched, resolved, options.init_fn, options.timeout, options.offload)
 
 
-def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, init_fn, timeout: float):
+def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, init_fn, timeout: float,
+           offload=None):
     pg, rank, world = resolved
     if schedule.num_ranks != world:
         raise UsageError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
@@ -140,12 +148,15 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
                          "vocabulary parallelism; build both with vocab_parallel / vocab_shards, or neither "
                          "(passes.schedules.vocab.insert_vocab adds the vocabulary actions to a schedule)")
     programs = lower_all(schedule, staged)
+    device = device_for(model, pg)
+    report = None
+    if offload is not None:
+        programs, report = _offload(schedule, staged, programs, offload, device)
     _warn_mirrored_buffer_updates(staged, schedule)
     mine = [staged.stages[schedule.model_stage(s)] for s, r in enumerate(schedule.placement) if r == rank]
     vocab = staged.vocab.params if staged.vocab is not None else ()
     owned_params = tuple(dict.fromkeys([p for st in mine for p in st.params] + list(vocab)))
     owned_buffers = tuple(dict.fromkeys(b for st in mine for b in st.buffers))
-    device = device_for(model, pg)
     was_meta = is_meta(model)
     keep_only(model, owned_params, owned_buffers, device, init_fn)
     sync_copies(model, staged, schedule, rank, pg, timeout)
@@ -159,7 +170,18 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
                           buffers=buffers, timeout=timeout, channels=p2p_channels(pg, timeout), peers=programs,
                           constants=constants,
                           collectives=collective_group(pg, timeout) if staged.vocab is not None else None)
-    return PipelineModule(model, staged, schedule, programs, runtime, rank, owned_params, owned_buffers, pg)
+    pipe = PipelineModule(model, staged, schedule, programs, runtime, rank, owned_params, owned_buffers, pg)
+    pipe.offload_report = report
+    return pipe
+
+
+def _offload(schedule: Schedule, staged: StagedModel, programs, offload, device: torch.device):
+    """Plan the offload for `offload` (a budget or "auto") on every rank, then lower again with it. The time
+    model's device: an H100-like one on CUDA, this machine's CPU elsewhere (offload_plan.DEVICES)."""
+    from zbcompile.passes.analysis.offload_plan import DEVICES, plan_offload
+
+    report = plan_offload(programs, offload, device=DEVICES["h100" if device.type == "cuda" else "cpu"])
+    return lower_all(schedule, staged, offload=[r.choice for r in report]), report
 
 
 class PipelineModule(nn.Module):
@@ -191,17 +213,19 @@ class PipelineModule(nn.Module):
         self._owned = owned
         self._fx: dict[int, fx.GraphModule] = {rank: runtime.program}
         self._plan = None
+        self.offload_report = None   # per rank, what activation offload chose (compile's offload=)
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
         self._batch_specs = tuple(runtime.batch_specs.get(i) for i in range(staged.num_inputs + staged.num_targets))
         attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
 
     @classmethod
     def from_staged(cls, model: nn.Module, staged: StagedModel, schedule: Schedule, *, group=None,
-                    init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0) -> PipelineModule:
+                    init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0,
+                    offload: int | str | Sequence[int] | None = None) -> PipelineModule:
         """Build from an already split model (split once, try several schedules). The split's stage graphs
         create tensors (masks, positions) on the device they were traced for: the example's, or for a model on
         the meta device the device `compile` runs on."""
-        return _build(model, staged, schedule, resolve_group(group, timeout), init_fn, timeout)
+        return _build(model, staged, schedule, resolve_group(group, timeout), init_fn, timeout, offload)
 
     # ---- training ------------------------------------------------------------------------------
     def step(self, *batch: torch.Tensor) -> float:

@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 from zbcompile.errors import ZBCompileError
-from zbcompile.passes.analysis.memory import rank_memory
-from zbcompile.passes.cost import graph_cost
+from zbcompile.passes.analysis.memory import rank_memory, tensor_bytes
+from zbcompile.passes.cost import node_cost
 from zbcompile.passes.lower.offload import OffloadChoice, insert_offload, offload_candidates
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import OpKind
 
-__all__ = ["Device", "DEVICES", "OffloadError", "RankOffload", "plan_offload", "compute_time", "offload_ratio"]
+__all__ = ["Device", "DEVICES", "OffloadError", "RankOffload", "plan_offload", "least_peaks", "compute_time",
+           "offload_ratio"]
 
 # slowdown "auto" accepts as free (the model's rounding, not a measured cost)
 _FREE = 1.01
@@ -170,9 +171,25 @@ def _run_seconds(program: RankProgram, device: Device) -> dict[str, float]:
         if g.gm is None:
             out[key] = 0.0
             continue
-        cost = graph_cost(g.gm)
-        out[key] = max(float(cost.flops) / device.flops, float(cost.bytes) / device.memory_bandwidth)
+        flops, moved = _cost(g.gm)
+        out[key] = max(flops / device.flops, moved / device.memory_bandwidth)
     return out
+
+
+def _cost(gm) -> tuple[float, float]:
+    """FLOPs and bytes of a graph; nodes without a FakeTensor (the in-place sums of the accumulating variants,
+    added after tracing) count by their inputs' sizes, read and written once."""
+    flops = moved = 0.0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        try:
+            c = node_cost(node)
+            flops, moved = flops + float(c.flops), moved + float(c.bytes_read + c.bytes_written)
+        except ZBCompileError:
+            size = sum(tensor_bytes(a.meta.get("val")) for a in node.all_input_nodes)
+            flops, moved = flops + size / 4, moved + 2 * size
+    return flops, moved
 
 
 def _op_times(program: RankProgram, device: Device) -> list[tuple[float, float]]:
@@ -217,6 +234,13 @@ def offload_ratio(program: RankProgram, choice: OffloadChoice, device: Device) -
         t_o = 2 * sum(c.nbytes for c in cands) / device.copy_bandwidth
         k = max(k, t_o / (by_unit.get(unit) or 1e-12))
     return k
+
+
+def least_peaks(programs: Sequence[RankProgram], min_bytes: int | None = None) -> list[int]:
+    """Per rank, the planned device peak with every candidate of every F offloaded and reloaded just in time:
+    the smallest budget offload can meet."""
+    kw = {} if min_bytes is None else {"min_bytes": min_bytes}
+    return [_peak(p, OffloadChoice(None, 0, **kw)) for p in programs]
 
 
 def _too_small(programs, budgets, device, min_bytes) -> str:
