@@ -283,6 +283,8 @@ def build_ours(cfg: dict, name: str, rank: int, world: int, group=None):
         kw["chunks"] = chunks
     if cfg.get("vocab_parallel"):
         kw["vocab_parallel"] = True
+    if cfg.get("offload") is not None:
+        kw["offload"] = cfg["offload"]
     if cfg.get("our_split", "same") == "same" and not cfg.get("vocab_parallel"):
         kw["split_points"] = split_points(parts)
     if group is not None:

@@ -117,3 +117,34 @@ def test_inspect_memory_cli(tmp_path):
     assert {"rank", "peak_activation_bytes", "peak_total_bytes"} <= set(doc["ranks"][0])
     text = svg.read_text()
     assert text.startswith("<svg") and text.count("<polygon") >= 2 and "rank 1" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("offload", [False, True])
+def test_plan_matches_cuda_allocator(offload):
+    """On a GPU: two ranks as threads on one device. Per rank, the storage tracker's peak is within 10% of the
+    plan; the allocator's own peak over the step (both ranks, one process) lies between the larger rank's
+    planned peak and the sum of both, within 10%."""
+    from zbcompile.passes.lower import OffloadChoice
+
+    torch.set_num_threads(1)
+    dev = torch.device("cuda")
+    case = gpt(layers=8, batch=8, seq=16, device="cuda")
+    sched = generate("zb-h1", 2, 8)
+    staged = _split(case._replace(example=tuple(t.to(dev) for t in case.example)), sched)
+    choice = OffloadChoice(None, 1) if offload else None
+    plan = memory_plan(lower_all(sched, staged, offload=choice))
+    batch = tuple(t.to(dev) for t in _batch(case, 8))
+    _, _, runtimes = run_threaded(case.model, staged, sched, batch, offload=choice, device="cuda",
+                                  then=(batch,), measure="tracker")
+    for r, rt in enumerate(runtimes):
+        assert abs(plan[r].peak_dynamic_bytes - rt.measured.peak) <= 0.10 * rt.measured.peak, (r, plan.table())
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run_threaded(case.model, staged, sched, batch, offload=choice, device="cuda")
+    torch.cuda.synchronize()
+    whole = torch.cuda.max_memory_allocated() - base
+    planned = [p.peak_total_bytes for p in plan.ranks]
+    assert 0.9 * max(planned) <= whole <= 1.1 * sum(planned), (whole, planned)

@@ -19,13 +19,14 @@ from zbcompile.runtime.loopback import LoopbackWorld
 
 
 def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
-                 staged_inputs: bool = True, offload=None, device: str = "cpu", measure: bool = False):
+                 staged_inputs: bool = True, offload=None, device: str = "cpu", measure: bool | str = False):
     """One step on `batch` (inputs then targets), then one on each batch of `then`, gradients accumulating;
     returns (last losses per rank, models per rank, runtimes). `patch(rank, program)` may instrument a rank's
     GraphModule before it runs. staged_inputs=False makes the runtime cut every batch into fresh microbatch
     slices even where the lowering found static input buffers safe. offload: lower_all's (activation offload).
     device: where every rank runs (the model and batch must be there already). measure: each rank's last step
-    is measured (RankRuntime.measure_step), kept as `runtime.measured`."""
+    is measured (RankRuntime.measure_step; measure="tracker": by the storage tracker on any device), kept as
+    `runtime.measured`."""
     pp = schedule.num_ranks
     programs = lower_all(schedule, staged, offload=offload)
     if not staged_inputs:
@@ -51,7 +52,8 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
                                       peers=programs, constants=constants, collectives=world.collective_group(r))
             for k, b in enumerate(steps):
                 if measure and k == len(steps) - 1:
-                    losses[r], runtimes[r].measured = runtimes[r].measure_step(b)
+                    method = "tracker" if measure == "tracker" else "auto"
+                    losses[r], runtimes[r].measured = runtimes[r].measure_step(b, method)
                 else:
                     losses[r] = runtimes[r].step_batch(b)
         except BaseException as e:  # reported in the main thread

@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, metavar="FILE",
                         help="write the memory plan as JSON: {\"ranks\": [{\"rank\": r, \"peak_activation_bytes\": "
                              "..., \"peak_total_bytes\": ..., ...}]}")
+    parser.add_argument("--offload", default=None, metavar="BYTES|auto",
+                        help="plan activation offload for a per-rank device-memory budget (bytes, or 'auto': what "
+                             "hides behind compute) and show the programs / memory with the copies in them")
+    parser.add_argument("--device", default="h100", choices=("h100", "a100", "cpu"),
+                        help="device model for the offload's time estimate (k and slowdown; default h100)")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="shard the embedding and the output layer over every rank (vocabulary parallelism): "
                              "shows the vocabulary passes, their S / T / IF / IB actions and the collectives")
@@ -81,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         raise ZBCompileError(f"inspect: --split-points gives {len(staged.stages)} stages but schedule "
                              f"{args.schedule!r} on {args.pp} ranks needs {schedule.num_model_stages}")
     programs = lower_all(schedule, staged)
+    if getattr(args, "offload", None):
+        programs = _offload(args, schedule, staged, programs)
     if args.memory or args.json:
         return _memory(args, programs)
     print(report(staged))
@@ -97,6 +104,26 @@ def run(args: argparse.Namespace) -> int:
     if args.svg:
         _draw(schedule, args.svg)
     return 0
+
+
+def _offload(args: argparse.Namespace, schedule, staged, programs):
+    """Plan the offload for --offload, print what each rank moves and what it costs, lower with it."""
+    from tabulate import tabulate
+
+    from zbcompile.passes.analysis.offload_plan import DEVICES, plan_offload
+    from zbcompile.passes.lower import lower_all
+
+    text = args.offload.replace("_", "")
+    if text != "auto" and not text.isdigit():
+        raise ZBCompileError(f"inspect: --offload {args.offload!r}: give a byte budget (e.g. 3000000) or 'auto'")
+    report = plan_offload(programs, "auto" if text == "auto" else int(text), device=DEVICES[args.device])
+    rows = [(r.rank, len(r.choice.units or ()), r.choice.prefetch, r.offloaded_bytes / 2**20,
+             r.peak_before / 2**20, r.peak_after / 2**20, r.k, r.slowdown) for r in report]
+    print(f"# activation offload for {args.offload} (time model: {args.device})")
+    print(tabulate(rows, headers=("rank", "forwards offloaded", "prefetch", "MiB moved out", "peak MiB before",
+                                  "peak MiB after", "k = To/Tc", "modelled slowdown"), floatfmt=".3f"))
+    print()
+    return lower_all(schedule, staged, offload=[r.choice for r in report])
 
 
 def _memory(args: argparse.Namespace, programs) -> int:

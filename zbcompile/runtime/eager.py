@@ -167,12 +167,12 @@ class RankRuntime:
             buf.copy_(batch[i])
         return self._run(args)
 
-    def measure_step(self, batch: Sequence[torch.Tensor]):
+    def measure_step(self, batch: Sequence[torch.Tensor], method: str = "auto"):
         """step_batch(batch), measuring the memory the step allocates (runtime/memory.py: the CUDA allocator's
-        peak, or a storage tracker on CPU); returns (loss, MemoryMeasurement)."""
+        peak, or a storage tracker on CPU or with method="tracker"); returns (loss, MemoryMeasurement)."""
         from zbcompile.runtime.memory import measure
 
-        return measure(lambda: self.step_batch(batch), self.device)
+        return measure(lambda: self.step_batch(batch), self.device, method)
 
     def step(self, data: Sequence[Sequence[torch.Tensor] | None]) -> float:
         """Run this rank's program on `data[i][mb]`, microbatch mb of flat user argument i (None for an argument

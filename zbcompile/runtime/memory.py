@@ -75,9 +75,13 @@ class MemoryMeasurement(NamedTuple):
     method: str
 
 
-def measure(step, device: torch.device) -> tuple[object, MemoryMeasurement]:
-    """Run `step()` and measure its memory: `max_memory_allocated` on CUDA, a StorageTracker elsewhere."""
-    if device.type == "cuda":
+def measure(step, device: torch.device, method: str = "auto") -> tuple[object, MemoryMeasurement]:
+    """Run `step()` and measure its memory: `max_memory_allocated` on CUDA, a StorageTracker elsewhere.
+    method="tracker" uses the tracker on CUDA too (per thread: several ranks as threads of one process share
+    the allocator's counters, not the tracker's)."""
+    if method not in ("auto", "tracker"):
+        raise ValueError(f"measure(method={method!r}): 'auto' or 'tracker'")
+    if device.type == "cuda" and method == "auto":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)

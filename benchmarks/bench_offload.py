@@ -1,0 +1,162 @@
+#!/usr/bin/env python
+"""Activation offload: what it saves and what it costs on this CPU, and what the time model predicts on an H100.
+
+    python benchmarks/bench_offload.py                 # pp=2, about 4 min on 2 vCPUs
+    python benchmarks/bench_offload.py --rounds 1 --json out.json
+
+Part 1, measured (gloo on 127.0.0.1, 1 thread per rank, pp=2): zbcompile.examples.gpt.GPT with d=128, 8 blocks,
+seq 256, V=512, 8 microbatches of 2 sequences, schedule zb-h1. Configs, fresh processes each, interleaved in
+every round: no offload; a budget halfway between each rank's planned peak with and without offload ("half");
+the smallest budget offload can meet ("floor": every candidate, reloaded just in time). Per config: the median
+step of the best round, each rank's planned device peak and the peak the storage tracker measured, the bytes
+moved to the host pool. On a CPU the copies are memcpys on the compute thread and device memory is host memory:
+the step can only get slower, and nothing is freed for anything else; the figures show the copies' cost.
+
+Part 2, predicted: the time model of passes/analysis/offload_plan.py (roofline compute at 400 TFLOP/s, one copy
+stream at 50 GB/s) on the same schedule for a GPT block at d=4096, seq 4096 (traced on the meta device, 4
+blocks over pp=2): the offload ratio k = To/Tc and the modelled slowdown of each rank's compute timeline
+when every candidate is offloaded, next to the paper's formula k = 10 / (3 (6h + s)) * Bc / Bo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from _bench_workers import _finish, _grad_clearer, _init_pg, _measure_loop, build_ours  # noqa: E402
+from _bench_models import make_batch  # noqa: E402
+from bench_pp import free_port, load, med, spawn  # noqa: E402
+
+CONFIGS = ("none", "half", "floor")
+SCHEDULE = "zb-h1"
+
+
+def offload_worker(rank: int, world: int, cfg: dict, mode: str, port: int, outdir: str, tag: str) -> None:
+    from zbcompile.passes.analysis.offload_plan import least_peaks
+
+    torch.set_num_threads(1)
+    out: dict = dict(rank=rank, mode=mode)
+    try:
+        _init_pg(rank, world, port)
+        pm, _, _, _ = build_ours(cfg, SCHEDULE, rank, world)
+        plain = [r.peak_total_bytes for r in pm.memory_plan().ranks]
+        if mode != "none":
+            floor = least_peaks(pm.programs)
+            budget = floor if mode == "floor" else [(f + p) // 2 for f, p in zip(floor, plain)]
+            pm, _, _, compile_s = build_ours(dict(cfg, offload=budget), SCHEDULE, rank, world)
+            out["budget"] = budget[rank]
+            out["offloaded_bytes"] = pm.offload_report[rank].offloaded_bytes
+        x, y = make_batch(cfg)
+        zero = _grad_clearer(list(pm.parameters()))
+        rec = _measure_loop(cfg, lambda: dict(loss=float(pm.step(x, y))), zero, True)
+        zero()
+        dist.barrier()
+        _, measured = pm.measure_memory(x, y)
+        plan = pm.memory_plan()[rank]
+        out.update(step_s=rec["step_s"], loss=rec["first"]["loss"], planned_total=plan.peak_total_bytes,
+                   planned_step=plan.peak_dynamic_bytes, measured_step=measured.peak, plain_total=plain[rank],
+                   host_bytes=plan.host)
+    except Exception as e:  # noqa: BLE001
+        out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+    _finish(outdir, f"res_{tag}_r{rank}.json", out)
+
+
+def run(cfg: dict, mode: str, tmp: str, timeout: float) -> list[dict]:
+    tag = f"offload_{mode}"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    err = spawn(offload_worker, (2, cfg, mode, free_port(), tmp, tag), 2, timeout)
+    return [load(os.path.join(tmp, f"res_{tag}_r{r}.json")) or dict(error=err or "no result") for r in range(2)]
+
+
+def predicted(pp: int = 2, d: int = 4096, seq: int = 4096, layers: int = 4) -> list[list]:
+    """k and the modelled slowdown for a large GPT, planned on the meta device (nothing is allocated)."""
+    from zbcompile.api import model_stage_placement
+    from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
+    from zbcompile.passes.analysis.offload_plan import DEVICES, least_peaks, plan_offload
+    from zbcompile.passes.lower import lower_all
+    from zbcompile.passes.schedules import generate
+    from zbcompile.split import split_model
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=32000, seq=seq, d=d, heads=d // 128, layers=layers, dropout=0.0))
+        x = torch.zeros(1, seq, dtype=torch.long)
+    sched = generate(SCHEDULE, pp, 2 * pp)
+    staged = split_model(model, loss_fn, (x, x), num_stages=sched.num_model_stages,
+                         placement=model_stage_placement(sched))
+    programs = lower_all(sched, staged)
+    rows = []
+    for name in ("h100", "a100"):
+        dev = DEVICES[name]
+        report = plan_offload(programs, least_peaks(programs), device=dev)
+        paper = 10 / (3 * (6 * d + seq)) * dev.flops / dev.copy_bandwidth
+        for r in report:
+            rows.append([name, r.rank, f"{r.offloaded_bytes / 2**30:.2f}", f"{r.peak_before / 2**30:.2f}",
+                         f"{r.peak_after / 2**30:.2f}", f"{r.k:.2f}", f"{paper:.2f}", f"{r.slowdown:.3f}"])
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    args = ap.parse_args(argv)
+    cfg = dict(model="gpt", d=128, layers=8, heads=4, seq=256, vocab=512, mbs=2, n_mb=8, seed=0,
+               threads_per_rank=1, warmup=1, warmup_s=0.0, steps=args.steps, max_measure_s=60.0,
+               our_split="auto", split="balanced")
+    tmp = tempfile.mkdtemp(prefix="bench_offload_", dir="/tmp")
+    started = time.time()
+    rounds: dict[str, list] = {}
+    for rnd in range(args.rounds):
+        for mode in CONFIGS if rnd % 2 == 0 else tuple(reversed(CONFIGS)):
+            ranks = run(cfg, mode, tmp, args.timeout)
+            errors = [r["error"] + "\n" + r.get("traceback", "")[-1500:] for r in ranks if r.get("error")]
+            rounds.setdefault(mode, []).append(ranks)
+            step = med([max(a, b) for a, b in zip(ranks[0].get("step_s", []), ranks[1].get("step_s", []))])
+            print(f"[{time.time() - started:6.0f}s] round {rnd} {mode}: {1e3 * step:.0f} ms/step "
+                  f"{errors[0] if errors else ''}", flush=True)
+    best = {}
+    for mode, rs in rounds.items():
+        meds = [(med([max(a, b) for a, b in zip(r[0]["step_s"], r[1]["step_s"])]), r) for r in rs
+                if all("step_s" in x for x in r)]
+        if meds:
+            best[mode] = min(meds, key=lambda t: t[0])
+    rows = []
+    for mode in CONFIGS:
+        if mode not in best:
+            rows.append([mode, "failed"])
+            continue
+        step, ranks = best[mode]
+        for r in ranks:
+            rows.append([mode, r["rank"], f"{1e3 * step:.0f}", f"{best['none'][0] / step:.2f}x" if "none" in best
+                         else "", f"{r.get('budget', 0) / 2**20:.2f}", f"{r['plain_total'] / 2**20:.2f}",
+                         f"{r['planned_total'] / 2**20:.2f}", f"{r['planned_step'] / 2**20:.2f}",
+                         f"{r['measured_step'] / 2**20:.2f}", f"{r.get('offloaded_bytes', 0) / 2**20:.2f}",
+                         f"{r['loss']:.5f}"])
+    print(tabulate(rows, headers=["offload", "rank", "ms/step", "speed vs none", "budget MiB", "peak MiB w/o",
+                                  "planned peak MiB", "planned step MiB", "measured step MiB", "moved MiB",
+                                  "loss"]))
+    print()
+    pred = predicted()
+    print(tabulate(pred, headers=["device", "rank", "GiB moved", "peak GiB w/o", "peak GiB with", "k model",
+                                  "k paper formula", "modelled slowdown"]))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(cfg=cfg, rounds=rounds, predicted=pred), fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

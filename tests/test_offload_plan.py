@@ -1,0 +1,94 @@
+"""The offload planner (passes/analysis/offload_plan.py): budgets, the selective order, errors, the time model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.models import gpt
+from zbcompile.api import model_stage_placement
+from zbcompile.passes.analysis.memory import rank_memory
+from zbcompile.passes.analysis.offload_plan import (DEVICES, Device, OffloadError, _by_lifespan, compute_time,
+                                                    least_peaks, plan_offload)
+from zbcompile.passes.lower import OffloadChoice, insert_offload, lower_all
+from zbcompile.passes.lower.offload import offload_candidates
+from zbcompile.passes.schedules import generate
+from zbcompile.split import split_model
+
+
+@pytest.fixture(scope="module")
+def programs():
+    case = gpt(layers=8, batch=8, seq=16)
+    sched = generate("zb-h1", 2, 8)
+    staged = split_model(case.model, case.loss_fn, case.example, num_stages=sched.num_model_stages,
+                         placement=model_stage_placement(sched))
+    return lower_all(sched, staged)
+
+
+def test_budget_between_floor_and_plain_is_met_by_the_longest_lived(programs):
+    floor = least_peaks(programs)
+    plain = [rank_memory(p).peak_total_bytes for p in programs]
+    assert floor[0] < plain[0]
+    budget = [p - (p - f) // 4 for f, p in zip(floor, plain)]   # a quarter of what offload can save
+    report = plan_offload(programs, budget)
+    for r, p in zip(report, programs):
+        assert r.peak_after <= budget[r.rank] and r.peak_before == plain[r.rank]
+        assert rank_memory(insert_offload(p, r.choice)).peak_total_bytes == r.peak_after
+    # rank 0 offloads a strict subset: the forwards whose saved tensors wait longest for their backward
+    chosen = report[0].choice.units
+    order = _by_lifespan(programs[0], DEVICES["h100"])
+    assert chosen and len(chosen) < len([u for u, c in offload_candidates(programs[0]).items() if c])
+    assert chosen == set(order[:len(chosen)])
+
+
+def test_generous_budget_offloads_nothing(programs):
+    report = plan_offload(programs, 10 ** 12)
+    assert all(r.choice.units == frozenset() and r.offloaded_bytes == 0 and r.slowdown == 1.0 for r in report)
+
+
+def test_budget_below_the_floor_names_the_smallest_that_works(programs):
+    floor = least_peaks(programs)
+    with pytest.raises(OffloadError) as e:
+        plan_offload(programs, min(floor) // 2)
+    assert f"at least {max(floor)} bytes" in str(e.value) and "too small" in str(e.value)
+    plan_offload(programs, max(floor))   # exactly the floor fits
+
+
+@pytest.mark.parametrize("bad", [-5, 0, "lots", [1, 2, 3], True])
+def test_bad_budgets_are_refused(programs, bad):
+    with pytest.raises(OffloadError, match="budget|offload="):
+        plan_offload(programs, bad)
+
+
+def test_auto_offloads_only_what_the_time_model_hides(programs):
+    fast = Device("fast copies", 1e9, 1e9, 1e15)     # copies take no time: everything is free
+    slow = Device("slow copies", 1e15, 1e15, 1e3)    # copies take forever: nothing is
+    everything = plan_offload(programs, "auto", device=fast)
+    nothing = plan_offload(programs, "auto", device=slow)
+    assert everything[0].offloaded_bytes > 0 and everything[0].slowdown <= 1.01
+    assert all(r.offloaded_bytes == 0 for r in nothing)
+
+
+def test_time_model_stalls_on_slow_copies(programs):
+    p = programs[0]
+    slow = Device("slow copies", 1e12, 1e12, 1e6)
+    off = insert_offload(p, OffloadChoice(None, 0))
+    assert compute_time(off, slow) > compute_time(p, slow)
+    assert compute_time(off, DEVICES["h100"]) >= compute_time(p, DEVICES["h100"])
+    report = plan_offload(programs, least_peaks(programs), device=slow)
+    assert report[0].k > 1 and report[0].slowdown > 1
+
+
+def test_inspect_offload_cli():
+    out = subprocess.run([sys.executable, "-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp",
+                          "2", "--schedule", "zb-h1", "--memory", "--offload", "2200000"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "activation offload for 2200000" in out.stdout and "k = To/Tc" in out.stdout
+    assert "peak total MiB" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp",
+                          "2", "--schedule", "zb-h1", "--offload", "1000"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode != 0 and "smallest" not in bad.stdout and "at least" in bad.stderr
