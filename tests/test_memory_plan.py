@@ -148,3 +148,17 @@ def test_plan_matches_cuda_allocator(offload):
     whole = torch.cuda.max_memory_allocated() - base
     planned = [p.peak_total_bytes for p in plan.ranks]
     assert 0.9 * max(planned) <= whole <= 1.1 * sum(planned), (whole, planned)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_plan_matches_measured_peak_with_vocabulary_parallelism(name):
+    """The collectives' buffers (all-gather results, broadcast receivers) are in the plan too."""
+    torch.set_num_threads(1)
+    case = gpt(layers=4, batch=4, seq=16)
+    sched = generate(name, 2, 4, vocab=True)
+    staged = split_model(case.model, case.loss_fn, case.example, num_stages=sched.num_model_stages,
+                         placement=model_stage_placement(sched), vocab_shards=2)
+    plan = memory_plan(lower_all(sched, staged))
+    _, _, runtimes = run_threaded(case.model, staged, sched, _batch(case, 4), then=(_batch(case, 4),), measure=True)
+    for r, rt in enumerate(runtimes):
+        assert abs(plan[r].peak_dynamic_bytes - rt.measured.peak) <= 0.10 * rt.measured.peak, (r, plan.table())

@@ -21,6 +21,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 __all__ = ["LoopbackWorld", "LoopbackGroup", "LoopbackCollectives"]
 
 
+def _wire_copy(t):
+    """A copy standing in for the data on the wire: a memory tracker on this thread must not count it (gloo and
+    NCCL send straight from the tensor, into the receiver's own buffer)."""
+    with _disable_current_modes():
+        return t.clone()
+
+
 class _Work:
     def __init__(self, event: threading.Event | None = None, after=None, keep=None):
         # keep: the sent tensor, held as long as the work is, as gloo's send work holds it
@@ -73,10 +80,7 @@ class LoopbackGroup:
 
     def send(self, tensors, dst: int, tag: int):
         slot = self._slot((self.rank_, dst, tag))
-        # the copy in the mailbox stands in for the wire: a memory tracker on this thread must not count it
-        # (gloo and NCCL send straight from the tensor)
-        with _disable_current_modes():
-            slot[1] = tensors[0].clone()
+        slot[1] = _wire_copy(tensors[0])
         slot[0].set()
         return _Work(keep=tensors[0])
 
@@ -94,7 +98,7 @@ class LoopbackGroup:
     # ---- posted collectives (zbcompile.runtime.abi.collective) ------------------------------------------------
     def broadcast(self, tensors, options):
         root = options.rootRank
-        return self._post(tensors[0].clone() if self.rank_ == root else None,
+        return self._post(_wire_copy(tensors[0]) if self.rank_ == root else None,
                           lambda parts: tensors[0].copy_(parts[root]) if self.rank_ != root else None)
 
     def reduce(self, tensors, options):
@@ -102,11 +106,12 @@ class LoopbackGroup:
 
         def land(parts):
             if self.rank_ == root:   # in rank order, like a reduction tree would not promise but tests want
-                total = parts[0].clone()
-                for r in range(1, self.world.size):
-                    total += parts[r]
+                total = _wire_copy(parts[0])
+                with _disable_current_modes():
+                    for r in range(1, self.world.size):
+                        total += parts[r]
                 tensors[0].copy_(total)
-        return self._post(tensors[0].clone(), land)
+        return self._post(_wire_copy(tensors[0]), land)
 
     def _post(self, part, land):
         world = self.world
@@ -127,7 +132,7 @@ class LoopbackGroup:
         return _Work(slot["event"], finish)
 
     def allgather(self, outputs, inputs):
-        self.world.gathered[self.rank_] = inputs[0].clone()
+        self.world.gathered[self.rank_] = _wire_copy(inputs[0])
         self.world.barrier.wait()
         for out, val in zip(outputs[0], self.world.gathered):
             out.copy_(val)
@@ -142,4 +147,4 @@ class LoopbackCollectives(LoopbackGroup):
         def land(parts):
             for out, r in zip(outputs[0], range(self.world.size)):
                 out.copy_(parts[r])
-        return self._post(inputs[0].clone(), land)
+        return self._post(_wire_copy(inputs[0]), land)
