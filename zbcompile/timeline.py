@@ -242,16 +242,21 @@ def svg_memory(plan, *, width: int = 1000, row_h: int = 120, title: str | None =
         out.append(f'<text x="{left - 8}" y="{y0 - row_h / 2 + 15:.1f}" font-size="10" text-anchor="end" '
                    f'fill="#444" {_FONT}>{rank.peak_dynamic_bytes / 2**20:.2f} MiB</text>')
         out.append(f'<rect x="{left}" y="{y0 - row_h}" width="{width}" height="{row_h}" fill="#f7f7f7"/>')
-        below = [0] * len(rank.samples)
+        samples = rank.samples
+        # only where the stack changes (most ops move no memory): a few hundred points per rank, not thousands
+        keep = [i for i, s in enumerate(samples) if i in (0, len(samples) - 1) or s.after != samples[i - 1].after
+                or s.after != samples[i + 1].after]
+        below = [0] * len(keep)
         for c, cat in enumerate(CATEGORIES):
-            above = [b + s.after[c] for b, s in zip(below, rank.samples)]
-            if any(s.after[c] for s in rank.samples):
-                pts = [(x(i), y(a)) for i, a in enumerate(above)] + [(x(i), y(b)) for i, b in
-                                                                      reversed(list(enumerate(below)))]
+            above = [b + samples[i].after[c] for b, i in zip(below, keep)]
+            if any(s.after[c] for s in samples):
+                pts = [(x(i), y(a)) for i, a in zip(keep, above)] + [(x(i), y(b)) for i, b in
+                                                                      reversed(list(zip(keep, below)))]
                 out.append(f'<polygon points="{" ".join(f"{px:.1f},{py:.1f}" for px, py in pts)}" '
                            f'fill="{_MEMORY_COLOURS[cat]}" fill-opacity="0.85"><title>{cat}</title></polygon>')
             below = above
-        line = " ".join(f"{x(i):.1f},{y(s.peak):.1f}" for i, s in enumerate(rank.samples))
+        line = " ".join(f"{x(i):.1f},{y(s.peak):.1f}" for i, s in enumerate(samples)
+                        if i in (0, len(samples) - 1) or s.peak != samples[i - 1].peak or s.peak != samples[i + 1].peak)
         out.append(f'<polyline points="{line}" fill="none" stroke="#222" stroke-width="0.8"/>')
         px, py = x(rank.peak_op), y(rank.peak_dynamic_bytes)
         out.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3.5" fill="#d00"><title>peak '

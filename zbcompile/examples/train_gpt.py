@@ -57,6 +57,15 @@ def tiny():
     return GPT(cfg), loss_fn, (x, y)
 
 
+def uniform():
+    """A GPT of 16 equal blocks (little besides them): the model whose memory plans the README compares across
+    schedules (`zbcompile inspect zbcompile.examples.train_gpt:uniform --pp 4 --schedule v-half --memory`)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=32, d=64, heads=4, layers=16)
+    x, y = next(batches(corpus_tokens() % cfg.vocab, 2, cfg.seq, seed=0))
+    return GPT(cfg), loss_fn, (x, y)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schedule", default="zb-h1")
