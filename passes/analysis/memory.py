@@ -276,10 +276,6 @@ class _State:
             else:
                 self._recategorize(s)
 
-    def only_held_by(self, sid: int, values: set[str]) -> bool:
-        refs = self.refs.get(sid)
-        return refs is not None and sid not in self.pinned and refs <= values
-
     def _recategorize(self, sid: int) -> None:
         new = min((_category(v) for v in self.refs[sid]), default=_OTHER)
         if sid in self.pinned:
@@ -293,6 +289,9 @@ class _State:
     @property
     def live(self) -> int:
         return sum(self.totals)
+
+
+_IN_GRAPH = "\0in-graph"   # a pseudo value: a running graph's hold on the inputs its outputs may alias
 
 
 def _category(value: str) -> int:
@@ -372,13 +371,11 @@ class _Walk:
         for k, v in enumerate(op.ins):
             positions[v] = positions.get(v, 0) + 1
         in_sids = [st.of.get(v, ()) for v in op.ins]   # before the graph releases any of them
+        # an output may alias an input (the in-place sums of an accumulating W): that input's memory stays
+        # until the output is bound, however early the graph drops the input itself
         aliased = {r for roots in prof.outputs for r in roots if isinstance(r, int)}
-        held = {s for k in aliased for s in in_sids[k]}
-        for s in held:   # outputs may alias inputs (in-place sums): an input's memory outlives it until bound
-            if s in st.refs:
-                st.refs[s].add("\0run")
-        live = st.live
-        peak, split, workspace = live, tuple(st.totals), 0
+        st.bind(_IN_GRAPH, (s for k in aliased for s in in_sids[k]))
+        peak, split, workspace = st.live, tuple(st.totals), 0
         gone: dict[str, int] = {}
         for born, dead, inputs_done in prof.steps:
             workspace += born
@@ -408,8 +405,7 @@ class _Walk:
                         fresh_sids[r] = st.new(prof.fresh[r])
                     sids.append(fresh_sids[r])
             st.bind(v, sids)
-        st.of["\0run"] = tuple(held)
-        st.release("\0run")
+        st.release(_IN_GRAPH)
         return peak, split
 
     # ---- every other op kind, by its spec ----
