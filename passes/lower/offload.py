@@ -225,12 +225,15 @@ def _roots_in_several(roots: list[frozenset], storages) -> frozenset:
 
 
 def _group(nodes, saved: tuple[int, ...], others: tuple[int, ...]) -> _Group | None:
-    """The group of storage views `saved`, or None where a size is symbolic (a slot needs a static size)."""
+    """The group of storage views `saved`, or None where a size is symbolic (a slot needs a static size) or a
+    view's dtype does not tile the storage's bytes (the runtime reads the bytes back as that dtype)."""
     vals = [nodes[k].meta["val"] for k in saved]
     nbytes = vals[0].untyped_storage().nbytes()
     views = tuple(View(TensorType(tuple(v.shape), v.dtype, tuple(v.stride())), v.storage_offset()) for v in vals)
     static = [nbytes] + [v.offset for v in views] + [d for v in views for d in v.type.shape + v.type.stride]
     if not all(isinstance(d, int) for d in static) or nbytes == 0:
+        return None
+    if any(nbytes % v.type.dtype.itemsize for v in views):
         return None
     return _Group(saved, views, others, TensorType((nbytes,), torch.uint8))
 

@@ -83,7 +83,8 @@ class Stream(str, enum.Enum):
 class TensorType(NamedTuple):
     """Shape and dtype of a tensor the program allocates or moves (receive buffers, messages, host slots);
     `stride` where the layout matters too (the views WAIT_RELOAD makes: a reloaded tensor must have the
-    strides the backward graph was traced with), else None. Printed `[4, 8] float32` or `[4, 8] float32 stride (8, 1)`."""
+    strides the backward graph was traced with), else None. Printed `[4, 8] float32` or
+    `[4, 8] float32 stride (8, 1)`."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
