@@ -16,16 +16,17 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from models import gpt, mlp
 from threaded import max_grad_error, param_holders, run_threaded
+from zbcompile._torch_private import StorageWeakRef
 from zbcompile.errors import UsageError
-from zbcompile.passes.analysis.aliases import graph_output_owned, view_base
+from zbcompile.passes.analysis.memory import CATEGORIES, rank_memory
 from zbcompile.passes.lower import OffloadChoice, check_streams, lower_all, validate_programs
 from zbcompile.passes.lower.buffers import static_recv_buffers
 from zbcompile.passes.lower.offload import assign_host_slots, insert_offload, offload_candidates
 from zbcompile.passes.lower.streams import _edges, stream_cycle
 from zbcompile.passes.schedules import generate
 from zbcompile.program import ProgramGraph, RankProgram
-from zbcompile.program.ops import Message, Op, OpKind, RunArgs, SendArgs, Stream, TensorType
-from zbcompile.program.values import parse
+from zbcompile.program.ops import Message, Op, OpKind, RunArgs, SendArgs, Stream, TensorType, View
+from zbcompile.program.values import Role, parse
 from zbcompile.schedule import Action
 from zbcompile.split import split_model
 
@@ -70,23 +71,31 @@ def _check_against_eager(name: str, pp: int, model_name: str, choice: OffloadCho
     return runtimes
 
 
+SCHEDULES = ("1f1b", "zb-h1", "zbv", "interleaved-1f1b", "dualpipev")
+
+
 @pytest.mark.parametrize("prefetch", [1, 0])
-@pytest.mark.parametrize("model_name,name,pp", [
-    ("gpt", "1f1b", 2), ("gpt", "zb-h1", 2), ("gpt", "zbv", 2), ("gpt", "interleaved-1f1b", 2),
-    ("gpt", "dualpipev", 2), ("gpt", "1f1b", 4), ("gpt", "zbv", 4),
-    ("mlp", "1f1b", 2), ("mlp", "zbv", 2), ("mlp", "dualpipev", 2), ("mlp", "zb-h1", 4)])
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("model_name", ["gpt", "mlp"])
 def test_offloaded_step_matches_eager(model_name, name, pp, prefetch):
     choice = OffloadChoice(prefetch=prefetch, min_bytes=0)
     runtimes = _check_against_eager(name, pp, model_name, choice)
     assert sum(len(rt.ir.of_kind(OpKind.OFFLOAD)) for rt in runtimes) > 0, "nothing was offloaded"
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "dualpipev"])
+def test_waiting_for_the_offload_one_action_later_matches_eager(name):
+    _check_against_eager(name, 2, "gpt", OffloadChoice(prefetch=1, min_bytes=0, wait_after=1))
+
+
 def test_two_steps_reuse_the_host_pool():
     """The pool is made once per runtime and serves both steps; gradients accumulate as in eager."""
     runtimes = _check_against_eager("zbv", 2, "gpt", EVERY, steps=2)
     for rt in runtimes:
-        assert [(tuple(h.shape), h.dtype, h.stride()) for h in rt.ctx.host] == \
-            [(t.shape, t.dtype, t.stride) for t in rt.ir.host_buffers]
+        # one flat byte slot per storage
+        assert [(tuple(h.shape), h.dtype) for h in rt.ctx.host] == [(t.shape, t.dtype) for t in rt.ir.host_buffers]
+        assert all(t.dtype is torch.uint8 and len(t.shape) == 1 for t in rt.ir.host_buffers)
         assert rt.ctx.copy_stream is None   # CPU: the copies run at once
 
 
@@ -107,7 +116,7 @@ def test_host_slots_are_reused_and_never_shared_while_busy():
             elif op.kind is OpKind.RELOAD:
                 assert p.host_buffers[op.args.slot] == op.args.type and op.outs[0] in waits
             elif op.kind is OpKind.WAIT_RELOAD:
-                slot = next(s for s, v in busy.items() if op.outs[0] == f"re.{v}")
+                slot = next(s for s, v in busy.items() if op.ins[0] == f"h:re.{v}")
                 del busy[slot]
         assert not busy
         assert assign_host_slots(p) == p   # the colouring is stable
@@ -133,21 +142,26 @@ def test_offloaded_programs_round_trip_through_text(name):
         bare = RankProgram.from_text(text)
         assert bare.ops == p.ops and bare.host_buffers == p.host_buffers and bare.to_text() == text
         if p.host_buffers:
-            assert "host pool" in p.header() and "\nhost 0 = [" in text and " stride (" in text
+            assert "host pool" in p.header() and "\nhost 0 = [" in text and " uint8\n" in text
+            assert all(len(op.outs) == len(op.args.views) for op in bare.of_kind(OpKind.WAIT_RELOAD))
+            assert " stride (" in text and ") at " in text   # each reloaded view's layout and offset
             assert p.passes[-1] == "insert_offload"
 
 
-def test_the_four_ops_sit_around_f_and_the_backward():
-    """Per offloaded value: OFFLOAD after its F, WAIT_OFFLOAD before the next RUN, RELOAD `prefetch` RUN ops
-    before the first reader (never before the wait), WAIT_RELOAD right before it; later readers read the new
-    name; the original is freed right after its offload and never read again."""
+@pytest.mark.parametrize("wait_after", [0, 1])
+def test_the_four_ops_sit_around_f_and_the_backward(wait_after):
+    """Per offloaded storage: OFFLOAD of all its saved views after its F, WAIT_OFFLOAD before the RUN op
+    `wait_after` places after F's next one (before the reader's previous RUN at the latest), RELOAD `prefetch`
+    RUN ops before the first reader (never before the wait), WAIT_RELOAD of every view right before it;
+    later readers read the new names; the originals are freed right after the offload and never read again."""
     for prefetch in (0, 1, 2):
-        for p in _programs("1f1b", 4, 8, offload=OffloadChoice(prefetch=prefetch, min_bytes=0)):
+        choice = OffloadChoice(prefetch=prefetch, min_bytes=0, wait_after=wait_after)
+        for p in _programs("1f1b", 4, 8, offload=choice):
             run_at = [i for i, op in enumerate(p.ops) if op.kind is OpKind.RUN]
             where = {}
-            for i, op in enumerate(p.ops):
+            for i, op in enumerate(p.ops):   # each storage's four ops, by the name of its first view
                 if op.kind in (OpKind.OFFLOAD, OpKind.WAIT_OFFLOAD, OpKind.RELOAD, OpKind.WAIT_RELOAD):
-                    name = (op.ins or op.outs)[0].split(".", 1)[1] if op.kind is not OpKind.OFFLOAD else op.ins[0]
+                    name = op.ins[0] if op.kind is OpKind.OFFLOAD else (op.outs or op.ins)[0].split(".", 1)[1]
                     where[(op.kind, name)] = i
             for (kind, v), off in list(where.items()):
                 if kind is not OpKind.OFFLOAD:
@@ -156,51 +170,110 @@ def test_the_four_ops_sit_around_f_and_the_backward():
                 runs_between = lambda a, b: sum(a < j < b for j in run_at)  # noqa: E731
                 f = max(j for j in run_at if j < off)
                 reader = min(j for j in run_at if j > back)
-                assert v in p.ops[f].outs and f"re.{v}" in p.ops[reader].ins
+                views = p.ops[off].ins
+                assert p.ops[back].outs == tuple(f"re.{x}" for x in views)
+                assert set(views) <= set(p.ops[f].outs) and set(p.ops[back].outs) & set(p.ops[reader].ins)
                 assert off < wait < reload < back < reader
-                assert runs_between(f, wait) == 0 and runs_between(back, reader) == 0
+                assert runs_between(f, wait) == min(wait_after, runs_between(f, reader) - 1)
+                assert runs_between(back, reader) == 0
                 assert runs_between(wait, reload) >= 1   # off the device during at least one RUN
                 assert runs_between(reload, back) == min(prefetch, runs_between(wait, back) - 1)
-                readers = [i for i, op in enumerate(p.ops) if v in op.ins]
-                assert p.ops[readers[-1]].kind is OpKind.FREE
-                assert all(p.ops[j].kind is OpKind.OFFLOAD for j in range(off + 1, readers[-1]))
+                for x in views:
+                    readers = [i for i, op in enumerate(p.ops) if x in op.ins]
+                    assert p.ops[readers[-1]].kind is OpKind.FREE
+                    assert all(p.ops[j].kind is OpKind.OFFLOAD for j in range(off, readers[-1]))
 
 
 def test_params_views_of_inputs_and_small_tensors_stay():
-    """A candidate is its F graph's own fresh memory (no input or view of one, nothing shared with another
-    output; a view of an intermediate nothing else returns may go), at least min_bytes."""
+    """A candidate is one fresh storage of its F graph (no input, parameter or view of one) with every saved
+    output on it, at least min_bytes; its views' layouts are the traced ones."""
     for p in lower_all(generate("1f1b", 2, 4), _split("gpt", 2)[3]):
         for found in offload_candidates(p, min_bytes=0).values():
             for c in found:
                 f = p.ops[c.f_index]
                 gm = p.graph(f).gm
-                k = f.outs.index(c.value)
-                node = next(iter(gm.graph.find_nodes(op="output"))).args[0][k]
-                assert view_base(node).op != "placeholder" and graph_output_owned(gm)[k], c
+                nodes = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+                vals = {v: n.meta["val"] for v, n in zip(f.outs, nodes)}
+                storage = vals[c.value].untyped_storage()
+                inputs = {_key(n.meta["val"]) for n in gm.graph.find_nodes(op="placeholder")}
+                assert _key(vals[c.value]) not in inputs, c
+                on_it = [v for v, t in vals.items() if _key(t) == _key(vals[c.value])]
+                assert [v for v in on_it if parse(v).role is Role.SAVED] == list(c.values)
+                assert c.nbytes == storage.nbytes() == c.type.nbytes and c.type.dtype is torch.uint8
+                assert [(tuple(vals[v].shape), vals[v].stride(), vals[v].storage_offset()) for v in c.values] == \
+                    [(w.type.shape, w.type.stride, w.offset) for w in c.views]
         every = sum(map(len, offload_candidates(p, min_bytes=0).values()))
         for limit, found in ((256, offload_candidates(p, min_bytes=256)), (4096, offload_candidates(p))):
             assert all(c.nbytes >= limit for cs in found.values() for c in cs)   # 4096: the default
             assert sum(map(len, found.values())) < every
 
 
-def _hand_made_program() -> RankProgram:
-    """F of microbatches 0 and 1, then the backward of microbatch 0; a send reads microbatch 1's `big`."""
-    def f(w, x):
-        y = torch.mm(x, w)           # [8, 8] fresh, but `v` is a view of it: shared
-        big = torch.relu(y) * 2      # [8, 8] fresh, its own memory
-        # dense but transposed: stride (1, 8), its own memory; every other column: gaps, stays
-        return torch.tanh(y), w, x.view(-1), y, y.t(), x.sum(0), big, (y + 1).t(), (y + 2)[:, ::2]
+def _key(val: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(val.untyped_storage())   # equal for every view of one (fake) storage
 
-    gm = make_fx(f)(torch.randn(8, 8), torch.randn(8, 8))
-    outs = ("act:z", "saved:w", "saved:xv", "saved:y", "saved:v", "saved:small", "saved:big", "saved:bigt",
-            "saved:gaps")
+
+def test_most_saved_storage_of_a_gpt_stage_may_go():
+    """On the GPT, F saves views (q, k, v of one matmul, transposes, the activation it also sends): by storage,
+    every fresh storage F saves may go, and the storages left are the inputs' (the parameters' views `t`)."""
+    for p in lower_all(generate("1f1b", 2, 4), _split("gpt", 2)[3]):
+        f = next(op for op in p.ops if op.action is not None and op.action.kind.name == "F")
+        gm = p.graph(f).gm
+        nodes = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        inputs = {_key(n.meta["val"]) for n in gm.graph.find_nodes(op="placeholder")}
+        saved = {_key(n.meta["val"]): n.meta["val"].untyped_storage().nbytes()
+                 for v, n in zip(p.graph(f).outputs, nodes) if parse(v).role is Role.SAVED}
+        fresh = sum(b for s, b in saved.items() if s not in inputs)
+        may = sum(c.nbytes for c in offload_candidates(p, 0)[(f.action.stage, f.action.microbatch)])
+        # all of it (by tensor, 20 to 30% could go); what stays are the parameters' storages and the batch's
+        assert may == fresh > 0, (p.rank, may, fresh, sum(saved.values()))
+        # a storage holding several saved views goes as one: q, k and v of each attention block's qkv matmul
+        groups = [c for cs in offload_candidates(p, 0).values() for c in cs if len(c.values) >= 3]
+        assert groups and all(len({w.offset for w in c.views}) == len(c.views) for c in groups)
+
+
+def test_offloading_every_storage_halves_the_activation_peak():
+    """gpt(layers=8, batch=8, seq=16), pp=2, zb-h1, 8 microbatches, rank 0, every storage offloaded and
+    reloaded just in time: the planned peak of saved and boundary tensors falls to ~51% of the peak without
+    offload (by tensor it was ~63%), and what stays at the peak is one microbatch's saved storage, the one its
+    W reads. The whole peak falls to ~82% (by tensor ~86%): a third of it is the resident parameters and
+    another third their gradient sums, which offload does not move."""
+    model, loss_fn, (x, y), _ = gpt(layers=8, batch=8, seq=16)
+    staged = split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=2)
+    plain = lower_all(generate("zb-h1", 2, 8), staged)[0]
+    before = rank_memory(plain)
+    after = rank_memory(insert_offload(plain, OffloadChoice(None, 0, min_bytes=0)))
+    assert after.peak_activation_bytes <= 0.55 * before.peak_activation_bytes, \
+        (after.peak_activation_bytes, before.peak_activation_bytes)
+    assert after.peak_total_bytes <= 0.85 * before.peak_total_bytes, (after.peak_total_bytes, before.peak_total_bytes)
+    one_unit = sum(c.nbytes for c in offload_candidates(plain, 0)[(0, 0)])
+    assert after.peak_split[CATEGORIES.index("saved")] <= one_unit
+
+
+def _hand_made_program(tracing_mode: str = "fake") -> RankProgram:
+    """F of microbatches 0 and 1, then their backwards. Microbatch 0's activation z is sent, microbatch 1's is
+    read by the next stage's F on this rank; a send also reads microbatch 1's `big`."""
+    def f(w, x):
+        y = torch.mm(x, w)           # [8, 8] fresh; saved y and its transpose v share it: one storage
+        z = torch.tanh(y)            # the activation z and the saved view zv share one storage
+        big = torch.relu(y) * 2      # [8, 8] fresh, its own memory
+        # transposed: stride (1, 8); every other column of an intermediate nothing else returns: the storage
+        # goes whole
+        return z, z.view(-1), w, x.view(-1), y, y.t(), x.sum(0), big, (y + 1).t(), (y + 2)[:, ::2]
+
+    # traced on FakeTensors, as the stage graphs are: a view's meta["val"] shares its base's storage
+    gm = make_fx(f, tracing_mode=tracing_mode)(torch.randn(8, 8), torch.randn(8, 8))
+    outs = ("act:z", "saved:zv", "saved:w", "saved:xv", "saved:y", "saved:v", "saved:small", "saved:big",
+            "saved:bigt", "saved:gaps")
     graphs = {"f": ProgramGraph(gm, ("param:w", "data:0"), outs),
+              "g": ProgramGraph(make_fx(lambda z: (torch.sin(z),))(torch.randn(8, 8)), ("act:z",), ("act:o",)),
               "b": ProgramGraph(None, outs[1:], ("grad:param:w",))}
     ops = []
     for mb in (0, 1):
         ops.append(_run(f"0F{mb}", "f", ("param:w", f"mb{mb}.data:0"), tuple(f"s0.mb{mb}.{o}" for o in outs)))
-    ops.append(_op(OpKind.SEND, ("s0.mb1.saved:big",), ("h:send0",), SendArgs((Message(1, 0, TensorType((8, 8),
-                                                                                          torch.float32)),))))
+    t = TensorType((8, 8), torch.float32)
+    ops.append(_op(OpKind.SEND, ("s0.mb0.act:z",), ("h:send0",), SendArgs((Message(1, 0, t),))))
+    ops.append(_op(OpKind.SEND, ("s0.mb1.saved:big",), ("h:send1",), SendArgs((Message(1, 1, t),))))
+    ops.append(_run("1F1", "g", ("s0.mb1.act:z",), ("s1.mb1.act:o",)))
     ops.append(_run("0B0", "b", tuple(f"s0.mb0.{o}" for o in outs[1:]), ("s0.mb0.grad:param:w",)))
     ops.append(_run("0B1", "b", tuple(f"s0.mb1.{o}" for o in outs[1:]), ("s0.mb1.grad:param:w",)))
     ops.append(_op(OpKind.FREE, ("s0.mb0.saved:big",)))
@@ -217,40 +290,78 @@ def _op(kind, ins, outs=(), args=None):
 
 
 def test_offload_candidates_on_a_hand_made_graph():
-    """Only `big` and `bigt` of microbatch 0 may go: w is a parameter, xv a view of the input, y and v share
-    memory, small is below min_bytes, gaps has holes in its layout, and microbatch 1's big is read by a send
-    (its bigt may go)."""
+    """By storage: microbatch 0's y and its transpose v go as one storage, zv goes though the activation z on
+    its storage is sent (the send holds the original), big, bigt and gaps (the whole storage of its
+    intermediate) go; w is a parameter, xv a view of the input, small is below min_bytes. Microbatch 1's big
+    is read by a send and its z by a RUN op (the next stage's F): those storages stay."""
     program = _hand_made_program()
     before = program.to_text()
     found = offload_candidates(program, min_bytes=64)
-    assert set(found) == {(0, 0), (0, 1)} and [c.value for c in found[(0, 1)]] == ["s0.mb1.saved:bigt"]
-    c, t = found[(0, 0)]
-    assert c.value == "s0.mb0.saved:big" and c.nbytes == 256 and (c.f_index, c.reader_index) == (0, 3)
-    assert c.type == TensorType((8, 8), torch.float32, (8, 1))
-    assert t.value == "s0.mb0.saved:bigt" and t.type == TensorType((8, 8), torch.float32, (1, 8))
-    assert {x.value for x in offload_candidates(program, min_bytes=0)[(0, 0)]} == {
-        "s0.mb0.saved:big", "s0.mb0.saved:bigt", "s0.mb0.saved:small"}
+    assert set(found) == {(0, 0), (0, 1), (1, 1)} and found[(1, 1)] == ()   # 1F1 saves nothing
+    assert [c.values for c in found[(0, 1)]] == [("s0.mb1.saved:y", "s0.mb1.saved:v"), ("s0.mb1.saved:bigt",),
+                                                 ("s0.mb1.saved:gaps",)]
+    zv, yv, big, bigt, gaps = found[(0, 0)]
+    assert [c.value for c in found[(0, 0)]] == [f"s0.mb0.saved:{v}" for v in ("zv", "y", "big", "bigt", "gaps")]
+    assert yv.values == ("s0.mb0.saved:y", "s0.mb0.saved:v") and yv.nbytes == 256
+    assert yv.views == (View(TensorType((8, 8), torch.float32, (8, 1)), 0),
+                        View(TensorType((8, 8), torch.float32, (1, 8)), 0))
+    assert gaps.views == (View(TensorType((8, 4), torch.float32, (8, 2)), 0),) and gaps.nbytes == 256
+    assert all(c.type == TensorType((256,), torch.uint8) and (c.f_index, c.reader_index) == (0, 5)
+               for c in found[(0, 0)])
+    assert [c.value for c in offload_candidates(program, min_bytes=0)[(0, 0)]][2] == "s0.mb0.saved:small"
+    # traced on real tensors, every value's meta["val"] has a storage of its own: where the alias roots say
+    # that outputs on two traced storages share memory (y and v, z and zv), neither storage may go
+    real = offload_candidates(_hand_made_program("real"), min_bytes=64)
+    assert [c.values for c in real[(0, 0)]] == [(f"s0.mb0.saved:{v}",) for v in ("big", "bigt", "gaps")]
 
     after = insert_offload(program, OffloadChoice(units=frozenset({(0, 0)}), prefetch=0, min_bytes=64)).check()
     assert program.to_text() == before   # pure
-    host = "[8, 8] float32 stride (8, 1)"
-    assert [str(op) for op in after.ops if op.kind is not OpKind.RUN and op.kind is not OpKind.SEND] == [
-        f"h:off.s0.mb0.saved:big = offload(s0.mb0.saved:big -> host 0 {host})    # for 0B0",
-        "h:off.s0.mb0.saved:bigt = offload(s0.mb0.saved:bigt -> host 1 [8, 8] float32 stride (1, 8))    # for 0B0",
-        "free(s0.mb0.saved:big, s0.mb0.saved:bigt)    # offloaded: each handle holds its tensor until wait_offload",
-        "wait_offload(h:off.s0.mb0.saved:big)",
-        "wait_offload(h:off.s0.mb0.saved:bigt)",
-        f"h:re.s0.mb0.saved:big = reload(host 0 {host})    # for 0B0",
-        "h:re.s0.mb0.saved:bigt = reload(host 1 [8, 8] float32 stride (1, 8))    # for 0B0",
-        "re.s0.mb0.saved:big = wait_reload(h:re.s0.mb0.saved:big)",
-        "re.s0.mb0.saved:bigt = wait_reload(h:re.s0.mb0.saved:bigt)",
-        "free(re.s0.mb0.saved:big)"]
-    assert after.host_buffers == (c.type, t.type)
+    host, mb0 = "[256] uint8", "s0.mb0.saved"
+    assert [str(op) for op in after.ops if op.kind is not OpKind.RUN] == [
+        f"h:off.{mb0}:zv = offload({mb0}:zv -> host 0 {host})    # for 0B0",
+        f"h:off.{mb0}:y = offload({mb0}:y, {mb0}:v -> host 1 {host})    # for 0B0",
+        f"h:off.{mb0}:big = offload({mb0}:big -> host 2 {host})    # for 0B0",
+        f"h:off.{mb0}:bigt = offload({mb0}:bigt -> host 3 {host})    # for 0B0",
+        f"h:off.{mb0}:gaps = offload({mb0}:gaps -> host 4 {host})    # for 0B0",
+        f"free({mb0}:zv, {mb0}:y, {mb0}:v, {mb0}:big, {mb0}:bigt, {mb0}:gaps)    # offloaded: each handle holds "
+        f"its storage until wait_offload",
+        *(f"wait_offload(h:off.{mb0}:{v})" for v in ("zv", "y", "big", "bigt", "gaps")),
+        "h:send0 = isend(s0.mb0.act:z -> 1 tag 0 [8, 8] float32)",   # the activation keeps the original
+        "h:send1 = isend(s0.mb1.saved:big -> 1 tag 1 [8, 8] float32)",
+        *(f"h:re.{mb0}:{v} = reload(host {k} {host})    # for 0B0" for k, v in enumerate(("zv", "y", "big", "bigt",
+                                                                                         "gaps"))),
+        f"re.{mb0}:zv = wait_reload(h:re.{mb0}:zv; [64] float32 stride (1,) at 0)",
+        f"re.{mb0}:y, re.{mb0}:v = wait_reload(h:re.{mb0}:y; [8, 8] float32 stride (8, 1) at 0, [8, 8] float32 "
+        f"stride (1, 8) at 0)",
+        f"re.{mb0}:big = wait_reload(h:re.{mb0}:big; [8, 8] float32 stride (8, 1) at 0)",
+        f"re.{mb0}:bigt = wait_reload(h:re.{mb0}:bigt; [8, 8] float32 stride (1, 8) at 0)",
+        f"re.{mb0}:gaps = wait_reload(h:re.{mb0}:gaps; [8, 4] float32 stride (8, 2) at 0)",
+        f"free(re.{mb0}:big)"]
+    assert after.host_buffers == (TensorType((256,), torch.uint8),) * 5
     b0 = next(op for op in after.ops if op.action == Action.parse("0B0"))
-    assert {"re.s0.mb0.saved:big", "re.s0.mb0.saved:bigt"} <= set(b0.ins)   # the backward reads the reloaded values
-    # a backward right after its F: the tensor would come back before it ever left, nothing changes
-    adjacent = program.replace(ops=(program.ops[0], program.ops[3], program.ops[5]))
+    assert {f"re.{mb0}:{v}" for v in ("zv", "y", "v", "big", "bigt", "gaps")} <= set(b0.ins)
+    # a backward right after its F: the storage would come back before it ever left, nothing changes
+    adjacent = program.replace(ops=(program.ops[0], program.ops[5], program.ops[7]))
     assert offload_candidates(adjacent.check(), 64)[(0, 0)] and insert_offload(adjacent, EVERY) == adjacent
+
+
+def test_a_storage_comes_back_with_every_view_equal():
+    """The runtime side: one offload copies the storage under several views as bytes, the reload makes one
+    storage of that size, and wait_reload makes each view again with its shape, stride and offset."""
+    from zbcompile.errors import RuntimeFailure
+    from zbcompile.runtime import abi
+
+    qkv = torch.randn(8, 3, 2, 16)                                  # one storage, 3072 bytes
+    views = (qkv[:, 0].transpose(0, 1), qkv[:, 1].transpose(0, 1), qkv[:, 2], qkv.view(-1)[5:9])
+    ctx = abi.StepContext(None, 0, torch.device("cpu"), 1.0, 0, host_buffers=(TensorType((3072,), torch.uint8),))
+    abi.wait_offload(ctx, abi.offload(ctx, 0, *views))
+    layouts = tuple((tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) for v in views)
+    back = abi.wait_reload(ctx, abi.reload(ctx, 0), layouts)
+    assert all(torch.equal(a, b) and a.stride() == b.stride() and a.storage_offset() == b.storage_offset()
+               for a, b in zip(views, back))
+    assert len({b.untyped_storage().data_ptr() for b in back}) == 1 != views[0].untyped_storage().data_ptr()
+    with pytest.raises(RuntimeFailure, match="3072"):
+        abi.offload(ctx, 0, torch.randn(4))
 
 
 def test_bad_offload_options_say_what_is_wrong():
@@ -303,8 +414,8 @@ def test_cuda_copies_run_on_a_side_stream_and_match_eager(monkeypatch):
     seen: list[tuple[bool, bool]] = []
     real_offload, real_reload = abi.offload, abi.reload
 
-    def offload(ctx, slot, tensor):
-        handle = real_offload(ctx, slot, tensor)
+    def offload(ctx, slot, *tensors):
+        handle = real_offload(ctx, slot, *tensors)
         seen.append((ctx.copy_stream is not None and ctx.copy_stream != torch.cuda.current_stream(),
                      ctx.host[slot].is_pinned() and isinstance(handle[1], torch.cuda.Event)))
         return handle

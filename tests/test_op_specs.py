@@ -16,7 +16,8 @@ from zbcompile.passes.lower.emit import Emitter
 from zbcompile.passes.schedules import GENERATORS, generate
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import (Coll, CollArgs, SPECS, AccumArgs, AccumMode, HostArgs, Message, Op, OpKind, RecvArgs,
-                                   RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync, TensorType)
+                                   RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync, TensorType, View,
+                                   ViewArgs)
 from zbcompile.runtime import abi
 from zbcompile.schedule import Action, Schedule
 from zbcompile.split import split_model
@@ -44,11 +45,14 @@ SAMPLES = {
     OpKind.COLLECTIVE: Op(OpKind.COLLECTIVE, ("v.mb1.vocab:dx",), ("h:c3",), CollArgs(Coll.REDUCE, 1, 3, _T),
                           note="microbatch 1"),
     OpKind.WAIT_COLL: Op(OpKind.WAIT_COLL, ("h:c3",), ("v.mb1.vocab:gx",)),
-    OpKind.OFFLOAD: Op(OpKind.OFFLOAD, ("s0.mb1.saved:3",), ("h:off.s0.mb1.saved:3",),
-                       HostArgs(2, TensorType((2, 8), torch.float32, (1, 2))), note="for 0B1"),
+    # one storage of 96 bytes holding two saved views, copied out and back as bytes
+    OpKind.OFFLOAD: Op(OpKind.OFFLOAD, ("s0.mb1.saved:3", "s0.mb1.saved:4"), ("h:off.s0.mb1.saved:3",),
+                       HostArgs(2, TensorType((96,), torch.uint8)), note="for 0B1"),
     OpKind.WAIT_OFFLOAD: Op(OpKind.WAIT_OFFLOAD, ("h:off.s0.mb1.saved:3",)),
-    OpKind.RELOAD: Op(OpKind.RELOAD, (), ("h:re.s0.mb1.saved:3",), HostArgs(2, TensorType((5,), torch.bfloat16, (1,)))),
-    OpKind.WAIT_RELOAD: Op(OpKind.WAIT_RELOAD, ("h:re.s0.mb1.saved:3",), ("re.s0.mb1.saved:3",)),
+    OpKind.RELOAD: Op(OpKind.RELOAD, (), ("h:re.s0.mb1.saved:3",), HostArgs(2, TensorType((96,), torch.uint8))),
+    OpKind.WAIT_RELOAD: Op(OpKind.WAIT_RELOAD, ("h:re.s0.mb1.saved:3",), ("re.s0.mb1.saved:3", "re.s0.mb1.saved:4"),
+                           ViewArgs((View(TensorType((2, 8), torch.float32, (1, 2)), 0),
+                                     View(TensorType((8,), torch.float32, (1,)), 16)))),
 }
 
 
@@ -95,6 +99,13 @@ def test_aliases_and_keeps_follow_the_specs():
     assert send.spec.aliases(send, no_graphs) == [(v, "h:send0") for v in send.ins]
     accum = SAMPLES[OpKind.ACCUM]
     assert accum.spec.aliases(accum, no_graphs) == [("acc0.grad:param:w", "acc1.grad:param:w")]
+    # the offload's handle holds every view of the storage; every reloaded view aliases the reload's handle
+    off, back = SAMPLES[OpKind.OFFLOAD], SAMPLES[OpKind.WAIT_RELOAD]
+    assert off.spec.aliases(off, no_graphs) == [(v, "h:off.s0.mb1.saved:3") for v in off.ins]
+    assert back.spec.aliases(back, no_graphs) == [("h:re.s0.mb1.saved:3", v) for v in back.outs]
+    # the reload allocates the storage once; its views allocate nothing
+    assert SPECS[OpKind.RELOAD].fresh(SAMPLES[OpKind.RELOAD], None, 1) == (96,)
+    assert back.spec.fresh(back, None, 1) == (0, 0)
     assert SAMPLES[OpKind.SET_GRAD].spec.keeps(SAMPLES[OpKind.SET_GRAD])
     assert not any(SPECS[k].keeps(SAMPLES[k]) for k in OpKind if k is not OpKind.SET_GRAD)
 

@@ -23,6 +23,11 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 # unchanged on 2.11-2.13.
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+# StorageWeakRef(storage): a hashable key for a (fake) tensor's storage, equal for every view of it, by the
+# storage's C++ identity (FakeTensor storages have no data_ptr); what functionalization and the partitioners use,
+# in torch.multiprocessing.reductions without a public twin on 2.11-2.13 (passes/lower/offload.py).
+from torch.multiprocessing.reductions import StorageWeakRef
+
 # tree_map / tree_leaves: map over / flatten nested fx args and meta["val"] tuples (trace, cost); the module is
 # private and has no public twin on 2.11-2.13, its functions are stable there.
 from torch.utils._pytree import tree_leaves, tree_map
@@ -31,6 +36,7 @@ __all__ = [
     "aot_export_joint_simple",
     "min_cut_rematerialization_partition",
     "FakeTensorMode",
+    "StorageWeakRef",
     "tree_leaves",
     "tree_map",
     "OpOverload",

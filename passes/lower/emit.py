@@ -164,19 +164,24 @@ class Emitter:
             self.env[op.outs[0]] = node
 
     def offload(self, i: int, op: Op) -> None:
-        """offload(ctx, slot, tensor): the copy into host slot `slot`; a handle that holds the tensor until
-        wait_offload (the program itself frees its name right after, as after a send)."""
-        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, op.args.slot, self.env[op.ins[0]]), op.outs[0])
+        """offload(ctx, slot, *tensors): the copy of their storage into host slot `slot`; a handle that holds
+        the tensors until wait_offload (the program itself frees their names right after, as after a send)."""
+        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, op.args.slot, *self.values(op.ins)), op.outs[0])
 
     def wait_offload(self, i: int, op: Op) -> None:
         self.call(self.fn(op), (self.ctx, self.env[op.ins[0]]))
 
     def reload(self, i: int, op: Op) -> None:
-        """reload(ctx, slot): a fresh device tensor of the slot's shape, dtype and stride, being filled; a handle."""
+        """reload(ctx, slot): a fresh device storage of the slot's size, being filled; a handle."""
         self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, op.args.slot), op.outs[0])
 
     def wait_reload(self, i: int, op: Op) -> None:
-        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]]), op.outs[0])
+        """wait_reload(ctx, handle, views): a tuple of views of the reloaded storage, one per output."""
+        views = tuple((tuple(v.type.shape), tuple(v.type.stride), v.offset, v.type.dtype) for v in op.args.views)
+        node = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]], views), f"{op.ins[0]}_views")
+        for k, v in enumerate(op.outs):
+            if v in self.used:
+                self.env[v] = self.call(operator.getitem, (node, k), v)
 
     def free(self, i: int, op: Op) -> None:
         """free(...) of what the program still holds; values handed to a stage graph were released in it."""

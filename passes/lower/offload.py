@@ -1,34 +1,41 @@
-"""insert_offload: move what F saves for the backward to a host pool after F, and back before the B / W that
-reads it (PipeOffload's mechanics, as ops of the rank program).
+"""insert_offload: move the device storages F saves for the backward to a host pool after F, and back before
+the B / W that reads them (PipeOffload's mechanics, as ops of the rank program).
 
-One offloaded saved tensor of 0F0, read first by 0B0 (prefetch=1: the reload is issued one RUN op earlier):
+Offload works by storage, not by tensor: what F saves is mostly views (q, k and v of one qkv matmul, a
+`view` or `transpose` of a result, the same tensor also sent as the activation), and a view cannot leave the
+device unless its whole storage does. One offloaded storage of 0F0 holding three saved views, read first by
+0B0 (prefetch=1: the reload is issued one RUN op earlier):
 
-    [0F0] s0.mb0.act:h, s0.mb0.saved:3 = stage0_f(...)
+    [0F0] s0.mb0.act:h, s0.mb0.saved:q, s0.mb0.saved:k, s0.mb0.saved:v = stage0_f(...)
     stamp(1)
-    h:off.s0.mb0.saved:3 = offload(s0.mb0.saved:3 -> host 0 [4, 8] float32 stride (8, 1))
-    free(s0.mb0.saved:3)    # the handle holds the tensor until wait_offload
+    h:off.s0.mb0.saved:q = offload(s0.mb0.saved:q, s0.mb0.saved:k, s0.mb0.saved:v -> host 0 [3072] uint8)
+    free(s0.mb0.saved:q, s0.mb0.saved:k, s0.mb0.saved:v)    # the handle holds the storage until wait_offload
     ...
-    wait_offload(h:off.s0.mb0.saved:3)        # before the next RUN op: the device tensor goes here
+    wait_offload(h:off.s0.mb0.saved:q)        # before the next RUN op: the device storage may go here
     stamp(2)
     [0F1] ...
-    h:re.s0.mb0.saved:3 = reload(host 0 [4, 8] float32 stride (8, 1))
+    h:re.s0.mb0.saved:q = reload(host 0 [3072] uint8)        # a fresh device storage of 3072 bytes
     stamp(4)
     [1F0] ...
-    re.s0.mb0.saved:3 = wait_reload(h:re.s0.mb0.saved:3)
+    re.s0.mb0.saved:q, re.s0.mb0.saved:k, re.s0.mb0.saved:v = wait_reload(h:re.s0.mb0.saved:q;
+        [1, 2, 8, 16] float32 stride (768, 16, 96, 1) at 0, ... at 32, ... at 64)   # the views, as traced
     stamp(6)
-    [0B0] ... = stage0_b(re.s0.mb0.saved:3, ...)
-    free(re.s0.mb0.saved:3)    # the FREE that freed the original now frees the reloaded tensor
+    [0B0] ... = stage0_b(re.s0.mb0.saved:q, ...)
+    free(re.s0.mb0.saved:q, ...)    # the FREE that freed the originals now frees the reloaded views
 
-What may go (`offload_candidates`): a saved output of an F that is fresh memory of its own (no view of a graph
-input or a parameter, no memory shared with another output: copying it back would split what the backward
-expects to be one storage), laid out densely, at least `min_bytes` large, and read afterwards only by RUN ops
-of the same stage and microbatch (its B, W or BW). A tensor the next RUN op already reads stays: it would be
-reloaded before it ever left. The reloaded value gets a new name (`re.` + the original's, values.py); every
-later reader reads that name.
+What may go (`offload_candidates`): per F, its saved outputs grouped by the storage they view (the FakeTensor
+storages of the F graph's outputs). A group may go when the storage is fresh memory of the F graph (no graph
+input, parameter or constant, by the alias roots of aliases.py too), at least `min_bytes` large, every saved
+view in it is read afterwards only by RUN ops of the same stage and microbatch (its B, W or BW), and any other
+output of F on the storage (the `act:` output sent to the next rank) is read by no RUN op at all: it keeps the
+original device storage, which then lives until both its send and the offload are waited for (the memory plan
+sees it through the aliases of OFFLOAD's handle). A storage the next RUN op already reads stays: it would be
+reloaded before it ever left. The reloaded views get new names (`re.` + the original's, values.py); every
+later reader reads those.
 
-Host slots (`RankProgram.host_buffers`) are coloured like the static receive buffers (buffers.py): a slot is
-busy from its OFFLOAD to the WAIT_RELOAD of its reload, and a free slot of the identical type (shape, dtype,
-stride) is reused, first fit in offload order, which is an optimal colouring of intervals.
+Host slots (`RankProgram.host_buffers`) are flat bytes, one storage each, coloured like the static receive
+buffers (buffers.py): a slot is busy from its OFFLOAD to the WAIT_RELOAD of its reload, and a free slot of the
+identical type (byte count) is reused, first fit in offload order, which is an optimal colouring of intervals.
 
 The pass runs after FINISHING (lower_all's `offload=`): it only inserts ops and renames readers of the values
 it offloads, none of which is a received tensor or may alias one (they alias no graph input), so the static
@@ -43,10 +50,11 @@ from typing import NamedTuple
 import torch
 from torch import fx
 
+from zbcompile._torch_private import StorageWeakRef
 from zbcompile.errors import LoweringError, UsageError
-from zbcompile.passes.analysis.aliases import graph_output_owned, view_base
+from zbcompile.passes.analysis.aliases import node_roots
 from zbcompile.program import RankProgram
-from zbcompile.program.ops import HostArgs, Op, OpKind, TensorType
+from zbcompile.program.ops import HostArgs, Op, OpKind, TensorType, View, ViewArgs
 from zbcompile.program.values import Role, handle, reloaded_value, role_of
 from zbcompile.schedule import Action, Kind
 
@@ -60,66 +68,72 @@ _BACKWARD = frozenset({Kind.B, Kind.W, Kind.BW})
 
 
 class Candidate(NamedTuple):
-    """A saved output of one F that may be offloaded: its global name, type (with stride), size, and the op
-    indices of its F and of the first op that reads it afterwards."""
+    """One storage of one F that may be offloaded: `value`, the first of its saved views (global names, in
+    output order, `values`), the host slot's `type` (the storage as flat bytes), its size, the op indices of
+    its F and of the first op that reads any of its views afterwards, and each view's layout on the storage."""
 
     value: str
     type: TensorType
     nbytes: int
     f_index: int
     reader_index: int
+    values: tuple[str, ...]
+    views: tuple[View, ...]
 
 
 @dataclass(frozen=True)
 class OffloadChoice:
-    """What to offload on one rank. units: the (stage, microbatch) pairs whose F's saved tensors go, None for
+    """What to offload on one rank. units: the (stage, microbatch) pairs whose F's saved storages go, None for
     every F. prefetch: how many RUN ops before the first reader the reload is issued (0: right before it).
-    min_bytes: smaller tensors stay on the device."""
+    min_bytes: smaller storages stay on the device. wait_after: how many RUN ops after F the offload is waited
+    for (0: before the next RUN op; 1: after it, so that on a GPU the copy overlaps that action, and the device
+    storage goes one action later)."""
 
     units: frozenset[tuple[int, int]] | None = None
     prefetch: int = 1
     min_bytes: int = DEFAULT_MIN_BYTES
+    wait_after: int = 0
 
     def __post_init__(self) -> None:
-        if self.prefetch < 0 or self.min_bytes < 0:
-            raise UsageError(f"OffloadChoice(prefetch={self.prefetch}, min_bytes={self.min_bytes}): both must be "
-                             f">= 0 (prefetch counts RUN ops before the reader; 0 reloads right before it)")
+        if self.prefetch < 0 or self.min_bytes < 0 or self.wait_after < 0:
+            raise UsageError(f"OffloadChoice(prefetch={self.prefetch}, min_bytes={self.min_bytes}, wait_after="
+                             f"{self.wait_after}): each must be >= 0 (prefetch and wait_after count RUN ops: "
+                             f"0 reloads right before the reader, and waits for the offload before the next RUN)")
 
 
 def offload_candidates(program: RankProgram, min_bytes: int = DEFAULT_MIN_BYTES
                        ) -> dict[tuple[int, int], tuple[Candidate, ...]]:
-    """(stage, microbatch) of every F on this rank -> the saved outputs of that F that may be offloaded (see the
-    module docstring), in output order; empty where none may."""
+    """(stage, microbatch) of every F on this rank -> the storages of that F that may be offloaded (see the
+    module docstring), in output order of their first saved view; empty where none may."""
     readers = _readers(program)
-    layouts: dict[str, tuple[TensorType | None, ...]] = {}
+    groups: dict[str, tuple[_Group, ...]] = {}
     out: dict[tuple[int, int], tuple[Candidate, ...]] = {}
     for i, op in enumerate(program.ops):
         f = op.action
         if f is None or f.kind is not Kind.F:
             continue
         key = op.args.graph
-        if key not in layouts:
-            layouts[key] = _offloadable_outputs(program, key)
+        if key not in groups:
+            groups[key] = _storage_groups(program, key)
         found = []
-        for value, local, t in zip(op.outs, program.graph(op).outputs, layouts[key]):
-            if t is None or role_of(local) is not Role.SAVED or t.nbytes < min_bytes:
-                continue
-            later = [j for j in readers.get(value, ()) if program.ops[j].kind is not OpKind.FREE]
-            if later and all(_is_backward_of(program.ops[j], f) for j in later):
-                found.append(Candidate(value, t, t.nbytes, i, later[0]))
+        for g in groups[key]:
+            first = _first_reader(program, readers, op, g) if g.type.nbytes >= min_bytes else None
+            if first is not None:
+                values = tuple(op.outs[k] for k in g.saved)
+                found.append(Candidate(values[0], g.type, g.type.nbytes, i, first, values, g.views))
         out[(f.stage, f.microbatch)] = tuple(found)
     return out
 
 
 def insert_offload(program: RankProgram, choice: OffloadChoice = OffloadChoice()) -> RankProgram:
-    """`program` with the chosen F's candidates offloaded after F and reloaded before their first reader (see the
-    module docstring); host slots assigned by assign_host_slots. Pure: returns a new program."""
+    """`program` with the chosen F's candidate storages offloaded after F and reloaded before their first reader
+    (see the module docstring); host slots assigned by assign_host_slots. Pure: returns a new program."""
     runs = [i for i, op in enumerate(program.ops) if op.kind is OpKind.RUN]
     position = {i: k for k, i in enumerate(runs)}
     plans = []
     for unit, candidates in offload_candidates(program, choice.min_bytes).items():
         if choice.units is None or unit in choice.units:
-            plans += [p for c in candidates if (p := _plan(program, runs, position, c, choice.prefetch)) is not None]
+            plans += [p for c in candidates if (p := _plan(program, runs, position, c, choice)) is not None]
     if not plans:
         return program
     return assign_host_slots(program.replace(ops=_rewrite(program, plans)))
@@ -148,38 +162,92 @@ def assign_host_slots(program: RankProgram) -> RankProgram:
 
 
 # ---- candidates --------------------------------------------------------------------------------------
-def _offloadable_outputs(program: RankProgram, key: str) -> tuple[TensorType | None, ...]:
-    """Per output of F graph `key`, its type (shape, dtype, stride) if it may be offloaded, else None: fresh
-    memory no input or other output shares, not a constant of the graph, dense, with static sizes."""
+class _Group(NamedTuple):
+    """One storage an F graph returns views of: the positions of its saved outputs and their layouts, the
+    positions of its other outputs (`act:` and the like), and the host slot type (the storage's bytes)."""
+
+    saved: tuple[int, ...]
+    views: tuple[View, ...]
+    others: tuple[int, ...]
+    type: TensorType
+
+
+def _storage_groups(program: RankProgram, key: str) -> tuple[_Group, ...]:
+    """The storages of F graph `key`'s outputs that hold a saved output and may be copied out and back whole
+    (fresh memory of the graph with static sizes), in output order of their first saved output."""
     graph = program.graphs[key]
     if graph.gm is None:
-        raise LoweringError(f"rank {program.rank}: offload needs the F graphs' GraphModules (their outputs' sizes "
-                            f"and aliasing), but graph {key!r} has none; read the program with "
+        raise LoweringError(f"rank {program.rank}: offload needs the F graphs' GraphModules (their outputs' "
+                            f"storages and aliasing), but graph {key!r} has none; read the program with "
                             f"RankProgram.from_text(text, graphs=...)")
-    output = next(iter(graph.gm.graph.find_nodes(op="output")))
+    gm = graph.gm
+    output = next(iter(gm.graph.find_nodes(op="output")))
     nodes = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    owned = graph_output_owned(graph.gm)
-    return tuple(_layout(node) if own else None for node, own in zip(nodes, owned))
+    by_storage: dict[StorageWeakRef, list[int]] = {}
+    for k, node in enumerate(nodes):
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            by_storage.setdefault(StorageWeakRef(val.untyped_storage()), []).append(k)
+    roots = _output_roots(gm, nodes)
+    shared = _roots_in_several(roots, by_storage.values())
+    groups = []
+    for positions in by_storage.values():
+        saved = tuple(k for k in positions if role_of(graph.outputs[k]) is Role.SAVED)
+        if saved and all(roots[k] and roots[k].isdisjoint(shared) for k in positions):
+            group = _group(nodes, saved, tuple(k for k in positions if k not in saved))
+            if group is not None:
+                groups.append(group)
+    return tuple(sorted(groups, key=lambda g: g.saved[0]))
 
 
-def _layout(node) -> TensorType | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or view_base(node).op == "get_attr":
+def _output_roots(gm: fx.GraphModule, nodes) -> list[frozenset]:
+    """Per output, its fresh alias roots (aliases.node_roots), or an empty set where it may alias memory the
+    graph did not allocate: a graph input (a parameter, the batch) or a constant (get_attr)."""
+    roots = node_roots(gm)
+    constants = {n.name for n in gm.graph.find_nodes(op="get_attr")}
+    out = []
+    for node in nodes:
+        mine = roots.get(node, frozenset()) if isinstance(node, fx.Node) else frozenset()
+        own = not any(isinstance(r, int) or r in constants for r in mine)
+        out.append(mine if own else frozenset())
+    return out
+
+
+def _roots_in_several(roots: list[frozenset], storages) -> frozenset:
+    """Alias roots that outputs on different traced storages share: the op schemas say they may be one memory
+    where the trace made two (an op the schemas cannot see through), so neither storage is copied alone."""
+    seen: dict = {}
+    for n, positions in enumerate(storages):
+        for k in positions:
+            for r in roots[k]:
+                seen.setdefault(r, set()).add(n)
+    return frozenset(r for r, where in seen.items() if len(where) > 1)
+
+
+def _group(nodes, saved: tuple[int, ...], others: tuple[int, ...]) -> _Group | None:
+    """The group of storage views `saved`, or None where a size is symbolic (a slot needs a static size) or a
+    view's dtype does not tile the storage's bytes (the runtime reads the bytes back as that dtype)."""
+    vals = [nodes[k].meta["val"] for k in saved]
+    nbytes = vals[0].untyped_storage().nbytes()
+    views = tuple(View(TensorType(tuple(v.shape), v.dtype, tuple(v.stride())), v.storage_offset()) for v in vals)
+    static = [nbytes] + [v.offset for v in views] + [d for v in views for d in v.type.shape + v.type.stride]
+    if not all(isinstance(d, int) for d in static) or nbytes == 0:
         return None
-    shape, stride = tuple(val.shape), tuple(val.stride())
-    if not all(isinstance(d, int) for d in shape + stride) or not _dense(shape, stride):
-        return None   # a symbolic size has no slot size; a gap or an overlap would not copy back as it was
-    return TensorType(shape, val.dtype, stride)
+    if any(nbytes % v.type.dtype.itemsize for v in views):
+        return None
+    return _Group(saved, views, others, TensorType((nbytes,), torch.uint8))
 
 
-def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """The elements fill a block of memory exactly once (some permutation of a contiguous layout)."""
-    expected = 1
-    for step, size in sorted((s, d) for d, s in zip(shape, stride) if d != 1):   # innermost first
-        if step != expected:
-            return False
-        expected *= size
-    return True
+def _first_reader(program: RankProgram, readers: dict[str, list[int]], f_op: Op, g: _Group) -> int | None:
+    """The first op reading any saved view of `g` after its F, if the group may go: the saved views are read
+    (FREE aside) only by the backward of F's unit, and F's other outputs on the storage by no RUN op."""
+    f = f_op.action
+    later = [j for k in g.saved for j in readers.get(f_op.outs[k], ()) if program.ops[j].kind is not OpKind.FREE]
+    if not later or not all(_is_backward_of(program.ops[j], f) for j in later):
+        return None
+    if any(program.ops[j].kind is OpKind.RUN for k in g.others for j in readers.get(f_op.outs[k], ())):
+        return None
+    return min(later)
 
 
 def _is_backward_of(op: Op, f: Action) -> bool:
@@ -197,8 +265,8 @@ def _readers(program: RankProgram) -> dict[str, list[int]]:
 
 # ---- placing the ops ------------------------------------------------------------------------------------
 class _Plan(NamedTuple):
-    """Where one candidate's four ops go: after op `offload_after`, and before the RUN ops at `wait_before`
-    (the next RUN after F), `reload_before` and `reader` (indices into program.ops)."""
+    """Where one candidate's four ops go: after op `offload_after`, and before the RUN ops at `wait_before`,
+    `reload_before` and `reader` (indices into program.ops)."""
 
     candidate: Candidate
     offload_after: int
@@ -208,14 +276,18 @@ class _Plan(NamedTuple):
 
 
 def _plan(program: RankProgram, runs: list[int], position: dict[int, int], c: Candidate,
-          prefetch: int) -> _Plan | None:
+          choice: OffloadChoice) -> _Plan | None:
     """None when the first reader is the next RUN op after F: the reload would be issued before the device
-    tensor was ever gone (no memory gained). The reload is issued `prefetch` RUN ops before the reader, but no
-    earlier than the second RUN after F, so that the tensor is off the device during at least one RUN."""
+    storage was ever gone (no memory gained). The offload is waited for before the RUN op `wait_after` places
+    after F's next one, but before the RUN op ahead of the reader at the latest; the reload is issued
+    `prefetch` RUN ops before the reader, but no earlier than the RUN op after that wait, so that the storage
+    is off the device during at least one RUN."""
     a, b = position[c.f_index], position[c.reader_index]
     if b < a + 2:
         return None
-    return _Plan(c, _after_run(program.ops, c.f_index), runs[a + 1], runs[max(b - prefetch, a + 2)], c.reader_index)
+    wait = min(a + 1 + choice.wait_after, b - 1)
+    return _Plan(c, _after_run(program.ops, c.f_index), runs[wait], runs[max(b - choice.prefetch, wait + 1)],
+                 c.reader_index)
 
 
 def _after_run(ops: tuple[Op, ...], i: int) -> int:
@@ -243,16 +315,15 @@ def _rewrite(program: RankProgram, plans: list[_Plan]) -> tuple[Op, ...]:
     renamed: dict[str, str] = {}
     # one provisional slot per new offload, above the slots earlier offloads use; assign_host_slots colours all
     for k, p in enumerate(plans, start=len(program.host_buffers)):
-        v, t = p.candidate.value, p.candidate.type
-        new, off, re = reloaded_value(v), handle(f"off.{v}"), handle(f"re.{v}")
-        renamed[v] = new
-        after.setdefault(p.offload_after, []).append(
-            Op(OpKind.OFFLOAD, (v,), (off,), HostArgs(k, t), note=f"for {ops[p.reader].action}"))
-        offloaded.setdefault(p.offload_after, []).append(v)
+        c, why = p.candidate, f"for {ops[p.reader].action}"
+        off, re = handle(f"off.{c.value}"), handle(f"re.{c.value}")
+        new = tuple(reloaded_value(v) for v in c.values)
+        renamed.update(zip(c.values, new))
+        after.setdefault(p.offload_after, []).append(Op(OpKind.OFFLOAD, c.values, (off,), HostArgs(k, c.type), why))
+        offloaded.setdefault(p.offload_after, []).extend(c.values)
         _at(before, _before_run(ops, p.wait_before))[0].append(Op(OpKind.WAIT_OFFLOAD, (off,)))
-        _at(before, _before_run(ops, p.reload_before))[1].append(
-            Op(OpKind.RELOAD, (), (re,), HostArgs(k, t), note=f"for {ops[p.reader].action}"))
-        _at(before, _before_run(ops, p.reader))[2].append(Op(OpKind.WAIT_RELOAD, (re,), (new,)))
+        _at(before, _before_run(ops, p.reload_before))[1].append(Op(OpKind.RELOAD, (), (re,), HostArgs(k, c.type), why))
+        _at(before, _before_run(ops, p.reader))[2].append(Op(OpKind.WAIT_RELOAD, (re,), new, ViewArgs(c.views)))
     out: list[Op] = []
     for i, op in enumerate(ops):
         for group in before.get(i, ()):
@@ -260,8 +331,8 @@ def _rewrite(program: RankProgram, plans: list[_Plan]) -> tuple[Op, ...]:
         out.append(_rename(op, renamed))   # only the backward and its FREE read them
         if i in after:
             out += after[i]
-            out.append(Op(OpKind.FREE, tuple(offloaded[i]), note="offloaded: each handle holds its tensor until "
-                                                                  "wait_offload"))
+            out.append(Op(OpKind.FREE, tuple(offloaded[i]), note="offloaded: each handle holds its storage "
+                                                                  "until wait_offload"))
     return tuple(out)
 
 
@@ -277,7 +348,7 @@ def _rename(op: Op, renamed: dict[str, str]) -> Op:
 
 
 def _host_intervals(program: RankProgram) -> list[tuple[int, int, int]]:
-    """(OFFLOAD index, its RELOAD's index, that reload's WAIT_RELOAD index) for every offloaded tensor."""
+    """(OFFLOAD index, its RELOAD's index, that reload's WAIT_RELOAD index) for every offloaded storage."""
     waits = {op.ins[0]: i for i, op in enumerate(program.ops) if op.kind is OpKind.WAIT_RELOAD}
     pending: dict[int, int] = {}
     out = []

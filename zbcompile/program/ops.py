@@ -33,8 +33,8 @@ from zbcompile.errors import LoweringError
 from zbcompile.schedule import Action
 
 __all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
-           "CollArgs",
-           "HostArgs", "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "Op", "OpSpec", "SPECS", "spec"]
+           "CollArgs", "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "Op",
+           "OpSpec", "SPECS", "spec"]
 
 
 class OpKind(str, enum.Enum):
@@ -81,9 +81,10 @@ class Stream(str, enum.Enum):
 
 
 class TensorType(NamedTuple):
-    """Shape and dtype of a tensor the program allocates or moves (receive buffers, messages); `stride` where
-    the layout matters too (the host pool of offloaded activations: a reloaded tensor must have the strides
-    the backward graph was traced with), else None. Printed `[4, 8] float32` or `[4, 8] float32 stride (8, 1)`."""
+    """Shape and dtype of a tensor the program allocates or moves (receive buffers, messages, host slots);
+    `stride` where the layout matters too (the views WAIT_RELOAD makes: a reloaded tensor must have the
+    strides the backward graph was traced with), else None. Printed `[4, 8] float32` or
+    `[4, 8] float32 stride (8, 1)`."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -198,11 +199,30 @@ class CollArgs(NamedTuple):
 
 
 class HostArgs(NamedTuple):
-    """OFFLOAD / RELOAD: the slot of RankProgram.host_buffers the copy writes / reads, and the tensor's type
-    (shape, dtype and stride: the reloaded tensor is made with the offloaded one's layout)."""
+    """OFFLOAD / RELOAD: the slot of RankProgram.host_buffers the copy writes / reads, and its type: the whole
+    device storage the offloaded values live in, as flat bytes (`[3072] uint8`), so that views of one storage
+    go out and come back as one copy and slots of equal size serve any dtype."""
 
     slot: int
     type: TensorType
+
+
+class View(NamedTuple):
+    """One value WAIT_RELOAD defines on the reloaded storage: its shape, dtype and stride, and its storage
+    offset in elements of its dtype (what the backward graph was traced with). Printed
+    `[1, 2, 8, 16] float32 stride (768, 16, 96, 1) at 32`."""
+
+    type: TensorType
+    offset: int
+
+    def __str__(self) -> str:
+        return f"{self.type} at {self.offset}"
+
+
+class ViewArgs(NamedTuple):
+    """WAIT_RELOAD: one View per output, in order."""
+
+    views: tuple[View, ...]
 
 
 # ---- ops --------------------------------------------------------------------------------------------
@@ -401,23 +421,32 @@ def _coll_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
 
 
 def _reload_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
-    return (op.args.type.nbytes,)   # the device tensor the host copy comes back into
+    return (op.args.type.nbytes,)   # the device storage the host copy comes back into, once per group
+
+
+def _handle_holds_ins(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    return [(v, op.outs[0]) for v in op.ins]   # OFFLOAD: every view of the storage, until WAIT_OFFLOAD
+
+
+def _views_of_in(op: Op, graph_aliases) -> list[tuple[str, str]]:
+    return [(op.ins[0], v) for v in op.outs]   # WAIT_RELOAD: every value is a view of the reloaded storage
 
 
 def _format_offload(op: Op) -> str:
-    return f"{op.ins[0]} -> host {op.args.slot} {op.args.type}"
+    return f"{_values(op)} -> host {op.args.slot} {op.args.type}"
 
 
-_OFFLOAD_RE = re.compile(r"(\S+) -> host (\d+) (.+)")
+_OFFLOAD_RE = re.compile(r"(.+?) -> host (\d+) (.+)")
 _RELOAD_RE = re.compile(r"host (\d+) (.+)")
+_VIEW_RE = re.compile(r"(\[[\d,\s]*\] \w+ stride \([\d,\s]*\)) at (\d+)")
 
 
 def _parse_offload(inner: str, outs) -> tuple[tuple[str, ...], HostArgs]:
     m = _OFFLOAD_RE.fullmatch(inner.strip())
     if not m:
-        raise LoweringError(f"cannot read offload({inner}): expected 'VALUE -> host SLOT [SHAPE] DTYPE stride "
-                            f"(STRIDE)'")
-    return (m.group(1),), HostArgs(int(m.group(2)), TensorType.parse(m.group(3)))
+        raise LoweringError(f"cannot read offload({inner}): expected 'VALUE, ... -> host SLOT [NBYTES] uint8' (the "
+                            f"values are views of one storage, copied as its bytes)")
+    return _split(m.group(1)), HostArgs(int(m.group(2)), TensorType.parse(m.group(3)))
 
 
 def _format_reload(op: Op) -> str:
@@ -427,8 +456,21 @@ def _format_reload(op: Op) -> str:
 def _parse_reload(inner: str, outs) -> tuple[tuple[str, ...], HostArgs]:
     m = _RELOAD_RE.fullmatch(inner.strip())
     if not m:
-        raise LoweringError(f"cannot read reload({inner}): expected 'host SLOT [SHAPE] DTYPE stride (STRIDE)'")
+        raise LoweringError(f"cannot read reload({inner}): expected 'host SLOT [NBYTES] uint8'")
     return (), HostArgs(int(m.group(1)), TensorType.parse(m.group(2)))
+
+
+def _format_wait_reload(op: Op) -> str:
+    return f"{_values(op)}; {', '.join(map(str, op.args.views))}"
+
+
+def _parse_wait_reload(inner: str, outs) -> tuple[tuple[str, ...], ViewArgs]:
+    handle, _, views = inner.partition(";")
+    found = _VIEW_RE.findall(views)
+    if not found or ", ".join(f"{t} at {o}" for t, o in found) != views.strip() or len(found) != len(outs):
+        raise LoweringError(f"cannot read wait_reload({inner}): expected 'HANDLE; [SHAPE] DTYPE stride (STRIDE) at "
+                            f"OFFSET, ...', one view per output ({len(outs)} here)")
+    return _split(handle), ViewArgs(tuple(View(TensorType.parse(t), int(o)) for t, o in found))
 
 
 def _never_keeps(op: Op) -> bool:
@@ -518,19 +560,21 @@ SPECS: dict[OpKind, OpSpec] = {s.kind: s for s in (
            emit="wait_coll", runtime=("wait_collective",), fresh=_no_fresh),
     # activation offload (passes/lower/offload.py): copies run on the rank's copy stream, never wait for another
     # rank; a WAIT_* joins the copy back into the compute stream
-    OpSpec(OpKind.OFFLOAD, "copy a device tensor into a host pool slot; outs = (handle,), which holds the tensor "
-           "until WAIT_OFFLOAD", HostArgs, "offload", _format_offload, _parse_offload, aliases=_first_in_is_out,
-           keeps=_never_keeps, posts=_no_posts, sync=Sync.NONE, stream=Stream.COPY, emit="offload",
-           runtime=("offload",), fresh=_no_fresh),
-    OpSpec(OpKind.WAIT_OFFLOAD, "wait for an offload's copy; the device tensor may go", None, "wait_offload",
+    OpSpec(OpKind.OFFLOAD, "copy the device storage of its inputs (views of one storage) into a host pool slot as "
+           "bytes; outs = (handle,), which holds them until WAIT_OFFLOAD", HostArgs, "offload", _format_offload,
+           _parse_offload, aliases=_handle_holds_ins, keeps=_never_keeps, posts=_no_posts, sync=Sync.NONE,
+           stream=Stream.COPY, emit="offload", runtime=("offload",), fresh=_no_fresh),
+    OpSpec(OpKind.WAIT_OFFLOAD, "wait for an offload's copy; the device storage may go", None, "wait_offload",
            _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts, sync=Sync.NONE,
            stream=Stream.COPY, emit="wait_offload", runtime=("wait_offload",), fresh=_no_fresh),
-    OpSpec(OpKind.RELOAD, "make a device tensor of a host slot's type and copy the slot into it; outs = (handle,)",
+    OpSpec(OpKind.RELOAD, "make a device storage of a host slot's size and copy the slot into it; outs = (handle,)",
            HostArgs, "reload", _format_reload, _parse_reload, aliases=_no_aliases, keeps=_never_keeps,
-           posts=_no_posts, sync=Sync.NONE, stream=Stream.COPY, emit="reload", runtime=("reload",), fresh=_reload_fresh),
-    OpSpec(OpKind.WAIT_RELOAD, "wait for a reload's copy; ins = (handle,), outs = (the reloaded tensor,)", None,
-           "wait_reload", _values, _no_args, aliases=_first_in_is_out, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COPY, emit="wait_reload", runtime=("wait_reload",), fresh=_no_fresh),
+           posts=_no_posts, sync=Sync.NONE, stream=Stream.COPY, emit="reload", runtime=("reload",),
+           fresh=_reload_fresh),
+    OpSpec(OpKind.WAIT_RELOAD, "wait for a reload's copy; ins = (handle,), outs = one view of the reloaded storage "
+           "per offloaded value", ViewArgs, "wait_reload", _format_wait_reload, _parse_wait_reload,
+           aliases=_views_of_in, keeps=_never_keeps, posts=_no_posts, sync=Sync.NONE, stream=Stream.COPY,
+           emit="wait_reload", runtime=("wait_reload",), fresh=_no_fresh),
 )}
 
 _BY_TEXT = {s.text: s for s in SPECS.values()}

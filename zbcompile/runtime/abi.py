@@ -41,8 +41,8 @@ class StepContext:
     bufs: the static receive buffers, by slot (see passes/lower/buffers.py).
     coll_pg: the group the vocabulary layers' collectives run on (all ranks): a group of their own, so that on a
     device they never queue behind P2P on a communicator's stream.
-    host: the host pool of offloaded activations, by slot (RankProgram.host_buffers, passes/lower/offload.py),
-    made once with each slot's stride, pinned on CUDA so that copies to and from it run asynchronously.
+    host: the host pool of offloaded activations, by slot (RankProgram.host_buffers, passes/lower/offload.py):
+    flat bytes, one device storage each, made once and pinned on CUDA so that copies run asynchronously.
     copy_stream: the rank's one stream for offload / reload copies on CUDA (they queue on it in program order);
     None on CPU, where the copies run at once.
     """
@@ -207,24 +207,37 @@ def _describe(doing: str, what: str, peer) -> str:
 # waited for the copy (wait_offload / wait_reload), so the caching allocator never hands its memory out early
 # (and CUDA-graph capture, which record_stream breaks, stays possible).
 @fx.node.has_side_effect
-def offload(ctx: StepContext, slot: int, tensor: torch.Tensor):
-    """Copy `tensor` into host slot `slot`, after the compute stream's work so far; a handle for wait_offload,
-    which keeps the tensor alive until then."""
+def offload(ctx: StepContext, slot: int, *tensors: torch.Tensor):
+    """Copy the device storage under `tensors` (views of one storage) into host slot `slot` as bytes, after
+    the compute stream's work so far; a handle for wait_offload, which keeps the tensors alive until then."""
     host, stream = ctx.host[slot], ctx.copy_stream
+    flat = _storage_bytes(ctx, tensors[0], host.nbytes)
     if stream is None:
-        host.copy_(tensor)
-        return tensor, None
+        host.copy_(flat)
+        return tensors, None
     stream.wait_stream(torch.cuda.current_stream(ctx.device))
     with torch.cuda.stream(stream):
-        host.copy_(tensor, non_blocking=True)
+        host.copy_(flat, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
-    return tensor, done
+    return tensors, done
+
+
+def _storage_bytes(ctx: StepContext, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over all of `tensor`'s storage, which must be the `nbytes` the F graph was traced
+    with (the views wait_reload makes sit at the traced offsets in it)."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != nbytes:
+        raise RuntimeFailure(f"rank {ctx.rank}: offload: the storage under a saved tensor {tuple(tensor.shape)} "
+                             f"has {storage.nbytes()} bytes, but the F graph's trace said {nbytes}; a kernel "
+                             f"allocated other memory than its meta function says. Lower without offload, or "
+                             f"with min_bytes above {nbytes} so that this storage stays on the device")
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
 
 
 @fx.node.has_side_effect
 def wait_offload(ctx: StepContext, handle) -> None:
-    """The compute stream waits for the copy; the handle, the tensor's last reference, goes after this call."""
+    """The compute stream waits for the copy; the handle, the storage's last reference, goes after this call."""
     done = handle[1]
     if done is not None:
         torch.cuda.current_stream(ctx.device).wait_event(done)
@@ -232,30 +245,31 @@ def wait_offload(ctx: StepContext, handle) -> None:
 
 @fx.node.has_side_effect
 def reload(ctx: StepContext, slot: int):
-    """A fresh device tensor with host slot `slot`'s shape, dtype and stride, filled from the slot after the
-    compute stream's work so far; a handle for wait_reload."""
+    """A fresh device storage of host slot `slot`'s size, filled from the slot after the compute stream's work
+    so far; a handle for wait_reload."""
     host, stream = ctx.host[slot], ctx.copy_stream
     # allocated on the compute stream: its memory belongs to that stream's pool, where the compute stream
     # frees it after waiting for the copy
-    tensor = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=ctx.device)
+    flat = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=ctx.device)
     if stream is None:
-        tensor.copy_(host)
-        return tensor, None
+        flat.copy_(host)
+        return flat, None
     stream.wait_stream(torch.cuda.current_stream(ctx.device))
     with torch.cuda.stream(stream):
-        tensor.copy_(host, non_blocking=True)
+        flat.copy_(host, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
-    return tensor, done
+    return flat, done
 
 
 @fx.node.has_side_effect
-def wait_reload(ctx: StepContext, handle) -> torch.Tensor:
-    """The compute stream waits for the copy; returns the reloaded tensor."""
-    tensor, done = handle
+def wait_reload(ctx: StepContext, handle, views: tuple) -> tuple[torch.Tensor, ...]:
+    """The compute stream waits for the copy; returns one view of the reloaded storage per (shape, stride,
+    storage offset, dtype) in `views`: the layouts the offloaded values had on their original storage."""
+    flat, done = handle
     if done is not None:
         torch.cuda.current_stream(ctx.device).wait_event(done)
-    return tensor
+    return tuple(flat.view(dtype).as_strided(shape, stride, offset) for shape, stride, offset, dtype in views)
 
 
 @fx.node.has_side_effect
