@@ -14,8 +14,10 @@ the step can only get slower, and nothing is freed for anything else; the figure
 
 Part 2, predicted: the time model of passes/analysis/offload_plan.py (roofline compute at 400 TFLOP/s, one copy
 stream at 50 GB/s) on the same schedule for a GPT block at d=4096, seq 4096 (traced on the meta device, 4
-blocks over pp=2): the offload ratio k = To/Tc and the modelled slowdown of each rank's compute timeline
-when every candidate is offloaded, next to the paper's formula k = 10 / (3 (6h + s)) * Bc / Bo.
+blocks over pp=2, 8 microbatches of 1 sequence, fp32 and bf16, attention as traced: its [s, s] probabilities saved): with every candidate offloaded,
+each copy free to overlap an action, the offload ratio k = To/Tc and the modelled slowdown of each rank's
+compute timeline, next to the paper's formula k = 10 / (3 (6h + s)) * Bc / Bo (bf16, flash attention,
+recomputed norms: about 20 b s h bytes per layer, where this trace saves several times that).
 """
 
 from __future__ import annotations
@@ -79,30 +81,45 @@ def run(cfg: dict, mode: str, tmp: str, timeout: float) -> list[dict]:
     return [load(os.path.join(tmp, f"res_{tag}_r{r}.json")) or dict(error=err or "no result") for r in range(2)]
 
 
-def predicted(pp: int = 2, d: int = 4096, seq: int = 4096, layers: int = 4) -> list[list]:
+def predicted(pp: int = 2, d: int = 4096, seq: int = 4096, layers: int = 4,
+              dtypes=(torch.float32, torch.bfloat16)) -> list[list]:
     """k and the modelled slowdown for a large GPT, planned on the meta device (nothing is allocated)."""
     from zbcompile.api import model_stage_placement
     from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
-    from zbcompile.passes.analysis.offload_plan import DEVICES, least_peaks, plan_offload
     from zbcompile.passes.lower import lower_all
     from zbcompile.passes.schedules import generate
     from zbcompile.split import split_model
 
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab=32000, seq=seq, d=d, heads=d // 128, layers=layers, dropout=0.0))
-        x = torch.zeros(1, seq, dtype=torch.long)
-    sched = generate(SCHEDULE, pp, 2 * pp)
-    staged = split_model(model, loss_fn, (x, x), num_stages=sched.num_model_stages,
-                         placement=model_stage_placement(sched))
-    programs = lower_all(sched, staged)
+    rows = []
+    for dtype in dtypes:
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab=32000, seq=seq, d=d, heads=d // 128, layers=layers, dropout=0.0)).to(dtype)
+            x = torch.zeros(1, seq, dtype=torch.long)
+        sched = generate(SCHEDULE, pp, 8)
+        staged = split_model(model, loss_fn, (x, x), num_stages=sched.num_model_stages,
+                             placement=model_stage_placement(sched))
+        rows += _predict(lower_all(sched, staged), str(dtype).removeprefix("torch."), d, seq)
+    return rows
+
+
+def _predict(programs, dtype: str, d: int, seq: int) -> list[list]:
+    from zbcompile.passes.analysis.memory import rank_memory
+    from zbcompile.passes.analysis.offload_plan import DEVICES, compute_time, offload_ratio
+    from zbcompile.passes.lower import OffloadChoice, insert_offload
+    from zbcompile.program.ops import OpKind
+
+    everything = OffloadChoice(None, prefetch=1, wait_after=1)   # every candidate, copies free to overlap
     rows = []
     for name in ("h100", "a100"):
         dev = DEVICES[name]
-        report = plan_offload(programs, least_peaks(programs), device=dev)
         paper = 10 / (3 * (6 * d + seq)) * dev.flops / dev.copy_bandwidth
-        for r in report:
-            rows.append([name, r.rank, f"{r.offloaded_bytes / 2**30:.2f}", f"{r.peak_before / 2**30:.2f}",
-                         f"{r.peak_after / 2**30:.2f}", f"{r.k:.2f}", f"{paper:.2f}", f"{r.slowdown:.3f}"])
+        for p in programs:
+            after = insert_offload(p, everything)
+            moved = sum(op.args.type.nbytes for op in after.ops if op.kind is OpKind.OFFLOAD)
+            rows.append([name, dtype, p.rank, f"{moved / 2**30:.2f}", f"{rank_memory(p).peak_total_bytes / 2**30:.2f}",
+                         f"{rank_memory(after).peak_total_bytes / 2**30:.2f}",
+                         f"{offload_ratio(p, everything, dev):.2f}", f"{paper:.2f}",
+                         f"{compute_time(after, dev) / compute_time(p, dev):.3f}"])
     return rows
 
 
@@ -150,7 +167,7 @@ def main(argv=None) -> int:
                                   "loss"]))
     print()
     pred = predicted()
-    print(tabulate(pred, headers=["device", "rank", "GiB moved", "peak GiB w/o", "peak GiB with", "k model",
+    print(tabulate(pred, headers=["device", "dtype", "rank", "GiB moved", "peak GiB w/o", "peak GiB with", "k model",
                                   "k paper formula", "modelled slowdown"]))
     if args.json:
         with open(args.json, "w") as fh:

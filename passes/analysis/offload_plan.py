@@ -4,9 +4,10 @@ The memory plan (memory.py) says what a rank needs; insert_offload (passes/lower
 F's saved tensors to host memory and back. The planner chooses, per rank and independently (offload is
 local to a rank), PipeOffload's selective strategy: the F actions whose saved tensors live longest go first,
 because removing them removes their whole share of the peak. It takes the shortest such prefix whose planned
-device peak fits the budget, reloading one action ahead of the reader (prefetch 1) and, where that does not
-fit, right before it (prefetch 0: the reload cannot overlap compute then, but it no longer overlaps the
-previous action's activations either). When even every candidate offloaded just in time does not fit,
+device peak fits the budget, trying the placements with the most overlap first: the offload waited one action
+after F and the reload issued one action before its reader (both copies can hide behind compute); then the
+offload waited before the next action; then the reload right before its reader (prefetch 0: it cannot
+overlap compute then, but it no longer overlaps the previous action's activations either). When even every candidate offloaded just in time does not fit,
 OffloadError gives the smallest budget that works, per rank.
 
 Time: a per-rank model of the program on a device (`Device`): a RUN op takes its graph's roofline time
@@ -36,6 +37,9 @@ __all__ = ["Device", "DEVICES", "OffloadError", "RankOffload", "plan_offload", "
 
 # slowdown "auto" accepts as free (the model's rounding, not a measured cost)
 _FREE = 1.01
+# (prefetch, wait_after), most overlap first: the device->host copy overlaps the next action and the reload
+# the action before its reader; then the copy waited before the next action; then the reload just in time
+_SETTINGS = ((1, 1), (1, 0), (0, 0))
 
 
 class OffloadError(ZBCompileError):
@@ -111,22 +115,26 @@ def _plan_rank(program: RankProgram, budget: int | None, device: Device, min_byt
         return RankOffload(program.rank, none, 0, base, base, 0.0, 1.0)
     if budget is None:
         return _free_prefix(program, units, device, base, base_time, kw)
-    for prefetch in (1, 0):
-        fits = lambda k: _peak(program, OffloadChoice(frozenset(units[:k]), prefetch, **kw)) <= budget  # noqa: E731
-        if not fits(len(units)):
-            continue
-        k = _first_true(fits, len(units))
-        return _report(program, OffloadChoice(frozenset(units[:k]), prefetch, **kw), device, base, base_time)
+    for prefetch, wait_after in _SETTINGS:
+        def choice(k: int) -> OffloadChoice:
+            return OffloadChoice(frozenset(units[:k]), prefetch, wait_after=wait_after, **kw)
+
+        def fits(k: int) -> bool:
+            return _peak(program, choice(k)) <= budget
+        if fits(len(units)):
+            return _report(program, choice(_first_true(fits, len(units))), device, base, base_time)
     return None
 
 
 def _free_prefix(program, units, device, base, base_time, kw) -> RankOffload:
     """"auto": the longest prefix of units (longest-lived first) whose modelled slowdown is within 1%."""
+    def choice(k: int) -> OffloadChoice:
+        return OffloadChoice(frozenset(units[:k]), 1, wait_after=1, **kw)
+
     def slow(k: int) -> bool:
-        return compute_time(insert_offload(program, OffloadChoice(frozenset(units[:k]), 1, **kw)), device) \
-            > _FREE * base_time
+        return compute_time(insert_offload(program, choice(k)), device) > _FREE * base_time
     k = _first_true(slow, len(units)) - 1 if slow(len(units)) else len(units)
-    return _report(program, OffloadChoice(frozenset(units[:max(k, 0)]), 1, **kw), device, base, base_time)
+    return _report(program, choice(max(k, 0)), device, base, base_time)
 
 
 def _first_true(pred, n: int) -> int:
