@@ -13,6 +13,7 @@ __all__ = [
     "SplitError",
     "VocabError",
     "LoweringError",
+    "OffloadError",
     "UsageError",
     "RuntimeFailure",
     "CheckpointError",
@@ -52,6 +53,11 @@ class VocabError(SplitError):
 
 class LoweringError(ZBCompileError):
     """A schedule and the stage graphs cannot be lowered into rank programs."""
+
+
+class OffloadError(ZBCompileError, ValueError):
+    """No choice of offloaded activations fits a device-memory budget, or the budget itself is malformed; the
+    message shows each rank's peak with and without offload and the smallest budget that works."""
 
 
 class UsageError(ZBCompileError, ValueError):

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from zbcompile.errors import ZBCompileError
+from zbcompile.errors import OffloadError, ZBCompileError
 from zbcompile.passes.analysis.memory import rank_memory, tensor_bytes
 from zbcompile.passes.cost import node_cost
 from zbcompile.passes.lower.offload import OffloadChoice, insert_offload, offload_candidates
@@ -40,10 +40,6 @@ _FREE = 1.01
 # (prefetch, wait_after), most overlap first: the device->host copy overlaps the next action and the reload
 # the action before its reader; then the copy waited before the next action; then the reload just in time
 _SETTINGS = ((1, 1), (1, 0), (0, 0))
-
-
-class OffloadError(ZBCompileError):
-    """No choice of offloaded activations fits the budget."""
 
 
 @dataclass(frozen=True)
