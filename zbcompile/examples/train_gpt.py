@@ -84,7 +84,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", type=Path, default=None, help="start from the checkpoint in this directory")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="shard the embedding and the output layer over every rank (vocabulary parallelism)")
+    p.add_argument("--offload", default=None, metavar="BYTES|auto",
+                   help="activation offload: a per-rank device-memory budget in bytes, or 'auto'")
+    p.add_argument("--memory", action="store_true", help="print every rank's memory plan before training")
     return p.parse_args(argv)
+
+
+def _budget(text: str | None):
+    if text is None or text == "auto":
+        return text
+    if not text.replace("_", "").isdigit():
+        raise SystemExit(f"--offload {text!r}: give a byte budget (e.g. 4000000) or 'auto'")
+    return int(text.replace("_", ""))
 
 
 def progress(step: int, total: int, width: int = 24) -> str:
@@ -113,13 +124,24 @@ def main(argv=None) -> int:
     data = batches(corpus_tokens(), batch, args.seq, seed=args.seed + 1)
     x, y = next(data)
     mbs = args.microbatch_size
-    model = zb.compile(GPT(cfg).to(device), schedule=args.schedule, microbatches=args.microbatches, loss_fn=loss_fn,
-                       example=(x[:mbs].to(device), y[:mbs].to(device)), pp=world, chunks=args.chunks,
-                       vocab_parallel=args.vocab_parallel)
+    try:
+        model = zb.compile(GPT(cfg).to(device), schedule=args.schedule, microbatches=args.microbatches,
+                           loss_fn=loss_fn, example=(x[:mbs].to(device), y[:mbs].to(device)), pp=world,
+                           chunks=args.chunks, vocab_parallel=args.vocab_parallel, offload=_budget(args.offload))
+    except zb.ZBCompileError as e:   # every rank raises the same; one message, no traceback
+        if rank == 0:
+            print(f"zbcompile: {e}", file=sys.stderr)
+        return 2
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"zbcompile: {args.schedule} on {world} ranks, {args.microbatches} microbatches x {mbs} x {args.seq} "
         f"tokens, GPT d={cfg.d} layers={cfg.layers}" + (", vocabulary parallel" if args.vocab_parallel else ""))
+    if args.memory or args.offload:
+        say(model.memory_plan().table())
+    if model.offload_report:
+        say("offload: " + ", ".join(f"rank {r.rank} moves {r.offloaded_bytes / 2**20:.2f} MiB per step, peak "
+                                    f"{r.peak_before / 2**20:.2f} -> {r.peak_after / 2**20:.2f} MiB"
+                                    for r in model.offload_report))
     done = resume(args.resume, model, opt) if args.resume else 0
     for _ in range(done):   # the batches the saved run trained on; x, y become the next one
         x, y = next(data)
