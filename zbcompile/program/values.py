@@ -46,9 +46,9 @@ RELOADED = "re"   # the head of a reloaded value's name
 
 class Value(NamedTuple):
     """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "vocab" (v.mb{mb}.local), "data", "state"
-    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "reload" (re.s{s}.mb{mb}.local, re.re.s{s}...),
-    "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are
-    -1 where the scope has none (index: data argument, accumulation step, source rank or how many times a
+    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "reload" (re.s{s}.mb{mb}.local,
+    re.re.s{s}...), "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are -1 where
+    the scope has none (index: data argument, accumulation step, source rank or how many times a
     reloaded value was reloaded)."""
 
     scope: str
