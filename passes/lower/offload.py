@@ -33,6 +33,26 @@ sees it through the aliases of OFFLOAD's handle). A storage the next RUN op alre
 reloaded before it ever left. The reloaded views get new names (`re.` + the original's, values.py); every
 later reader reads those.
 
+B -> W (`OffloadChoice.after_b`, on by default): in the zero-bubble schedules W runs long after B, and between
+them the device holds what only W still reads: B's `wsaved:` outputs (the output gradients of the linears),
+grouped by storage as F's saved outputs are, and F's saved storages W reads (reloaded for B, or never
+offloaded). A second round, on the program the first one made, moves those after B and back before W, by
+the same rules and placement (wait_after, prefetch counted from B and W); a storage reloaded for B goes
+under its reloaded name and comes back as `re.re.` + the original's:
+
+    [0B0] s0.mb0.wsaved:g = stage0_b(re.s0.mb0.saved:q, ...)     # B still reads the first reload
+    free(re.s0.mb0.saved:k)                                      # read by B only: it is not copied out
+    h:off.s0.mb0.wsaved:g = offload(s0.mb0.wsaved:g -> host 1 [2048] uint8)    # for 0W0
+    h:off.re.s0.mb0.saved:q = offload(re.s0.mb0.saved:q -> host 0 [3072] uint8)    # for 0W0
+    ...
+    re.re.s0.mb0.saved:q = wait_reload(h:re.re.s0.mb0.saved:q; [1, 2, 8, 16] float32 stride ... at 0)
+    [0W0] ... = stage0_w(re.re.s0.mb0.saved:q, re.s0.mb0.wsaved:g, ...)
+
+Only the views W reads go (the rest of the storage's views are dead by then), and anything else on the
+storage must be dead once B's FREE ops ran: a pending send of B's `grad:act` would keep the original beside
+the reloaded copy. So every storage is off the device for a while inside the span it lived in anyway, and the
+planned peak never grows.
+
 Host slots (`RankProgram.host_buffers`) are flat bytes, one storage each, coloured like the static receive
 buffers (buffers.py): a slot is busy from its OFFLOAD to the WAIT_RELOAD of its reload, and a free slot of the
 identical type (byte count) is reused, first fit in offload order, which is an optimal colouring of intervals.
@@ -58,8 +78,8 @@ from zbcompile.program.ops import HostArgs, Op, OpKind, TensorType, View, ViewAr
 from zbcompile.program.values import Role, handle, reloaded_value, role_of
 from zbcompile.schedule import Action, Kind
 
-__all__ = ["Candidate", "OffloadChoice", "offload_candidates", "insert_offload", "assign_host_slots",
-           "DEFAULT_MIN_BYTES"]
+__all__ = ["Candidate", "OffloadChoice", "offload_candidates", "b_candidates", "insert_offload",
+           "assign_host_slots", "DEFAULT_MIN_BYTES"]
 
 # Below this a copy's fixed cost (a launch, an event) outweighs the memory it frees.
 DEFAULT_MIN_BYTES = 4096
@@ -68,9 +88,11 @@ _BACKWARD = frozenset({Kind.B, Kind.W, Kind.BW})
 
 
 class Candidate(NamedTuple):
-    """One storage of one F that may be offloaded: `value`, the first of its saved views (global names, in
-    output order, `values`), the host slot's `type` (the storage as flat bytes), its size, the op indices of
-    its F and of the first op that reads any of its views afterwards, and each view's layout on the storage."""
+    """One storage that may be offloaded after the action at `f_index` (its F, or with `after` Kind.B its B):
+    `value`, the first of its views that go (global names, in output order, `values`), the host slot's `type`
+    (the storage as flat bytes), its size, the op indices of that action and of the first op that reads any
+    of the views afterwards (the backward; for `after` Kind.B the unit's W), and each view's layout on the
+    storage."""
 
     value: str
     type: TensorType
@@ -79,6 +101,7 @@ class Candidate(NamedTuple):
     reader_index: int
     values: tuple[str, ...]
     views: tuple[View, ...]
+    after: Kind = Kind.F
 
 
 @dataclass(frozen=True)
@@ -87,12 +110,15 @@ class OffloadChoice:
     every F. prefetch: how many RUN ops before the first reader the reload is issued (0: right before it).
     min_bytes: smaller storages stay on the device. wait_after: how many RUN ops after F the offload is waited
     for (0: before the next RUN op; 1: after it, so that on a GPU the copy overlaps that action, and the device
-    storage goes one action later)."""
+    storage goes one action later). after_b: the chosen units also offload, after their B, what their W alone
+    still reads (B's `wsaved:` storages and F's saved storages W reads), reloaded before W; never worse for the
+    planned peak, since each storage is only absent for a while from where it lived anyway."""
 
     units: frozenset[tuple[int, int]] | None = None
     prefetch: int = 1
     min_bytes: int = DEFAULT_MIN_BYTES
     wait_after: int = 0
+    after_b: bool = True
 
     def __post_init__(self) -> None:
         if self.prefetch < 0 or self.min_bytes < 0 or self.wait_after < 0:
@@ -101,10 +127,19 @@ class OffloadChoice:
                              f"0 reloads right before the reader, and waits for the offload before the next RUN)")
 
 
-def offload_candidates(program: RankProgram, min_bytes: int = DEFAULT_MIN_BYTES
+def offload_candidates(program: RankProgram, min_bytes: int = DEFAULT_MIN_BYTES, after_b: bool = False
                        ) -> dict[tuple[int, int], tuple[Candidate, ...]]:
     """(stage, microbatch) of every F on this rank -> the storages of that F that may be offloaded (see the
-    module docstring), in output order of their first saved view; empty where none may."""
+    module docstring), in output order of their first saved view; empty where none may. after_b: each unit's
+    tuple goes on with the storages that may go after its B (`after` Kind.B, `b_candidates`)."""
+    out = _f_candidates(program, min_bytes)
+    if after_b:
+        for unit, found in b_candidates(program, min_bytes).items():
+            out[unit] = out.get(unit, ()) + found
+    return out
+
+
+def _f_candidates(program: RankProgram, min_bytes: int) -> dict[tuple[int, int], tuple[Candidate, ...]]:
     readers = _readers(program)
     groups: dict[str, tuple[_Group, ...]] = {}
     out: dict[tuple[int, int], tuple[Candidate, ...]] = {}
@@ -127,16 +162,62 @@ def offload_candidates(program: RankProgram, min_bytes: int = DEFAULT_MIN_BYTES
 
 def insert_offload(program: RankProgram, choice: OffloadChoice = OffloadChoice()) -> RankProgram:
     """`program` with the chosen F's candidate storages offloaded after F and reloaded before their first reader
-    (see the module docstring); host slots assigned by assign_host_slots. Pure: returns a new program."""
+    and, with choice.after_b, then the chosen units' B -> W candidates (b_candidates, found on the program
+    with the first phase in place, so a storage reloaded for B goes again) offloaded after B and reloaded
+    before W (see the module docstring); host slots assigned by assign_host_slots. Pure: returns a new
+    program."""
+    out = _insert(program, _f_candidates(program, choice.min_bytes), choice)
+    if choice.after_b:
+        out = _insert(out, b_candidates(out, choice.min_bytes), choice)
+    return out
+
+
+def _insert(program: RankProgram, candidates: dict[tuple[int, int], tuple[Candidate, ...]],
+            choice: OffloadChoice) -> RankProgram:
     runs = [i for i, op in enumerate(program.ops) if op.kind is OpKind.RUN]
     position = {i: k for k, i in enumerate(runs)}
     plans = []
-    for unit, candidates in offload_candidates(program, choice.min_bytes).items():
+    for unit, found in candidates.items():
         if choice.units is None or unit in choice.units:
-            plans += [p for c in candidates if (p := _plan(program, runs, position, c, choice)) is not None]
+            plans += [p for c in found if (p := _plan(program, runs, position, c, choice)) is not None]
     if not plans:
         return program
     return assign_host_slots(program.replace(ops=_rewrite(program, plans)))
+
+
+def b_candidates(program: RankProgram, min_bytes: int = DEFAULT_MIN_BYTES
+                 ) -> dict[tuple[int, int], tuple[Candidate, ...]]:
+    """(stage, microbatch) of every B on this rank with a W -> the storages that may go after B and come back
+    before W (`after` Kind.B, reader_index W's): B's `wsaved:` outputs by storage (the rules F's saved
+    storages follow), then F's saved storages W still reads, under their current names (`re.V` where the
+    program already reloads them for B), with only the views still read after B. Such a storage may go when
+    it is defined by B or before it and at least `min_bytes`, its views are read after B (FREE aside) only by
+    W, and whatever else is on it is dead when B's FREE ops are done (a live send would keep the original
+    beside the reloaded copy)."""
+    readers = _readers(program)
+    ops = program.ops
+    index = {(op.action.kind, op.action.stage, op.action.microbatch): i
+             for i, op in enumerate(ops) if op.action is not None}
+    defined = {v: i for i, op in enumerate(ops) for v in op.outs}
+    groups: dict[tuple[str, Role], tuple[_Group, ...]] = {}
+    out: dict[tuple[int, int], tuple[Candidate, ...]] = {}
+    for b, op in enumerate(ops):
+        a = op.action
+        w = index.get((Kind.W, a.stage, a.microbatch)) if a is not None and a.kind is Kind.B else None
+        f = index.get((Kind.F, a.stage, a.microbatch)) if w is not None else None
+        if f is None:
+            continue
+        found = []
+        for at, role in ((b, Role.WSAVED), (f, Role.SAVED)):
+            key = (ops[at].args.graph, role)
+            if key not in groups:
+                groups[key] = _storage_groups(program, key[0], role)
+            for g in groups[key]:
+                c = _b_candidate(program, readers, defined, ops[at], g, b, w) if g.type.nbytes >= min_bytes else None
+                if c is not None:
+                    found.append(c)
+        out[(a.stage, a.microbatch)] = tuple(found)
+    return out
 
 
 def assign_host_slots(program: RankProgram) -> RankProgram:
@@ -172,12 +253,13 @@ class _Group(NamedTuple):
     type: TensorType
 
 
-def _storage_groups(program: RankProgram, key: str) -> tuple[_Group, ...]:
-    """The storages of F graph `key`'s outputs that hold a saved output and may be copied out and back whole
-    (fresh memory of the graph with static sizes), in output order of their first saved output."""
+def _storage_groups(program: RankProgram, key: str, role: Role = Role.SAVED) -> tuple[_Group, ...]:
+    """The storages of graph `key`'s outputs (an F's, or a B's with `role` WSAVED) that hold an output of
+    `role` and may be copied out and back whole (fresh memory of the graph with static sizes), in output
+    order of their first such output (the group's `saved`)."""
     graph = program.graphs[key]
     if graph.gm is None:
-        raise LoweringError(f"rank {program.rank}: offload needs the F graphs' GraphModules (their outputs' "
+        raise LoweringError(f"rank {program.rank}: offload needs the F and B graphs' GraphModules (their outputs' "
                             f"storages and aliasing), but graph {key!r} has none; read the program with "
                             f"RankProgram.from_text(text, graphs=...)")
     gm = graph.gm
@@ -192,7 +274,7 @@ def _storage_groups(program: RankProgram, key: str) -> tuple[_Group, ...]:
     shared = _roots_in_several(roots, by_storage.values())
     groups = []
     for positions in by_storage.values():
-        saved = tuple(k for k in positions if role_of(graph.outputs[k]) is Role.SAVED)
+        saved = tuple(k for k in positions if role_of(graph.outputs[k]) is role)
         if saved and all(roots[k] and roots[k].isdisjoint(shared) for k in positions):
             group = _group(nodes, saved, tuple(k for k in positions if k not in saved))
             if group is not None:
@@ -255,6 +337,34 @@ def _is_backward_of(op: Op, f: Action) -> bool:
     return a is not None and a.kind in _BACKWARD and (a.stage, a.microbatch) == (f.stage, f.microbatch)
 
 
+def _b_candidate(program: RankProgram, readers: dict[str, list[int]], defined: dict[str, int], at: Op,
+                 g: _Group, b: int, w: int) -> Candidate | None:
+    """Group `g` of the outputs of op `at` (the unit's B, or its F) as a candidate to go after B (op b) and
+    come back before W (op w), or None. A view goes under its current name (`re.` once per reload so far)
+    if it is read after B; those must be defined by B or before it and read after it (FREE aside) only by W;
+    the group's other views and outputs must have no reader left after B's own tail (its stamp and FREE)."""
+    names = [_current(defined, at.outs[k]) for k in g.saved]
+    after = [[j for j in readers.get(v, ()) if j > b and program.ops[j].kind is not OpKind.FREE] for v in names]
+    live = [k for k, later in enumerate(after) if later]
+    if not live or any(defined.get(names[k], b + 1) > b or set(after[k]) != {w} for k in live):
+        return None
+    # the rest must be gone when the offload is issued: a send of B's grad:act on the storage would keep the
+    # original beside its reloaded copy, and a peak could then grow
+    rest = [names[k] for k in range(len(names)) if k not in live] + [at.outs[k] for k in g.others]
+    tail = _after_run(program.ops, b)
+    if any(j > tail for v in rest for j in readers.get(v, ())):
+        return None
+    values = tuple(names[k] for k in live)
+    return Candidate(values[0], g.type, g.type.nbytes, b, w, values, tuple(g.views[k] for k in live), Kind.B)
+
+
+def _current(defined: dict[str, int], vid: str) -> str:
+    """The name value `vid` has now: each reload so far wrapped it in one more `re.`."""
+    while reloaded_value(vid) in defined:
+        vid = reloaded_value(vid)
+    return vid
+
+
 def _readers(program: RankProgram) -> dict[str, list[int]]:
     readers: dict[str, list[int]] = {}
     for i, op in enumerate(program.ops):
@@ -312,13 +422,13 @@ def _rewrite(program: RankProgram, plans: list[_Plan]) -> tuple[Op, ...]:
     # before an op: waits for offloads first (memory back), then reloads, then waits for reloads (a reload
     # with prefetch=0 comes right before its own wait)
     before: dict[int, tuple[list[Op], list[Op], list[Op]]] = {}
-    renamed: dict[str, str] = {}
+    renamed: dict[str, tuple[str, int]] = {}   # value -> its reloaded name, read by ops after this index
     # one provisional slot per new offload, above the slots earlier offloads use; assign_host_slots colours all
     for k, p in enumerate(plans, start=len(program.host_buffers)):
         c, why = p.candidate, f"for {ops[p.reader].action}"
         off, re = handle(f"off.{c.value}"), handle(f"re.{c.value}")
         new = tuple(reloaded_value(v) for v in c.values)
-        renamed.update(zip(c.values, new))
+        renamed.update((v, (n, p.offload_after)) for v, n in zip(c.values, new))
         after.setdefault(p.offload_after, []).append(Op(OpKind.OFFLOAD, c.values, (off,), HostArgs(k, c.type), why))
         offloaded.setdefault(p.offload_after, []).extend(c.values)
         _at(before, _before_run(ops, p.wait_before))[0].append(Op(OpKind.WAIT_OFFLOAD, (off,)))
@@ -328,7 +438,7 @@ def _rewrite(program: RankProgram, plans: list[_Plan]) -> tuple[Op, ...]:
     for i, op in enumerate(ops):
         for group in before.get(i, ()):
             out += group
-        out.append(_rename(op, renamed))   # only the backward and its FREE read them
+        out.append(_rename(op, i, renamed))   # after the offload only the backward and its FREE read them
         if i in after:
             out += after[i]
             out.append(Op(OpKind.FREE, tuple(offloaded[i]), note="offloaded: each handle holds its storage "
@@ -340,11 +450,12 @@ def _at(before: dict, i: int) -> tuple[list[Op], list[Op], list[Op]]:
     return before.setdefault(i, ([], [], []))
 
 
-def _rename(op: Op, renamed: dict[str, str]) -> Op:
-    """Later readers (the backward and the FREE after it) read the reloaded value."""
+def _rename(op: Op, i: int, renamed: dict[str, tuple[str, int]]) -> Op:
+    """Readers after the offload (the backward and the FREE after it) read the reloaded value; B, which reads
+    a value offloaded after it, keeps the original name."""
     if renamed.keys().isdisjoint(op.ins):
         return op
-    return op._replace(ins=tuple(renamed.get(v, v) for v in op.ins))
+    return op._replace(ins=tuple(n[0] if (n := renamed.get(v)) and i > n[1] else v for v in op.ins))
 
 
 def _host_intervals(program: RankProgram) -> list[tuple[int, int, int]]:

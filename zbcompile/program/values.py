@@ -18,9 +18,12 @@ boundary (the receiver's receive defines the same name the sender's compute defi
     loss                        the sum of this rank's microbatch losses (the program's output)
     re.s{stage}.mb{mb}.{local}  an offloaded stage value brought back from the host pool (passes/lower/offload.py):
                                 a new name, since values are defined once; parses to the original's role, stage
-                                and microbatch with scope "reload": `re.s0.mb1.saved:3`
+                                and microbatch with scope "reload" and index 1: `re.s0.mb1.saved:3`
+    re.re.s{stage}...           the same value offloaded and reloaded again (reloaded for B, then offloaded after
+                                B until W): one `re.` per reload, index the count: `re.re.s0.mb1.saved:3`
     h:{...}                     a handle: a posted receive or batch of sends, a collective, or a host copy
-                                (`h:off.s0.mb1.saved:3` an offload's, `h:re.s0.mb1.saved:3` a reload's)
+                                (`h:off.s0.mb1.saved:3` an offload's, `h:re.s0.mb1.saved:3` a reload's;
+                                `h:off.re.s0.mb1.saved:3` and `h:re.re.s0.mb1.saved:3` the second round's)
 
 Names stay strings in the IR (cheap to hash, print and compare); `parse` turns one into a `Value` record
 once and remembers it, so passes ask `parse(v).role is Role.SAVED` instead of testing string prefixes.
@@ -43,9 +46,10 @@ RELOADED = "re"   # the head of a reloaded value's name
 
 class Value(NamedTuple):
     """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "vocab" (v.mb{mb}.local), "data", "state"
-    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "reload" (re.s{s}.mb{mb}.local),
-    "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are
-    -1 where the scope has none (index: data argument, accumulation step or source rank)."""
+    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "reload" (re.s{s}.mb{mb}.local,
+    re.re.s{s}...), "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are -1 where
+    the scope has none (index: data argument, accumulation step, source rank or how many times a
+    reloaded value was reloaded)."""
 
     scope: str
     role: Role
@@ -87,8 +91,8 @@ def _parse(vid: str) -> Value:
             return Value("stage", role_of(local), local, int(head[1:]), int(mb[2:]))
     if dot and head == RELOADED:
         inner = parse(rest)
-        if inner.scope == "stage":
-            return inner._replace(scope="reload")
+        if inner.scope in ("stage", "reload"):
+            return inner._replace(scope="reload", index=max(inner.index, 0) + 1)
     if dot and head in ("v", "vi"):
         mb, dot2, local = rest.partition(".")
         if dot2 and mb[:2] == "mb" and mb[2:].isdigit() and local:
@@ -131,7 +135,8 @@ def handle(what: str) -> str:
 
 
 def reloaded_value(vid: str) -> str:
-    """The name of stage value `vid` once reloaded from the host pool: `s0.mb1.saved:3` -> `re.s0.mb1.saved:3`."""
+    """The name of stage value `vid` once reloaded from the host pool: `s0.mb1.saved:3` -> `re.s0.mb1.saved:3`,
+    and of a reloaded one reloaded again: `re.s0.mb1.saved:3` -> `re.re.s0.mb1.saved:3`."""
     return f"{RELOADED}.{vid}"
 
 
