@@ -147,6 +147,8 @@ def single_worker(cfg: dict, mode: str, threads: int, outdir: str, tag: str) -> 
     _reset_peak_rss()
     try:
         model = build_model(cfg)
+        if cfg.get("torch_compile"):
+            model = torch.compile(model)
         x, y = make_batch(cfg)
         xs, ys = x.chunk(cfg["n_mb"]), y.chunk(cfg["n_mb"])
         n = cfg["n_mb"]
@@ -204,7 +206,10 @@ def build_torch(cfg: dict, name: str, rank: int, world: int):
     model = build_model(cfg)
     local = [s for s in range(S) if mapping[s] == rank]
     null = cfg["model"] == "null"
-    stages = [PipelineStage(TorchStage(model, parts[s], null), s, S, torch.device("cpu")) for s in local]
+    mods = [TorchStage(model, parts[s], null) for s in local]
+    if cfg.get("torch_compile"):   # torch.compile'd stage modules (inductor), compiled at their first call
+        mods = [torch.compile(m) for m in mods]
+    stages = [PipelineStage(m, s, S, torch.device("cpu")) for m, s in zip(mods, local)]
     del model
     cls = get_schedule_class(name)
     sched = cls(stages[0] if spr == 1 else stages, n_microbatches=cfg["n_mb"], loss_fn=loss_fn)
@@ -285,6 +290,8 @@ def build_ours(cfg: dict, name: str, rank: int, world: int, group=None):
         kw["vocab_parallel"] = True
     if cfg.get("offload") is not None:
         kw["offload"] = cfg["offload"]
+    if cfg.get("backend") is not None:
+        kw["backend"] = cfg["backend"]
     if cfg.get("our_split", "same") == "same" and not cfg.get("vocab_parallel"):
         kw["split_points"] = split_points(parts)
     if group is not None:

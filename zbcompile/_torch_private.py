@@ -46,6 +46,11 @@ __all__ = [
     "live_process_groups",
     "process_group_name",
     "default_group",
+    "inductor_decompositions",
+    "inductor_compile",
+    "static_fake_mode",
+    "tracing_context",
+    "make_fx",
 ]
 
 # The class of `torch.ops.aten.<op>.<overload>`, to test "an aten op with a schema" (partition, cost, the alias
@@ -83,3 +88,49 @@ def process_group_name(pg) -> str:
 def default_group():
     """c10d's `_get_default_group` (2.11-2.13): the WORLD group as a ProcessGroup object."""
     return dist.distributed_c10d._get_default_group()
+
+
+# ---- compiled stage graphs (passes/lower/compiled.py) ------------------------------------------------------
+# Imported when first called: importing torch._inductor costs about a second, and most programs never use it.
+
+def inductor_decompositions() -> dict:
+    """The aten -> simpler-aten decompositions inductor expects its input graph to have had applied (AOTAutograd
+    applies them in torch.compile): `torch._inductor.decomposition.select_decomp_table()`, 2.11-2.13."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: list):
+    """Inductor's compiler for one post-autograd aten graph, without AOTAutograd in front:
+    `torch._inductor.compile_fx.compile_fx_inner(gm, example_inputs)` (2.11-2.13), which returns a callable in
+    the boxed convention (`fn(list_of_inputs)`, the list emptied on entry) and looks up / fills inductor's own
+    FX graph cache when a TracingContext with a ShapeEnv is active."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs)
+
+
+def static_fake_mode():
+    """A FakeTensorMode with a ShapeEnv (all shapes static): inductor's FX graph cache bypasses graphs compiled
+    without one ("No shape env"); `torch.fx.experimental.symbolic_shapes.ShapeEnv`, 2.11-2.13."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def tracing_context(fake_mode):
+    """`torch._guards.tracing(TracingContext(fake_mode))` (2.11-2.13): where inductor finds the fake mode and its
+    ShapeEnv, as under torch.compile."""
+    from torch._guards import TracingContext, tracing
+
+    return tracing(TracingContext(fake_mode))
+
+
+def make_fx(fn, decomposition_table: dict):
+    """`torch.fx.experimental.proxy_tensor.make_fx(fn, decomposition_table, tracing_mode="fake")` (experimental
+    module, 2.11-2.13): re-traces an aten graph with decompositions, keeping its in-place ops (no
+    functionalization)."""
+    from torch.fx.experimental.proxy_tensor import make_fx as trace
+
+    return trace(fn, decomposition_table=decomposition_table, tracing_mode="fake")

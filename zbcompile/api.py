@@ -57,13 +57,15 @@ class CompileOptions:
     timeout: float = 60.0
     vocab_parallel: bool = False
     offload: int | str | Sequence[int] | None = None
+    backend: str | None = None
 
 
 def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microbatches: int,
             loss_fn: Callable[..., torch.Tensor], example, pp: int | None = None, chunks: int | None = None,
             split_points: Sequence[str] | None = None, group=None, costs=None, mem_limit: float | None = None,
             init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0,
-            vocab_parallel: bool = False, offload: int | str | Sequence[int] | None = None):
+            vocab_parallel: bool = False, offload: int | str | Sequence[int] | None = None,
+            backend: str | None = None):
     """Compile `model` for pipeline-parallel training; returns a PipelineModule (or, without `model`, a
     class decorator whose instances are PipelineModules).
 
@@ -95,11 +97,14 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
         saved tensors of the longest-lived forwards are copied to a host pool after their F and back before
         their backward, as few as fit; OffloadError says the smallest budget that works. "auto": offload what
         the time model says hides behind compute. None: no offload. `pipe.offload_report` says what was chosen.
+    backend: "inductor" compiles every stage graph (F, B, W, BW and the gradient-accumulating variants) with torch
+        inductor (C++ on CPU, Triton on CUDA; passes/lower/compiled.py), once per distinct graph, cached across
+        runs by inductor's FX graph cache; None runs the aten stage graphs as they are. UsageError for others.
     """
     options = CompileOptions(schedule=schedule, microbatches=microbatches, loss_fn=loss_fn, example=example,
                              pp=pp, chunks=chunks, split_points=split_points, group=group, costs=costs,
                              mem_limit=mem_limit, init_fn=init_fn, timeout=timeout, vocab_parallel=vocab_parallel,
-                             offload=offload)
+                             offload=offload, backend=backend)
     if model is None:
         return functools.partial(_decorate, options=options)
     return compile_with(model, options)
@@ -130,11 +135,12 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
     staged = split_model(model, options.loss_fn, example, num_stages=sched.num_model_stages,
                          split_points=options.split_points, placement=model_stage_placement(sched),
                          vocab_shards=pp if options.vocab_parallel else None)
-    return _build(model, staged, sched, resolved, options.init_fn, options.timeout, options.offload)
+    return _build(model, staged, sched, resolved, options.init_fn, options.timeout, options.offload,
+                  options.backend)
 
 
 def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, init_fn, timeout: float,
-           offload=None):
+           offload=None, backend: str | None = None):
     pg, rank, world = resolved
     if schedule.num_ranks != world:
         raise UsageError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
@@ -147,11 +153,11 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
                          f"actions but the model was split {'without' if staged.vocab is None else 'with'} "
                          "vocabulary parallelism; build both with vocab_parallel / vocab_shards, or neither "
                          "(passes.schedules.vocab.insert_vocab adds the vocabulary actions to a schedule)")
-    programs = lower_all(schedule, staged)
+    programs = lower_all(schedule, staged, backend=backend)
     device = device_for(model, pg)
     report = None
     if offload is not None:
-        programs, report = _offload(schedule, staged, programs, offload, device)
+        programs, report = _offload(schedule, staged, programs, offload, device, backend)
     _warn_mirrored_buffer_updates(staged, schedule)
     mine = [staged.stages[schedule.model_stage(s)] for s, r in enumerate(schedule.placement) if r == rank]
     vocab = staged.vocab.params if staged.vocab is not None else ()
@@ -175,13 +181,13 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
     return pipe
 
 
-def _offload(schedule: Schedule, staged: StagedModel, programs, offload, device: torch.device):
+def _offload(schedule: Schedule, staged: StagedModel, programs, offload, device: torch.device, backend=None):
     """Plan the offload for `offload` (a budget or "auto") on every rank, then lower again with it. The time
     model's device: an H100-like one on CUDA, this machine's CPU elsewhere (offload_plan.DEVICES)."""
     from zbcompile.passes.analysis.offload_plan import DEVICES, plan_offload
 
     report = plan_offload(programs, offload, device=DEVICES["h100" if device.type == "cuda" else "cpu"])
-    return lower_all(schedule, staged, offload=[r.choice for r in report]), report
+    return lower_all(schedule, staged, offload=[r.choice for r in report], backend=backend), report
 
 
 class PipelineModule(nn.Module):

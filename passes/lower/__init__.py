@@ -19,6 +19,11 @@ then FINISHING, which depends on where every op finally sits:
     static_input_buffers the batch copied into input buffers made once, if nothing aliasing it outlives the step
     box_graphs           graphs in fx's boxed calling convention, ops called through their C++ entry points
 
+then, if asked (`lower_all(..., backend="inductor")`), per rank:
+
+    compile_graphs       every stage graph run as the backend's compiled code (the emitter compiles the graphs
+                         of the program it emits, once per distinct graph); gm stays the aten graph
+
 then, if asked (`lower_all(..., offload=OffloadChoice(...))`), per rank:
 
     insert_offload       F's saved activations copied to a host pool after F and back before their B / W,
@@ -41,6 +46,7 @@ from typing import Callable, Sequence
 
 from zbcompile.errors import UsageError
 from zbcompile.passes.lower.buffers import static_input_buffers, static_recv_buffers
+from zbcompile.passes.lower.compiled import BACKENDS, check_backend, compile_graphs
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
 from zbcompile.passes.lower.emit import emit_fx
 from zbcompile.passes.lower.frees import insert_frees, insert_stamps
@@ -57,7 +63,7 @@ from zbcompile.stages import StagedModel
 
 __all__ = ["LOWERING", "FINISHING", "lower_all", "run_passes", "each", "emit_fx", "build_compute",
            "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD",
-           "OffloadChoice", "insert_offload"]
+           "OffloadChoice", "insert_offload", "compile_graphs", "BACKENDS"]
 
 Programs = tuple[RankProgram, ...]
 Pass = Callable[[Programs], Programs]
@@ -111,7 +117,8 @@ def run_passes(programs: Sequence[RankProgram], passes: Sequence[Pass], *, check
 def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass] = LOWERING,
               recv_lookahead: int = RECV_LOOKAHEAD, pair_order: bool = True,
               finishing: Sequence[Pass] = FINISHING, check_each_pass: bool = False,
-              offload: Sequence[OffloadChoice | None] | OffloadChoice | None = None) -> Programs:
+              offload: Sequence[OffloadChoice | None] | OffloadChoice | None = None,
+              backend: str | None = None) -> Programs:
     """Every rank's program, validated together.
 
     recv_lookahead: insert_p2p's `lookahead` (how many RUN ops before its consumer a receive is posted).
@@ -123,7 +130,10 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
     once at the end; the cross-rank validation always runs.
     offload: activation offload (passes/lower/offload.py) after the finishing passes: one OffloadChoice for
     every rank, or one per rank (None: none on that rank); None offloads nothing.
+    backend: compile every stage graph with this compiler (passes/lower/compiled.py: "inductor"), or None to
+    run the aten graphs; anything else raises UsageError before any lowering.
     """
+    check_backend(backend)
     bound = [functools.partial(p, lookahead=recv_lookahead) if p is insert_p2p else p for p in passes
              if pair_order or p is not order_p2p_by_pair]
     # an overlapped F&B step (DualPipe) runs as its sub-actions one after the other until a pass fuses them
@@ -132,7 +142,9 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
     if check_each_pass:
         for q in programs:
             q.check("build_compute", remote_ok=True)
-    after = [_offload_pass(offload, schedule.num_ranks)] if offload is not None else []
+    after = [each(compile_graphs(backend))] if backend is not None else []
+    if offload is not None:
+        after.append(_offload_pass(offload, schedule.num_ranks))
     programs = run_passes(programs, [*bound, *finishing, *after], check=check_each_pass)
     if not check_each_pass:
         for q in programs:

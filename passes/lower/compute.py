@@ -173,6 +173,8 @@ def accumulating_graph(g: ProgramGraph) -> ProgramGraph:
         if role_of(name) is Role.GRAD_PARAM:
             with graph.inserting_after(anchor):
                 anchor = sums[i] = graph.placeholder("acc_" + python_name(name))
+            if "val" in outs[i].meta:   # the sum is shaped as the gradient; a compiler reads placeholders' vals
+                sums[i].meta["val"] = outs[i].meta["val"]
             extra.append("acc:" + name)
     for i, acc in sums.items():
         outs[i] = _sum_into(graph, acc, outs[i], anchor, outs)

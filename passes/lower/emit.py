@@ -13,7 +13,8 @@
         ...
 
 The program's graphs are submodules named by their keys, whose forward the program calls directly (boxed
-graphs: inputs in one list the graph empties, see Emitter.run). Every other op is emitted by the Emitter
+graphs: inputs in one list the graph empties, see Emitter.run; a graph marked with a backend is that
+compiler's code for it, passes/lower/compiled.py). Every other op is emitted by the Emitter
 method its spec names (zbcompile.program.ops), calling the runtime ABI functions the spec lists, looked up
 by name in the ABI module (`abi`, zbcompile.runtime.abi by default): the compiler does not import the
 runtime. fx's code generator drops each variable after its last use: a FREE op whose values a stage graph
@@ -31,6 +32,7 @@ import torch
 from torch import fx
 
 from zbcompile.errors import LoweringError
+from zbcompile.passes.lower.compiled import compiled_module
 from zbcompile.passes.lower.variants import boxed_module
 from zbcompile.program import RankProgram
 from zbcompile.program.ops import AccumMode, Op, OpKind, spec
@@ -113,7 +115,8 @@ class Emitter:
             if g.gm is None:
                 raise LoweringError(f"rank {self.program.rank}: graph {key!r} has no GraphModule (a program read "
                                     f"from text without graphs cannot be emitted)")
-            self.root[key] = boxed_module(g.gm) if g.boxed else g.gm
+            self.root[key] = (compiled_module(g, f"rank {self.program.rank}, graph {key}") if g.backend
+                              else boxed_module(g.gm) if g.boxed else g.gm)
         # `.forward(...)`, not `(...)`: nn.Module's call machinery (hooks, fx's error-reporting wrapper) is
         # four Python frames per call, stage graphs carry no hooks, and every frame counts right after a gloo
         # wait, when the caches are cold

@@ -43,16 +43,20 @@ class ProgramGraph(Graph):
     lowering needs to know of it without running it. types: per output, the type of the boundary tensors
     and parameter gradients (None elsewhere). boxed: the program calls it with its inputs in one list that
     it empties (fx's boxed calling convention; the emitter builds that form of `gm`); else positionally.
+    backend: the compiler the emitter runs `gm` through (passes/lower/compiled.py: "inductor"), or None for
+    the aten graph itself; `gm` stays the aten graph either way, which is what every analysis reads.
     gm is None in a program read from text without graphs."""
 
     types: tuple[TensorType | None, ...] = field(default=(), kw_only=True)
     boxed: bool = field(default=False, kw_only=True)
+    backend: str | None = field(default=None, kw_only=True)
 
     def signature(self) -> str:
         outs = [f"{n}: {t}" if t is not None else n for n, t in zip(self.outputs, self.types or
                                                                        (None,) * len(self.outputs))]
         boxed = " boxed" if self.boxed else ""
-        return f"({', '.join(self.inputs)}) -> ({', '.join(outs)}){boxed}"
+        backend = f" {self.backend}" if self.backend else ""
+        return f"({', '.join(self.inputs)}) -> ({', '.join(outs)}){boxed}{backend}"
 
 
 @dataclass(frozen=True)
@@ -253,7 +257,7 @@ class _Reader:
                            **fields)
 
     def graph(self, n: int, line: str) -> tuple[str, ProgramGraph]:
-        m = re.fullmatch(r"graph (\S+) = \((.*?)\) -> \((.*)\)( boxed)?", line)
+        m = re.fullmatch(r"graph (\S+) = \((.*?)\) -> \((.*)\)( boxed)?(?: (\w+))?", line)
         if not m:
             raise self.fail(n, "expected 'graph KEY = (INPUTS) -> (OUTPUTS)'")
         key, ins, outs = m.group(1), _names(m.group(2)), []
@@ -262,7 +266,8 @@ class _Reader:
             name, sep, t = item.partition(": [")
             outs.append(name)
             types.append(TensorType.parse("[" + t) if sep else None)
-        g = ProgramGraph(None, ins, tuple(outs), types=tuple(types), boxed=m.group(4) is not None)
+        g = ProgramGraph(None, ins, tuple(outs), types=tuple(types), boxed=m.group(4) is not None,
+                         backend=m.group(5))
         if self.attach is not None:
             given = self.attach.get(key)
             if given is None or (given.inputs, given.outputs) != (g.inputs, g.outputs):

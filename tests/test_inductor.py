@@ -1,0 +1,196 @@
+"""backend="inductor": stage graphs compiled by torch inductor (passes/lower/compiled.py) train like eager.
+
+Every schedule at pp=2 runs threaded on a small GPT (tied embedding, attention, layer norm) against eager
+microbatch accumulation; every compiled graph of two programs against its aten graph on the same inputs
+(outputs, in-place sums, no aliasing the aten graph does not have); one compilation per distinct graph, and
+inductor's FX graph cache across compilations; zbcompile.compile multi-process (gloo, 2 ranks); an unknown
+backend. The threaded cases share one process-wide set of compiled graphs, so the whole module takes about
+a minute on 2 cores with a warm inductor cache.
+
+Tolerance 1e-4 relative (eager and pipelined-eager agree to 1e-5 elsewhere in the suite): inductor fuses and
+vectorizes reductions (layer norm, softmax, the gradient sums over the batch), which reassociates float32
+sums; the differences seen are ~4e-7 relative, the bound leaves room for other shapes and CPUs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from launch import Launches
+from models import gpt
+from threaded import max_grad_error, param_holders, run_threaded
+from zbcompile.api import model_stage_placement
+from zbcompile.errors import UsageError, ZBCompileError
+from zbcompile.passes.analysis.aliases import graph_output_aliases
+from zbcompile.passes.lower import compiled, emit_fx, lower_all
+from zbcompile.passes.schedules import generate
+from zbcompile.split import split_model
+
+torch.set_num_threads(1)
+
+TOL = 1e-4
+MICROBATCHES = 4
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "interleaved-1f1b", "dualpipev"]
+
+
+@pytest.fixture(scope="module")
+def case():
+    """The model, a batch of MICROBATCHES distinct microbatches, eager's loss and gradients, and one split per
+    placement (the 2-stage schedules share theirs, and so do the V-shaped ones)."""
+    c = gpt(layers=2)
+    g = torch.Generator().manual_seed(1)
+    idx, tgt = (torch.randint(0, 64, (MICROBATCHES * t.shape[0], t.shape[1]), generator=g) for t in c.example)
+    ref = copy.deepcopy(c.model)
+    loss = 0.0
+    for x, y in zip(idx.chunk(MICROBATCHES), tgt.chunk(MICROBATCHES)):
+        part = c.loss_fn(ref(x), y) / MICROBATCHES
+        part.backward()
+        loss += part.item()
+    return dict(case=c, batch=(idx, tgt), ref=ref, loss=loss, splits={})
+
+
+def _staged(case, sched):
+    key = (sched.num_model_stages, model_stage_placement(sched))
+    if key not in case["splits"]:
+        c = case["case"]
+        case["splits"][key] = split_model(c.model, c.loss_fn, c.example, num_stages=sched.num_model_stages,
+                                          placement=model_stage_placement(sched))
+    return case["splits"][key]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_schedule_trains_like_eager(case, schedule):
+    sched = generate(schedule, 2, MICROBATCHES)
+    staged = _staged(case, sched)
+    losses, models, _ = run_threaded(case["case"].model, staged, sched, case["batch"], backend="inductor")
+    want = case["loss"]
+    assert all(abs(v - want) <= TOL * abs(want) for v in losses), (losses, want)
+    holders = param_holders(sched, staged)
+    owned = [[f for f, rs in holders.items() if r in rs] for r in range(2)]
+    err, where = max_grad_error(case["ref"], models, owned)
+    assert err <= TOL, (err, where)
+
+
+def _graphs(case, schedule: str):
+    sched = generate(schedule, 2, MICROBATCHES)
+    programs = lower_all(sched, _staged(case, sched), backend="inductor")
+    return programs, [(p.rank, k, g) for p in programs for k, g in p.graphs.items()]
+
+
+def _inputs(g) -> list[torch.Tensor]:
+    """Real inputs shaped as the graph was traced: floats in [0, 1) (no log / sqrt of a negative), integers
+    0 or 1 (valid token ids and targets)."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for node in g.gm.graph.find_nodes(op="placeholder"):
+        v = node.meta["val"]
+        t = (torch.rand(v.shape, generator=gen, dtype=v.dtype) if v.is_floating_point()
+             else torch.randint(0, 2, v.shape, generator=gen, dtype=v.dtype))
+        out.append(t.as_strided(v.shape, v.stride()) if t.is_contiguous() and v.is_contiguous() else
+                   torch.empty_strided(v.shape, v.stride(), dtype=v.dtype).copy_(t))
+    return out
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to the largest magnitude (random saved statistics make some gradients
+    large, so an elementwise tolerance would measure the inputs, not the compiler)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
+    if not want.is_floating_point():
+        return float(not torch.equal(got, want))
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-12)).item() if want.numel() else 0.0
+
+
+def _shares(out: torch.Tensor, ins: list[torch.Tensor]) -> set[int]:
+    ptr = out.untyped_storage().data_ptr()
+    return {i for i, t in enumerate(ins) if t.untyped_storage().data_ptr() == ptr}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_compiled_graphs_keep_the_aten_graphs_contract(case, schedule):
+    """Every compiled graph of both ranks, on the same inputs as its aten graph: equal outputs, the same
+    inputs mutated the same way (the accumulating variants' sums, in place: the sum returned IS the `acc:`
+    input), and no output sharing memory with an input unless the aten graph's may (aliases.py)."""
+    programs, graphs = _graphs(case, schedule)
+    assert any(k.endswith("_acc") for _, k, _ in graphs), "no accumulating variant to check"
+    for rank, key, g in graphs:
+        if g.backend is None:
+            assert not any(n.op == "call_function" for n in g.gm.graph.nodes), (rank, key)
+            continue
+        assert g.boxed and g.backend == "inductor", (rank, key)
+        ins_eager, ins_compiled = _inputs(g), _inputs(g)
+        want = g.gm(*ins_eager)
+        got = compiled.compiled_module(g, key).forward(list(ins_compiled))
+        may = graph_output_aliases(g.gm)
+        for k, (a, b) in enumerate(zip(want, got)):
+            assert _rel(b, a) <= TOL, (rank, key, f"output {k}", _rel(b, a))
+            assert _shares(b, ins_compiled) <= may[k], (rank, key, k, _shares(b, ins_compiled), may[k])
+        for i, (a, b) in enumerate(zip(ins_eager, ins_compiled)):
+            assert _rel(b, a) <= TOL, (rank, key, f"input {i} after the call", _rel(b, a))
+        if key.endswith("_acc"):
+            for k, name in enumerate(g.outputs):
+                if ("acc:" + name) in g.inputs:
+                    assert got[k] is ins_compiled[g.inputs.index("acc:" + name)], (rank, key, name, "not in place")
+
+
+def test_the_program_runs_the_accumulating_variants_compiled(case):
+    """With several microbatches the W / BW runs after the first call `<graph>_acc`, compiled."""
+    programs, _ = _graphs(case, "zb-h1")
+    for p in programs:
+        runs = [op.args.graph for op in p.run_ops()]
+        acc = [k for k in runs if k.endswith("_acc")]
+        assert acc, p.rank
+        assert all(p.graphs[k].backend == "inductor" for k in acc), p.rank
+        assert "boxed inductor" in p.to_text()
+
+
+def test_one_compilation_per_distinct_graph_and_inductors_cache(case, monkeypatch):
+    """Emitting both ranks of dualpipev (each model stage on both ranks) compiles each distinct graph once;
+    compiling them again in a fresh process-wide memo is served by inductor's FX graph cache."""
+    from torch._dynamo.utils import counters
+
+    programs, graphs = _graphs(case, "dualpipev")
+    calls = []
+    real = compiled._inductor
+    monkeypatch.setattr(compiled, "_inductor", lambda gm, vals, where: calls.append(where) or real(gm, vals, where))
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    for p in programs:
+        emit_fx(p)
+    called = {(p.rank, op.args.graph) for p in programs for op in p.run_ops()}   # what the emitter compiles
+    keys = {(r, k): compiled._memo_key(g, compiled._input_vals(g, k)) for r, k, g in graphs
+            if g.backend and (r, k) in called}
+    assert len(calls) == len(set(keys.values())) < len(keys), calls
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    emit_fx(programs[0])
+    assert counters["inductor"]["fxgraph_cache_hit"] - hits == len({v for (r, _), v in keys.items() if r == 0})
+
+
+def test_unknown_backend_says_the_choices(case):
+    sched = generate("1f1b", 2, MICROBATCHES)
+    with pytest.raises(UsageError, match="'inductor'.*or None") as e:
+        lower_all(sched, _staged(case, sched), backend="tvm")
+    assert isinstance(e.value, ZBCompileError)
+
+
+# ---- zbcompile.compile, multi-process ------------------------------------------------------------------
+_launch = Launches(os.path.join(os.path.dirname(__file__), "inductor_worker.py"))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_compile_with_inductor_multi_process(tmp_path_factory):
+    _, results = _launch(2, tmp_path_factory)
+    for name in ("zbv", "1f1b"):
+        vals = [res[name] for res in results]
+        for r, v in enumerate(vals):
+            assert "error" not in v, f"rank {r} {name}:\n{v['error']}"
+            assert abs(v["loss"] - v["loss_ref"]) <= TOL * abs(v["loss_ref"]), (name, r, v["loss"], v["loss_ref"])
+            assert v["grad_err"] <= TOL, (name, r, v["grad_err"])
+        assert len({v["loss"] for v in vals}) == 1, (name, "ranks report different losses")
+    for r, res in enumerate(results):
+        bad = res["bad_backend"]
+        assert "UsageError" in bad.get("type", ()) and "'inductor'" in bad["message"], (r, bad)
