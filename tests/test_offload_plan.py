@@ -13,7 +13,6 @@ from zbcompile.passes.analysis.memory import rank_memory
 from zbcompile.passes.analysis.offload_plan import (DEVICES, Device, OffloadError, _by_lifespan, compute_time,
                                                     least_peaks, plan_offload)
 from zbcompile.passes.lower import OffloadChoice, insert_offload, lower_all
-from zbcompile.passes.lower.offload import offload_candidates
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
 
