@@ -59,7 +59,7 @@ def static_input_buffers(program: RankProgram) -> RankProgram:
     """staged_inputs=True when no value that may alias a microbatch of the batch can outlive the step (the
     next step's batch overwrites the input buffers)."""
     aliases = _alias_edges(program)
-    readers = _readers(program)
+    readers = program.readers()
     data = [v for v in program.inputs if parse(v).scope == "data"]
     staged = all(_last_use(program, v, aliases, readers) is not None for v in data)
     return program.replace(staged_inputs=staged)
@@ -78,7 +78,7 @@ def buffer_intervals(program: RankProgram) -> dict[int, int]:
     """For each RECV op (by index) whose buffer cannot outlive the step: the index of the last op that uses
     a value which may alias the buffer."""
     aliases = _alias_edges(program)
-    readers = _readers(program)
+    readers = program.readers()
     out: dict[int, int] = {}
     for i, op in enumerate(program.ops):
         if op.kind is not OpKind.RECV:
@@ -87,14 +87,6 @@ def buffer_intervals(program: RankProgram) -> dict[int, int]:
         if last is not None:
             out[i] = max(last, i)
     return out
-
-
-def _readers(program: RankProgram) -> dict[str, list[int]]:
-    readers: dict[str, list[int]] = {}
-    for i, op in enumerate(program.ops):
-        for v in op.ins:
-            readers.setdefault(v, []).append(i)
-    return readers
 
 
 def _last_use(program: RankProgram, root: str, aliases: dict[str, set[str]],

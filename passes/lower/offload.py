@@ -140,7 +140,7 @@ def offload_candidates(program: RankProgram, min_bytes: int = DEFAULT_MIN_BYTES,
 
 
 def _f_candidates(program: RankProgram, min_bytes: int) -> dict[tuple[int, int], tuple[Candidate, ...]]:
-    readers = _readers(program)
+    readers = program.readers()
     groups: dict[str, tuple[_Group, ...]] = {}
     out: dict[tuple[int, int], tuple[Candidate, ...]] = {}
     for i, op in enumerate(program.ops):
@@ -194,7 +194,7 @@ def b_candidates(program: RankProgram, min_bytes: int = DEFAULT_MIN_BYTES
     it is defined by B or before it and at least `min_bytes`, its views are read after B (FREE aside) only by
     W, and whatever else is on it is dead when B's FREE ops are done (a live send would keep the original
     beside the reloaded copy)."""
-    readers = _readers(program)
+    readers = program.readers()
     ops = program.ops
     index = {(op.action.kind, op.action.stage, op.action.microbatch): i
              for i, op in enumerate(ops) if op.action is not None}
@@ -363,14 +363,6 @@ def _current(defined: dict[str, int], vid: str) -> str:
     while reloaded_value(vid) in defined:
         vid = reloaded_value(vid)
     return vid
-
-
-def _readers(program: RankProgram) -> dict[str, list[int]]:
-    readers: dict[str, list[int]] = {}
-    for i, op in enumerate(program.ops):
-        for v in op.ins:
-            readers.setdefault(v, []).append(i)
-    return readers
 
 
 # ---- placing the ops ------------------------------------------------------------------------------------

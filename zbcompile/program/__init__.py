@@ -112,6 +112,14 @@ class RankProgram:
         used = {v for op in self.ops for v in op.ins}
         return used | ({self.output} if self.output else set())
 
+    def readers(self) -> dict[str, list[int]]:
+        """value -> the indices of the ops that read it, in program order."""
+        out: dict[str, list[int]] = {}
+        for i, op in enumerate(self.ops):
+            for v in op.ins:
+                out.setdefault(v, []).append(i)
+        return out
+
     def local_stages(self) -> set[int]:
         return {op.args.action.stage for op in self.ops if op.kind is OpKind.RUN}
 

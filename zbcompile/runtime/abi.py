@@ -210,17 +210,23 @@ def _describe(doing: str, what: str, peer) -> str:
 def offload(ctx: StepContext, slot: int, *tensors: torch.Tensor):
     """Copy the device storage under `tensors` (views of one storage) into host slot `slot` as bytes, after
     the compute stream's work so far; a handle for wait_offload, which keeps the tensors alive until then."""
-    host, stream = ctx.host[slot], ctx.copy_stream
-    flat = _storage_bytes(ctx, tensors[0], host.nbytes)
+    host = ctx.host[slot]
+    return tensors, _copy(ctx, host, _storage_bytes(ctx, tensors[0], host.nbytes))
+
+
+def _copy(ctx: StepContext, dst: torch.Tensor, src: torch.Tensor):
+    """dst.copy_(src): at once on CPU (None); on CUDA on the copy stream after the compute stream's work so
+    far, returning the event a wait joins on."""
+    stream = ctx.copy_stream
     if stream is None:
-        host.copy_(flat)
-        return tensors, None
+        dst.copy_(src)
+        return None
     stream.wait_stream(torch.cuda.current_stream(ctx.device))
     with torch.cuda.stream(stream):
-        host.copy_(flat, non_blocking=True)
+        dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
-    return tensors, done
+    return done
 
 
 def _storage_bytes(ctx: StepContext, tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -247,19 +253,11 @@ def wait_offload(ctx: StepContext, handle) -> None:
 def reload(ctx: StepContext, slot: int):
     """A fresh device storage of host slot `slot`'s size, filled from the slot after the compute stream's work
     so far; a handle for wait_reload."""
-    host, stream = ctx.host[slot], ctx.copy_stream
+    host = ctx.host[slot]
     # allocated on the compute stream: its memory belongs to that stream's pool, where the compute stream
     # frees it after waiting for the copy
     flat = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=ctx.device)
-    if stream is None:
-        flat.copy_(host)
-        return flat, None
-    stream.wait_stream(torch.cuda.current_stream(ctx.device))
-    with torch.cuda.stream(stream):
-        flat.copy_(host, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-    return flat, done
+    return flat, _copy(ctx, flat, host)
 
 
 @fx.node.has_side_effect
