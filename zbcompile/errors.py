@@ -17,6 +17,7 @@ __all__ = [
     "UsageError",
     "RuntimeFailure",
     "CheckpointError",
+    "CaptureError",
     "ZBCompileWarning",
 ]
 
@@ -72,6 +73,12 @@ class RuntimeFailure(ZBCompileError, RuntimeError):
 class CheckpointError(ZBCompileError, ValueError):
     """A checkpoint or state dict does not fit the model it is loaded into (missing or unexpected keys, other
     shapes): refused before any tensor is written."""
+
+
+class CaptureError(ZBCompileError):
+    """A step cannot be captured as one CUDA graph (a receive into a fresh buffer, a timed wait, an `.item()` in a
+    stage graph), or CUDA graphs were asked for without a CUDA device; the message lists every problem, each
+    with the op or graph node, why, and the fix (zbcompile.passes.analysis.capture)."""
 
 
 class ZBCompileWarning(UserWarning):

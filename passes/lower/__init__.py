@@ -19,6 +19,11 @@ then FINISHING, which depends on where every op finally sits:
     static_input_buffers the batch copied into input buffers made once, if nothing aliasing it outlives the step
     box_graphs           graphs in fx's boxed calling convention, ops called through their C++ entry points
 
+or CAPTURE_FINISHING, for a step captured as one CUDA graph (passes/analysis/capture.py checks it):
+
+    capture_ready        SET_GRAD accumulates into .grad instead of taking ownership; untimed waits
+    ...                  then FINISHING
+
 then, if asked (`lower_all(..., backend="inductor")`), per rank:
 
     compile_graphs       every stage graph run as the backend's compiled code (the emitter compiles the graphs
@@ -46,6 +51,7 @@ from typing import Callable, Sequence
 
 from zbcompile.errors import UsageError
 from zbcompile.passes.lower.buffers import static_input_buffers, static_recv_buffers
+from zbcompile.passes.lower.capture import capture_ready
 from zbcompile.passes.lower.compiled import BACKENDS, check_backend, compile_graphs
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
 from zbcompile.passes.lower.emit import emit_fx
@@ -61,7 +67,7 @@ from zbcompile.program import RankProgram
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
-__all__ = ["LOWERING", "FINISHING", "lower_all", "run_passes", "each", "emit_fx", "build_compute",
+__all__ = ["LOWERING", "FINISHING", "CAPTURE_FINISHING", "capture_ready", "lower_all", "run_passes", "each", "emit_fx", "build_compute",
            "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD",
            "OffloadChoice", "insert_offload", "compile_graphs", "BACKENDS"]
 
@@ -98,6 +104,10 @@ FINISHING: tuple[Pass, ...] = (
     each(static_input_buffers),
     each(box_graphs),
 )
+
+# FINISHING for CUDA-graph capture of the whole step: capture_ready must come before the buffer passes, which
+# read which ops keep their inputs
+CAPTURE_FINISHING: tuple[Pass, ...] = (each(capture_ready), *FINISHING)
 
 
 def run_passes(programs: Sequence[RankProgram], passes: Sequence[Pass], *, check: bool = True) -> Programs:

@@ -96,6 +96,11 @@ class Emitter:
                                 f"{self.abi.__name__} does not define")
         return found
 
+    @property
+    def untimed(self) -> tuple:
+        """The waits' extra argument: () for the default timed wait, (False,) for a program without timeouts."""
+        return () if self.program.wait_timeout else (False,)
+
     def values(self, names) -> list[fx.Node]:
         return [self.env[v] for v in names]
 
@@ -142,7 +147,7 @@ class Emitter:
                                                               a.type.dtype, what), op.outs[0])
 
     def wait_recv(self, i: int, op: Op) -> None:
-        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]]), op.outs[0])
+        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]], *self.untimed), op.outs[0])
 
     def send(self, i: int, op: Op) -> None:
         what = ", ".join(dict.fromkeys(op.ins))
@@ -152,7 +157,7 @@ class Emitter:
                                          op.outs[0])
 
     def wait_send(self, i: int, op: Op) -> None:
-        self.call(self.fn(op), (self.ctx, self.env[op.ins[0]]))
+        self.call(self.fn(op), (self.ctx, self.env[op.ins[0]], *self.untimed))
 
     def collective(self, i: int, op: Op) -> None:
         """collective(ctx, op, root, shape, dtype, what, *tensors): a handle for wait_coll."""
@@ -162,7 +167,8 @@ class Emitter:
                                                        a.type.dtype, what, *self.values(op.ins)), op.outs[0])
 
     def wait_coll(self, i: int, op: Op) -> None:
-        node = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]]), op.outs[0] if op.outs else None)
+        node = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]], *self.untimed),
+                         op.outs[0] if op.outs else None)
         if op.outs:
             self.env[op.outs[0]] = node
 

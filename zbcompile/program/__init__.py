@@ -72,6 +72,9 @@ class RankProgram:
     makes it once (pinned on CUDA) and reuses it across microbatches and steps (passes/lower/offload.py).
     staged_inputs: the runtime copies each step's batch into input buffers it makes once and passes fixed
     microbatch views of them (nothing that may alias a data input outlives the step); False: fresh slices.
+    wait_timeout: every wait of the step is bounded by the step's timeout (work.wait(timeout): a dead or stalled
+    peer raises RuntimeFailure instead of hanging); False: plain work.wait(), which records a stream dependency
+    and does not block the host, as CUDA-graph capture needs (passes/lower/capture.py: capture_ready).
     passes: names of the passes applied so far.
     """
 
@@ -85,6 +88,7 @@ class RankProgram:
     buffers: tuple[TensorType, ...] = ()
     host_buffers: tuple[TensorType, ...] = ()
     staged_inputs: bool = False
+    wait_timeout: bool = True
     passes: tuple[str, ...] = ()
 
     def replace(self, **changes) -> RankProgram:
@@ -177,6 +181,8 @@ class RankProgram:
             head += f", host pool {len(self.host_buffers)} ({_mib(self.host_buffers):.2f} MiB)"
         if self.staged_inputs:
             head += ", batch staged in static input buffers"
+        if not self.wait_timeout:
+            head += ", untimed waits"
         return head
 
     def to_text(self, mark: int | None = None, window: int = 12, width: int | None = None) -> str:
@@ -219,7 +225,7 @@ def _mib(types: Iterable[TensorType]) -> float:
 # ---- reading the text form -----------------------------------------------------------------------------
 _HEAD_RE = re.compile(r"# rank (\d+) of (\S+): (\d+) microbatches, inputs \d+, ops \d+(, static receive buffers "
                       r"\d+ \([\d.]+ MiB\))?(?:, host pool \d+ \([\d.]+ MiB\))?"
-                      r"(, batch staged in static input buffers)?")
+                      r"(, batch staged in static input buffers)?(, untimed waits)?")
 _OP_RE = re.compile(r"(?:>>|  ) +\d+  (?:\[(\S+)\] )?(?:(.+?) = )?([\w.]+)\((.*)\)")
 
 
@@ -239,7 +245,7 @@ class _Reader:
             raise LoweringError("not a rank program: the first line must read '# rank R of NAME: M microbatches, "
                                 "inputs N, ops K[, ...]' as RankProgram.to_text prints it")
         fields = dict(rank=int(head.group(1)), name=head.group(2), microbatches=int(head.group(3)),
-                      staged_inputs=head.group(5) is not None)
+                      staged_inputs=head.group(5) is not None, wait_timeout=head.group(6) is None)
         graphs: dict[str, ProgramGraph] = {}
         buffers: list[TensorType] = []
         host: list[TensorType] = []

@@ -14,6 +14,9 @@ check, the emitter or the runtime needs to know about it.
     stream      compute / comm / copy / host                         streams.py (device-stream deadlock)
     emit        the emitter's method for it                          passes/lower/emit.py
     runtime     the runtime ABI functions its code calls             zbcompile/runtime/abi.py
+    capture     "safe" for CUDA-graph capture of the whole step, or  passes/analysis/capture.py
+                why not (a string, or a function of the op and its
+                program where the answer depends on them)
 
 A new kind (a collective, an overlapped F&B run) is one OpKind member, one args record and
 one OpSpec row; tests/test_op_specs.py fails while any part is missing, and the checks refuse a kind whose
@@ -481,6 +484,43 @@ def _set_grad_keeps(op: Op) -> bool:
     return op.args.owned   # the tensor itself becomes Parameter.grad
 
 
+# ---- CUDA-graph capture: "safe" or why not (passes/analysis/capture.py) -----------------------------------
+# Capture records the device work of one step and replays it without running the host code again. So an op
+# is safe when its device work is the same every step, on memory that outlives the graph or belongs to the
+# step alone, and its host side neither blocks on the device nor keeps anything. STAMP is host only: it
+# captures nothing, and on replay its slots keep the capture step's times (the graph path times with events).
+# The stage graphs a RUN calls are checked node by node (capture.py), SAFE here covers the call itself.
+SAFE = "safe"
+
+
+def _recv_capture(op: Op, program) -> str:
+    # static_recv_buffers leaves a receive unslotted exactly when its buffer may outlive the step (it becomes a
+    # .grad or the output): memory of the graph's pool that the next replay overwrites
+    if op.args.slot is None:
+        return ("receives into a fresh buffer (no static slot): its memory would belong to the graph's pool and "
+                "be overwritten by the next replay while still in use")
+    return SAFE
+
+
+def _wait_capture(op: Op, program) -> str:
+    # work.wait(timeout) blocks the host until the work is done, which capture forbids; work.wait() only
+    # records a stream dependency
+    if program.wait_timeout:
+        return ("timed wait: the runtime calls work.wait(timeout), which blocks the host (illegal while "
+                "capturing); the graph path needs a plain work.wait()")
+    return SAFE
+
+
+def _set_grad_capture(op: Op, program) -> str:
+    # owned=False with an existing .grad is `.grad.add_(g)`: an in-place add into a buffer that outlives the
+    # graph. owned=True may make the step's own memory (the graph's pool) Parameter.grad, which the next
+    # replay overwrites; the capture protocol keeps .grad allocated (zeroed in place, never set to None)
+    if op.args.owned:
+        return ("takes ownership: may rebind Parameter.grad to the step's own tensor (graph-pool memory the next "
+                "replay overwrites) instead of accumulating into the persistent .grad")
+    return SAFE
+
+
 # ---- the table --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class OpSpec:
@@ -502,6 +542,16 @@ class OpSpec:
     # (op, value -> bytes, ranks) -> per output, bytes of fresh device memory (0: none, or what `aliases` says);
     # None: the memory plan does not model the kind and refuses it. RUN ops are read off their graphs instead.
     fresh: Callable[[Op, Callable[[str], int], int], tuple[int, ...]] | None = None
+    # CUDA-graph capture of the whole step: SAFE, a reason it is not, or (op, program) -> SAFE or a reason;
+    # None: undecided, which the capture check reports (a new kind must decide)
+    capture: str | Callable[[Op, object], str] | None = None
+
+    def capture_problem(self, op: Op, program) -> str | None:
+        """Why `op` of `program` blocks CUDA-graph capture, or None where it does not."""
+        verdict = self.capture(op, program) if callable(self.capture) else self.capture
+        if verdict is None:
+            return f"op kind {self.kind.value} has not been checked for CUDA-graph capture (OpSpec.capture is unset)"
+        return None if verdict == SAFE else verdict
 
 
 def _run_parse(inner: str, outs):
@@ -515,66 +565,68 @@ _stamp_fmt, _stamp_parse = _with_arg("slot", int, StampArgs)
 SPECS: dict[OpKind, OpSpec] = {s.kind: s for s in (
     OpSpec(OpKind.RUN, "run one stage graph (F, B, W, BW or a variant) for one action", RunArgs, "run",
            _values, _run_parse, aliases=_run_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="run", runtime=(), fresh=_no_fresh),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="run", runtime=(), fresh=_no_fresh,
+           capture=SAFE),
     OpSpec(OpKind.RECV, "post a receive of one tensor (into a static buffer if slotted); outs = (handle,)",
            RecvArgs, "irecv", _format_recv, _parse_recv, aliases=_no_aliases, keeps=_never_keeps,
            posts=_recv_posts, sync=Sync.POST, stream=Stream.COMM, emit="recv", runtime=("recv", "recv_into"),
-           fresh=_recv_fresh),
+           fresh=_recv_fresh, capture=_recv_capture),
     OpSpec(OpKind.WAIT_RECV, "wait for a posted receive; ins = (handle,), outs = (tensor,)", None, "wait_recv",
            _values, _no_args, aliases=_first_in_is_out, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_recv", runtime=("wait_recv",), fresh=_no_fresh),
+           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_recv", runtime=("wait_recv",), fresh=_no_fresh, capture=_wait_capture),
     OpSpec(OpKind.SEND, "post a batch of sends, one message per input; outs = (handle,)", SendArgs, "isend",
            _format_send, _parse_send, aliases=_send_aliases, keeps=_never_keeps, posts=_send_posts,
-           sync=Sync.POST, stream=Stream.COMM, emit="send", runtime=("send",), fresh=_no_fresh),
+           sync=Sync.POST, stream=Stream.COMM, emit="send", runtime=("send",), fresh=_no_fresh,
+           capture=SAFE),
     OpSpec(OpKind.WAIT_SEND, "wait for a batch of sends (the peer has the data; the tensors may go)", None,
            "wait_send", _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_send", runtime=("wait_send",), fresh=_no_fresh),
+           sync=Sync.WAIT, stream=Stream.COMM, emit="wait_send", runtime=("wait_send",), fresh=_no_fresh, capture=_wait_capture),
     OpSpec(OpKind.FREE, "last use of tensors: the program drops its references here", None, "free",
            _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="free", runtime=("free",), fresh=_no_fresh),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="free", runtime=("free",), fresh=_no_fresh, capture=SAFE),
     OpSpec(OpKind.ACCUM, "add microbatch parameter gradients into running sums", AccumArgs, "accum",
            _accum_fmt, _accum_parse, aliases=_accum_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="accum", runtime=("accumulate_",), fresh=_accum_fresh),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="accum", runtime=("accumulate_",), fresh=_accum_fresh, capture=SAFE),
     OpSpec(OpKind.SUM, "sum copies of one gradient from several ranks, in rank order", None, "sum",
            _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_in_order",), fresh=_first_in_fresh),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_in_order",), fresh=_first_in_fresh, capture=SAFE),
     OpSpec(OpKind.SET_GRAD, "accumulate a finished gradient into Parameter.grad", SetGradArgs, "set_grad",
            _grad_fmt, _grad_parse, aliases=_no_aliases, keeps=_set_grad_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="set_grad", runtime=("set_grad",), fresh=_no_fresh),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="set_grad", runtime=("set_grad",), fresh=_no_fresh, capture=_set_grad_capture),
     OpSpec(OpKind.ADD_LOSS, "sum the microbatch losses; outs = (loss,)", None, "add_loss",
            _values, _no_args, aliases=_loss_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_losses",), fresh=_loss_fresh),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("sum_losses",), fresh=_loss_fresh, capture=SAFE),
     OpSpec(OpKind.COPY_BUFFER, "copy a buffer's new value (an F output) into the live buffer", None, "copy_buffer",
            _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("copy_buffer",), fresh=_no_fresh),
+           sync=Sync.NONE, stream=Stream.COMPUTE, emit="call_op", runtime=("copy_buffer",), fresh=_no_fresh, capture=SAFE),
     OpSpec(OpKind.STAMP, "record the time into a timing slot (action start / end)", StampArgs, "stamp",
            _stamp_fmt, _stamp_parse, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.HOST, emit="stamp", runtime=(), fresh=_no_fresh),
+           sync=Sync.NONE, stream=Stream.HOST, emit="stamp", runtime=(), fresh=_no_fresh, capture=SAFE),
     OpSpec(OpKind.COLLECTIVE, "post a collective over every rank (broadcast, reduce, all-gather); outs = (handle,)",
            CollArgs, "collective", _format_coll, _parse_coll, aliases=_coll_aliases, keeps=_never_keeps,
            posts=_no_posts, sync=Sync.COLLECTIVE, stream=Stream.COMM, emit="collective", runtime=("collective",),
-           fresh=_coll_fresh),
+           fresh=_coll_fresh, capture=SAFE),
     OpSpec(OpKind.WAIT_COLL, "wait for a posted collective; ins = (handle,), outs = (its result,) or () where "
            "this rank gets none (a reduce off its root)", None, "wait_coll", _values, _no_args,
            aliases=_joined_aliases, keeps=_never_keeps, posts=_no_posts, sync=Sync.JOIN, stream=Stream.COMM,
-           emit="wait_coll", runtime=("wait_collective",), fresh=_no_fresh),
+           emit="wait_coll", runtime=("wait_collective",), fresh=_no_fresh, capture=_wait_capture),
     # activation offload (passes/lower/offload.py): copies run on the rank's copy stream, never wait for another
     # rank; a WAIT_* joins the copy back into the compute stream
     OpSpec(OpKind.OFFLOAD, "copy the device storage of its inputs (views of one storage) into a host pool slot as "
            "bytes; outs = (handle,), which holds them until WAIT_OFFLOAD", HostArgs, "offload", _format_offload,
            _parse_offload, aliases=_handle_holds_ins, keeps=_never_keeps, posts=_no_posts, sync=Sync.NONE,
-           stream=Stream.COPY, emit="offload", runtime=("offload",), fresh=_no_fresh),
+           stream=Stream.COPY, emit="offload", runtime=("offload",), fresh=_no_fresh, capture=SAFE),
     OpSpec(OpKind.WAIT_OFFLOAD, "wait for an offload's copy; the device storage may go", None, "wait_offload",
            _values, _no_args, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts, sync=Sync.NONE,
-           stream=Stream.COPY, emit="wait_offload", runtime=("wait_offload",), fresh=_no_fresh),
+           stream=Stream.COPY, emit="wait_offload", runtime=("wait_offload",), fresh=_no_fresh, capture=SAFE),
     OpSpec(OpKind.RELOAD, "make a device storage of a host slot's size and copy the slot into it; outs = (handle,)",
            HostArgs, "reload", _format_reload, _parse_reload, aliases=_no_aliases, keeps=_never_keeps,
            posts=_no_posts, sync=Sync.NONE, stream=Stream.COPY, emit="reload", runtime=("reload",),
-           fresh=_reload_fresh),
+           fresh=_reload_fresh, capture=SAFE),
     OpSpec(OpKind.WAIT_RELOAD, "wait for a reload's copy; ins = (handle,), outs = one view of the reloaded storage "
            "per offloaded value", ViewArgs, "wait_reload", _format_wait_reload, _parse_wait_reload,
            aliases=_views_of_in, keeps=_never_keeps, posts=_no_posts, sync=Sync.NONE, stream=Stream.COPY,
-           emit="wait_reload", runtime=("wait_reload",), fresh=_no_fresh),
+           emit="wait_reload", runtime=("wait_reload",), fresh=_no_fresh, capture=SAFE),
 )}
 
 _BY_TEXT = {s.text: s for s in SPECS.values()}

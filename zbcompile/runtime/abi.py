@@ -6,7 +6,9 @@ that fx's dead-code elimination keeps it. They are the hot path: a few Python ca
 ProcessGroup's send / recv, receives into buffers made once, and messages for errors built only on failure.
 
 Failures: every wait is bounded by the step's timeout; a peer that dies or stalls makes the others raise
-RuntimeFailure (naming the op and the peer) instead of hanging.
+RuntimeFailure (naming the op and the peer) instead of hanging. A program lowered for CUDA graphs
+(RankProgram.wait_timeout False) calls the waits with timed=False instead: a plain work.wait(), which only
+records a stream dependency, where work.wait(timeout) would block the host during capture.
 """
 
 from __future__ import annotations
@@ -109,10 +111,10 @@ def _post_recv(ctx: StepContext, buf: torch.Tensor, peer: int, tag: int, what: s
 
 
 @fx.node.has_side_effect
-def wait_recv(ctx: StepContext, handle) -> torch.Tensor:
+def wait_recv(ctx: StepContext, handle, timed: bool = True) -> torch.Tensor:
     """Wait for a posted receive; returns the filled buffer."""
     buf, work, what, peer = handle
-    wait(ctx, work, "receiving", what, peer)
+    wait(ctx, work, "receiving", what, peer, timed)
     return buf
 
 
@@ -130,10 +132,10 @@ def send(ctx: StepContext, peers: tuple[int, ...], tags: tuple[int, ...], what: 
 
 
 @fx.node.has_side_effect
-def wait_send(ctx: StepContext, handle) -> None:
+def wait_send(ctx: StepContext, handle, timed: bool = True) -> None:
     works, what, peers = handle
     for work in works:
-        wait(ctx, work, "sending", what, peers)
+        wait(ctx, work, "sending", what, peers, timed)
 
 
 @fx.node.has_side_effect
@@ -173,18 +175,19 @@ def _root_options(options, root: int):
 
 
 @fx.node.has_side_effect
-def wait_collective(ctx: StepContext, handle) -> torch.Tensor:
+def wait_collective(ctx: StepContext, handle, timed: bool = True) -> torch.Tensor:
     """Wait for a posted collective; returns its result on this rank (the buffer it posted)."""
     buf, work, what = handle
     if work is not None:
-        wait(ctx, work, "joining the collective of", what, None)
+        wait(ctx, work, "joining the collective of", what, None, timed)
     return buf
 
 
-def wait(ctx: StepContext, work, doing: str, what: str, peer) -> None:
-    """Wait with the step's timeout; the message is only built when the wait fails (this is the hot path)."""
+def wait(ctx: StepContext, work, doing: str, what: str, peer, timed: bool = True) -> None:
+    """Wait with the step's timeout (timed=False: without one); the message is only built when the wait fails
+    (this is the hot path)."""
     try:
-        ok = work.wait(ctx.timeout)
+        ok = work.wait(ctx.timeout) if timed else work.wait()
     except Exception as e:
         raise RuntimeFailure(f"rank {ctx.rank}: {_describe(doing, what, peer)} failed (peer dead or stalled?): "
                              f"{e}") from e
