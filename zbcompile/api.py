@@ -27,7 +27,7 @@ from torch import fx, nn
 
 from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, resolve_group,
                                    shard_vocab_params, stage_ranks, sync_copies, to_device)
-from zbcompile.errors import UsageError, ZBCompileWarning
+from zbcompile.errors import CaptureError, UsageError, ZBCompileWarning
 from zbcompile.names import Role, key_of, role_of
 from zbcompile.program.values import VOCAB_OFFSET
 from zbcompile.passes.lower import emit_fx, lower_all
@@ -58,6 +58,7 @@ class CompileOptions:
     vocab_parallel: bool = False
     offload: int | str | Sequence[int] | None = None
     backend: str | None = None
+    cuda_graphs: bool = False
 
 
 def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microbatches: int,
@@ -65,7 +66,7 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
             split_points: Sequence[str] | None = None, group=None, costs=None, mem_limit: float | None = None,
             init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0,
             vocab_parallel: bool = False, offload: int | str | Sequence[int] | None = None,
-            backend: str | None = None):
+            backend: str | None = None, cuda_graphs: bool = False):
     """Compile `model` for pipeline-parallel training; returns a PipelineModule (or, without `model`, a
     class decorator whose instances are PipelineModules).
 
@@ -100,11 +101,14 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
     backend: "inductor" compiles every stage graph (F, B, W, BW and the gradient-accumulating variants) with torch
         inductor (C++ on CPU, Triton on CUDA; passes/lower/compiled.py), once per distinct graph, cached across
         runs by inductor's FX graph cache; None runs the aten stage graphs as they are. UsageError for others.
+    cuda_graphs: run each rank's whole step as one captured CUDA graph. Needs a CUDA device: CaptureError
+        otherwise, never a silent eager fallback. Not implemented yet either way (CaptureError); what would block
+        capture, `zbcompile inspect ... --capture-check` shows (passes/analysis/capture.py).
     """
     options = CompileOptions(schedule=schedule, microbatches=microbatches, loss_fn=loss_fn, example=example,
                              pp=pp, chunks=chunks, split_points=split_points, group=group, costs=costs,
                              mem_limit=mem_limit, init_fn=init_fn, timeout=timeout, vocab_parallel=vocab_parallel,
-                             offload=offload, backend=backend)
+                             offload=offload, backend=backend, cuda_graphs=cuda_graphs)
     if model is None:
         return functools.partial(_decorate, options=options)
     return compile_with(model, options)
@@ -122,6 +126,8 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
     """split -> schedule -> lower -> runtime for this rank, under `options`."""
     from zbcompile.split import split_model
 
+    if options.cuda_graphs:
+        _check_cuda_graphs()
     resolved = resolve_group(options.group, options.timeout)
     _, _, world = resolved
     pp = world if options.pp is None else options.pp
@@ -137,6 +143,17 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
                          vocab_shards=pp if options.vocab_parallel else None)
     return _build(model, staged, sched, resolved, options.init_fn, options.timeout, options.offload,
                   options.backend)
+
+
+def _check_cuda_graphs() -> None:
+    """cuda_graphs=True: refused before anything is traced or any process group is made."""
+    if not torch.cuda.is_available():
+        raise CaptureError("cuda_graphs=True: CUDA graphs need a CUDA device, and torch sees none here "
+                           f"(torch {torch.__version__}, torch.cuda.is_available() is False). Run on a CUDA "
+                           "machine, or compile without cuda_graphs to run the step eagerly")
+    raise CaptureError("cuda_graphs=True: capturing the step as a CUDA graph is not implemented yet; compile "
+                       "without cuda_graphs (`zbcompile inspect ... --capture-check` shows whether the step could "
+                       "be captured)")
 
 
 def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, init_fn, timeout: float,

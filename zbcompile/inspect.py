@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hides behind compute) and show the programs / memory with the copies in them")
     parser.add_argument("--device", default="h100", choices=("h100", "a100", "cpu"),
                         help="device model for the offload's time estimate (k and slowdown; default h100)")
+    parser.add_argument("--capture-check", action="store_true",
+                        help="lower for CUDA-graph capture of the whole step (capture_ready) and print per rank "
+                             "'capture-safe' or what blocks capture (op or graph node, reason, fix); exits 1 "
+                             "when any rank has a problem")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="shard the embedding and the output layer over every rank (vocabulary parallelism): "
                              "shows the vocabulary passes, their S / T / IF / IB actions and the collectives")
@@ -66,7 +70,7 @@ def load_factory(target: str) -> Callable[[], tuple]:
 
 def run(args: argparse.Namespace) -> int:
     from zbcompile.api import model_stage_placement
-    from zbcompile.passes.lower import emit_fx, lower_all
+    from zbcompile.passes.lower import CAPTURE_FINISHING, FINISHING, emit_fx, lower_all
     from zbcompile.passes.schedules import generate
     from zbcompile.split import report, split_model
 
@@ -85,9 +89,13 @@ def run(args: argparse.Namespace) -> int:
     if len(staged.stages) != schedule.num_model_stages:
         raise ZBCompileError(f"inspect: --split-points gives {len(staged.stages)} stages but schedule "
                              f"{args.schedule!r} on {args.pp} ranks needs {schedule.num_model_stages}")
-    programs = lower_all(schedule, staged)
+    capture = getattr(args, "capture_check", False)
+    finishing = CAPTURE_FINISHING if capture else FINISHING
+    programs = lower_all(schedule, staged, finishing=finishing)
     if getattr(args, "offload", None):
-        programs = _offload(args, schedule, staged, programs)
+        programs = _offload(args, schedule, staged, programs, finishing)
+    if capture:
+        return _capture_check(args, programs)
     if args.memory or args.json:
         return _memory(args, programs)
     print(report(staged))
@@ -106,7 +114,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _offload(args: argparse.Namespace, schedule, staged, programs):
+def _capture_check(args: argparse.Namespace, programs) -> int:
+    """Per rank: 'capture-safe', or the table of what blocks CUDA-graph capture of its step."""
+    from zbcompile.passes.analysis.capture import capture_problems, problems_table
+
+    failed = False
+    for r in range(args.pp) if args.rank is None else [args.rank]:
+        problems = capture_problems(programs[r])
+        failed |= bool(problems)
+        print(f"rank {r}: capture-safe" if not problems else f"rank {r}: {len(problems)} problem(s)\n"
+              f"{problems_table(problems)}")
+    return 1 if failed else 0
+
+
+def _offload(args: argparse.Namespace, schedule, staged, programs, finishing):
     """Plan the offload for --offload, print what each rank moves and what it costs, lower with it."""
     from tabulate import tabulate
 
@@ -123,7 +144,7 @@ def _offload(args: argparse.Namespace, schedule, staged, programs):
     print(tabulate(rows, headers=("rank", "forwards offloaded", "prefetch", "MiB moved out", "peak MiB before",
                                   "peak MiB after", "k = To/Tc", "modelled slowdown"), floatfmt=".3f"))
     print()
-    return lower_all(schedule, staged, offload=[r.choice for r in report])
+    return lower_all(schedule, staged, offload=[r.choice for r in report], finishing=finishing)
 
 
 def _memory(args: argparse.Namespace, programs) -> int:

@@ -95,7 +95,7 @@ def check_capture(programs: Iterable[RankProgram]) -> None:
 def problems_table(problems: Sequence[Problem]) -> str:
     from tabulate import tabulate
     rows = [(p.rank, p.where, p.reason, p.fix) for p in problems]
-    return tabulate(rows, headers=("rank", "where", "reason", "fix"), tablefmt="simple", maxcolwidths=[None, 30, 60, 50])
+    return tabulate(rows, headers=("rank", "where", "reason", "fix"), tablefmt="simple", maxcolwidths=[None, None, 60, 50])
 
 
 def _short(op: Op) -> str:
@@ -105,9 +105,9 @@ def _short(op: Op) -> str:
 
 # ---- stage graphs ------------------------------------------------------------------------------------------
 _UNSAFE_REASONS = {
-    "aten._local_scalar_dense.default": ".item() / .tolist(): copies a device value to the host, a sync capture "
-                                        "forbids (and replay would keep the captured value)",
-    "aten._assert_scalar.default": "a data-dependent assert reads a device value on the host",
+    "aten._local_scalar_dense": ".item() / .tolist(): copies a device value to the host, a sync capture forbids "
+                                "(and replay would keep the captured value)",
+    "aten._assert_scalar": "a data-dependent assert reads a device value on the host",
 }
 
 
@@ -131,10 +131,11 @@ def node_problem(node: fx.Node, on_device: bool = False) -> str | None:
     whose value lives on the CPU then runs on the host, outside the graph)."""
     if node.op != "call_function":
         return None
-    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
-    target = node.target
-    if is_cudagraph_unsafe_fx_node(node):
-        return _UNSAFE_REASONS.get(str(target), "torch marks it unsafe for CUDA graphs "
+    from torch._inductor.utils import FORBIDDEN_CUDAGRAPH_OPS, is_cudagraph_unsafe_fx_node
+    # torch 2.13's FORBIDDEN_CUDAGRAPH_OPS names some ops by packet ('aten._local_scalar_dense') and compares
+    # str(target), which for an aten graph's OpOverload ends in '.default': the packet is checked here too
+    if is_cudagraph_unsafe_fx_node(node) or _packet(node) in FORBIDDEN_CUDAGRAPH_OPS:
+        return _UNSAFE_REASONS.get(_packet(node), "torch marks it unsafe for CUDA graphs "
                                    "(torch._inductor.utils.is_cudagraph_unsafe_fx_node)")
     vals = _vals(node.meta.get("val"))
     if any(isinstance(d, torch.SymInt) for v in vals for d in (*v.shape, *v.stride())) or \
@@ -146,6 +147,11 @@ def node_problem(node: fx.Node, on_device: bool = False) -> str | None:
     if on_device and any(v.device.type == "cpu" and v.dim() > 0 for v in vals):
         return "runs on the CPU in a graph on a CUDA device (outside the captured stream)"
     return None
+
+
+def _packet(node: fx.Node) -> str:
+    target = node.target
+    return str(target.overloadpacket) if isinstance(target, torch._ops.OpOverload) else str(target)
 
 
 def _draws_random(node: fx.Node) -> bool:
@@ -162,7 +168,7 @@ def _draws_random(node: fx.Node) -> bool:
 
 
 def _node_fix(node: fx.Node) -> str:
-    if str(node.target) in _UNSAFE_REASONS:
+    if _packet(node) in _UNSAFE_REASONS:
         return "keep the value on the device (no .item(), .tolist() or Python branch on a tensor) in the model or loss"
     return "rewrite the model so that this op is not traced into the step, or run without cuda_graphs"
 

@@ -1,0 +1,158 @@
+"""CUDA-graph capture of the whole step, checked without a GPU (passes/analysis/capture.py): every schedule's
+program passes the lint once lowered with capture_ready, and programs made unsafe on purpose fail it, each with
+the op or graph node and a reason."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import re
+
+import pytest
+import torch
+from torch import fx
+
+import zbcompile as zb
+from models import gpt
+from zbcompile.errors import CaptureError, ZBCompileError
+from zbcompile.passes.analysis.capture import capture_problems, check_capture, node_problem
+from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all
+from zbcompile.passes.schedules import GENERATORS, generate
+from zbcompile.program import RankProgram
+from zbcompile.program.ops import SAFE, SPECS, Op, OpKind
+from zbcompile.split import split_model
+from zbcompile.stages import StagedModel
+
+torch.set_num_threads(1)
+
+WAITS = {OpKind.WAIT_RECV, OpKind.WAIT_SEND, OpKind.WAIT_COLL}
+
+
+@functools.lru_cache(maxsize=None)
+def _gpt_split(stages: int, dropout: float = 0.0) -> StagedModel:
+    model, loss_fn, (x, y), _ = gpt(layers=4, batch=4, dropout=dropout)
+    return split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered(name: str, pp: int, capture: bool) -> tuple[RankProgram, ...]:
+    sched = generate(name, pp, 2 * pp)
+    staged = _gpt_split(sched.num_model_stages)
+    return lower_all(sched, staged, finishing=CAPTURE_FINISHING) if capture else lower_all(sched, staged)
+
+
+def _kinds(program: RankProgram) -> set[OpKind]:
+    return {program.ops[p.op].kind for p in capture_problems(program) if p.node is None and p.op is not None}
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name", list(GENERATORS))
+def test_every_schedule_is_capture_safe_after_capture_ready(name, pp):
+    programs = _lowered(name, pp, capture=True)
+    check_capture(programs)   # raises CaptureError with the table otherwise
+    for p in programs:
+        assert not p.wait_timeout and all(op.args.slot is not None for op in p.of_kind(OpKind.RECV))
+        assert not any(op.args.owned for op in p.of_kind(OpKind.SET_GRAD)) and p.staged_inputs
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipe"])
+def test_todays_programs_are_blocked_only_by_timed_waits_and_owned_grads(name):
+    """The finding: the default lowering slots every receive and stages the batch, but every wait is timed
+    (work.wait(timeout)) and SET_GRAD takes ownership of a multi-microbatch sum."""
+    programs = _lowered(name, 2, capture=False)
+    with pytest.raises(CaptureError, match="timed wait"):
+        check_capture(programs)
+    for p in programs:
+        assert _kinds(p) <= WAITS | {OpKind.SET_GRAD} and _kinds(p) & WAITS
+        for problem in capture_problems(p):
+            op = p.ops[problem.op]
+            assert op.kind is not OpKind.SET_GRAD or (op.args.owned and "ownership" in problem.reason)
+
+
+def test_a_receive_without_a_slot_is_reported_at_its_op():
+    program = _lowered("1f1b", 2, capture=True)[1]
+    i = next(i for i, op in enumerate(program.ops) if op.kind is OpKind.RECV)
+    ops = list(program.ops)
+    ops[i] = ops[i]._replace(args=ops[i].args._replace(slot=None))
+    problems = capture_problems(program.replace(ops=tuple(ops)))
+    assert [(p.op, p.node) for p in problems] == [(i, None)]
+    assert "fresh buffer" in problems[0].reason and "irecv" in problems[0].reason
+    assert "static_recv_buffers" in problems[0].fix
+
+
+def test_an_item_in_a_stage_graph_is_reported_at_its_node():
+    program = _lowered("1f1b", 2, capture=True)[0]
+    run = program.run_ops()[0]
+    g = program.graph(run)
+    graph = copy.deepcopy(g.gm.graph)
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    with graph.inserting_after(x):
+        item = graph.call_function(torch.ops.aten._local_scalar_dense.default, (x,))
+    bad = program.replace(graphs={**program.graphs, run.args.graph: dataclasses.replace(g, gm=fx.GraphModule(
+        g.gm, graph))})
+    problems = capture_problems(bad)
+    assert [p.node for p in problems] == [f"{run.args.graph}:{item.name}"]
+    assert problems[0].op == program.ops.index(run) and ".item()" in problems[0].reason
+    with pytest.raises(CaptureError, match=r"rank\(s\) \[0\]") as e:
+        check_capture([bad, _lowered("1f1b", 2, capture=True)[1]])
+    assert item.name in str(e.value) and "_local_scalar_dense" in str(e.value)
+
+
+def test_a_timed_wait_shows_in_the_ir_and_the_emitted_code():
+    """RankProgram.wait_timeout: True (today's default) calls work.wait(timeout); capture_ready makes it False,
+    printed in the header, read back, and emitted as the waits' timed=False argument."""
+    program = _lowered("1f1b", 2, capture=True)[0]
+    assert program.header().endswith(", untimed waits")
+    assert RankProgram.from_text(program.to_text(), graphs=program.graphs) == program
+    calls = _wait_calls(program)
+    assert calls and all(c.endswith(", False)") for c in calls)
+    timed = program.replace(wait_timeout=True)
+    problems = capture_problems(timed)
+    assert problems and {timed.ops[p.op].kind for p in problems} <= WAITS
+    assert all("timed wait" in p.reason and "wait_timeout=False" in p.fix for p in problems)
+    assert not any(c.endswith(", False)") for c in _wait_calls(timed))
+
+
+def _wait_calls(program: RankProgram) -> list[str]:
+    return re.findall(r"abi_wait_(?:recv|send)\(ctx, [^)]*\)", emit_fx(program).code)
+
+
+def test_random_ops_are_reported_unless_their_dropout_is_zero():
+    staged = _gpt_split(2, dropout=0.1)
+    programs = lower_all(generate("1f1b", 2, 4), staged, finishing=CAPTURE_FINISHING)
+    problems = [p for q in programs for p in capture_problems(q)]
+    assert problems and all(p.node is not None and "random" in p.reason for p in problems)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    zero = graph.call_function(torch.ops.aten.native_dropout.default, (x, 0.0, True))
+    some = graph.call_function(torch.ops.aten.native_dropout.default, (x, 0.5, True))
+    assert node_problem(zero) is None and "random" in node_problem(some)
+
+
+def test_every_op_kind_decides_capture_and_an_undecided_kind_is_reported():
+    for kind, spec in SPECS.items():
+        assert spec.capture == SAFE or callable(spec.capture) or (isinstance(spec.capture, str) and spec.capture), kind
+    undecided = dataclasses.replace(SPECS[OpKind.FREE], capture=None)
+    program = _lowered("1f1b", 2, capture=True)[0]
+    assert "not been checked" in undecided.capture_problem(Op(OpKind.FREE, ("x",)), program)
+
+
+def test_cuda_graphs_without_a_cuda_device_is_an_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model, loss_fn, (x, y), _ = gpt(layers=2, batch=2)
+    with pytest.raises(CaptureError, match="CUDA graphs need a CUDA device") as e:
+        zb.compile(model, schedule="1f1b", microbatches=2, loss_fn=loss_fn, example=((x[:1],), (y[:1],)), pp=2,
+                   cuda_graphs=True)
+    assert isinstance(e.value, ZBCompileError)
+
+
+def test_inspect_capture_check_prints_each_rank(capsys):
+    from zbcompile.inspect import add_arguments, run
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zb-h1",
+                              "--capture-check"])
+    assert run(args) == 0
+    assert capsys.readouterr().out.splitlines() == ["rank 0: capture-safe", "rank 1: capture-safe"]
