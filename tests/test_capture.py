@@ -156,3 +156,12 @@ def test_inspect_capture_check_prints_each_rank(capsys):
                               "--capture-check"])
     assert run(args) == 0
     assert capsys.readouterr().out.splitlines() == ["rank 0: capture-safe", "rank 1: capture-safe"]
+
+
+def test_a_node_of_symbolic_size_is_reported():
+    from torch.fx.experimental.proxy_tensor import make_fx
+    gm = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.ones(4, 8))
+    mul = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    assert "symbolic" in node_problem(mul)
+    fixed = make_fx(lambda x: x * 2)(torch.ones(4, 8))
+    assert all(node_problem(n) is None for n in fixed.graph.nodes)
