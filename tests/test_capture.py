@@ -82,6 +82,13 @@ def test_a_receive_without_a_slot_is_reported_at_its_op():
     assert "static_recv_buffers" in problems[0].fix
 
 
+def test_a_batch_not_staged_is_reported_for_the_program():
+    program = _lowered("1f1b", 2, capture=True)[0].replace(staged_inputs=False)
+    problems = capture_problems(program)
+    assert [(p.op, p.node, p.where) for p in problems] == [(None, None, "program")]
+    assert "not staged" in problems[0].reason
+
+
 def test_an_item_in_a_stage_graph_is_reported_at_its_node():
     program = _lowered("1f1b", 2, capture=True)[0]
     run = program.run_ops()[0]

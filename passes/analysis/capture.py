@@ -95,7 +95,9 @@ def check_capture(programs: Iterable[RankProgram]) -> None:
 def problems_table(problems: Sequence[Problem]) -> str:
     from tabulate import tabulate
     rows = [(p.rank, p.where, p.reason, p.fix) for p in problems]
-    return tabulate(rows, headers=("rank", "where", "reason", "fix"), tablefmt="simple", maxcolwidths=[None, None, 60, 50])
+    # names (where) are never wrapped, so that a grep finds them
+    return tabulate(rows, headers=("rank", "where", "reason", "fix"), tablefmt="simple",
+                    maxcolwidths=[None, None, 60, 50])
 
 
 def _short(op: Op) -> str:
