@@ -16,6 +16,7 @@ from torch import fx
 
 import zbcompile as zb
 from models import gpt
+from threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.errors import CaptureError, ZBCompileError
 from zbcompile.passes.analysis.capture import capture_problems, check_capture, node_problem
 from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all
@@ -172,3 +173,22 @@ def test_a_node_of_symbolic_size_is_reported():
     assert "symbolic" in node_problem(mul)
     fixed = make_fx(lambda x: x * 2)(torch.ones(4, 8))
     assert all(node_problem(n) is None for n in fixed.graph.nodes)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+def test_capture_ready_programs_train_like_the_reference_when_run_eagerly(name):
+    """Untimed waits and accumulating SET_GRADs, run on the loopback world for three steps (the gradients
+    accumulate into .grad across them): the same gradients as the single-process model."""
+    model, loss_fn, (x, y), _ = gpt(layers=2, batch=4)
+    sched = generate(name, 2, 4)
+    staged = split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=sched.num_model_stages)
+    ref = copy.deepcopy(model)
+    batches = [(x, y), (x.flip(0), y.flip(0)), (x.roll(1, 0), y)]
+    for bx, by in batches:
+        loss_fn(ref(bx), by).backward()
+    _, models, runtimes = run_threaded(model, staged, sched, batches[0], then=batches[1:],
+                                       finishing=CAPTURE_FINISHING)
+    assert all(not rt.ir.wait_timeout for rt in runtimes)
+    holders = param_holders(sched, staged)
+    err, where = max_grad_error(ref, models, [[f for f, rs in holders.items() if r in rs] for r in range(2)])
+    assert err <= 1e-5, where

@@ -20,16 +20,18 @@ from zbcompile.runtime.loopback import LoopbackWorld
 
 def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
                  staged_inputs: bool = True, offload=None, device: str = "cpu", measure: bool | str = False,
-                 backend: str | None = None):
+                 backend: str | None = None, finishing=None):
     """One step on `batch` (inputs then targets), then one on each batch of `then`, gradients accumulating;
     returns (last losses per rank, models per rank, runtimes). `patch(rank, program)` may instrument a rank's
     GraphModule before it runs. staged_inputs=False makes the runtime cut every batch into fresh microbatch
     slices even where the lowering found static input buffers safe. offload: lower_all's (activation offload).
     device: where every rank runs (the model and batch must be there already). measure: each rank's last step
     is measured (RankRuntime.measure_step; measure="tracker": by the storage tracker on any device), kept as
-    `runtime.measured`. backend: lower_all's (the stage graphs' compiler)."""
+    `runtime.measured`. backend: lower_all's (the stage graphs' compiler). finishing: lower_all's (None: its
+    default)."""
     pp = schedule.num_ranks
-    programs = lower_all(schedule, staged, offload=offload, backend=backend)
+    more = {} if finishing is None else {"finishing": finishing}
+    programs = lower_all(schedule, staged, offload=offload, backend=backend, **more)
     if not staged_inputs:
         programs = tuple(p.replace(staged_inputs=False) for p in programs)
     models = [copy.deepcopy(model) for _ in range(pp)]
