@@ -64,14 +64,7 @@ def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node
                 keys = op.messages(r)
                 handles[op.outs[0]] = keys
                 for key in keys:
-                    node = ("m",) + key
-                    comm = _channel(key[0], key[1], channel)
-                    before = deps.setdefault(node, set())
-                    if last_compute is not None:
-                        before.add(last_compute)
-                    if comm in last_on_stream:
-                        before.add(last_on_stream[comm])
-                    last_on_stream[comm] = node
+                    _enqueue(deps, ("m",) + key, _channel(key[0], key[1], channel), last_on_stream, last_compute)
             elif sync is Sync.WAIT:
                 waited += [("m",) + key for key in handles[op.ins[0]]]
             elif sync is Sync.COLLECTIVE:
@@ -79,12 +72,7 @@ def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node
                 # its own on each rank, so collectives queue behind each other and nothing else
                 node = ("k", op.args.seq)
                 handles[op.outs[0]] = [node]
-                before = deps.setdefault(node, set())
-                if last_compute is not None:
-                    before.add(last_compute)
-                if "coll" in last_on_stream:
-                    before.add(last_on_stream["coll"])
-                last_on_stream["coll"] = node
+                _enqueue(deps, node, "coll", last_on_stream, last_compute)
             elif sync is Sync.JOIN:
                 waited += handles[op.ins[0]]
             elif sync is Sync.NONE and stream is Stream.COPY:
@@ -101,6 +89,16 @@ def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node
     return deps
 
 
+def _enqueue(deps: dict[Node, set[Node]], node: Node, stream, last_on_stream: dict, last_compute: Node | None) -> None:
+    """Post `node` on `stream`: it waits for the compute posted before it and for the stream's previous node."""
+    before = deps.setdefault(node, set())
+    if last_compute is not None:
+        before.add(last_compute)
+    if stream in last_on_stream:
+        before.add(last_on_stream[stream])
+    last_on_stream[stream] = node
+
+
 def _copy(deps: dict[Node, set[Node]], handles: dict[str, list], last_on_stream: dict, last_compute: Node | None,
           r: int, i: int, op) -> list[Node]:
     """A copy-stream op: one that reads the handle of an earlier copy waits for it (returned, for the next
@@ -109,12 +107,7 @@ def _copy(deps: dict[Node, set[Node]], handles: dict[str, list], last_on_stream:
     if copies:
         return copies
     node = ("x", r, i)
-    before = deps.setdefault(node, set())
-    if last_compute is not None:
-        before.add(last_compute)
-    if "copy" in last_on_stream:
-        before.add(last_on_stream["copy"])
-    last_on_stream["copy"] = node
+    _enqueue(deps, node, "copy", last_on_stream, last_compute)
     for h in op.outs:
         handles[h] = [node]
     return []
