@@ -15,8 +15,19 @@ from torch import nn
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
-__all__ = ["Case", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits", "dict_lm", "marked_mlp",
-           "seq2seq", "cast_net", "latent_net", "rope_net", "hf_t5", "keyword_lm"]
+__all__ = ["Case", "eager_accumulated", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits",
+           "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net", "rope_net", "hf_t5", "keyword_lm"]
+
+
+def eager_accumulated(model: nn.Module, loss_fn, xb: torch.Tensor, yb: torch.Tensor, m: int) -> float:
+    """The pipeline's reference: `model`'s gradients accumulated over m microbatches of (xb, yb), each loss
+    scaled by 1/m (the step's loss is their mean, which this returns). Accumulates into model's .grad."""
+    loss = 0.0
+    for x, y in zip(xb.chunk(m), yb.chunk(m)):
+        part = loss_fn(model(x), y) / m
+        part.backward()
+        loss += part.item()
+    return loss
 
 
 class Case(NamedTuple):

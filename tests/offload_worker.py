@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 from launch import worker_main  # noqa: E402
-from models import gpt  # noqa: E402
+from models import eager_accumulated, gpt  # noqa: E402
 
 from zbcompile.api import PipelineModule, model_stage_placement  # noqa: E402
 from zbcompile.passes.analysis.memory import memory_plan  # noqa: E402
@@ -40,11 +40,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def eager(case, xb, yb):
     model = copy.deepcopy(case.model)
-    loss = 0.0
-    for x, y in zip(xb.chunk(M), yb.chunk(M)):
-        part = case.loss_fn(model(x), y) / M
-        part.backward()
-        loss += part.item()
+    loss = eager_accumulated(model, case.loss_fn, xb, yb, M)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from launch import Launches
-from models import gpt
+from models import eager_accumulated, gpt
 from threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.api import model_stage_placement
 from zbcompile.errors import UsageError, ZBCompileError
@@ -45,11 +45,7 @@ def case():
     g = torch.Generator().manual_seed(1)
     idx, tgt = (torch.randint(0, 64, (MICROBATCHES * t.shape[0], t.shape[1]), generator=g) for t in c.example)
     ref = copy.deepcopy(c.model)
-    loss = 0.0
-    for x, y in zip(idx.chunk(MICROBATCHES), tgt.chunk(MICROBATCHES)):
-        part = c.loss_fn(ref(x), y) / MICROBATCHES
-        part.backward()
-        loss += part.item()
+    loss = eager_accumulated(ref, c.loss_fn, idx, tgt, MICROBATCHES)
     return dict(case=c, batch=(idx, tgt), ref=ref, loss=loss, splits={})
 
 
