@@ -174,7 +174,7 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
     device = device_for(model, pg)
     report = None
     if offload is not None:
-        programs, report = _offload(schedule, staged, programs, offload, device, backend)
+        programs, report = _offload(programs, offload, device)
     _warn_mirrored_buffer_updates(staged, schedule)
     mine = [staged.stages[schedule.model_stage(s)] for s, r in enumerate(schedule.placement) if r == rank]
     vocab = staged.vocab.params if staged.vocab is not None else ()
@@ -198,13 +198,14 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
     return pipe
 
 
-def _offload(schedule: Schedule, staged: StagedModel, programs, offload, device: torch.device, backend=None):
-    """Plan the offload for `offload` (a budget or "auto") on every rank, then lower again with it. The time
-    model's device: an H100-like one on CUDA, this machine's CPU elsewhere (offload_plan.DEVICES)."""
+def _offload(programs, offload, device: torch.device):
+    """Plan the offload for `offload` (a budget or "auto") on every rank and add it to the finished programs.
+    The time model's device: an H100-like one on CUDA, this machine's CPU elsewhere (offload_plan.DEVICES)."""
     from zbcompile.passes.analysis.offload_plan import DEVICES, plan_offload
+    from zbcompile.passes.lower import offload_programs
 
     report = plan_offload(programs, offload, device=DEVICES["h100" if device.type == "cuda" else "cpu"])
-    return lower_all(schedule, staged, offload=[r.choice for r in report], backend=backend), report
+    return offload_programs(programs, [r.choice for r in report]), report
 
 
 class PipelineModule(nn.Module):

@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     finishing = CAPTURE_FINISHING if capture else FINISHING
     programs = lower_all(schedule, staged, finishing=finishing)
     if getattr(args, "offload", None):
-        programs = _offload(args, schedule, staged, programs, finishing)
+        programs = _offload(args, programs)
     if capture:
         return _capture_check(args, programs)
     if args.memory or args.json:
@@ -127,12 +127,12 @@ def _capture_check(args: argparse.Namespace, programs) -> int:
     return 1 if failed else 0
 
 
-def _offload(args: argparse.Namespace, schedule, staged, programs, finishing):
-    """Plan the offload for --offload, print what each rank moves and what it costs, lower with it."""
+def _offload(args: argparse.Namespace, programs):
+    """Plan the offload for --offload, print what each rank moves and what it costs, add it to the programs."""
     from tabulate import tabulate
 
     from zbcompile.passes.analysis.offload_plan import DEVICES, plan_offload
-    from zbcompile.passes.lower import lower_all
+    from zbcompile.passes.lower import offload_programs
 
     text = args.offload.replace("_", "")
     if text != "auto" and not text.isdigit():
@@ -144,7 +144,7 @@ def _offload(args: argparse.Namespace, schedule, staged, programs, finishing):
     print(tabulate(rows, headers=("rank", "forwards offloaded", "prefetch", "MiB moved out", "peak MiB before",
                                   "peak MiB after", "k = To/Tc", "modelled slowdown"), floatfmt=".3f"))
     print()
-    return lower_all(schedule, staged, offload=[r.choice for r in report], finishing=finishing)
+    return offload_programs(programs, [r.choice for r in report])
 
 
 def _memory(args: argparse.Namespace, programs) -> int:

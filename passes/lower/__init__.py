@@ -69,7 +69,7 @@ from zbcompile.stages import StagedModel
 
 __all__ = ["LOWERING", "FINISHING", "CAPTURE_FINISHING", "capture_ready", "lower_all", "run_passes", "each", "emit_fx", "build_compute",
            "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD",
-           "OffloadChoice", "insert_offload", "compile_graphs", "BACKENDS"]
+           "OffloadChoice", "insert_offload", "offload_programs", "compile_graphs", "BACKENDS"]
 
 Programs = tuple[RankProgram, ...]
 Pass = Callable[[Programs], Programs]
@@ -156,7 +156,19 @@ def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass]
     if offload is not None:
         after.append(_offload_pass(offload, schedule.num_ranks))
     programs = run_passes(programs, [*bound, *finishing, *after], check=check_each_pass)
-    if not check_each_pass:
+    return _validated(programs, pair_order, checked=check_each_pass)
+
+
+def offload_programs(programs: Sequence[RankProgram], offload: Sequence[OffloadChoice | None] | OffloadChoice,
+                     *, pair_order: bool = True) -> Programs:
+    """Finished programs with activation offload added (what `lower_all(..., offload=)` does last), validated
+    again: for trying offload choices without lowering again."""
+    return _validated(run_passes(programs, [_offload_pass(offload, len(programs))], check=False), pair_order)
+
+
+def _validated(programs: Programs, pair_order: bool, checked: bool = False) -> Programs:
+    """The checks every lowered set of programs passes before it is returned."""
+    if not checked:
         for q in programs:
             q.check(q.passes[-1] if q.passes else "")
     validate_programs(programs)
