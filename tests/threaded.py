@@ -61,7 +61,7 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
                     losses[r] = runtimes[r].step_batch(b)
         except BaseException as e:  # reported in the main thread
             errors.append(e)
-            world.barrier.abort()
+            world.abort()
 
     run_ranks(run, pp, errors)
     return losses, models, runtimes

@@ -27,12 +27,13 @@ from torch import fx, nn
 
 from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, resolve_group,
                                    shard_vocab_params, stage_ranks, sync_copies, to_device)
-from zbcompile.errors import CaptureError, UsageError, ZBCompileWarning
+from zbcompile.errors import UsageError, ZBCompileWarning
 from zbcompile.names import Role, key_of, role_of
 from zbcompile.program.values import VOCAB_OFFSET
-from zbcompile.passes.lower import emit_fx, lower_all
+from zbcompile.passes.analysis.capture import check_capture
+from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all
 from zbcompile.runtime import RankRuntime, StepTimings
-from zbcompile.runtime import abi
+from zbcompile.runtime import abi, graphs
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
@@ -58,7 +59,7 @@ class CompileOptions:
     vocab_parallel: bool = False
     offload: int | str | Sequence[int] | None = None
     backend: str | None = None
-    cuda_graphs: bool = False
+    cuda_graphs: bool | int = False
 
 
 def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microbatches: int,
@@ -66,7 +67,7 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
             split_points: Sequence[str] | None = None, group=None, costs=None, mem_limit: float | None = None,
             init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0,
             vocab_parallel: bool = False, offload: int | str | Sequence[int] | None = None,
-            backend: str | None = None, cuda_graphs: bool = False):
+            backend: str | None = None, cuda_graphs: bool | int = False):
     """Compile `model` for pipeline-parallel training; returns a PipelineModule (or, without `model`, a
     class decorator whose instances are PipelineModules).
 
@@ -101,9 +102,12 @@ def compile(model: nn.Module | None = None, *, schedule: str | Schedule, microba
     backend: "inductor" compiles every stage graph (F, B, W, BW and the gradient-accumulating variants) with torch
         inductor (C++ on CPU, Triton on CUDA; passes/lower/compiled.py), once per distinct graph, cached across
         runs by inductor's FX graph cache; None runs the aten stage graphs as they are. UsageError for others.
-    cuda_graphs: run each rank's whole step as one captured CUDA graph. Needs a CUDA device: CaptureError
-        otherwise, never a silent eager fallback. Not implemented yet either way (CaptureError); what would block
-        capture, `zbcompile inspect ... --capture-check` shows (passes/analysis/capture.py).
+    cuda_graphs: run each rank's whole step as one CUDA graph (runtime/graphs.py): True runs 2 eager warm-up
+        steps and captures the third, replaying it from then on; an int n >= 1 runs n warm-up steps. The
+        program is lowered for capture (CAPTURE_FINISHING) and checked (passes/analysis/capture.py: CaptureError
+        with the table of what blocks it). .grad stays one persistent tensor per parameter, added into like
+        backward() does (zero_grad() either way works); parameters must be updated in place. Needs a CUDA
+        device: CaptureError otherwise, never a silent eager fallback.
     """
     options = CompileOptions(schedule=schedule, microbatches=microbatches, loss_fn=loss_fn, example=example,
                              pp=pp, chunks=chunks, split_points=split_points, group=group, costs=costs,
@@ -126,8 +130,9 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
     """split -> schedule -> lower -> runtime for this rank, under `options`."""
     from zbcompile.split import split_model
 
-    if options.cuda_graphs:
-        _check_cuda_graphs()
+    if options.cuda_graphs is not False:
+        _warmup_steps(options.cuda_graphs)
+        graphs.capture_api(None)   # refused before anything is traced or any process group is made
     resolved = resolve_group(options.group, options.timeout)
     _, _, world = resolved
     pp = world if options.pp is None else options.pp
@@ -142,22 +147,23 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
                          split_points=options.split_points, placement=model_stage_placement(sched),
                          vocab_shards=pp if options.vocab_parallel else None)
     return _build(model, staged, sched, resolved, options.init_fn, options.timeout, options.offload,
-                  options.backend)
+                  options.backend, options.cuda_graphs)
 
 
-def _check_cuda_graphs() -> None:
-    """cuda_graphs=True: refused before anything is traced or any process group is made."""
-    if not torch.cuda.is_available():
-        raise CaptureError("cuda_graphs=True: CUDA graphs need a CUDA device, and torch sees none here "
-                           f"(torch {torch.__version__}, torch.cuda.is_available() is False). Run on a CUDA "
-                           "machine, or compile without cuda_graphs to run the step eagerly")
-    raise CaptureError("cuda_graphs=True: capturing the step as a CUDA graph is not implemented yet; compile "
-                       "without cuda_graphs (`zbcompile inspect ... --capture-check` shows whether the step could "
-                       "be captured)")
+def _warmup_steps(cuda_graphs: bool | int) -> int | None:
+    """cuda_graphs -> eager warm-up steps before capture (None: no capture)."""
+    if cuda_graphs is False:
+        return None
+    if cuda_graphs is True:
+        return 2
+    if isinstance(cuda_graphs, int) and cuda_graphs >= 1:
+        return cuda_graphs
+    raise UsageError(f"cuda_graphs={cuda_graphs!r}: give True (2 eager warm-up steps, then capture), an int n >= 1 "
+                     "(n warm-up steps), or False")
 
 
 def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, init_fn, timeout: float,
-           offload=None, backend: str | None = None):
+           offload=None, backend: str | None = None, cuda_graphs: bool | int = False):
     pg, rank, world = resolved
     if schedule.num_ranks != world:
         raise UsageError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
@@ -170,11 +176,16 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
                          f"actions but the model was split {'without' if staged.vocab is None else 'with'} "
                          "vocabulary parallelism; build both with vocab_parallel / vocab_shards, or neither "
                          "(passes.schedules.vocab.insert_vocab adds the vocabulary actions to a schedule)")
-    programs = lower_all(schedule, staged, backend=backend)
+    warmup = _warmup_steps(cuda_graphs)
     device = device_for(model, pg)
+    api = graphs.capture_api(device) if warmup is not None else None
+    more = {"finishing": CAPTURE_FINISHING} if warmup is not None else {}
+    programs = lower_all(schedule, staged, backend=backend, **more)
     report = None
     if offload is not None:
         programs, report = _offload(programs, offload, device)
+    if warmup is not None:
+        check_capture(programs)
     _warn_mirrored_buffer_updates(staged, schedule)
     mine = [staged.stages[schedule.model_stage(s)] for s, r in enumerate(schedule.placement) if r == rank]
     vocab = staged.vocab.params if staged.vocab is not None else ()
@@ -192,7 +203,8 @@ def _build(model: nn.Module, staged: StagedModel, schedule: Schedule, resolved, 
     runtime = RankRuntime(programs[rank], emit_fx(programs[rank], abi), pg=pg, device=device, params=params,
                           buffers=buffers, timeout=timeout, channels=p2p_channels(pg, timeout), peers=programs,
                           constants=constants,
-                          collectives=collective_group(pg, timeout) if staged.vocab is not None else None)
+                          collectives=collective_group(pg, timeout) if staged.vocab is not None else None,
+                          cuda_graphs=warmup is not None, graph_api=api, warmup=warmup or 2)
     pipe = PipelineModule(model, staged, schedule, programs, runtime, rank, owned_params, owned_buffers, pg)
     pipe.offload_report = report
     return pipe
@@ -245,11 +257,16 @@ class PipelineModule(nn.Module):
     @classmethod
     def from_staged(cls, model: nn.Module, staged: StagedModel, schedule: Schedule, *, group=None,
                     init_fn: Callable[[nn.Module], None] | None = None, timeout: float = 60.0,
-                    offload: int | str | Sequence[int] | None = None) -> PipelineModule:
+                    offload: int | str | Sequence[int] | None = None,
+                    cuda_graphs: bool | int = False) -> PipelineModule:
         """Build from an already split model (split once, try several schedules). The split's stage graphs
         create tensors (masks, positions) on the device they were traced for: the example's, or for a model on
         the meta device the device `compile` runs on."""
-        return _build(model, staged, schedule, resolve_group(group, timeout), init_fn, timeout, offload)
+        if cuda_graphs is not False:
+            _warmup_steps(cuda_graphs)
+            graphs.capture_api(None)
+        return _build(model, staged, schedule, resolve_group(group, timeout), init_fn, timeout, offload,
+                      cuda_graphs=cuda_graphs)
 
     # ---- training ------------------------------------------------------------------------------
     def step(self, *batch: torch.Tensor) -> float:

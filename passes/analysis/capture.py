@@ -10,7 +10,7 @@ IR, in three layers:
               a SET_GRAD that takes ownership of .grad); a kind that has not decided is reported too
     graphs    each stage graph a RUN op calls, node by node: torch's own predicate
               (torch._inductor.utils.is_cudagraph_unsafe_fx_node: `.item()`, `_assert_scalar`, ops tagged
-              cudagraph_unsafe, ...), symbolic or data-dependent sizes, random ops (zbcompile registers no
+              cudagraph_unsafe, ...), symbolic or data-dependent sizes, random ops drawing from a
               generator state with the graph), and CPU nodes in a graph on a CUDA device
 
 Each Problem names the rank, the op (index) or graph node, the reason and the fix. A program lowered with
@@ -143,9 +143,9 @@ def node_problem(node: fx.Node, on_device: bool = False) -> str | None:
     if any(isinstance(d, torch.SymInt) for v in vals for d in (*v.shape, *v.stride())) or \
             isinstance(node.meta.get("val"), torch.SymInt):
         return "symbolic or data-dependent size: a graph replays fixed shapes"
-    if _draws_random(node):
-        return ("draws random numbers, and zbcompile registers no generator state with the graph: every replay "
-                "would repeat the captured draw")
+    if _own_generator(node):
+        return ("draws random numbers from a torch.Generator of its own, which capture does not register (only "
+                "the default CUDA generator is): every replay would repeat the captured draw")
     if on_device and any(v.device.type == "cpu" and v.dim() > 0 for v in vals):
         return "runs on the CPU in a graph on a CUDA device (outside the captured stream)"
     return None
@@ -156,17 +156,18 @@ def _packet(node: fx.Node) -> str:
     return str(target.overloadpacket) if isinstance(target, torch._ops.OpOverload) else str(target)
 
 
-def _draws_random(node: fx.Node) -> bool:
-    """Tagged nondeterministic_seeded by torch, unless its dropout probability is 0 (attention kernels carry
-    the tag for their dropout_p, which traced models mostly pass as 0.0)."""
+def _own_generator(node: fx.Node) -> bool:
+    """A random op (tagged nondeterministic_seeded) given an explicit generator. torch registers the default
+    CUDA generator with every graph it captures, and each replay then advances its offset: dropout and the
+    like, which draw from the default generator, get fresh numbers each replay."""
     target = node.target
     if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
         return False
     for k, arg in enumerate(target._schema.arguments):
-        if arg.name in ("p", "dropout_p"):
-            value = node.args[k] if k < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
-            return value != 0
-    return True
+        if arg.name == "generator":
+            value = node.args[k] if k < len(node.args) else node.kwargs.get("generator")
+            return value is not None
+    return False
 
 
 def _node_fix(node: fx.Node) -> str:

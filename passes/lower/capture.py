@@ -8,7 +8,10 @@ static_input_buffers read which ops keep their inputs.
                                           the batch that fed an owned gradient no longer outlive the step, so
                                           they get static buffers too.
     wait_timeout True    -> False         plain work.wait(): a stream dependency instead of a host block. A dead
-                                          peer then hangs the step instead of raising RuntimeFailure.
+                                          peer then hangs the step; the capture runtime's host watchdog
+                                          (runtime/graphs.py) raises RuntimeFailure instead.
+    event_timing False   -> True          STAMP records a device event (replayed with the graph) instead of
+                                          reading perf_counter, which runs once, at capture.
 
         set_grad(a.weight, acc3.grad:param:weight; True)  ->  set_grad(a.weight, acc3.grad:param:weight; False)
 """
@@ -24,4 +27,4 @@ __all__ = ["capture_ready"]
 def capture_ready(program: RankProgram) -> RankProgram:
     ops = tuple(op._replace(args=SetGradArgs(False)) if op.kind is OpKind.SET_GRAD and op.args.owned else op
                 for op in program.ops)
-    return program.replace(ops=ops, wait_timeout=False)
+    return program.replace(ops=ops, wait_timeout=False, event_timing=True)

@@ -199,7 +199,11 @@ class Emitter:
             self.call(self.fn(op), kept)
 
     def stamp(self, i: int, op: Op) -> None:
-        """`stamps[slot] = perf_counter()` (the runtime's StepContext.t): two C calls, no Python frame."""
+        """`stamps[slot] = perf_counter()` (the runtime's StepContext.t): two C calls, no Python frame. With
+        event_timing, the runtime's stamp_event(ctx, slot): a device event a captured graph replays."""
+        if self.program.event_timing:
+            self.call(self.fn(op), (self.ctx, op.args.slot))
+            return
         self.call(operator.setitem, (self.stamps, op.args.slot, self.call(perf_counter, (), "now")), "stamp")
 
     def accum(self, i: int, op: Op) -> None:

@@ -75,6 +75,8 @@ class RankProgram:
     wait_timeout: every wait of the step is bounded by the step's timeout (work.wait(timeout): a dead or stalled
     peer raises RuntimeFailure instead of hanging); False: plain work.wait(), which records a stream dependency
     and does not block the host, as CUDA-graph capture needs (passes/lower/capture.py: capture_ready).
+    event_timing: the STAMP ops record device events (runtime StepContext.events) instead of reading the host
+    clock: a captured step replays the events, where a host stamp would keep the capture step's time.
     passes: names of the passes applied so far.
     """
 
@@ -89,6 +91,7 @@ class RankProgram:
     host_buffers: tuple[TensorType, ...] = ()
     staged_inputs: bool = False
     wait_timeout: bool = True
+    event_timing: bool = False
     passes: tuple[str, ...] = ()
 
     def replace(self, **changes) -> RankProgram:
@@ -183,6 +186,8 @@ class RankProgram:
             head += ", batch staged in static input buffers"
         if not self.wait_timeout:
             head += ", untimed waits"
+        if self.event_timing:
+            head += ", event timing"
         return head
 
     def to_text(self, mark: int | None = None, window: int = 12, width: int | None = None) -> str:
@@ -225,7 +230,7 @@ def _mib(types: Iterable[TensorType]) -> float:
 # ---- reading the text form -----------------------------------------------------------------------------
 _HEAD_RE = re.compile(r"# rank (\d+) of (\S+): (\d+) microbatches, inputs \d+, ops \d+(, static receive buffers "
                       r"\d+ \([\d.]+ MiB\))?(?:, host pool \d+ \([\d.]+ MiB\))?"
-                      r"(, batch staged in static input buffers)?(, untimed waits)?")
+                      r"(, batch staged in static input buffers)?(, untimed waits)?(, event timing)?")
 _OP_RE = re.compile(r"(?:>>|  ) +\d+  (?:\[(\S+)\] )?(?:(.+?) = )?([\w.]+)\((.*)\)")
 
 
@@ -245,7 +250,8 @@ class _Reader:
             raise LoweringError("not a rank program: the first line must read '# rank R of NAME: M microbatches, "
                                 "inputs N, ops K[, ...]' as RankProgram.to_text prints it")
         fields = dict(rank=int(head.group(1)), name=head.group(2), microbatches=int(head.group(3)),
-                      staged_inputs=head.group(5) is not None, wait_timeout=head.group(6) is None)
+                      staged_inputs=head.group(5) is not None, wait_timeout=head.group(6) is None,
+                      event_timing=head.group(7) is not None)
         graphs: dict[str, ProgramGraph] = {}
         buffers: list[TensorType] = []
         host: list[TensorType] = []

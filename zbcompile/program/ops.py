@@ -487,8 +487,8 @@ def _set_grad_keeps(op: Op) -> bool:
 # ---- CUDA-graph capture: "safe" or why not (passes/analysis/capture.py) -----------------------------------
 # Capture records the device work of one step and replays it without running the host code again. So an op
 # is safe when its device work is the same every step, on memory that outlives the graph or belongs to the
-# step alone, and its host side neither blocks on the device nor keeps anything. STAMP is host only: it
-# captures nothing, and on replay its slots keep the capture step's times (the graph path times with events).
+# step alone, and its host side neither blocks on the device nor keeps anything. A host STAMP captures
+# nothing, and on replay its slots would keep the capture step's times: the graph path times with events.
 # The stage graphs a RUN calls are checked node by node (capture.py), SAFE here covers the call itself.
 SAFE = "safe"
 
@@ -508,6 +508,13 @@ def _wait_capture(op: Op, program) -> str:
     if program.wait_timeout:
         return ("timed wait: the runtime calls work.wait(timeout), which blocks the host (illegal while "
                 "capturing); the graph path needs a plain work.wait()")
+    return SAFE
+
+
+def _stamp_capture(op: Op, program) -> str:
+    if not program.event_timing:
+        return ("host clock stamp: perf_counter runs once, at capture, so every replay would report the capture "
+                "step's times; the graph path records device events (RankProgram.event_timing)")
     return SAFE
 
 
@@ -608,7 +615,8 @@ SPECS: dict[OpKind, OpSpec] = {s.kind: s for s in (
            capture=SAFE),
     OpSpec(OpKind.STAMP, "record the time into a timing slot (action start / end)", StampArgs, "stamp",
            _stamp_fmt, _stamp_parse, aliases=_no_aliases, keeps=_never_keeps, posts=_no_posts,
-           sync=Sync.NONE, stream=Stream.HOST, emit="stamp", runtime=(), fresh=_no_fresh, capture=SAFE),
+           sync=Sync.NONE, stream=Stream.HOST, emit="stamp", runtime=("stamp_event",), fresh=_no_fresh,
+           capture=_stamp_capture),
     OpSpec(OpKind.COLLECTIVE, "post a collective over every rank (broadcast, reduce, all-gather); outs = (handle,)",
            CollArgs, "collective", _format_coll, _parse_coll, aliases=_coll_aliases, keeps=_never_keeps,
            posts=_no_posts, sync=Sync.COLLECTIVE, stream=Stream.COMM, emit="collective", runtime=("collective",),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import array
 from datetime import timedelta
+from time import perf_counter
 from typing import Sequence
 
 import torch
@@ -23,7 +24,7 @@ from torch import fx
 
 from zbcompile.errors import RuntimeFailure
 
-__all__ = ["StepContext", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective", "wait_collective",
+__all__ = ["StepContext", "stamp_event", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective", "wait_collective",
            "wait", "offload", "wait_offload", "reload", "wait_reload", "free", "set_grad", "copy_buffer",
            "accumulate_", "sum_losses", "sum_in_order"]
 
@@ -47,14 +48,16 @@ class StepContext:
     flat bytes, one device storage each, made once and pinned on CUDA so that copies run asynchronously.
     copy_stream: the rank's one stream for offload / reload copies on CUDA (they queue on it in program order);
     None on CPU, where the copies run at once.
+    events: with event_timing on CUDA, one timing event per slot (stamp_event records them; a captured graph
+    replays the records); read_events turns them into the slots' times after the step. None: host stamps.
     """
 
     __slots__ = ("pg", "rank", "ranks", "device", "timeout", "row", "t", "send_pg", "recv_pg", "bufs", "coll_pg",
-                 "host", "copy_stream", "_specs")
+                 "host", "copy_stream", "_specs", "events", "_start", "_t0")
 
     def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
                  ranks: int = 1, channels: tuple | None = None, buffers: Sequence = (), collectives=None,
-                 host_buffers: Sequence = ()):
+                 host_buffers: Sequence = (), event_timing: bool = False):
         self.pg = pg
         self.ranks = ranks
         self.coll_pg = collectives if collectives is not None else pg
@@ -74,11 +77,38 @@ class StepContext:
         self.host = [torch.empty_strided(s.shape, s.stride if s.stride is not None else _contiguous(s.shape),
                                          dtype=s.dtype, pin_memory=cuda) for s in host_buffers]
         self.copy_stream = torch.cuda.Stream(device) if cuda and self.host else None
+        self.events = [_timing_event() for _ in range(slots)] if cuda and event_timing else None
+        self._start = _timing_event() if self.events is not None else None
+        self._t0 = 0.0
+
+    def begin_events(self) -> None:
+        """Before a step with event timing: an anchor event on the current stream, and the host time with it."""
+        if self.events is not None:
+            self._start.record()
+            self._t0 = perf_counter()
+
+    def read_events(self, used: int) -> None:
+        """After the step's device work finished: slot k's time = the anchor's host time + the device time from
+        the anchor to event k (the first `used` slots are this rank's)."""
+        if self.events is not None and used:
+            start, t0, t = self._start, self._t0, self.t
+            self.events[used - 1].synchronize()
+            for k in range(used):
+                t[k] = t0 + start.elapsed_time(self.events[k]) / 1e3
 
     def renew_buffers(self) -> None:
         """Make the static receive buffers (RankProgram.buffers) afresh: at start, and after a failed step,
         whose receives may still be posted into the old ones."""
         self.bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self._specs]
+
+
+def _timing_event():
+    # external: recorded inside a captured graph, the event is still a timing point on replay (a plain event
+    # record in a graph only orders streams); torch < 2.6 has no such flag
+    try:
+        return torch.cuda.Event(enable_timing=True, external=True)
+    except TypeError:
+        return torch.cuda.Event(enable_timing=True)
 
 
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
@@ -90,6 +120,17 @@ def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 # ---- ops the generated program calls (all marked side-effecting, so dead-code elimination keeps them) ----
+@fx.node.has_side_effect
+def stamp_event(ctx: StepContext, slot: int) -> None:
+    """A timing stamp in a program with event_timing: a device event (replayed with a captured graph; see
+    StepContext.read_events), or the host clock where there are no events (CPU)."""
+    events = ctx.events
+    if events is None:
+        ctx.t[slot] = perf_counter()
+    else:
+        events[slot].record()
+
+
 @fx.node.has_side_effect
 def recv(ctx: StepContext, peer: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype, what: str):
     """Post an irecv into a fresh buffer; returns a handle for wait_recv."""

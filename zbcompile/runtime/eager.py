@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import fx
 
-from zbcompile.errors import RuntimeFailure, UsageError
+from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
 from zbcompile.program import RankProgram
 from zbcompile.program.values import Role, key_of, parse
 from zbcompile.runtime.abi import StepContext, wait
@@ -66,6 +66,9 @@ class RankRuntime:
     channels: (up, down) groups over the same ranks for P2P, one per direction (see abi.StepContext).
     constants: fixed program inputs besides params and buffers (vocab:offset); collectives: the group the
     vocabulary layers' collectives run on (default: pg).
+    cuda_graphs: run the step as one captured CUDA graph after `warmup` eager steps (runtime/graphs.py); the
+    program must be lowered for capture (passes.lower.CAPTURE_FINISHING). graph_api: the capture API (default:
+    graphs.capture_api(device), torch.cuda's; tests pass a stand-in).
     peers: every rank's RankProgram (ir among them): the timings name every rank's actions, every rank's
     gathered row has room for the busiest rank's, and the batch check knows every argument's shape.
     """
@@ -73,7 +76,8 @@ class RankRuntime:
     def __init__(self, ir: RankProgram, program: fx.GraphModule, *, pg, device: torch.device,
                  params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
                  peers: Sequence[RankProgram], timeout: float = 60.0, channels: tuple | None = None,
-                 constants: Mapping[str, torch.Tensor] | None = None, collectives=None):
+                 constants: Mapping[str, torch.Tensor] | None = None, collectives=None,
+                 cuda_graphs: bool = False, graph_api=None, warmup: int = 2):
         self.ir = ir
         self.program = program
         if device.type == "cpu":
@@ -95,7 +99,7 @@ class RankRuntime:
         # as many slots as the busiest rank has: every rank's gathered row has the same length
         self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
                                channels=channels, buffers=ir.buffers, collectives=collectives,
-                               host_buffers=ir.host_buffers)
+                               host_buffers=ir.host_buffers, event_timing=ir.event_timing)
         self.grad_loss = torch.full((), 1.0 / m, device=device)
         self._fixed = {}
         for n in ir.inputs:
@@ -128,6 +132,39 @@ class RankRuntime:
         else:
             self._rows = [torch.zeros_like(self._send_row) for _ in range(self.num_ranks)]
         self._stepped = False
+        self.captured = self._captured_step(graph_api, warmup) if cuda_graphs else None
+
+    def _captured_step(self, api, warmup: int):
+        from zbcompile.runtime import graphs
+
+        ir = self.ir
+        if ir.wait_timeout or not ir.event_timing or self._staged is None:
+            raise CaptureError(f"rank {ir.rank}: cuda_graphs needs the program lowered for capture (lower_all's "
+                               "finishing=CAPTURE_FINISHING: untimed waits, event timing) with its batch staged in "
+                               "static input buffers; `zbcompile inspect ... --capture-check` shows what blocks it")
+        api = api if api is not None else graphs.capture_api(self.device)
+        static = [(n, t) for n, t in self._fixed.items() if isinstance(t, torch.Tensor)]
+        return graphs.CapturedStep(program=self.program, ctx=self.ctx, args=self._staged[1],
+                                   grads=graphs.accumulated_params(ir, self._fixed), static=static,
+                                   agree=self.agree, api=api, warmup=warmup, timeout=self.timeout, rank=ir.rank)
+
+    def agree(self, value: float, what: str) -> None:
+        """Every rank reaches this point with the same `value` (one all-gather on the pipeline's group, which is
+        also a barrier); CaptureError names the ranks' values where they differ."""
+        if self.pg is None:
+            return
+        mine = torch.tensor([value], dtype=torch.float64, device=self.device)
+        got = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        try:
+            work = self.pg.allgather([got], [mine])
+        except Exception as e:
+            raise RuntimeFailure(f"rank {self.ir.rank}: agreeing to {what} failed: {e}") from e
+        wait(self.ctx, work, "agreeing to", what, None)
+        values = [float(g) for g in got]
+        if len(set(values)) > 1:
+            raise CaptureError(f"rank {self.ir.rank}: the ranks disagree when to {what} (per rank: {values}); every "
+                               "rank must capture the same step: compile every rank with the same cuda_graphs "
+                               "options")
 
     @property
     def last_step(self) -> StepTimings | None:
@@ -177,6 +214,9 @@ class RankRuntime:
     def step(self, data: Sequence[Sequence[torch.Tensor] | None]) -> float:
         """Run this rank's program on `data[i][mb]`, microbatch mb of flat user argument i (None for an argument
         this rank does not read, see data_args); returns the batch's mean loss, the same on all ranks."""
+        if self.captured is not None:
+            raise CaptureError("a captured step reads the batch from its static input buffers: call step_batch "
+                               "(PipelineModule.step), which copies the batch into them")
         return self._run([self._fixed[n] if d is None else data[d[1]][d[0]]
                           for n, d in zip(self.ir.inputs, self._data)])
 
@@ -185,13 +225,19 @@ class RankRuntime:
         # nn.Module.__call__ cost tens of microseconds per step when the caches are cold after a barrier
         grad_was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
+        ctx = self.ctx
+        ctx.begin_events()
         try:
-            loss = self.program.forward(self.ctx, *args)  # the emitted program has no hooks to run
+            if self.captured is not None:
+                loss = self.captured.run(args)
+            else:
+                loss = self.program.forward(ctx, *args)  # the emitted program has no hooks to run
         except BaseException:
-            self.ctx.renew_buffers()  # receives of the failed step may still land in the old buffers
+            ctx.renew_buffers()  # receives of the failed step may still land in the old buffers
             raise
         finally:
             torch._C._set_grad_enabled(grad_was)
+        ctx.read_events(2 * len(self.names))
         return self._gather(loss)
 
     def _gather(self, loss) -> float:

@@ -29,15 +29,17 @@ def _wire_copy(t):
 
 
 class _Work:
-    def __init__(self, event: threading.Event | None = None, after=None, keep=None):
+    def __init__(self, event: threading.Event | None = None, after=None, keep=None, world=None):
         # keep: the sent tensor, held as long as the work is, as gloo's send work holds it
-        self.event, self.after, self.keep = event, after, keep
+        self.event, self.after, self.keep, self.world = event, after, keep, world
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self.event is not None:
             seconds = timeout.total_seconds() or None
             if not self.event.wait(seconds):
                 raise RuntimeError("loopback group: a wait timed out (a peer thread died or never sent)")
+            if self.world is not None and self.world.aborted:
+                raise RuntimeError("loopback group: the world was aborted (another rank failed)")
         if self.after is not None:
             self.after()
         return True
@@ -54,6 +56,17 @@ class LoopbackWorld:
         self.gathered: list = [None] * size
         self.posted = [0] * size                      # collectives each rank has posted
         self.collectives: dict[int, dict] = {}        # k -> the k-th collective's contributions
+        self.aborted = False
+
+    def abort(self) -> None:
+        """Another rank failed: every pending and later wait raises instead of blocking (an untimed wait, as a
+        capture-ready program makes, would block forever)."""
+        with self.lock:
+            self.aborted = True
+            events = [slot[0] for slot in self.mail.values()] + [c["event"] for c in self.collectives.values()]
+        for e in events:
+            e.set()
+        self.barrier.abort()
 
     def group(self, rank: int) -> "LoopbackGroup":
         return LoopbackGroup(self, rank)
@@ -76,6 +89,8 @@ class LoopbackGroup:
     def _slot(self, key):
         with self.world.lock:
             slot = self.world.mail.setdefault(key, [threading.Event(), None])
+            if self.world.aborted:
+                slot[0].set()
         return slot
 
     def send(self, tensors, dst: int, tag: int):
@@ -89,11 +104,12 @@ class LoopbackGroup:
         slot = self._slot(key)
 
         def fill():
-            tensors[0].copy_(slot[1])
+            with _disable_current_modes():   # the wire writes the buffer, as gloo does, unseen by dispatch modes
+                tensors[0].copy_(slot[1])
             with self.world.lock:
                 self.world.mail.pop(key, None)
 
-        return _Work(slot[0], fill)
+        return _Work(slot[0], fill, world=self.world)
 
     # ---- posted collectives (zbcompile.runtime.abi.collective) ------------------------------------------------
     def broadcast(self, tensors, options):
@@ -120,22 +136,24 @@ class LoopbackGroup:
             world.posted[self.rank_] += 1
             slot = world.collectives.setdefault(k, {"parts": {}, "event": threading.Event(), "left": world.size})
             slot["parts"][self.rank_] = part
-            if len(slot["parts"]) == world.size:
+            if len(slot["parts"]) == world.size or world.aborted:
                 slot["event"].set()
 
         def finish():
-            land(slot["parts"])
+            with _disable_current_modes():   # the wire lands the result
+                land(slot["parts"])
             with world.lock:
                 slot["left"] -= 1
                 if not slot["left"]:
                     world.collectives.pop(k, None)
-        return _Work(slot["event"], finish)
+        return _Work(slot["event"], finish, world=world)
 
     def allgather(self, outputs, inputs):
         self.world.gathered[self.rank_] = _wire_copy(inputs[0])
         self.world.barrier.wait()
-        for out, val in zip(outputs[0], self.world.gathered):
-            out.copy_(val)
+        with _disable_current_modes():
+            for out, val in zip(outputs[0], self.world.gathered):
+                out.copy_(val)
         self.world.barrier.wait()
         return _Work()
 
