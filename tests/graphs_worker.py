@@ -1,0 +1,90 @@
+"""One rank of tests/test_cuda_graphs_dist.py (torchrun environment, gloo): captured steps and the replay check
+across processes.
+
+For each schedule, twice from the same model:
+  * `zb.compile(..., cuda_graphs=True)` with the capture API replaced by the CPU stand-in (tests/graph_standin.py;
+    the real one needs CUDA): 2 eager warm-up steps, capture, 3 replays;
+  * the eager capture-ready program under ReplayCheck (runtime/replay_check.py): every step's static memory and
+    message order on the real gloo group equal step 2's.
+Both train with SGD, zero_grad(set_to_none=True) on even steps and in place on odd ones; each step's loss and
+gradients are compared with single-process eager training. Writes `<out>/rank<r>.json`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(1)
+
+from graph_standin import StandInGraphs  # noqa: E402
+from launch import worker_main  # noqa: E402
+from models import eager_accumulated, gpt  # noqa: E402
+
+import zbcompile as zb  # noqa: E402
+from zbcompile.passes.schedules import generate  # noqa: E402
+from zbcompile.runtime import graphs  # noqa: E402
+from zbcompile.runtime.replay_check import ReplayCheck  # noqa: E402
+
+SCHEDULES = ("1f1b", "zb-h1", "zbv", "v-half", "dualpipev")
+M, STEPS, LR = 4, 5, 0.05
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def train(model, step, batches):
+    """STEPS steps of `step(x, y)` with SGD on model's parameters; (losses, per step {name: grad})."""
+    opt = torch.optim.SGD([p for p in model.parameters()], lr=LR)
+    losses, grads = [], []
+    for k, (xb, yb) in enumerate(batches):
+        opt.zero_grad(set_to_none=k % 2 == 0)
+        losses.append(step(xb, yb))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+    return losses, grads
+
+
+def errors(got, ref) -> dict:
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0]))
+    grad_err = max(rel(g, ref[1][k][n]) for k, step in enumerate(got[1]) for n, g in step.items())
+    return {"loss_err": loss_err, "grad_err": grad_err, "grads": sum(len(s) for s in got[1])}
+
+
+def run(rank: int, pp: int, out: str) -> dict:
+    case = gpt(layers=2 * pp, batch=8, seq=16)
+    x, y = case.example
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 64, (M * x.shape[0], *x.shape[1:]), generator=g),
+                torch.randint(0, 64, (M * y.shape[0], *y.shape[1:]), generator=g)) for _ in range(STEPS)]
+    ref_model = copy.deepcopy(case.model)
+    ref = train(ref_model, lambda xb, yb: eager_accumulated(ref_model, case.loss_fn, xb, yb, M), batches)
+    apis: list = []
+    graphs.capture_api = lambda device: apis.append(StandInGraphs()) or apis[-1]   # the stand-in, on CPU
+    results = {}
+    for name in SCHEDULES:
+        try:
+            schedule = generate(name, pp, M)
+            pipe = zb.compile(copy.deepcopy(case.model), schedule=schedule, microbatches=M, loss_fn=case.loss_fn,
+                              example=case.example, cuda_graphs=True)
+            captured = errors(train(pipe, pipe.step, batches), ref)
+            captured["log"] = apis[-1].log
+            plain = zb.compile(copy.deepcopy(case.model), schedule=schedule, microbatches=M,
+                               loss_fn=case.loss_fn, example=case.example)
+            check = ReplayCheck(plain.runtime, warmup=1)
+            checked = errors(train(plain, lambda xb, yb: check.step((xb, yb)), batches), ref)
+            checked["messages"] = len(check.reference[1])
+            results[name] = {"captured": captured, "checked": checked}
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+if __name__ == "__main__":
+    worker_main(run)
