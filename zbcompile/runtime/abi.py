@@ -14,6 +14,7 @@ records a stream dependency, where work.wait(timeout) would block the host durin
 from __future__ import annotations
 
 import array
+import warnings
 from datetime import timedelta
 from time import perf_counter
 from typing import Sequence
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from zbcompile.errors import RuntimeFailure
+from zbcompile.errors import RuntimeFailure, ZBCompileWarning
 
 __all__ = ["StepContext", "stamp_event", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective", "wait_collective",
            "wait", "offload", "wait_offload", "reload", "wait_reload", "free", "set_grad", "copy_buffer",
@@ -93,13 +94,29 @@ class StepContext:
         if self.events is not None and used:
             start, t0, t = self._start, self._t0, self.t
             self.events[used - 1].synchronize()
-            for k in range(used):
-                t[k] = t0 + start.elapsed_time(self.events[k]) / 1e3
+            try:
+                for k in range(used):
+                    t[k] = t0 + start.elapsed_time(self.events[k]) / 1e3
+            except RuntimeError as e:   # a driver that cannot time events replayed in a graph: say so, once
+                _warn_untimed(e)
+                for k in range(used):
+                    t[k] = t0
 
     def renew_buffers(self) -> None:
         """Make the static receive buffers (RankProgram.buffers) afresh: at start, and after a failed step,
         whose receives may still be posted into the old ones."""
         self.bufs = [torch.empty(s.shape, dtype=s.dtype, device=self.device) for s in self._specs]
+
+
+_untimed_warned = False
+
+
+def _warn_untimed(error: Exception) -> None:
+    global _untimed_warned
+    if not _untimed_warned:
+        _untimed_warned = True
+        warnings.warn(f"device event timing failed ({error}); the step's action timings read as zero",
+                      ZBCompileWarning, stacklevel=3)
 
 
 def _timing_event():

@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Host launch overhead per action, with and without CUDA graphs (needs a CUDA device).
+
+One rank on one GPU runs a one-stage and a two-stage schedule (placement 0 / 0,0: every action on this rank,
+the hand-over between stages local) of the null model (benchmarks/_bench_models.py: an Embedding, tiny residual
+Linear units, a Linear head: next to no device work, so a step's time is the host's launching). Each config runs
+eagerly and with `cuda_graphs` (2 warm-up steps, capture, replay); per step, wall time between synchronizes,
+median of the timed steps, divided by the step's actions (F, B, W):
+
+    python benchmarks/bench_cuda_graphs.py                 # about 1 min on an H100
+    python benchmarks/bench_cuda_graphs.py --model gpt --d 1024 --layers 8
+    python benchmarks/bench_cuda_graphs.py --json out.json
+
+Without CUDA it says so and exits with status 2 (no CPU stand-in for timings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from _bench_models import build_model, make_batch  # noqa: E402
+from zbcompile.examples.gpt import loss_fn  # noqa: E402
+from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all  # noqa: E402
+from zbcompile.runtime import RankRuntime  # noqa: E402
+from zbcompile.schedule import Schedule  # noqa: E402
+from zbcompile.split import split_model  # noqa: E402
+
+
+def one_rank_schedule(stages: int, m: int) -> Schedule:
+    """F of every stage, then B from the last stage back, per microbatch; the W's after all B's."""
+    row = []
+    for mb in range(m):
+        row += [f"{s}F{mb}" for s in range(stages)] + [f"{s}B{mb}" for s in reversed(range(stages))]
+    row += [f"{s}W{mb}" for mb in range(m) for s in reversed(range(stages))]
+    placement = ",".join("0" * stages)
+    return Schedule.from_text(f"# zbcompile schedule one-rank-{stages}: microbatches={m} placement={placement} "
+                              f"pipelines=1\nrank 0: {' '.join(row)}\n").validate()
+
+
+def run(cfg: dict, stages: int, graphs: bool, device: torch.device) -> dict:
+    model = build_model(cfg).to(device)
+    x, y = (t.to(device) for t in make_batch(cfg))
+    m = cfg["n_mb"]
+    sched = one_rank_schedule(stages, m)
+    staged = split_model(model, loss_fn, ((x[: x.shape[0] // m],), (y[: y.shape[0] // m],)), num_stages=stages)
+    programs = lower_all(sched, staged, finishing=CAPTURE_FINISHING)
+    rt = RankRuntime(programs[0], emit_fx(programs[0]), pg=None, device=device,
+                     params=dict(model.named_parameters()), buffers=dict(model.named_buffers()), peers=programs,
+                     cuda_graphs=graphs)
+    times = []
+    for k in range(cfg["warmup"] + cfg["steps"]):
+        for p in model.parameters():
+            p.grad = None
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss = rt.step_batch((x, y))
+        torch.cuda.synchronize(device)
+        if k >= cfg["warmup"]:
+            times.append(time.perf_counter() - t0)
+    actions = len(rt.names)
+    step = statistics.median(times)
+    return {"stages": stages, "graphs": graphs, "actions": actions, "step_ms": 1e3 * step,
+            "us_per_action": 1e6 * step / actions, "loss": loss}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="null", choices=["null", "gpt"])
+    ap.add_argument("--d", type=int, default=None, help="width (default: 4 for null, 256 for gpt)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_cuda_graphs: needs a CUDA device (torch.cuda.is_available() is False); nothing measured",
+              file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    null = args.model == "null"   # null: next to no device work (d=4, one token, vocabulary 16)
+    cfg = {"model": args.model, "d": args.d or (4 if null else 256), "layers": args.layers, "heads": 4,
+           "seq": 1 if null else 64, "vocab": 16 if null else 1024, "mbs": 2, "n_mb": args.microbatches, "seed": 0,
+           "warmup": 5, "steps": args.steps}
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = [run(cfg, stages, graphs, device) for stages in (1, 2) for graphs in (False, True)]
+    table = [(r["stages"], "CUDA graph" if r["graphs"] else "eager", r["actions"], f"{r['step_ms']:.3f}",
+              f"{r['us_per_action']:.1f}", f"{r['loss']:.6f}") for r in rows]
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, cfg {cfg}")
+    print(tabulate(table, headers=["stages", "step", "actions", "step ms (median)", "us / action", "loss"]))
+    for s in (1, 2):
+        eager, graph = (r for r in rows if r["stages"] == s)
+        print(f"{s} stage(s): {eager['us_per_action'] / graph['us_per_action']:.1f}x less time per action with "
+              "CUDA graphs")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"cfg": cfg, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
