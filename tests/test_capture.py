@@ -170,6 +170,45 @@ def test_inspect_capture_check_prints_each_rank(capsys):
     assert capsys.readouterr().out.splitlines() == ["rank 0: capture-safe", "rank 1: capture-safe"]
 
 
+@pytest.mark.parametrize("extra", [[], ["--vocab-parallel"]])
+def test_inspect_replay_check_runs_the_steps_and_reports_each_rank(capsys, extra):
+    from zbcompile.inspect import add_arguments, run
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zbv",
+                              "--capture-check", "--replay-check", "3", *extra])
+    assert run(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["rank 0: capture-safe", "rank 1: capture-safe"]
+    for r, line in enumerate(lines[2:]):
+        assert re.fullmatch(rf"rank {r}: replay check: steps 2-3 identical \(\d+ static storages, \d+ messages, "
+                            r"no escapes\)", line), line
+    with pytest.raises(ZBCompileError, match="at least 3 steps"):
+        run(parser.parse_args(["zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zbv",
+                               "--capture-check", "--replay-check", "2"]))
+
+
+def test_inspect_replay_check_reports_a_rank_whose_step_breaks_replay(capsys, monkeypatch):
+    """A receive whose buffer outlives the step (kept by a patched runtime) fails the check on the rank that
+    receives, with the reason; the command exits 1."""
+    from zbcompile.inspect import add_arguments, run
+    from zbcompile.runtime import abi
+    kept = []
+
+    def recv_keeping(ctx, peer, tag, slot, what):
+        buf = torch.empty_like(ctx.bufs[slot])
+        kept.append(buf)
+        return abi._post_recv(ctx, buf, peer, tag, what)
+    monkeypatch.setattr(abi, "recv_into", recv_keeping)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "1f1b",
+                              "--capture-check", "--replay-check", "3"])
+    assert run(args) == 1
+    out = capsys.readouterr().out
+    assert "outlive it" in out and "rank 0: replay check:" in out
+
+
 def test_a_node_of_symbolic_size_is_reported():
     from torch.fx.experimental.proxy_tensor import make_fx
     gm = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.ones(4, 8))

@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="lower for CUDA-graph capture of the whole step (capture_ready) and print per rank "
                              "'capture-safe' or what blocks capture (op or graph node, reason, fix); exits 1 "
                              "when any rank has a problem")
+    parser.add_argument("--replay-check", type=int, default=None, metavar="STEPS",
+                        help="with --capture-check: also run STEPS steps (at least 3) of every rank's capture-ready "
+                             "program in threads of this process, on the example repeated into a batch, and check "
+                             "that from step 2 on each step touches the same static memory and posts the same "
+                             "messages, and that nothing it allocates outlives it (runtime/replay_check.py)")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="shard the embedding and the output layer over every rank (vocabulary parallelism): "
                              "shows the vocabulary passes, their S / T / IF / IB actions and the collectives")
@@ -95,7 +100,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "offload", None):
         programs = _offload(args, programs)
     if capture:
-        return _capture_check(args, programs)
+        failed = _capture_check(args, programs)
+        if getattr(args, "replay_check", None) is not None:
+            failed |= _replay_check(args, programs, model, staged, example)
+        return 1 if failed else 0
     if args.memory or args.json:
         return _memory(args, programs)
     print(report(staged))
@@ -114,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _capture_check(args: argparse.Namespace, programs) -> int:
-    """Per rank: 'capture-safe', or the table of what blocks CUDA-graph capture of its step."""
+def _capture_check(args: argparse.Namespace, programs) -> bool:
+    """Per rank: 'capture-safe', or the table of what blocks CUDA-graph capture of its step; True if any."""
     from zbcompile.passes.analysis.capture import capture_problems, problems_table
 
     failed = False
@@ -124,7 +132,69 @@ def _capture_check(args: argparse.Namespace, programs) -> int:
         failed |= bool(problems)
         print(f"rank {r}: capture-safe" if not problems else f"rank {r}: {len(problems)} problem(s)\n"
               f"{problems_table(problems)}")
-    return 1 if failed else 0
+    return failed
+
+
+def _replay_check(args: argparse.Namespace, programs, model, staged, example) -> bool:
+    """Run every rank's program `--replay-check` steps under ReplayCheck (ranks as threads of a loopback world);
+    print per rank what the steps shared or the first difference; True if any rank failed."""
+    import copy
+    import threading
+
+    import torch
+
+    from zbcompile.distributed import shard_vocab_params
+    from zbcompile.errors import CaptureError
+    from zbcompile.program.values import VOCAB_OFFSET
+    from zbcompile.runtime import RankRuntime
+    from zbcompile.runtime.loopback import LoopbackWorld
+    from zbcompile.runtime.replay_check import ReplayCheck
+    from zbcompile.passes.lower import emit_fx
+
+    steps = args.replay_check
+    if steps < 3:
+        raise ZBCompileError(f"inspect: --replay-check {steps}: give at least 3 steps (step 1 warms up, step 2 is "
+                             "the reference, later steps are compared with it)")
+    if any(p.is_meta for p in model.parameters()):
+        raise ZBCompileError("inspect: --replay-check runs the model, whose parameters are on the meta device here; "
+                             "use a factory that builds real weights")
+    m = programs[0].microbatches
+    flat = [t for part in example for t in (part if isinstance(part, (tuple, list)) else (part,))]
+    batch = [torch.cat([t] * m) for t in flat]   # the example microbatch, m times
+    world = LoopbackWorld(len(programs))
+    results: list = [None] * len(programs)
+
+    def run(r: int) -> None:
+        try:
+            mdl = copy.deepcopy(model)
+            constants = {}
+            if staged.vocab is not None:
+                shard_vocab_params(mdl, staged.vocab, r, None, initialized_here=False, timeout=60)
+                constants[VOCAB_OFFSET] = torch.tensor(r * staged.vocab.rows)
+            rt = RankRuntime(programs[r], emit_fx(programs[r]), pg=world.group(r), device=batch[0].device,
+                             params=dict(mdl.named_parameters()), buffers=dict(mdl.named_buffers()), peers=programs,
+                             constants=constants, collectives=world.collective_group(r))
+            check = ReplayCheck(rt, warmup=1)
+            for _ in range(steps):
+                check.step(batch)
+            static, messages, _ = check.reference
+            results[r] = (f"steps 2-{steps} identical ({len(static)} static storages, {len(messages)} messages, "
+                          "no escapes)", False)
+        except CaptureError as e:
+            results[r] = (str(e), True)
+            world.abort()
+        except Exception as e:   # another rank's failure reaches this one as an aborted wait
+            results[r] = (f"stopped: {type(e).__name__}: {e}", True)
+            world.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(programs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(args.pp) if args.rank is None else [args.rank]:
+        print(f"rank {r}: replay check: {results[r][0]}")
+    return any(failed for _, failed in results)
 
 
 def _offload(args: argparse.Namespace, programs):
