@@ -14,22 +14,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from launch import worker_main  # noqa: E402
-from models import eager_accumulated, gpt  # noqa: E402
+from models import eager_accumulated, gpt, train_sgd  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
 
 M, STEPS = 4, 5
-
-
-def train(model, step, batches):
-    opt = torch.optim.SGD(list(model.parameters()), lr=0.05)
-    losses, grads = [], []
-    for k, (xb, yb) in enumerate(batches):
-        opt.zero_grad(set_to_none=k % 2 == 0)
-        losses.append(step(xb, yb))
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-    return losses, grads
 
 
 def run(rank: int, pp: int, out: str) -> dict:
@@ -43,10 +32,10 @@ def run(rank: int, pp: int, out: str) -> dict:
         batches = [tuple(torch.randint(0, 64, (M * t.shape[0], *t.shape[1:]), generator=g).to(device)
                          for t in (x, y)) for _ in range(STEPS)]
         ref_model = copy.deepcopy(case.model)
-        ref = train(ref_model, lambda xb, yb: eager_accumulated(ref_model, case.loss_fn, xb, yb, M), batches)
+        ref = train_sgd(ref_model, lambda xb, yb: eager_accumulated(ref_model, case.loss_fn, xb, yb, M), batches)
         pipe = zb.compile(copy.deepcopy(case.model), schedule="zbv", microbatches=M, loss_fn=case.loss_fn,
                           example=((x,), (y,)), cuda_graphs=True)
-        got = train(pipe, pipe.step, batches)
+        got = train_sgd(pipe, pipe.step, batches)
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0]))
         grad_err = max(((gr - ref[1][k][n]).abs().max() / ref[1][k][n].abs().max().clamp_min(1e-12)).item()
                        for k, step in enumerate(got[1]) for n, gr in step.items())

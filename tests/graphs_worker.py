@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 from graph_standin import StandInGraphs  # noqa: E402
 from launch import worker_main  # noqa: E402
-from models import eager_accumulated, gpt  # noqa: E402
+from models import eager_accumulated, gpt, train_sgd  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
@@ -37,18 +37,6 @@ M, STEPS, LR = 4, 5, 0.05
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
-def train(model, step, batches):
-    """STEPS steps of `step(x, y)` with SGD on model's parameters; (losses, per step {name: grad})."""
-    opt = torch.optim.SGD([p for p in model.parameters()], lr=LR)
-    losses, grads = [], []
-    for k, (xb, yb) in enumerate(batches):
-        opt.zero_grad(set_to_none=k % 2 == 0)
-        losses.append(step(xb, yb))
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-    return losses, grads
 
 
 def errors(got, ref) -> dict:
@@ -64,7 +52,7 @@ def run(rank: int, pp: int, out: str) -> dict:
     batches = [(torch.randint(0, 64, (M * x.shape[0], *x.shape[1:]), generator=g),
                 torch.randint(0, 64, (M * y.shape[0], *y.shape[1:]), generator=g)) for _ in range(STEPS)]
     ref_model = copy.deepcopy(case.model)
-    ref = train(ref_model, lambda xb, yb: eager_accumulated(ref_model, case.loss_fn, xb, yb, M), batches)
+    ref = train_sgd(ref_model, lambda xb, yb: eager_accumulated(ref_model, case.loss_fn, xb, yb, M), batches)
     apis: list = []
     graphs.capture_api = lambda device: apis.append(StandInGraphs()) or apis[-1]   # the stand-in, on CPU
     results = {}
@@ -73,12 +61,12 @@ def run(rank: int, pp: int, out: str) -> dict:
             schedule = generate(name, pp, M)
             pipe = zb.compile(copy.deepcopy(case.model), schedule=schedule, microbatches=M, loss_fn=case.loss_fn,
                               example=case.example, cuda_graphs=True)
-            captured = errors(train(pipe, pipe.step, batches), ref)
+            captured = errors(train_sgd(pipe, pipe.step, batches), ref)
             captured["log"] = apis[-1].log
             plain = zb.compile(copy.deepcopy(case.model), schedule=schedule, microbatches=M,
                                loss_fn=case.loss_fn, example=case.example)
             check = ReplayCheck(plain.runtime, warmup=1)
-            checked = errors(train(plain, lambda xb, yb: check.step((xb, yb)), batches), ref)
+            checked = errors(train_sgd(plain, lambda xb, yb: check.step((xb, yb)), batches), ref)
             checked["messages"] = len(check.reference[1])
             results[name] = {"captured": captured, "checked": checked}
         except Exception:

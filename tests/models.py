@@ -30,6 +30,20 @@ def eager_accumulated(model: nn.Module, loss_fn, xb: torch.Tensor, yb: torch.Ten
     return loss
 
 
+def train_sgd(model: nn.Module, step, batches, lr: float = 0.05) -> tuple[list[float], list[dict]]:
+    """One training step per batch: `step(x, y)` (returns the loss), then SGD on model's parameters. Between
+    steps .grad is zeroed both ways the optimizer does: set to None before even steps, zeroed in place before odd
+    ones. Returns the losses and, per step, a copy of every gradient by parameter name."""
+    opt = torch.optim.SGD(list(model.parameters()), lr=lr)
+    losses, grads = [], []
+    for k, (xb, yb) in enumerate(batches):
+        opt.zero_grad(set_to_none=k % 2 == 0)
+        losses.append(step(xb, yb))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+    return losses, grads
+
+
 class Case(NamedTuple):
     model: nn.Module
     loss_fn: Callable[..., torch.Tensor]

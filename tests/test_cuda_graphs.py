@@ -14,7 +14,7 @@ import torch
 
 import zbcompile as zb
 from graph_standin import StandInError, StandInGraphs
-from models import eager_accumulated, gpt
+from models import eager_accumulated, gpt, train_sgd
 from threaded import run_ranks
 from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
 from zbcompile.passes.lower import CAPTURE_FINISHING, FINISHING, emit_fx, lower_all
@@ -44,16 +44,9 @@ def _batches(x, y):
 
 
 def _eager_reference(model, loss_fn, batches, m):
-    """Single-process training: per step the accumulated microbatch gradients, then SGD; zero_grad between."""
+    """Single-process training: per step the accumulated microbatch gradients, then SGD."""
     model = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for xb, yb in batches:
-        opt.zero_grad(set_to_none=True)
-        losses.append(eager_accumulated(model, loss_fn, xb, yb, m))
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-    return losses, grads
+    return train_sgd(model, lambda xb, yb: eager_accumulated(model, loss_fn, xb, yb, m), batches, LR)
 
 
 def _train(schedule, staged, model, batches, *, finishing=CAPTURE_FINISHING, graphs=True, warmup=2,
@@ -72,16 +65,15 @@ def _train(schedule, staged, model, batches, *, finishing=CAPTURE_FINISHING, gra
                              params=dict(mdl.named_parameters()), buffers=dict(mdl.named_buffers()), peers=programs,
                              timeout=30, collectives=world.collective_group(r), cuda_graphs=graphs, graph_api=api,
                              warmup=warmup)
-            stepper = ReplayCheck(rt, warmup=warmup) if check else rt
-            opt = torch.optim.SGD(mdl.parameters(), lr=LR)
-            losses, grads = [], []
-            for k, batch in enumerate(batches):
-                opt.zero_grad(set_to_none=k % 2 == 0)   # both ways: None, and zeros in place
+            check_ = ReplayCheck(rt, warmup=warmup) if check else None
+            steps = iter(range(len(batches)))
+
+            def step(xb, yb):
+                k = next(steps)
                 if between is not None:
                     between(r, k, rt, mdl)
-                losses.append(stepper.step_batch(batch) if not check else stepper.step(batch))
-                grads.append({n: p.grad.clone() for n, p in mdl.named_parameters() if p.grad is not None})
-                opt.step()
+                return check_.step((xb, yb)) if check else rt.step_batch((xb, yb))
+            losses, grads = train_sgd(mdl, step, batches, LR)
             out[r] = (losses, grads, api, rt)
         except BaseException as e:
             errors.append(e)

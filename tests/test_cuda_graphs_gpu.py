@@ -18,7 +18,7 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from models import gpt  # noqa: E402
+from models import gpt, train_sgd  # noqa: E402
 from zbcompile.errors import CaptureError  # noqa: E402
 from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all  # noqa: E402
 from zbcompile.runtime import RankRuntime  # noqa: E402
@@ -66,15 +66,8 @@ def _runtime(stages: int, graphs: bool, api=None):
 
 
 def _train(rt, model, x, y):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    losses, grads = [], []
-    for k in range(STEPS):
-        opt.zero_grad(set_to_none=k % 2 == 0)
-        xb = torch.roll(x, k, dims=1).contiguous()
-        losses.append(rt.step_batch((xb, y)))
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        opt.step()
-    return losses, grads
+    batches = [(torch.roll(x, k, dims=1).contiguous(), y) for k in range(STEPS)]
+    return train_sgd(model, lambda xb, yb: rt.step_batch((xb, yb)), batches)
 
 
 @pytest.fixture(autouse=True)
