@@ -16,9 +16,13 @@ import zbcompile as zb
 from graph_standin import StandInError, StandInGraphs
 from models import eager_accumulated, gpt, train_sgd
 from threaded import run_ranks
+from zbcompile.distributed import shard_vocab_params
 from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
 from zbcompile.passes.lower import CAPTURE_FINISHING, FINISHING, emit_fx, lower_all
+from zbcompile.passes.lower.offload import OffloadChoice
 from zbcompile.passes.schedules import GENERATORS, generate
+from zbcompile.program.ops import OpKind
+from zbcompile.program.values import VOCAB_OFFSET
 from zbcompile.runtime import RankRuntime, abi
 from zbcompile.runtime.loopback import LoopbackWorld
 from zbcompile.runtime.replay_check import ReplayCheck
@@ -50,10 +54,11 @@ def _eager_reference(model, loss_fn, batches, m):
 
 
 def _train(schedule, staged, model, batches, *, finishing=CAPTURE_FINISHING, graphs=True, warmup=2,
-           between=None, check=False, apis=None):
-    """Train STEPS steps on every rank of `schedule` (threads); returns per rank (losses, grads per step, api)."""
+           between=None, check=False, apis=None, offload=None):
+    """Train STEPS steps on every rank of `schedule` (threads); returns per rank (losses, grads per step, api,
+    runtime). A vocabulary-parallel split gets each rank's rows of the vocabulary parameters."""
     pp = schedule.num_ranks
-    programs = lower_all(schedule, staged, finishing=finishing)
+    programs = lower_all(schedule, staged, finishing=finishing, offload=offload)
     world = LoopbackWorld(pp)
     out, errors = [None] * pp, []
 
@@ -61,10 +66,14 @@ def _train(schedule, staged, model, batches, *, finishing=CAPTURE_FINISHING, gra
         try:
             mdl = copy.deepcopy(model)
             api = apis[r] if apis else StandInGraphs()
+            constants = {}
+            if staged.vocab is not None:
+                shard_vocab_params(mdl, staged.vocab, r, None, initialized_here=False, timeout=30)
+                constants[VOCAB_OFFSET] = torch.tensor(r * staged.vocab.rows)
             rt = RankRuntime(programs[r], emit_fx(programs[r]), pg=world.group(r), device=torch.device("cpu"),
                              params=dict(mdl.named_parameters()), buffers=dict(mdl.named_buffers()), peers=programs,
                              timeout=30, collectives=world.collective_group(r), cuda_graphs=graphs, graph_api=api,
-                             warmup=warmup)
+                             warmup=warmup, constants=constants)
             check_ = ReplayCheck(rt, warmup=warmup) if check else None
             steps = iter(range(len(batches)))
 
@@ -88,7 +97,10 @@ def _assert_equal_to_eager(results, ref_losses, ref_grads, tol=1e-5):
         for k in range(STEPS):
             assert abs(losses[k] - ref_losses[k]) <= tol * max(1.0, abs(ref_losses[k])), (r, k, losses[k])
             for n, g in grads[k].items():
-                err = (g - ref_grads[k][n]).abs().max().item() / max(ref_grads[k][n].abs().max().item(), 1e-12)
+                ref = ref_grads[k][n]
+                if g.shape != ref.shape:   # a vocabulary shard: this rank's rows
+                    ref = ref[r * g.shape[0]:(r + 1) * g.shape[0]]
+                err = (g - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12)
                 assert err <= tol, (r, k, n, err)
 
 
@@ -126,6 +138,31 @@ def test_a_two_stage_program_on_one_rank_is_captured():
     batches = _batches(x, y)
     ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 2)
     _assert_equal_to_eager(_train(sched, staged, model, batches), ref_losses, ref_grads)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_captured_training_with_vocabulary_parallelism_equals_eager(name):
+    """The vocabulary layers' broadcasts, reductions and all-gathers captured with the rest of the step."""
+    sched = generate(name, 2, 4, vocab=True)
+    model, loss_fn, x, y, _ = _case(sched.num_model_stages, 4)
+    staged = split_model(model, loss_fn, ((x[:2],), (y[:2],)), num_stages=sched.num_model_stages, vocab_shards=2)
+    batches = _batches(x, y)
+    ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 4)
+    results = _train(sched, staged, model, batches)
+    _assert_equal_to_eager(results, ref_losses, ref_grads)
+    assert any(op.kind is OpKind.COLLECTIVE for op in results[0][3].ir.ops)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+def test_captured_training_with_activation_offload_equals_eager(name):
+    """Offload and reload copies into the host pool (made before capture) inside the captured step."""
+    sched = generate(name, 2, 4)
+    model, loss_fn, x, y, staged = _case(sched.num_model_stages, 4)
+    batches = _batches(x, y)
+    ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 4)
+    results = _train(sched, staged, model, batches, offload=OffloadChoice(prefetch=1, min_bytes=0))
+    _assert_equal_to_eager(results, ref_losses, ref_grads)
+    assert all(rt.ir.host_buffers and rt.ir.of_kind(OpKind.OFFLOAD) for *_, rt in results)
 
 
 def test_replay_check_passes_for_every_schedule_and_equals_eager():
