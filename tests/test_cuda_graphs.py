@@ -184,12 +184,29 @@ def _fails(match, error=CaptureError, **kw):
         _train(sched, staged, model, _batches(x, y), **kw)
 
 
-def test_a_parameter_rebound_after_capture_is_refused():
+def test_a_parameter_rebound_after_capture_is_refused_until_put_back():
     def rebind(r, k, rt, mdl):
         if k == 3:
             w = mdl.get_parameter("blocks.0.ln1.weight") if r == 0 else mdl.get_parameter("ln_f.weight")
             w.data = w.data.clone()
     _fails(r"param:(blocks\.0\.ln1|ln_f)\.weight moved since the step was captured", between=rebind)
+
+    # refused before any device work: with the parameter's storage put back, the next replay goes on
+    sched = generate("1f1b", 2, 4)
+    model, loss_fn, x, y, staged = _case(2, 4)
+    batches = _batches(x, y)
+    ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 4)
+    moved = {}
+
+    def move_and_restore(r, k, rt, mdl):
+        w = mdl.get_parameter("ln_f.weight" if r == 1 else "blocks.0.ln1.weight")
+        if k == 3:
+            moved[r] = w.data
+            w.data = w.data.clone()
+            with pytest.raises(CaptureError, match="moved since the step was captured"):
+                rt.step_batch(batches[k])
+            w.data = moved[r]
+    _assert_equal_to_eager(_train(sched, staged, model, batches, between=move_and_restore), ref_losses, ref_grads)
 
 
 def test_the_replay_check_names_a_rebound_parameter_and_renewed_receive_buffers():

@@ -233,7 +233,10 @@ class RankRuntime:
             else:
                 loss = self.program.forward(ctx, *args)  # the emitted program has no hooks to run
         except BaseException:
-            ctx.renew_buffers()  # receives of the failed step may still land in the old buffers
+            # receives of the failed step may still land in the old buffers; a captured graph, though, holds
+            # their addresses, and replacing them would free memory it writes into
+            if self.captured is None or not self.captured.captured:
+                ctx.renew_buffers()
             raise
         finally:
             torch._C._set_grad_enabled(grad_was)

@@ -141,6 +141,8 @@ class CapturedStep:
                 self._replay()
                 out = self.out
             self._watch()
+        except CaptureError:   # refused before any device work was launched (a moved parameter): still usable
+            raise
         except BaseException as e:
             self.failed = f"step {self.steps + 1} failed ({type(e).__name__})"
             raise
