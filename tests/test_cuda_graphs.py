@@ -265,7 +265,8 @@ def test_ranks_that_disagree_when_to_capture_are_refused():
         except BaseException as e:
             errors.append(e)
             world.abort()
-    with pytest.raises(CaptureError, match=r"the ranks disagree when to capture the step as a CUDA graph \(eager steps left\) \(per rank: \[1.0, 2.0\]\)"):
+    with pytest.raises(CaptureError, match=r"the ranks disagree when to capture the step as a CUDA graph "
+                                           r"\(eager steps left\) \(per rank: \[1.0, 2.0\]\)"):
         run_ranks(run, 2, errors)
 
 

@@ -130,9 +130,7 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
     """split -> schedule -> lower -> runtime for this rank, under `options`."""
     from zbcompile.split import split_model
 
-    if options.cuda_graphs is not False:
-        _warmup_steps(options.cuda_graphs)
-        graphs.capture_api(None)   # refused before anything is traced or any process group is made
+    _check_cuda_graphs(options.cuda_graphs)
     resolved = resolve_group(options.group, options.timeout)
     _, _, world = resolved
     pp = world if options.pp is None else options.pp
@@ -148,6 +146,13 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
                          vocab_shards=pp if options.vocab_parallel else None)
     return _build(model, staged, sched, resolved, options.init_fn, options.timeout, options.offload,
                   options.backend, options.cuda_graphs)
+
+
+def _check_cuda_graphs(cuda_graphs: bool | int) -> None:
+    """A bad cuda_graphs value, or capture where there is no CUDA, is refused before anything is traced or any
+    process group is made."""
+    if _warmup_steps(cuda_graphs) is not None:
+        graphs.capture_api(None)
 
 
 def _warmup_steps(cuda_graphs: bool | int) -> int | None:
@@ -262,9 +267,7 @@ class PipelineModule(nn.Module):
         """Build from an already split model (split once, try several schedules). The split's stage graphs
         create tensors (masks, positions) on the device they were traced for: the example's, or for a model on
         the meta device the device `compile` runs on."""
-        if cuda_graphs is not False:
-            _warmup_steps(cuda_graphs)
-            graphs.capture_api(None)
+        _check_cuda_graphs(cuda_graphs)
         return _build(model, staged, schedule, resolve_group(group, timeout), init_fn, timeout, offload,
                       cuda_graphs=cuda_graphs)
 

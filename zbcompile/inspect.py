@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'capture-safe' or what blocks capture (op or graph node, reason, fix); exits 1 "
                              "when any rank has a problem")
     parser.add_argument("--replay-check", type=int, default=None, metavar="STEPS",
-                        help="with --capture-check: also run STEPS steps (at least 3) of every rank's capture-ready "
+                        help="with the capture check (implies --capture-check): also run STEPS steps (at least 3) of every rank's capture-ready "
                              "program in threads of this process, on the example repeated into a batch, and check "
                              "that from step 2 on each step touches the same static memory and posts the same "
                              "messages, and that nothing it allocates outlives it (runtime/replay_check.py)")
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if len(staged.stages) != schedule.num_model_stages:
         raise ZBCompileError(f"inspect: --split-points gives {len(staged.stages)} stages but schedule "
                              f"{args.schedule!r} on {args.pp} ranks needs {schedule.num_model_stages}")
-    capture = getattr(args, "capture_check", False)
+    capture = getattr(args, "capture_check", False) or getattr(args, "replay_check", None) is not None
     finishing = CAPTURE_FINISHING if capture else FINISHING
     programs = lower_all(schedule, staged, finishing=finishing)
     if getattr(args, "offload", None):

@@ -10,8 +10,9 @@ IR, in three layers:
               a SET_GRAD that takes ownership of .grad); a kind that has not decided is reported too
     graphs    each stage graph a RUN op calls, node by node: torch's own predicate
               (torch._inductor.utils.is_cudagraph_unsafe_fx_node: `.item()`, `_assert_scalar`, ops tagged
-              cudagraph_unsafe, ...), symbolic or data-dependent sizes, random ops drawing from a
-              generator state with the graph), and CPU nodes in a graph on a CUDA device
+              cudagraph_unsafe, ...), symbolic or data-dependent sizes, random ops given a generator of their
+              own (torch registers only the default CUDA generator with a graph), and CPU nodes in a graph on a
+              CUDA device
 
 Each Problem names the rank, the op (index) or graph node, the reason and the fix. A program lowered with
 `passes.lower.capture.capture_ready` before the finishing passes passes the check for every schedule; the GPU

@@ -25,9 +25,9 @@ from torch import fx
 
 from zbcompile.errors import RuntimeFailure, ZBCompileWarning
 
-__all__ = ["StepContext", "stamp_event", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective", "wait_collective",
-           "wait", "offload", "wait_offload", "reload", "wait_reload", "free", "set_grad", "copy_buffer",
-           "accumulate_", "sum_losses", "sum_in_order"]
+__all__ = ["StepContext", "stamp_event", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective",
+           "wait_collective", "wait", "offload", "wait_offload", "reload", "wait_reload", "free", "set_grad",
+           "copy_buffer", "accumulate_", "sum_losses", "sum_in_order"]
 
 
 class StepContext:

@@ -95,6 +95,7 @@ class RankRuntime:
         # every rank's action names, for the timings record; built once, not per step
         self._names = tuple(tuple(str(op.action) for op in p.run_ops()) for p in peers)
         self.names = self._names[ir.rank]
+        self._stamps = 2 * len(self.names)   # this rank's timing slots: a start and an end per action
         self.max_actions = max(len(n) for n in self._names)
         # as many slots as the busiest rank has: every rank's gathered row has the same length
         self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
@@ -240,7 +241,7 @@ class RankRuntime:
             raise
         finally:
             torch._C._set_grad_enabled(grad_was)
-        ctx.read_events(2 * len(self.names))
+        ctx.read_events(self._stamps)
         return self._gather(loss)
 
     def _gather(self, loss) -> float:
