@@ -316,9 +316,10 @@ def test_event_timing_programs_stamp_every_action():
     assert "abi_stamp_event(ctx, 0)" in emit_fx(programs[0]).code and "perf_counter" not in emit_fx(programs[0]).code
     results = _train(sched, staged, model, _batches(x, y), graphs=False)
     timings = results[0][3].last_step
+    assert timings.span > 0
     for row in timings.actions:
-        assert row and all(s <= e for _, s, e in row)
-        assert all(a[2] <= b[1] + 1e-9 for a, b in zip(row, row[1:]))
+        assert row and all(s < e for _, s, e in row)   # every stamp was written: each action took time
+        assert all(a[2] <= b[1] for a, b in zip(row, row[1:]))
 
 
 def test_compile_refuses_cuda_graphs_without_cuda_and_bad_values():
