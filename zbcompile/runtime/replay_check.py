@@ -199,10 +199,10 @@ class ReplayCheck:
         escaped = footprint.escaped(tree_leaves(out))
         self.steps += 1
         if self.steps > self.warmup:
-            self._compare((tuple(footprint.static), tuple(log), len(escaped)), footprint)
+            self._compare((tuple(footprint.static), tuple(log), len(escaped)))
         return loss
 
-    def _compare(self, seen: tuple, footprint: StepFootprint) -> None:
+    def _compare(self, seen: tuple) -> None:
         rank = self.runtime.ir.rank
         if seen[2]:
             raise CaptureError(f"rank {rank}, step {self.steps}: {seen[2]} storage(s) the step allocated outlive it "
