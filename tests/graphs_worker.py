@@ -42,7 +42,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def errors(got, ref) -> dict:
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0]))
     grad_err = max(rel(g, ref[1][k][n]) for k, step in enumerate(got[1]) for n, g in step.items())
-    return {"loss_err": loss_err, "grad_err": grad_err, "grads": sum(len(s) for s in got[1])}
+    return {"loss_err": loss_err, "grad_err": grad_err, "grads": sum(len(s) for s in got[1]),
+            "every_step": all(s.keys() == got[1][0].keys() for s in got[1])}
 
 
 def run(rank: int, pp: int, out: str) -> dict:

@@ -28,7 +28,7 @@ def test_captured_steps_and_the_replay_check_on_gloo_equal_eager(run, name):
         assert "error" not in got, got.get("error")
         for mode in ("captured", "checked"):
             assert got[mode]["loss_err"] < 1e-5 and got[mode]["grad_err"] < 1e-5, (rank, mode, got[mode])
-            assert got[mode]["grads"] > 0
+            assert got[mode]["grads"] > 0 and got[mode]["every_step"], (rank, mode, got[mode])
         assert got["captured"]["log"] == [*EAGER, *EAGER, "synchronize", "pool", "capture", "synchronize",
                                           "replay", "replay", "replay"], (rank, got["captured"]["log"])
         assert got["checked"]["messages"] > 0
