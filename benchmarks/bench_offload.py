@@ -14,8 +14,8 @@ the step can only get slower, and nothing is freed for anything else; the figure
 
 Part 2, predicted: the time model of passes/analysis/offload_plan.py (roofline compute at 400 TFLOP/s, one copy
 stream at 50 GB/s) on the same schedule for a GPT block at d=4096, seq 4096 (traced on the meta device, 4
-blocks over pp=2, 8 microbatches of 1 sequence, fp32 and bf16, attention as traced: its [s, s] probabilities saved): with every candidate offloaded,
-each copy free to overlap an action, the offload ratio k = To/Tc and the modelled slowdown of each rank's
+blocks over pp=2, 8 microbatches of 1 sequence, fp32 and bf16, attention as traced: its [s, s] probabilities
+saved): with every candidate offloaded, each copy free to overlap an action, the offload ratio k = To/Tc and the modelled slowdown of each rank's
 compute timeline, next to the paper's formula k = 10 / (3 (6h + s)) * Bc / Bo (bf16, flash attention,
 recomputed norms: about 20 b s h bytes per layer, where this trace saves several times that).
 """

@@ -16,15 +16,13 @@ import zbcompile as zb
 from graph_standin import StandInError, StandInGraphs
 from models import eager_accumulated, gpt, train_sgd
 from threaded import run_ranks
-from zbcompile.distributed import shard_vocab_params
 from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
 from zbcompile.passes.lower import CAPTURE_FINISHING, FINISHING, emit_fx, lower_all
 from zbcompile.passes.lower.offload import OffloadChoice
 from zbcompile.passes.schedules import GENERATORS, generate
 from zbcompile.program.ops import OpKind
-from zbcompile.program.values import VOCAB_OFFSET
-from zbcompile.runtime import RankRuntime, abi
-from zbcompile.runtime.loopback import LoopbackWorld
+from zbcompile.runtime import abi
+from zbcompile.runtime.loopback import LoopbackWorld, rank_runtime
 from zbcompile.runtime.replay_check import ReplayCheck
 from zbcompile.schedule import Schedule
 from zbcompile.split import split_model
@@ -64,16 +62,9 @@ def _train(schedule, staged, model, batches, *, finishing=CAPTURE_FINISHING, gra
 
     def run(r):
         try:
-            mdl = copy.deepcopy(model)
             api = apis[r] if apis else StandInGraphs()
-            constants = {}
-            if staged.vocab is not None:
-                shard_vocab_params(mdl, staged.vocab, r, None, initialized_here=False, timeout=30)
-                constants[VOCAB_OFFSET] = torch.tensor(r * staged.vocab.rows)
-            rt = RankRuntime(programs[r], emit_fx(programs[r]), pg=world.group(r), device=torch.device("cpu"),
-                             params=dict(mdl.named_parameters()), buffers=dict(mdl.named_buffers()), peers=programs,
-                             timeout=30, collectives=world.collective_group(r), cuda_graphs=graphs, graph_api=api,
-                             warmup=warmup, constants=constants)
+            rt, mdl = rank_runtime(world, programs, r, emit_fx(programs[r]), model, staged, cuda_graphs=graphs,
+                                   graph_api=api, warmup=warmup)
             check_ = ReplayCheck(rt, warmup=warmup) if check else None
             steps = iter(range(len(batches)))
 
@@ -278,10 +269,8 @@ def test_ranks_that_disagree_when_to_capture_are_refused():
 
     def run(r):
         try:
-            mdl = copy.deepcopy(model)
-            rt = RankRuntime(programs[r], emit_fx(programs[r]), pg=world.group(r), device=torch.device("cpu"),
-                             params=dict(mdl.named_parameters()), buffers=dict(mdl.named_buffers()), peers=programs,
-                             timeout=10, cuda_graphs=True, graph_api=StandInGraphs(), warmup=1 + r)
+            rt, _ = rank_runtime(world, programs, r, emit_fx(programs[r]), model, staged, timeout=10,
+                                 cuda_graphs=True, graph_api=StandInGraphs(), warmup=1 + r)
             for b in _batches(x, y)[:3]:
                 rt.step_batch(b)
         except BaseException as e:
@@ -309,10 +298,8 @@ def test_the_watchdog_raises_when_the_device_never_finishes_and_the_runtime_stay
 
     def run(r):
         try:
-            mdl = copy.deepcopy(model)
-            rt = RankRuntime(programs[r], emit_fx(programs[r]), pg=world.group(r), device=torch.device("cpu"),
-                             params=dict(mdl.named_parameters()), buffers=dict(mdl.named_buffers()), peers=programs,
-                             timeout=0.2, cuda_graphs=True, graph_api=_NeverDone(), warmup=1)
+            rt, _ = rank_runtime(world, programs, r, emit_fx(programs[r]), model, staged, timeout=0.2,
+                                 cuda_graphs=True, graph_api=_NeverDone(), warmup=1)
             try:
                 rt.step_batch(_batches(x, y)[0])
             except RuntimeFailure as e:

@@ -6,16 +6,10 @@ without starting processes; tests/test_dist.py runs the same under torch.distrib
 
 from __future__ import annotations
 
-import copy
 import threading
 
-import torch
-
-from zbcompile.distributed import shard_vocab_params
 from zbcompile.passes.lower import emit_fx, lower_all
-from zbcompile.program.values import VOCAB_OFFSET
-from zbcompile.runtime import RankRuntime
-from zbcompile.runtime.loopback import LoopbackWorld
+from zbcompile.runtime.loopback import LoopbackWorld, rank_runtime
 
 
 def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
@@ -34,25 +28,18 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
     programs = lower_all(schedule, staged, offload=offload, backend=backend, **more)
     if not staged_inputs:
         programs = tuple(p.replace(staged_inputs=False) for p in programs)
-    models = [copy.deepcopy(model) for _ in range(pp)]
+    models = [None] * pp
     world = LoopbackWorld(pp)
     steps = (batch, *then)
     losses, runtimes, errors = [None] * pp, [None] * pp, []
 
     def run(r: int) -> None:
         try:
-            mdl = models[r]
             gm = emit_fx(programs[r])
             if patch is not None:
                 patch(r, gm)
-            constants = {}
-            if staged.vocab is not None:   # this rank's rows of the vocabulary parameters, and where they start
-                shard_vocab_params(mdl, staged.vocab, r, None, initialized_here=False, timeout=timeout)
-                constants[VOCAB_OFFSET] = torch.tensor(r * staged.vocab.rows)
-            runtimes[r] = RankRuntime(programs[r], gm, pg=world.group(r),
-                                      device=torch.device(device), params=dict(mdl.named_parameters()),
-                                      buffers=dict(mdl.named_buffers()), timeout=timeout,
-                                      peers=programs, constants=constants, collectives=world.collective_group(r))
+            runtimes[r], models[r] = rank_runtime(world, programs, r, gm, model, staged, device=device,
+                                                  timeout=timeout)
             for k, b in enumerate(steps):
                 if measure and k == len(steps) - 1:
                     method = "tracker" if measure == "tracker" else "auto"

@@ -49,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'capture-safe' or what blocks capture (op or graph node, reason, fix); exits 1 "
                              "when any rank has a problem")
     parser.add_argument("--replay-check", type=int, default=None, metavar="STEPS",
-                        help="with the capture check (implies --capture-check): also run STEPS steps (at least 3) of every rank's capture-ready "
-                             "program in threads of this process, on the example repeated into a batch, and check "
+                        help="with the capture check (implies --capture-check): also run STEPS steps (at least 3) "
+                             "of every rank's capture-ready program in threads of this process, on the example repeated into a batch, and check "
                              "that from step 2 on each step touches the same static memory and posts the same "
                              "messages, and that nothing it allocates outlives it (runtime/replay_check.py)")
     parser.add_argument("--vocab-parallel", action="store_true",
@@ -138,18 +138,14 @@ def _capture_check(args: argparse.Namespace, programs) -> bool:
 def _replay_check(args: argparse.Namespace, programs, model, staged, example) -> bool:
     """Run every rank's program `--replay-check` steps under ReplayCheck (ranks as threads of a loopback world);
     print per rank what the steps shared or the first difference; True if any rank failed."""
-    import copy
     import threading
 
     import torch
 
-    from zbcompile.distributed import shard_vocab_params
     from zbcompile.errors import CaptureError
-    from zbcompile.program.values import VOCAB_OFFSET
-    from zbcompile.runtime import RankRuntime
-    from zbcompile.runtime.loopback import LoopbackWorld
-    from zbcompile.runtime.replay_check import ReplayCheck
     from zbcompile.passes.lower import emit_fx
+    from zbcompile.runtime.loopback import LoopbackWorld, rank_runtime
+    from zbcompile.runtime.replay_check import ReplayCheck
 
     steps = args.replay_check
     if steps < 3:
@@ -166,14 +162,8 @@ def _replay_check(args: argparse.Namespace, programs, model, staged, example) ->
 
     def run(r: int) -> None:
         try:
-            mdl = copy.deepcopy(model)
-            constants = {}
-            if staged.vocab is not None:
-                shard_vocab_params(mdl, staged.vocab, r, None, initialized_here=False, timeout=60)
-                constants[VOCAB_OFFSET] = torch.tensor(r * staged.vocab.rows)
-            rt = RankRuntime(programs[r], emit_fx(programs[r]), pg=world.group(r), device=batch[0].device,
-                             params=dict(mdl.named_parameters()), buffers=dict(mdl.named_buffers()), peers=programs,
-                             constants=constants, collectives=world.collective_group(r))
+            rt, _ = rank_runtime(world, programs, r, emit_fx(programs[r]), model, staged,
+                                 device=str(batch[0].device), timeout=60)
             check = ReplayCheck(rt, warmup=1)
             for _ in range(steps):
                 check.step(batch)

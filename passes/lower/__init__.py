@@ -67,7 +67,8 @@ from zbcompile.program import RankProgram
 from zbcompile.schedule import Schedule
 from zbcompile.stages import StagedModel
 
-__all__ = ["LOWERING", "FINISHING", "CAPTURE_FINISHING", "capture_ready", "lower_all", "run_passes", "each", "emit_fx", "build_compute",
+__all__ = ["LOWERING", "FINISHING", "CAPTURE_FINISHING", "capture_ready", "lower_all", "run_passes", "each",
+           "emit_fx", "build_compute",
            "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD",
            "OffloadChoice", "insert_offload", "offload_programs", "compile_graphs", "BACKENDS"]
 

@@ -8,17 +8,20 @@ Sends are buffered (they complete at once); a receive completes when the matchin
 collective completes when every rank has posted its k-th one (matched by order, as a real group does).
 
     world = LoopbackWorld(2)
-    runtime = RankRuntime(programs[rank], gm, pg=world.group(rank), peers=programs, ...)   # rank `rank`'s thread
+    runtime, model_r = rank_runtime(world, programs, rank, emit_fx(programs[rank]), model, staged)  # its thread
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from datetime import timedelta
 
+import torch
+
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["LoopbackWorld", "LoopbackGroup", "LoopbackCollectives"]
+__all__ = ["LoopbackWorld", "LoopbackGroup", "LoopbackCollectives", "rank_runtime"]
 
 
 def _wire_copy(t):
@@ -166,3 +169,23 @@ class LoopbackCollectives(LoopbackGroup):
             for out, r in zip(outputs[0], range(self.world.size)):
                 out.copy_(parts[r])
         return self._post(_wire_copy(inputs[0]), land)
+
+
+def rank_runtime(world: LoopbackWorld, programs, rank: int, gm, model, staged, *, device: str = "cpu",
+                 timeout: float = 30.0, **options):
+    """Rank `rank`'s RankRuntime on `world`, running `gm` (its emitted program) over a copy of `model` of its
+    own, whose vocabulary parameters are cut to the rank's rows where the split shards them (as zb.compile's
+    ranks hold them); returns (runtime, the copy). options: RankRuntime's (cuda_graphs, graph_api, warmup)."""
+    from zbcompile.distributed import shard_vocab_params
+    from zbcompile.program.values import VOCAB_OFFSET
+    from zbcompile.runtime.eager import RankRuntime
+
+    mine = copy.deepcopy(model)
+    constants = {}
+    if staged.vocab is not None:
+        shard_vocab_params(mine, staged.vocab, rank, None, initialized_here=False, timeout=timeout)
+        constants[VOCAB_OFFSET] = torch.tensor(rank * staged.vocab.rows, device=device)
+    runtime = RankRuntime(programs[rank], gm, pg=world.group(rank), device=torch.device(device),
+                          params=dict(mine.named_parameters()), buffers=dict(mine.named_buffers()), peers=programs,
+                          timeout=timeout, constants=constants, collectives=world.collective_group(rank), **options)
+    return runtime, mine
