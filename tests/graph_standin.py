@@ -24,7 +24,7 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_leaves
 
-from zbcompile.runtime.replay_check import StepFootprint
+from zbcompile.runtime.replay_check import StepFootprint, first_difference
 
 
 class StandInError(AssertionError):
@@ -119,12 +119,10 @@ class StandInGraphs:
         footprint = StepFootprint()
         with footprint:
             out = graph.fn()
-        if list(footprint.static) != list(graph.footprint.static):
-            then, now = list(graph.footprint.static), list(footprint.static)
-            k = next((i for i, (a, b) in enumerate(zip(then, now)) if a != b), min(len(then), len(now)))
-            raise StandInError(f"replay {self.replays} touched other static memory than the capture: entry {k} "
-                               f"of {len(then)} ({graph.footprint.static.get(then[k]) if k < len(then) else '-'} "
-                               f"then, {footprint.static.get(now[k]) if k < len(now) else '-'} now)")
+        if list(footprint.static) != list(graph.footprint.static):   # addresses shown by the op that touched them
+            raise StandInError(f"replay {self.replays} touched other static memory than the capture: "
+                               + first_difference(list(graph.footprint.static), list(footprint.static),
+                                                  graph.footprint.static, footprint.static))
         escaped = footprint.escaped(tree_leaves(out))
         if escaped:
             raise StandInError(f"{len(escaped)} storage(s) allocated in replay {self.replays} outlive it")

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from zbcompile.errors import CaptureError
 
-__all__ = ["StepFootprint", "ReplayCheck", "record_messages"]
+__all__ = ["StepFootprint", "ReplayCheck", "record_messages", "first_difference"]
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
@@ -215,10 +215,10 @@ class ReplayCheck:
         ref = self.reference
         if seen[1] != ref[1]:
             raise CaptureError(f"rank {rank}, step {self.steps}: the messages differ from step {self.warmup + 1}'s "
-                               f"({_first_difference(ref[1], seen[1])}); a graph replays one order of posts")
+                               f"({first_difference(ref[1], seen[1])}); a graph replays one order of posts")
         if seen[0] != ref[0]:
             raise CaptureError(f"rank {rank}, step {self.steps}: the step touched other memory than step "
-                               f"{self.warmup + 1} did ({_first_difference(ref[0], seen[0], self.names, self._names())}"
+                               f"{self.warmup + 1} did ({first_difference(ref[0], seen[0], self.names, self._names())}"
                                "); a graph replays the captured addresses")
 
     def _names(self) -> dict[int, str]:
@@ -235,7 +235,7 @@ class ReplayCheck:
         return names
 
 
-def _first_difference(a: Sequence, b: Sequence, then: dict | None = None, now: dict | None = None) -> str:
+def first_difference(a: Sequence, b: Sequence, then: dict | None = None, now: dict | None = None) -> str:
     """The first entry where a and b differ; addresses shown by name (then: a's names, now: b's)."""
     def show(x, names):
         return names.get(x, hex(x)) if names is not None and isinstance(x, int) else str(x)
