@@ -15,7 +15,7 @@ from torch import nn
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
-__all__ = ["Case", "eager_accumulated", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits",
+__all__ = ["Case", "eager_accumulated", "train_sgd", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits",
            "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net", "rope_net", "hf_t5", "keyword_lm"]
 
 
