@@ -15,8 +15,8 @@ from torch import nn
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
-__all__ = ["Case", "eager_accumulated", "train_sgd", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet", "HFLogits",
-           "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net", "rope_net", "hf_t5", "keyword_lm"]
+__all__ = ["Case", "eager_accumulated", "train_sgd", "mlp", "convnet", "gpt", "hf_gpt2", "skipnet", "masknet",
+           "HFLogits", "dict_lm", "marked_mlp", "seq2seq", "cast_net", "latent_net", "rope_net", "hf_t5", "keyword_lm"]
 
 
 def eager_accumulated(model: nn.Module, loss_fn, xb: torch.Tensor, yb: torch.Tensor, m: int) -> float:
