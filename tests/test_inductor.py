@@ -15,6 +15,7 @@ sums; the differences seen are ~4e-7 relative, the bound leaves room for other s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -190,3 +191,35 @@ def test_compile_with_inductor_multi_process(tmp_path_factory):
     for r, res in enumerate(results):
         bad = res["bad_backend"]
         assert "UsageError" in bad.get("type", ()) and "'inductor'" in bad["message"], (r, bad)
+
+
+def test_accumulating_graphs_compile_cold_where_ci_is_set(monkeypatch):
+    """Inductor refuses to fall back on an op torch has a decomposition of (`addmm_`, the fused GEMM gradient
+    sum) whenever the environment variable CI is set, which a warm FX graph cache hides: compiled here with CI
+    set and the cache off, the accumulating graph decomposes it, equals its aten graph, and still sums into
+    its `acc:` inputs in place."""
+    import torch._inductor.config as inductor_config
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from zbcompile.passes.lower.compute import accumulating_graph
+    from zbcompile.program import ProgramGraph
+
+    def f(a, b, go, ids):
+        return torch.mm(a, b).t(), torch.ops.aten.embedding_dense_backward(go, ids, 6, -1, False)
+
+    args = (torch.randn(3, 5), torch.randn(5, 4), torch.randn(2, 3, 4), torch.tensor([[0, 2, 5], [2, 2, 1]]))
+    plain = ProgramGraph(make_fx(f, tracing_mode="fake")(*args), ("a", "b", "go", "ids"),
+                         ("grad:param:w", "grad:param:e"))
+    acc = dataclasses.replace(accumulating_graph(plain), boxed=True, backend="inductor")
+    assert "addmm_.default" in {n.target.__name__ for n in acc.gm.graph.nodes if n.op == "call_function"}
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    sums = [torch.randn(3, 4).t(), torch.randn(6, 4)]   # laid out as traced: the first is a transpose
+    want = [s + o for s, o in zip(sums, f(*args))]
+    with inductor_config.patch(fx_graph_cache=False):
+        fn = compiled.compiled_module(acc, "hand-made stage0_w_acc").forward
+    ins = [*args, *sums]
+    got = fn(list(ins))
+    for k in range(2):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+        assert got[k] is sums[k], f"output {k} is not the acc: input summed in place"

@@ -47,6 +47,8 @@ __all__ = [
     "process_group_name",
     "default_group",
     "inductor_decompositions",
+    "inductor_lowers",
+    "decompositions",
     "inductor_compile",
     "static_fake_mode",
     "tracing_context",
@@ -99,6 +101,24 @@ def inductor_decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
+
+
+def inductor_lowers(op) -> bool:
+    """Whether inductor has a lowering of its own for `op` (`op in torch._inductor.lowering.lowerings`, or its
+    packet in `FALLBACK_ALLOW_LIST`, which it falls back on without complaint; 2.11-2.13). For any other op
+    with a decomposition in torch._decomp, inductor's graph lowering asserts "a decomposition exists, we should
+    switch to it" when the environment variable CI is set (torch._inductor.lowering.make_fallback)."""
+    from torch._inductor.lowering import FALLBACK_ALLOW_LIST, lowerings
+
+    return op in lowerings or op.name().split(".")[0] in FALLBACK_ALLOW_LIST
+
+
+def decompositions(ops) -> dict:
+    """torch's own decompositions of `ops` (`torch._decomp.get_decompositions`, 2.11-2.13): an in-place op
+    becomes its out-of-place twin followed by `copy_` into the mutated input (`addmm_` -> `addmm`, `copy_`)."""
+    from torch._decomp import get_decompositions
+
+    return get_decompositions(list(ops))
 
 
 def inductor_compile(gm: fx.GraphModule, example_inputs: list):

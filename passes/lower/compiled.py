@@ -8,8 +8,9 @@ graphs of the one program it emits (every rank lowers every rank's program but r
 
     graph stage0_w_acc = (saved:data_0, grad:act:embedding, acc:grad:param:wte.weight) -> (...) boxed inductor
 
-`compiled_module(g)` is that form: the aten graph re-traced with inductor's decompositions (in-place ops kept:
-the accumulating variants' `acc:` inputs are still summed into in place, see compute.accumulating_graph),
+`compiled_module(g)` is that form: the aten graph re-traced with inductor's decompositions, and torch's own for
+the ops inductor has no lowering of (`addmm_` -> `addmm`, `copy_`: the accumulating variants' `acc:` inputs are
+still summed into in place, see compute.accumulating_graph),
 compiled by `compile_fx_inner` without AOTAutograd in front (the graph is already post-autograd). What it
 returns keeps the contract the lowering relies on:
 
@@ -30,8 +31,8 @@ import threading
 import torch
 from torch import fx, nn
 
-from zbcompile._torch_private import (inductor_compile, inductor_decompositions, make_fx, static_fake_mode,
-                                      tracing_context)
+from zbcompile._torch_private import (OpOverload, decompositions, inductor_compile, inductor_decompositions,
+                                      inductor_lowers, make_fx, static_fake_mode, tracing_context)
 from zbcompile.errors import LoweringError, UsageError
 from zbcompile.program import ProgramGraph, RankProgram
 
@@ -125,8 +126,29 @@ def _inductor(gm: fx.GraphModule, vals: list[torch.Tensor], where: str):
         fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
     try:
         with tracing_context(mode):
-            decomposed = make_fx(gm, inductor_decompositions())(*fakes)
-            return inductor_compile(decomposed, fakes)
+            return inductor_compile(_decomposed(gm, fakes), fakes)
     except Exception as e:
         raise LoweringError(f"{where}: inductor could not compile the stage graph ({type(e).__name__}: {e}); "
                             f"compile with backend=None to run it as aten ops") from e
+
+
+def _decomposed(gm: fx.GraphModule, fakes: list[torch.Tensor]) -> fx.GraphModule:
+    """`gm` re-traced with inductor's decompositions plus torch's own for every op inductor has no lowering of:
+    the gradient sums' fused `addmm_` becomes `addmm` then `copy_` into the sum, which inductor lowers as a
+    mutation of that input (the sum stays in place). Inductor would fall back on such an op, and refuse to
+    whenever the environment variable CI is set (GitHub Actions sets it). Ops found only inside a decomposition
+    are found on the next round."""
+    table = dict(inductor_decompositions())
+    traced = make_fx(gm, table)(*fakes)
+    for _ in range(_DECOMPOSE_ROUNDS):
+        more = decompositions({n.target for n in traced.graph.nodes if isinstance(n.target, OpOverload)
+                               and n.target not in table and not inductor_lowers(n.target)})
+        if not more:
+            break
+        table.update(more)
+        traced = make_fx(gm, table)(*fakes)
+    return traced
+
+
+# rounds of "trace, decompose what inductor does not lower"; one or two are needed in practice
+_DECOMPOSE_ROUNDS = 4
