@@ -304,7 +304,7 @@ def build_ours(cfg: dict, name: str, rank: int, world: int, group=None):
 def our_action_counts(pm, rank: int) -> dict:
     """Compute actions (F/B/W/BW stage-graph runs) and P2P ops (tensors sent or received) in this rank's
     program (the RankProgram IR the lowering made)."""
-    from zbcompile.program.ops import OpKind
+    from zbcompile.ir.program.ops import OpKind
 
     prog = pm.programs[rank]
     comp = comm = 0

@@ -32,7 +32,7 @@ from _bench_models import build_model, make_batch  # noqa: E402
 from zbcompile.examples.gpt import loss_fn  # noqa: E402
 from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all  # noqa: E402
 from zbcompile.runtime import RankRuntime  # noqa: E402
-from zbcompile.schedule import Schedule  # noqa: E402
+from zbcompile.ir.schedule import Schedule  # noqa: E402
 from zbcompile.split import split_model  # noqa: E402
 
 

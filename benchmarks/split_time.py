@@ -17,7 +17,7 @@ import torch
 from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
 from zbcompile.passes.partition import auto_split_points, partition
 from zbcompile.passes.trace import trace
-from zbcompile.split import split_traced
+from zbcompile.split import report, split_traced
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
     print(f"  joint + F/B/W      {t4 - t3:6.2f} s   ({(t4 - t3) / args.stages:.2f} s per stage)")
     print(f"  trace + split      {t4 - t1:6.2f} s")
     if args.report:
-        print(staged.report())
+        print(report(staged))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
 from zbcompile.passes.analysis.step import constant_nodes, first_positions
 from zbcompile.passes.balance import balance_placed, device_loads, group_weights, placement_loads
-from zbcompile.stages import Traced, module_path, module_stack
+from zbcompile.ir.stages import Traced, module_path, module_stack
 
 __all__ = ["auto_split_points", "cut_units", "FLOPS_PER_BYTE", "BACKWARD_PER_FORWARD", "WITHIN_BLOCK_GAIN",
            "REFINE_WIDTH", "REFINE_GAIN"]

@@ -1,6 +1,6 @@
 """Pass 2, partition: cut the traced step into pipeline stages by module boundaries.
 
-    Traced, split_points  ->  Partition(stages=(Graph, ...))       (zbcompile.stages)
+    Traced, split_points  ->  Partition(stages=(Graph, ...))       (zbcompile.ir.stages)
 
 A split point is a module name; the cut goes right BEFORE the first node the module computes. Two more forms
 cover the split points users already wrote for torch.distributed.pipelining: `after:<module>` cuts right after
@@ -38,11 +38,11 @@ from torch import fx, nn
 
 from zbcompile._torch_private import OpOverload
 from zbcompile.errors import PartitionError
-from zbcompile.names import Role, role_of
+from zbcompile.ir.names import Role, role_of
 from zbcompile.passes.analysis.step import constant_nodes
 # re-exported so that the chooser stays importable from here; cutting itself never calls it
 from zbcompile.passes.choose_cuts import FLOPS_PER_BYTE, auto_split_points, cut_units
-from zbcompile.stages import Graph, Partition, Traced, module_path
+from zbcompile.ir.stages import Graph, Partition, Traced, module_path
 
 __all__ = ["partition", "check_split_points", "split_point_names", "markers", "cut_starts", "auto_split_points",
            "cut_units", "module_path", "FLOPS_PER_BYTE"]

@@ -1,6 +1,6 @@
 """The split pass for vocabulary parallelism: shard the input embedding and the output layer over every rank.
 
-    Partition -> Partition (with .vocab: VocabLayers, zbcompile.stages)
+    Partition -> Partition (with .vocab: VocabLayers, zbcompile.ir.stages)
 
 It finds, in the stage forwards, the pattern
 
@@ -10,7 +10,7 @@ It finds, in the stage forwards, the pattern
 and cuts it out: the first stage reads `act:vocab.emb` instead of computing the lookup, and the last stage
 returns `act:vocab.x` (x after the same token reshapes and slices the logits went through, [tokens, d])
 instead of the loss. The removed work becomes four graphs that every rank runs on its own shard of rows
-(zbcompile.stages.VocabLayers), joined by collectives the lowering inserts:
+(zbcompile.ir.stages.VocabLayers), joined by collectives the lowering inserts:
 
     IF  partial lookup: rows of the shard, zeros for ids of other shards     -> reduce-sum onto the first stage
     S   local logits y = x W_r^T and per token (max m, sum of e = exp(y - m), target logit if in the shard);
@@ -37,8 +37,8 @@ from torch import fx
 
 from zbcompile._torch_private import FakeTensorMode
 from zbcompile.errors import VocabError
-from zbcompile.names import VOCAB_EMB, VOCAB_X, Role, key_of, role_of
-from zbcompile.stages import Graph, Partition, TensorSpec, VocabLayers, module_path
+from zbcompile.ir.names import VOCAB_EMB, VOCAB_X, Role, key_of, role_of
+from zbcompile.ir.stages import Graph, Partition, TensorSpec, VocabLayers, module_path
 
 __all__ = ["shard_vocab", "find_vocab_layers", "VocabPattern"]
 

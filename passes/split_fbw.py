@@ -41,9 +41,9 @@ from torch import fx
 from zbcompile._torch_private import (FakeTensorMode, OpOverload, aot_export_joint_simple,
                                       min_cut_rematerialization_partition)
 from zbcompile.errors import SplitError
-from zbcompile.names import VOCAB_EMB, Role, key_of, role_of
+from zbcompile.ir.names import VOCAB_EMB, Role, key_of, role_of
 from zbcompile.passes.analysis.aliases import graph_output_aliases, may_alias_input
-from zbcompile.stages import Graph, Partition, Stage, StagedModel, TensorSpec, module_path
+from zbcompile.ir.stages import Graph, Partition, Stage, StagedModel, TensorSpec, module_path
 
 __all__ = ["split_fbw", "split_stage"]
 

@@ -1,6 +1,6 @@
 """Pass 1, trace: capture one training step `loss_fn(model(*inputs), *targets)` as a functional ATen graph.
 
-    model, loss_fn, example  ->  Traced(graph=Graph(gm, inputs, outputs), tied, frozen, ...)   (zbcompile.stages)
+    model, loss_fn, example  ->  Traced(graph=Graph(gm, inputs, outputs), tied, frozen, ...)   (zbcompile.ir.stages)
 
 Route (see the F/B/W notes): non-strict `torch.export.export` of a wrapper module, then
 `run_decompositions({})`, which only functionalizes: BatchNorm statistic updates become graph outputs while
@@ -30,7 +30,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from zbcompile._torch_private import tree_map
 from zbcompile.errors import TraceError
-from zbcompile.stages import Graph, Partition, Traced, module_path
+from zbcompile.ir.stages import Graph, Partition, Traced, module_path
 
 __all__ = ["trace", "flatten_example", "input_keywords", "retarget_device", "retarget_stages"]
 

@@ -1,4 +1,4 @@
-"""Every action kind has a complete spec in `zbcompile.schedule.KIND_SPECS` (docs/design.md, "Adding an
+"""Every action kind has a complete spec in `zbcompile.ir.schedule.KIND_SPECS` (docs/design.md, "Adding an
 action kind"): a kind missing a part fails here rather than deep inside the simulator or a search."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from zbcompile.schedule import CELL_FORMS, COST_KEYS, VOCAB_COST_KEYS, KIND_SPECS, Action, Kind, KindSpec, Schedule, loop_placement
+from zbcompile.ir.schedule import (CELL_FORMS, COST_KEYS, VOCAB_COST_KEYS, KIND_SPECS, Action, Kind, KindSpec,
+                                   Schedule, loop_placement)
 from zbcompile.simulate import Costs, MemoryModel
 
 

@@ -23,7 +23,7 @@ from zbcompile.passes.analysis.aliases import graph_output_aliases, graph_output
 
 from zbcompile.passes.schedules import generate
 from zbcompile.errors import LoweringError
-from zbcompile.program.ops import Op, OpKind, SetGradArgs
+from zbcompile.ir.program.ops import Op, OpKind, SetGradArgs
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)

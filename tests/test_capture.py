@@ -21,10 +21,10 @@ from zbcompile.errors import CaptureError, ZBCompileError
 from zbcompile.passes.analysis.capture import capture_problems, check_capture, node_problem
 from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all
 from zbcompile.passes.schedules import GENERATORS, generate
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import SAFE, SPECS, Op, OpKind
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import SAFE, SPECS, Op, OpKind
 from zbcompile.split import split_model
-from zbcompile.stages import StagedModel
+from zbcompile.ir.stages import StagedModel
 
 torch.set_num_threads(1)
 

@@ -13,18 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from zbcompile.errors import PartitionError, ZBCompileError
 from zbcompile.passes.balance import balance, group_weights
-from zbcompile.passes.cost import (
-    NodeCost,
-    evaluate,
-    format_bytes,
-    format_cost,
-    format_cost_table,
-    format_flops,
-    graph_cost,
-    node_cost,
-    size_hints,
-    value_bytes,
-)
+from zbcompile.passes.cost import (NodeCost, evaluate, format_bytes, format_cost, format_cost_table, format_flops,
+                                   graph_cost, node_cost, size_hints, value_bytes)
 
 aten = torch.ops.aten
 

@@ -20,11 +20,11 @@ from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
 from zbcompile.passes.lower import CAPTURE_FINISHING, FINISHING, emit_fx, lower_all
 from zbcompile.passes.lower.offload import OffloadChoice
 from zbcompile.passes.schedules import GENERATORS, generate
-from zbcompile.program.ops import OpKind
+from zbcompile.ir.program.ops import OpKind
 from zbcompile.runtime import abi
 from zbcompile.runtime.loopback import LoopbackWorld, rank_runtime
 from zbcompile.runtime.replay_check import ReplayCheck
-from zbcompile.schedule import Schedule
+from zbcompile.ir.schedule import Schedule
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)

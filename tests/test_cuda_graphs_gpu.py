@@ -23,7 +23,7 @@ from zbcompile.errors import CaptureError  # noqa: E402
 from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all  # noqa: E402
 from zbcompile.runtime import RankRuntime  # noqa: E402
 from zbcompile.runtime.graphs import CaptureAPI  # noqa: E402
-from zbcompile.schedule import Schedule  # noqa: E402
+from zbcompile.ir.schedule import Schedule  # noqa: E402
 from zbcompile.split import split_model  # noqa: E402
 
 STEPS, M = 6, 4

@@ -202,7 +202,7 @@ def test_accumulating_graphs_compile_cold_where_ci_is_set(monkeypatch):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from zbcompile.passes.lower.compute import accumulating_graph
-    from zbcompile.program import ProgramGraph
+    from zbcompile.ir.program import ProgramGraph
 
     def f(a, b, go, ids):
         return torch.mm(a, b).t(), torch.ops.aten.embedding_dense_backward(go, ids, 6, -1, False)

@@ -26,9 +26,9 @@ from zbcompile.errors import LoweringError
 from zbcompile.passes.lower import LOWERING, build_compute, emit_fx, lower_all, validate_programs
 from zbcompile.passes.lower.reduce import grad_holders
 from zbcompile.passes.schedules import generate
-from zbcompile.program.ops import OpKind
-from zbcompile.program.values import parse
-from zbcompile.schedule import Action, Schedule
+from zbcompile.ir.program.ops import OpKind
+from zbcompile.ir.program.values import parse
+from zbcompile.ir.schedule import Action, Schedule
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)
@@ -146,7 +146,7 @@ def test_accumulating_graphs_add_exactly_the_gradients():
     embedding's), leaves acc + the gradient the plain graph computes and the same other outputs; fed the
     inputs a real step gave the plain graphs (GPT: embedding, Linear layers, tied head)."""
     from zbcompile.passes.lower.compute import accumulating_graph
-    from zbcompile.program import ProgramGraph
+    from zbcompile.ir.program import ProgramGraph
 
     model, loss_fn, (x, y), staged = _gpt_split(2)
     seen: dict = {}
@@ -209,7 +209,7 @@ def test_accumulating_fusions_on_hand_made_graphs():
     output also reads (not fused: it must stay), an embedding with a padding row (not fused: the padding row
     gets no gradient)."""
     from zbcompile.passes.lower.compute import accumulating_graph
-    from zbcompile.program import ProgramGraph
+    from zbcompile.ir.program import ProgramGraph
 
     def f(a, b, go, ids):
         m = torch.mm(a, b)
@@ -465,7 +465,7 @@ class _Posting:
 @pytest.mark.parametrize("error", [RuntimeError("peer closed"), None])
 def test_failed_waits_name_the_op_and_the_peer(error):
     from zbcompile.errors import RuntimeFailure
-    from zbcompile.program.ops import TensorType
+    from zbcompile.ir.program.ops import TensorType
     from zbcompile.runtime.abi import StepContext, recv_into, send, wait_recv, wait_send
 
     pg = _Posting(_Stalled(error))

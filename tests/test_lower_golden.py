@@ -18,7 +18,7 @@ from models import mlp
 from zbcompile.passes.lower import FINISHING, LOWERING, build_compute, run_passes
 from zbcompile.passes.lower.p2p import insert_p2p
 from zbcompile.passes.schedules import generate
-from zbcompile.program import RankProgram
+from zbcompile.ir.program import RankProgram
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)

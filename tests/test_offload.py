@@ -24,10 +24,10 @@ from zbcompile.passes.lower.buffers import static_recv_buffers
 from zbcompile.passes.lower.offload import assign_host_slots, insert_offload, offload_candidates
 from zbcompile.passes.lower.streams import _edges, stream_cycle
 from zbcompile.passes.schedules import generate
-from zbcompile.program import ProgramGraph, RankProgram
-from zbcompile.program.ops import Message, Op, OpKind, RunArgs, SendArgs, Stream, TensorType, View
-from zbcompile.program.values import Role, parse
-from zbcompile.schedule import Action, Kind
+from zbcompile.ir.program import ProgramGraph, RankProgram
+from zbcompile.ir.program.ops import Message, Op, OpKind, RunArgs, SendArgs, Stream, TensorType, View
+from zbcompile.ir.program.values import Role, parse
+from zbcompile.ir.schedule import Action, Kind
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)

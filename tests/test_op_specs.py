@@ -14,14 +14,14 @@ from models import gpt
 from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.passes.lower.emit import Emitter
 from zbcompile.passes.schedules import GENERATORS, generate
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import (Coll, CollArgs, SPECS, AccumArgs, AccumMode, HostArgs, Message, Op, OpKind, RecvArgs,
-                                   RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync, TensorType, View,
-                                   ViewArgs)
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import (Coll, CollArgs, SPECS, AccumArgs, AccumMode, HostArgs, Message, Op, OpKind,
+                                      RecvArgs, RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync, TensorType,
+                                      View, ViewArgs)
 from zbcompile.runtime import abi
-from zbcompile.schedule import Action, Schedule
+from zbcompile.ir.schedule import Action, Schedule
 from zbcompile.split import split_model
-from zbcompile.stages import StagedModel
+from zbcompile.ir.stages import StagedModel
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ import pytest
 
 from zbcompile.errors import ScheduleError
 from zbcompile.passes.schedules import generate
-from zbcompile.schedule import Action, Kind, Overlap, Schedule, parse_step
+from zbcompile.ir.schedule import Action, Kind, Overlap, Schedule, parse_step
 from zbcompile.simulate import simulate
 
 

@@ -26,7 +26,7 @@ from zbcompile.passes.lower import check_pair_order, emit_fx, lower_all, order_p
 from zbcompile.passes.lower.order_p2p import pair_sequences
 
 from zbcompile.passes.schedules import GENERATORS, generate
-from zbcompile.program.ops import OpKind
+from zbcompile.ir.program.ops import OpKind
 from zbcompile.runtime import RankRuntime
 from zbcompile.runtime.loopback import LoopbackGroup, LoopbackWorld
 from zbcompile.split import split_model

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from zbcompile.__main__ import main
-from zbcompile.schedule import Schedule
+from zbcompile.ir.schedule import Schedule
 
 try:  # rootdir-style import, or package-style if tests/ becomes a package
     from test_simulate import acts, one_f_one_b

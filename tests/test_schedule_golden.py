@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from zbcompile.passes.schedules import GENERATORS, generate
-from zbcompile.schedule import Schedule
+from zbcompile.ir.schedule import Schedule
 from zbcompile.simulate import Costs
 
 GOLDEN = Path(__file__).parent / "golden"

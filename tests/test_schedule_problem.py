@@ -6,8 +6,8 @@ import pytest
 
 from zbcompile.errors import ScheduleError
 from zbcompile.passes.schedules import generate
-from zbcompile.schedule import Action, Kind, loop_placement
-from zbcompile.schedule_problem import ActionCodes, ScheduleProblem
+from zbcompile.ir.schedule import Action, Kind, loop_placement
+from zbcompile.ir.schedule_problem import ActionCodes, ScheduleProblem
 from zbcompile.simulate import Costs, MemoryModel, simulate
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from models import gpt
 from zbcompile.errors import VocabError
-from zbcompile.names import VOCAB_EMB, VOCAB_X
+from zbcompile.ir.names import VOCAB_EMB, VOCAB_X
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)
@@ -185,7 +185,7 @@ def test_a_model_without_an_embedding_lookup_is_refused():
 def test_one_rank_pipeline_with_one_shard_trains_equal_to_eager():
     """pp=1: the collectives have no group and exchange nothing; the loss and gradients are eager's."""
     from zbcompile.api import PipelineModule
-    from zbcompile.schedule import Schedule
+    from zbcompile.ir.schedule import Schedule
 
     case = gpt(layers=2)
     schedule = Schedule.from_text("# zbcompile schedule one: microbatches=2 placement=0 pipelines=1\n"

@@ -9,7 +9,7 @@ import pytest
 
 from zbcompile.errors import ScheduleError, SimulationError
 from zbcompile.passes.schedules import generate
-from zbcompile.schedule import Action, Kind, Schedule, loop_placement, v_placement
+from zbcompile.ir.schedule import Action, Kind, Schedule, loop_placement, v_placement
 from zbcompile.simulate import Costs, MemoryModel, simulate
 from zbcompile.timeline import ascii_timeline, svg_timeline
 

@@ -16,7 +16,7 @@ from zbcompile.errors import SplitError
 from zbcompile.passes.split_fbw import _explain_joint_failure
 from zbcompile.passes.trace import trace
 from zbcompile.split import run_split_passes, split_model, split_passes
-from zbcompile.stages import Graph
+from zbcompile.ir.stages import Graph
 
 torch.set_num_threads(1)
 

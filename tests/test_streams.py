@@ -18,7 +18,7 @@ from zbcompile.errors import LoweringError
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.lower.streams import check_streams, stream_cycle
 from zbcompile.passes.schedules import GENERATORS, generate
-from zbcompile.program.ops import OpKind
+from zbcompile.ir.program.ops import OpKind
 from zbcompile.runtime.abi import StepContext, recv, send
 from zbcompile.split import split_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.pipelining import schedules as ts
 
-from zbcompile.schedule import Kind, Schedule
+from zbcompile.ir.schedule import Kind, Schedule
 from zbcompile.simulate import simulate
 
 # torch class name -> (stages per rank, placement style)

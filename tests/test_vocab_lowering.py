@@ -15,9 +15,9 @@ from zbcompile.errors import LoweringError
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.lower.streams import check_streams
 from zbcompile.passes.lower.validate import check_collectives
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import Coll, OpKind
-from zbcompile.schedule import Schedule
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import Coll, OpKind
+from zbcompile.ir.schedule import Schedule
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)

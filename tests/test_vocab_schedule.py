@@ -9,7 +9,7 @@ from zbcompile.errors import ScheduleError
 from zbcompile.passes.schedules import SCHEDULES, generate
 from zbcompile.passes.schedules.vocab import insert_vocab, vocab_costs, with_extra_warmup
 from zbcompile.plan_vocab import VocabModel, baseline_model, vocab_model
-from zbcompile.schedule import KIND_SPECS, SHARDED_KINDS, Action, Kind, Schedule
+from zbcompile.ir.schedule import KIND_SPECS, SHARDED_KINDS, Action, Kind, Schedule
 from zbcompile.simulate import Costs, MemoryModel, simulate
 
 try:  # rootdir-style import, or package-style if tests/ becomes a package

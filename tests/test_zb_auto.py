@@ -16,7 +16,7 @@ from zbcompile.passes.schedules import zb_auto as za
 from zbcompile.passes.schedules.zb_auto import makespan_lower_bound, zb_auto
 from zbcompile.passes.schedules.zb_auto.greedy import greedy_seeds
 from zbcompile.passes.schedules.zero_bubble import zb_h1, zb_h2
-from zbcompile.schedule import Kind
+from zbcompile.ir.schedule import Kind
 from zbcompile.simulate import Costs, simulate
 
 UNIT = Costs()

@@ -12,7 +12,7 @@ import importlib
 
 from zbcompile.errors import ZBCompileError, ZBCompileWarning
 from zbcompile.passes.schedules import generate
-from zbcompile.schedule import Action, Kind, Schedule
+from zbcompile.ir.schedule import Action, Kind, Schedule
 from zbcompile.simulate import Costs, simulate
 
 __all__ = ["compile", "PipelineModule", "split_model", "generate", "simulate", "Costs", "Schedule", "Action",

@@ -28,14 +28,14 @@ from torch import fx, nn
 from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, resolve_group,
                                    shard_vocab_params, stage_ranks, sync_copies, to_device)
 from zbcompile.errors import UsageError, ZBCompileWarning
-from zbcompile.names import Role, key_of, role_of
-from zbcompile.program.values import VOCAB_OFFSET
+from zbcompile.ir.names import Role, key_of, role_of
+from zbcompile.ir.program.values import VOCAB_OFFSET
 from zbcompile.passes.analysis.capture import check_capture
 from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all
 from zbcompile.runtime import RankRuntime, StepTimings
 from zbcompile.runtime import abi, graphs
-from zbcompile.schedule import Schedule
-from zbcompile.stages import StagedModel
+from zbcompile.ir.schedule import Schedule
+from zbcompile.ir.stages import StagedModel
 
 __all__ = ["compile", "PipelineModule", "CompileOptions"]
 

@@ -21,10 +21,11 @@ from torch import nn
 
 from zbcompile._torch_private import default_group, live_process_groups, process_group_name
 from zbcompile.errors import RuntimeFailure, UsageError
-from zbcompile.names import Role, key_of, role_of
+from zbcompile.ir.names import Role, key_of, role_of
 from zbcompile.runtime.host import process_threads, tune_io_threads
-from zbcompile.schedule import Schedule
-from zbcompile.stages import StagedModel
+from zbcompile.runtime.vocab_rows import shard_vocab_params
+from zbcompile.ir.schedule import Schedule
+from zbcompile.ir.stages import StagedModel
 
 __all__ = ["resolve_group", "p2p_channels", "collective_group", "stage_ranks", "holders", "device_for", "keep_only",
            "sync_copies", "shard_vocab_params", "is_meta", "to_device"]
@@ -110,37 +111,6 @@ def collective_group(pg, timeout: float):
     group itself for a one-rank pipeline or a stand-in group."""
     found = _side_groups(pg, timeout, "collective", 1, tune_gloo_threads=False)
     return pg if found is None else found[0]
-
-
-def shard_vocab_params(model: nn.Module, vocab, rank: int, pg, *, initialized_here: bool,
-                       timeout: float) -> dict[str, nn.Parameter]:
-    """Replace each vocabulary parameter of `model` (VocabLayers.params) by this rank's rows of it, rows
-    [rank * rows, (rank + 1) * rows), zero rows past the vocabulary: a Parameter of its own under every name of
-    the original (a tied embedding / head stays one Parameter). A table each rank initialized itself (a model
-    built on the meta device) is first made rank 0's everywhere, so the shards are of one table. Returns
-    {name: shard}."""
-    lo = rank * vocab.rows
-    shards: dict[str, nn.Parameter] = {}
-    with torch.no_grad():
-        for name in vocab.params:
-            full = model.get_parameter(name)
-            if initialized_here and pg is not None and pg.size() > 1:
-                options = dist.BroadcastOptions()
-                options.rootRank = 0
-                work = pg.broadcast([full.data], options)
-                if work.wait(timedelta(seconds=timeout)) is False:
-                    raise RuntimeFailure(f"rank {rank}: sharing the initial {name} timed out")
-            rows = full[lo:lo + vocab.rows]
-            pad = vocab.rows - rows.shape[0]
-            if pad:
-                rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
-            shard = nn.Parameter(rows.clone(), requires_grad=full.requires_grad)
-            for mod in model.modules():
-                for attr, p in list(mod._parameters.items()):
-                    if p is full:
-                        mod._parameters[attr] = shard
-            shards[name] = shard
-    return shards
 
 
 def is_meta(model: nn.Module) -> bool:

@@ -29,7 +29,7 @@ from zbcompile._format import format_memory as format_bytes
 from zbcompile.errors import ScheduleError, ZBCompileError
 from zbcompile.passes.schedules import SCHEDULES, generate, list_schedules
 from zbcompile.plan_vocab import VocabModel, compare_vocab, vocab_table
-from zbcompile.schedule import Schedule
+from zbcompile.ir.schedule import Schedule
 from zbcompile.simulate import Costs, MemoryModel, SimResult, simulate
 from zbcompile.timeline import ascii_timeline, svg_timeline
 

@@ -25,7 +25,7 @@ from tabulate import tabulate
 
 from zbcompile.errors import ScheduleError, ZBCompileError
 from zbcompile.passes.schedules.vocab import insert_vocab, vocab_costs
-from zbcompile.schedule import Schedule
+from zbcompile.ir.schedule import Schedule
 from zbcompile.simulate import Costs, MemoryModel, SimResult, simulate
 
 __all__ = ["VocabModel", "VocabRow", "baseline_model", "vocab_model", "compare_vocab", "vocab_table"]

@@ -3,11 +3,11 @@
     split_model(model, loss_fn, (inputs, targets), num_stages=4)              # balanced automatically
     split_model(model, loss_fn, (inputs, targets), split_points=["blocks.4"])  # cut before these modules
 
-runs the split passes and returns a StagedModel (the stage IR of zbcompile.stages). `report(staged)` /
-`staged.report()` prints per-stage modules, parameters, estimated FLOPs of F / B / W, saved activation bytes
+runs the split passes and returns a StagedModel (the stage IR of zbcompile.ir.stages). `report(staged)`
+prints per-stage modules, parameters, estimated FLOPs of F / B / W, saved activation bytes
 and boundary tensors.
 
-The split side is a list of named, pure passes over the IRs of zbcompile.stages, each result checked
+The split side is a list of named, pure passes over the IRs of zbcompile.ir.stages, each result checked
 (`.check()`: every graph lints and its names match its placeholders and outputs; stages chain):
 
     trace             model, loss_fn, example -> Traced        export + functionalize one training step
@@ -35,11 +35,11 @@ from torch import nn
 from zbcompile.errors import PartitionError, SplitError
 from zbcompile.passes.analysis.stage_report import report
 from zbcompile.passes.partition import (auto_split_points, check_split_points, cut_starts, markers, partition,
-                                       split_point_names)
+                                        split_point_names)
 from zbcompile.passes.shard_vocab import find_vocab_layers, shard_vocab
 from zbcompile.passes.split_fbw import split_fbw
 from zbcompile.passes.trace import retarget_stages, trace
-from zbcompile.stages import Partition, StagedModel, Traced
+from zbcompile.ir.stages import Partition, StagedModel, Traced
 
 __all__ = ["split_model", "split_traced", "split_passes", "run_split_passes", "report"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from xml.sax.saxutils import escape
 
-from zbcompile.schedule import KIND_SPECS, Action, Kind, Schedule
+from zbcompile.ir.schedule import KIND_SPECS, Action, Kind, Schedule
 from zbcompile.simulate import SimResult
 
 __all__ = ["ascii_timeline", "svg_timeline", "svg_memory"]

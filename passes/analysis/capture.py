@@ -27,9 +27,9 @@ import torch
 from torch import fx
 
 from zbcompile.errors import CaptureError
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import Op, OpKind
-from zbcompile.program.values import parse
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import Op, OpKind
+from zbcompile.ir.program.values import parse
 
 __all__ = ["Problem", "capture_problems", "check_capture", "problems_table", "node_problem"]
 

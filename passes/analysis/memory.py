@@ -34,11 +34,11 @@ import torch
 from torch import fx
 
 from zbcompile.errors import LoweringError
-from zbcompile.names import Role
+from zbcompile.ir.names import Role
 from zbcompile.passes.analysis.aliases import node_roots
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import Op, OpKind
-from zbcompile.program.values import parse
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import Op, OpKind
+from zbcompile.ir.program.values import parse
 
 __all__ = ["CATEGORIES", "MemoryPlan", "RankMemory", "Sample", "memory_plan", "rank_memory", "graph_profile",
            "tensor_bytes"]
@@ -427,7 +427,7 @@ class _Walk:
         fresh = op.spec.fresh
         if fresh is None:
             raise LoweringError(f"rank {self.p.rank} op {i} ({op}): the memory plan does not model op kind "
-                                f"{op.kind.value}; give its OpSpec a `fresh` rule (zbcompile/program/ops.py)")
+                                f"{op.kind.value}; give its OpSpec a `fresh` rule (zbcompile/ir/program/ops.py)")
         sizes = fresh(op, self._nbytes, self.num_ranks)
         aliases: dict[str, list[int]] = {}
         for src, dst in op.spec.aliases(op, self._graph_aliases):

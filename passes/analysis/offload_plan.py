@@ -29,8 +29,8 @@ from zbcompile.errors import OffloadError, ZBCompileError
 from zbcompile.passes.analysis.memory import rank_memory, tensor_bytes
 from zbcompile.passes.cost import node_cost
 from zbcompile.passes.lower.offload import OffloadChoice, insert_offload, offload_candidates
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import OpKind
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import OpKind
 
 __all__ = ["Device", "DEVICES", "OffloadError", "RankOffload", "plan_offload", "least_peaks", "compute_time",
            "offload_ratio"]

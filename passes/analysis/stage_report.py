@@ -1,4 +1,4 @@
-"""The stage table: what each stage of a StagedModel holds and costs, for `StagedModel.report()` and the CLI.
+"""The stage table: what each stage of a StagedModel holds and costs, for `zbcompile.split.report` and the CLI.
 
     stage  modules          params             F flops    B flops    W flops    F saves    B->W alive
     0      wte, blocks.0-1  <count> (<bytes>)  <FLOPs>    <FLOPs>    <FLOPs>    <bytes>    <bytes>
@@ -7,8 +7,7 @@ F/B/W FLOPs come from the cost model (passes/cost.py); "F saves" are the bytes o
 not parameters or buffers (or views of them: those cost no extra memory, see analysis/aliases.view_base);
 "B->W alive" what W reads from F and B. Then the boundary tensors per microbatch and the tied parameter groups.
 
-Reads a zbcompile.stages.StagedModel through its fields only and does not import the IR module, so the IR can
-offer `report()` without an import cycle.
+Reads a zbcompile.ir.stages.StagedModel through its fields only (the IR is a leaf and does not know of it).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Sequence
 import tabulate
 
 from zbcompile._format import format_bytes, format_flops
-from zbcompile.names import Role, role_of
+from zbcompile.ir.names import Role, role_of
 from zbcompile.passes import cost
 from zbcompile.passes.analysis.aliases import view_base
 

@@ -13,8 +13,8 @@ import torch
 from torch import fx
 
 from zbcompile._torch_private import OpOverload
-from zbcompile.names import Role, role_of
-from zbcompile.stages import Traced, module_path
+from zbcompile.ir.names import Role, role_of
+from zbcompile.ir.stages import Traced, module_path
 
 __all__ = ["constant_nodes", "first_positions"]
 

@@ -63,9 +63,9 @@ from zbcompile.passes.lower.reduce import reduce_shared_grads
 from zbcompile.passes.lower.streams import check_streams
 from zbcompile.passes.lower.validate import check_pair_order, validate_programs
 from zbcompile.passes.lower.variants import box_graphs
-from zbcompile.program import RankProgram
-from zbcompile.schedule import Schedule
-from zbcompile.stages import StagedModel
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.schedule import Schedule
+from zbcompile.ir.stages import StagedModel
 
 __all__ = ["LOWERING", "FINISHING", "CAPTURE_FINISHING", "capture_ready", "lower_all", "run_passes", "each",
            "emit_fx", "build_compute",

@@ -29,9 +29,9 @@ from __future__ import annotations
 from typing import Callable
 
 from zbcompile.passes.analysis.aliases import graph_output_aliases
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import OpKind, TensorType
-from zbcompile.program.values import parse
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import OpKind, TensorType
+from zbcompile.ir.program.values import parse
 
 __all__ = ["static_recv_buffers", "static_input_buffers", "buffer_intervals"]
 

@@ -18,8 +18,8 @@ static_input_buffers read which ops keep their inputs.
 
 from __future__ import annotations
 
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import OpKind, SetGradArgs
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import OpKind, SetGradArgs
 
 __all__ = ["capture_ready"]
 

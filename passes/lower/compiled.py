@@ -34,7 +34,7 @@ from torch import fx, nn
 from zbcompile._torch_private import (OpOverload, decompositions, inductor_compile, inductor_decompositions,
                                       inductor_lowers, make_fx, static_fake_mode, tracing_context)
 from zbcompile.errors import LoweringError, UsageError
-from zbcompile.program import ProgramGraph, RankProgram
+from zbcompile.ir.program import ProgramGraph, RankProgram
 
 __all__ = ["BACKENDS", "check_backend", "compile_graphs", "compiled_module"]
 

@@ -21,14 +21,14 @@ from torch import fx
 
 from zbcompile.errors import LoweringError
 from zbcompile.passes.analysis.aliases import graph_output_owned
-from zbcompile.program import ProgramGraph, RankProgram
-from zbcompile.program.ops import AccumArgs, AccumMode, Op, OpKind, RunArgs, SetGradArgs, TensorType
-from zbcompile.names import key_of, primal_of
-from zbcompile.program.values import (GRAD_LOSS, LOSS, Role, acc_value, data_value, parse, python_name,
-                                      role_of, stage_value, vocab_value)
+from zbcompile.ir.program import ProgramGraph, RankProgram
+from zbcompile.ir.program.ops import AccumArgs, AccumMode, Op, OpKind, RunArgs, SetGradArgs, TensorType
+from zbcompile.ir.names import key_of, primal_of
+from zbcompile.ir.program.values import (GRAD_LOSS, LOSS, Role, acc_value, data_value, parse, python_name, role_of,
+                                         stage_value, vocab_value)
 from zbcompile.passes.lower.vocab import VocabLowering, reports_loss, vocab_input
-from zbcompile.schedule import KIND_SPECS, Action, Kind, Schedule
-from zbcompile.stages import Graph, Stage, StagedModel
+from zbcompile.ir.schedule import KIND_SPECS, Action, Kind, Schedule
+from zbcompile.ir.stages import Graph, Stage, StagedModel
 
 __all__ = ["build_compute", "accumulate_grads", "graph_key", "ACCUMULATING"]
 
@@ -100,7 +100,7 @@ def _resolve_input(schedule: Schedule, action: Action, name: str) -> str:
     if role in (Role.SAVED, Role.WSAVED, Role.LOSS):
         return stage_value(s, mb, name)
     raise LoweringError(f"{action}: stage graph input {name!r} has no known meaning; "
-                        f"see zbcompile.stages for the value names")
+                        f"see zbcompile.ir.stages for the value names")
 
 
 def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankProgram:

@@ -15,7 +15,7 @@
 The program's graphs are submodules named by their keys, whose forward the program calls directly (boxed
 graphs: inputs in one list the graph empties, see Emitter.run; a graph marked with a backend is that
 compiler's code for it, passes/lower/compiled.py). Every other op is emitted by the Emitter
-method its spec names (zbcompile.program.ops), calling the runtime ABI functions the spec lists, looked up
+method its spec names (zbcompile.ir.program.ops), calling the runtime ABI functions the spec lists, looked up
 by name in the ABI module (`abi`, zbcompile.runtime.abi by default): the compiler does not import the
 runtime. fx's code generator drops each variable after its last use: a FREE op whose values a stage graph
 read last happens inside that graph, the others are free(...) calls where the IR puts them.
@@ -34,9 +34,9 @@ from torch import fx
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower.compiled import compiled_module
 from zbcompile.passes.lower.variants import boxed_module
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import AccumMode, Op, OpKind, spec
-from zbcompile.program.values import python_name
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import AccumMode, Op, OpKind, spec
+from zbcompile.ir.program.values import python_name
 
 __all__ = ["emit_fx", "Emitter", "DEFAULT_ABI"]
 

@@ -17,9 +17,9 @@ turns them into per-action start / end times.
 
 from __future__ import annotations
 
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import Op, OpKind, StampArgs
-from zbcompile.program.values import parse
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import Op, OpKind, StampArgs
+from zbcompile.ir.program.values import parse
 
 __all__ = ["insert_frees", "insert_stamps"]
 

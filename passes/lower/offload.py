@@ -73,10 +73,10 @@ from torch import fx
 from zbcompile._torch_private import StorageWeakRef
 from zbcompile.errors import LoweringError, UsageError
 from zbcompile.passes.analysis.aliases import node_roots
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import HostArgs, Op, OpKind, TensorType, View, ViewArgs
-from zbcompile.program.values import Role, handle, reloaded_value, role_of
-from zbcompile.schedule import Action, Kind
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import HostArgs, Op, OpKind, TensorType, View, ViewArgs
+from zbcompile.ir.program.values import Role, handle, reloaded_value, role_of
+from zbcompile.ir.schedule import Action, Kind
 
 __all__ = ["Candidate", "OffloadChoice", "offload_candidates", "b_candidates", "insert_offload",
            "assign_host_slots", "DEFAULT_MIN_BYTES"]

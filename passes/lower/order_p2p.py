@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from zbcompile.errors import LoweringError
-from zbcompile.program import RankProgram
+from zbcompile.ir.program import RankProgram
 
 __all__ = ["order_p2p_by_pair", "pair_sequences", "Posted"]
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from zbcompile.errors import LoweringError
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, TensorType
-from zbcompile.program.values import Role, handle, parse, role_of
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, TensorType
+from zbcompile.ir.program.values import Role, handle, parse, role_of
 
 __all__ = ["insert_p2p", "p2p_tag", "Boundary", "TagSpace"]
 

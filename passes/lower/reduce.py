@@ -23,10 +23,10 @@ from typing import Sequence
 
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower.p2p import TagSpace
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, SetGradArgs, TensorType
-from zbcompile.program.values import Role, handle, key_of, parse, role_of
-from zbcompile.schedule import KIND_SPECS
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, SetGradArgs, TensorType
+from zbcompile.ir.program.values import Role, handle, key_of, parse, role_of
+from zbcompile.ir.schedule import KIND_SPECS
 
 __all__ = ["reduce_shared_grads", "grad_holders"]
 

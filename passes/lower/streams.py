@@ -30,8 +30,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from zbcompile.errors import LoweringError
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import OpKind, Stream, Sync
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import OpKind, Stream, Sync
 
 __all__ = ["check_streams", "stream_cycle"]
 

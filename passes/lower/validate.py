@@ -20,8 +20,8 @@ from typing import Sequence
 
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower.order_p2p import pair_sequences
-from zbcompile.program import RankProgram
-from zbcompile.program.ops import Sync
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import Sync
 
 __all__ = ["validate_programs", "check_pair_order", "check_collectives"]
 

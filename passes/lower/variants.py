@@ -17,7 +17,7 @@ import dataclasses
 from torch import fx
 
 from zbcompile._torch_private import BoxedCodeGen, op_entry_point
-from zbcompile.program import RankProgram
+from zbcompile.ir.program import RankProgram
 
 __all__ = ["box_graphs", "boxed_module"]
 

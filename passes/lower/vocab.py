@@ -30,12 +30,12 @@ reduce off its root) goes before the rank's next sharded action, so at most one 
 from __future__ import annotations
 
 from zbcompile.errors import LoweringError
-from zbcompile.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, key_of, role_of
-from zbcompile.program import ProgramGraph
-from zbcompile.program.ops import Coll, CollArgs, Op, OpKind, RunArgs, TensorType
-from zbcompile.program.values import GRAD_LOSS, VOCAB_OFFSET, data_value, handle, stage_value, vocab_value
-from zbcompile.schedule import Action, Kind, Schedule
-from zbcompile.stages import VocabLayers
+from zbcompile.ir.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, key_of, role_of
+from zbcompile.ir.program import ProgramGraph
+from zbcompile.ir.program.ops import Coll, CollArgs, Op, OpKind, RunArgs, TensorType
+from zbcompile.ir.program.values import GRAD_LOSS, VOCAB_OFFSET, data_value, handle, stage_value, vocab_value
+from zbcompile.ir.schedule import Action, Kind, Schedule
+from zbcompile.ir.stages import VocabLayers
 
 __all__ = ["VocabLowering", "vocab_input", "reports_loss", "VOCAB_GRAPHS"]
 

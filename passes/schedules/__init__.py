@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from zbcompile.errors import ScheduleError
-from zbcompile.schedule import Schedule
+from zbcompile.ir.schedule import Schedule
 
 from .dualpipe import dualpipe, dualpipev
 from .gpipe_1f1b import gpipe, one_f_one_b

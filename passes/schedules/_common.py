@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zbcompile.errors import ScheduleError
-from zbcompile.schedule import Action, Kind
+from zbcompile.ir.schedule import Action, Kind
 
 
 def check_pp(name: str, pp: int, *, even: bool = False) -> None:

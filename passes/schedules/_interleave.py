@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from zbcompile.schedule_problem import ScheduleProblem
+from zbcompile.ir.schedule_problem import ScheduleProblem
 
 __all__ = ["interleave"]
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from zbcompile.schedule import Action, Schedule, build, dual_placement, v_placement
+from zbcompile.ir.schedule import Action, Schedule, build, dual_placement, v_placement
 
 from ._common import B, BW, F, W, check_microbatches, check_pp
 

@@ -8,7 +8,7 @@ Both admit any m >= 1. Under unit costs (F=B=W=1, so BW=2) both have bubble rate
 
 from __future__ import annotations
 
-from zbcompile.schedule import Schedule, build, loop_placement
+from zbcompile.ir.schedule import Schedule, build, loop_placement
 
 from ._common import BW, F, check_microbatches, check_pp
 

@@ -15,7 +15,7 @@ require m >= p: a shorter last group keeps the order deadlock-free and costs a l
 from __future__ import annotations
 
 from zbcompile.errors import ScheduleError
-from zbcompile.schedule import Schedule, build, loop_placement
+from zbcompile.ir.schedule import Schedule, build, loop_placement
 
 from ._common import BW, F, check_microbatches, check_pp
 

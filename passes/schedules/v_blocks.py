@@ -38,8 +38,8 @@ from bisect import bisect_left, insort
 from typing import Sequence
 
 from zbcompile.errors import ScheduleError
-from zbcompile.schedule import Kind, Schedule, build, v_placement
-from zbcompile.schedule_problem import ActionCodes, ScheduleProblem
+from zbcompile.ir.schedule import Kind, Schedule, build, v_placement
+from zbcompile.ir.schedule_problem import ActionCodes, ScheduleProblem
 
 __all__ = ["PERIOD", "block_schedule", "reorder_schedule"]
 

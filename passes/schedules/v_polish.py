@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from zbcompile.schedule import Kind, Schedule, build
-from zbcompile.schedule_problem import ScheduleProblem
-from zbcompile.simulate import Costs, MemoryModel
+from zbcompile.ir.schedule import Kind, Schedule, build
+from zbcompile.ir.schedule_problem import ScheduleProblem
+from zbcompile.ir.costs import Costs, MemoryModel
 
 from ._search import EPS, better, local_moves
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 
 from zbcompile.errors import ScheduleError
-from zbcompile.schedule import Action, Kind, Schedule, build, v_placement
+from zbcompile.ir.schedule import Action, Kind, Schedule, build, v_placement
 
 from ._common import B, F, W, check_microbatches, check_pp
 from .v_blocks import block_schedule, reorder_schedule

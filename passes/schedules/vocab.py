@@ -39,9 +39,9 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from zbcompile.errors import ScheduleError
-from zbcompile.schedule import KIND_SPECS, Action, Kind, Schedule
-from zbcompile.schedule_problem import ScheduleProblem
-from zbcompile.simulate import Costs, MemoryModel
+from zbcompile.ir.schedule import KIND_SPECS, Action, Kind, Schedule
+from zbcompile.ir.schedule_problem import ScheduleProblem
+from zbcompile.ir.costs import Costs, MemoryModel
 
 from ._interleave import interleave
 

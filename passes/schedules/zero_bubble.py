@@ -20,7 +20,7 @@ Both admit any m >= 1 (with m < 2p ZB-H2 has no room to fill and keeps a bubble)
 
 from __future__ import annotations
 
-from zbcompile.schedule import Schedule, build, loop_placement
+from zbcompile.ir.schedule import Schedule, build, loop_placement
 
 from ._common import B, F, W, check_microbatches, check_pp
 

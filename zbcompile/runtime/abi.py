@@ -1,7 +1,7 @@
 """The runtime ABI: the functions a rank program's generated code calls, and the step context it gets.
 
 The emitter (zbcompile.passes.lower.emit) names these functions by the op specs' `runtime` field
-(zbcompile.program.ops); nothing else in the compiler imports this module. Each is marked side-effecting so
+(zbcompile.ir.program.ops); nothing else in the compiler imports this module. Each is marked side-effecting so
 that fx's dead-code elimination keeps it. They are the hot path: a few Python calls per op, P2P straight to the
 ProcessGroup's send / recv, receives into buffers made once, and messages for errors built only on failure.
 

@@ -17,8 +17,8 @@ import torch
 from torch import fx
 
 from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
-from zbcompile.program import RankProgram
-from zbcompile.program.values import Role, key_of, parse
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.values import Role, key_of, parse
 from zbcompile.runtime.abi import StepContext, wait
 from zbcompile.runtime.host import retain_freed_cpu_memory
 

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch
 
 from zbcompile.errors import CaptureError, RuntimeFailure
-from zbcompile.program.ops import OpKind
+from zbcompile.ir.program.ops import OpKind
 
 __all__ = ["CaptureAPI", "CapturedStep", "GradBuffers", "capture_api", "accumulated_params"]
 

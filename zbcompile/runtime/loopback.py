@@ -176,8 +176,8 @@ def rank_runtime(world: LoopbackWorld, programs, rank: int, gm, model, staged, *
     """Rank `rank`'s RankRuntime on `world`, running `gm` (its emitted program) over a copy of `model` of its
     own, whose vocabulary parameters are cut to the rank's rows where the split shards them (as zb.compile's
     ranks hold them); returns (runtime, the copy). options: RankRuntime's (cuda_graphs, graph_api, warmup)."""
-    from zbcompile.distributed import shard_vocab_params
-    from zbcompile.program.values import VOCAB_OFFSET
+    from zbcompile.runtime.vocab_rows import shard_vocab_params
+    from zbcompile.ir.program.values import VOCAB_OFFSET
     from zbcompile.runtime.eager import RankRuntime
 
     mine = copy.deepcopy(model)

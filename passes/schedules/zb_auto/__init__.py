@@ -15,7 +15,7 @@ rank may hold at once: p gives ZB-1p (1F1B's memory), 2p gives ZB-2p.
 
 Layout: this module holds the entry point, the cost reading and the lower bound; `greedy.py` the authors'
 list scheduler; `search.py` the improvement and the exact search. Orders are per-rank lists of action
-codes of one `zbcompile.schedule_problem.ScheduleProblem` (its `chain` over the loop placement), which also
+codes of one `zbcompile.ir.schedule_problem.ScheduleProblem` (its `chain` over the loop placement), which also
 times them and counts their memory.
 
 `makespan_lower_bound` (forced idle before the first B and after the last F of each rank) stops the search
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from zbcompile.errors import ScheduleError
-from zbcompile.schedule import Schedule, build, loop_placement
-from zbcompile.schedule_problem import ScheduleProblem
+from zbcompile.ir.schedule import Schedule, build, loop_placement
+from zbcompile.ir.schedule_problem import ScheduleProblem
 
 from .._common import check_microbatches, check_pp
 from .._search import EPS, better

@@ -9,8 +9,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from zbcompile.schedule import Kind
-from zbcompile.schedule_problem import ActionCodes
+from zbcompile.ir.schedule import Kind
+from zbcompile.ir.schedule_problem import ActionCodes
 
 from .._search import EPS
 

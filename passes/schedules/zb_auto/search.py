@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zbcompile.schedule import Kind
-from zbcompile.schedule_problem import ScheduleProblem, Timing
+from zbcompile.ir.schedule import Kind
+from zbcompile.ir.schedule_problem import ScheduleProblem, Timing
 
 from .._search import EPS, better, local_moves
 

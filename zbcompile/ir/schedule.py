@@ -26,11 +26,11 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from zbcompile.actions import (CELL_FORMS, COST_KEYS, KIND_SPECS, SHARDED_KINDS, VOCAB_COST_KEYS, Action, DepContext,
-                               Kind, KindSpec, MemoryRates, Overlap, _expand, parse_step)
+from zbcompile.ir.actions import (CELL_FORMS, COST_KEYS, KIND_SPECS, SHARDED_KINDS, VOCAB_COST_KEYS, Action, DepContext,
+                                  Kind, KindSpec, MemoryRates, Overlap, _expand, parse_step)
 from zbcompile.errors import ScheduleError
 
-# The action IR (kinds, their specs, actions, overlapped steps) lives in `zbcompile.actions`; it is re-exported
+# The action IR (kinds, their specs, actions, overlapped steps) lives in `zbcompile.ir.actions`; it is re-exported
 # here so that one import gives the whole schedule IR.
 __all__ = ["Kind", "KindSpec", "DepContext", "MemoryRates", "KIND_SPECS", "COST_KEYS", "VOCAB_COST_KEYS",
            "SHARDED_KINDS", "CELL_FORMS", "Action", "Overlap", "parse_step", "Schedule", "build", "loop_placement",

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from zbcompile.errors import LoweringError
-from zbcompile.schedule import Action
+from zbcompile.ir.schedule import Action
 
 __all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
            "CollArgs", "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "Op",
@@ -651,7 +651,7 @@ def spec(kind: OpKind) -> OpSpec:
     """The spec of `kind`; a LoweringError naming the kind when it has none (a kind added without one)."""
     found = SPECS.get(kind)
     if found is None:
-        raise LoweringError(f"op kind {kind} has no OpSpec in zbcompile.program.ops.SPECS; every kind needs one "
+        raise LoweringError(f"op kind {kind} has no OpSpec in zbcompile.ir.program.ops.SPECS; every kind needs one "
                             f"(see docs/design.md, 'Adding an op kind')")
     return found
 

@@ -1,7 +1,7 @@
 """The action IR: the kinds of work (`Kind`, one `KindSpec` each in `KIND_SPECS`), an action
 (kind, stage, microbatch) that prints and parses as `2F0`, and the overlapped step `(2F3;1B1)`.
 
-`zbcompile.schedule` re-exports everything here; see its docstring for the glossary and docs/design.md,
+`zbcompile.ir.schedule` re-exports everything here; see its docstring for the glossary and docs/design.md,
 "Adding an action kind", for what a kind's spec holds and who reads it.
 """
 

@@ -4,10 +4,10 @@ Values are named by strings that are *global* across ranks, so a value keeps its
 boundary (the receiver's receive defines the same name the sender's compute defined):
 
     s{stage}.mb{mb}.{local}     a value of one (stage, microbatch); `local` is a stage-IR name
-                                (zbcompile.stages): `s1.mb0.act:h`, `s1.mb0.saved:3`, `s2.mb0.grad:act:h`
+                                (zbcompile.ir.stages): `s1.mb0.act:h`, `s1.mb0.saved:3`, `s2.mb0.grad:act:h`
     mb{mb}.data:{i}             the microbatch slice of the i-th flat user argument (a program input)
     v.mb{mb}.{local}            a value of the vocabulary layers for one microbatch on this rank's shard
-                                (zbcompile.stages.VocabLayers): `v.mb0.vocab:x`, `v.mb0.grad:param:wte.weight`;
+                                (zbcompile.ir.stages.VocabLayers): `v.mb0.vocab:x`, `v.mb0.grad:param:wte.weight`;
                                 `vi.mb{mb}.` for the input layer's gradient (IB), beside the head's (T)
     vocab:offset                the first vocabulary row of this rank's shard (a program input)
     param:{fqn} / buffer:{fqn}  the live Parameter / buffer (program inputs; canonical names)
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from zbcompile.names import Role, key_of, role_of
+from zbcompile.ir.names import Role, key_of, role_of
 
 __all__ = ["Role", "Value", "parse", "role_of", "key_of", "stage_value", "data_value", "acc_value", "handle",
            "vocab_value", "reloaded_value", "python_name", "GRAD_LOSS", "LOSS", "VOCAB_OFFSET"]

@@ -4,7 +4,7 @@
     stages, microbatches, stage times ->  ScheduleProblem.chain        ->  problem (generators that build orders)
 
 Every action is an integer code (`ActionCodes`), and per code the problem holds what the kind table
-(`zbcompile.schedule.KIND_SPECS`) says about it: the codes it consumes, its time, its memory delta, and the
+(`zbcompile.ir.schedule.KIND_SPECS`) says about it: the codes it consumes, its time, its memory delta, and the
 rank it runs on. The simulator, zb-auto's search, the V builders (`v_blocks`) and the cost-aware polish
 (`v_polish`) all time and check their orders here, so they cannot drift apart.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Sequence
 
 from zbcompile.errors import ScheduleError
-from zbcompile.schedule import COST_KEYS, KIND_SPECS, Action, Kind, Schedule
+from zbcompile.ir.schedule import COST_KEYS, KIND_SPECS, Action, Kind, Schedule
 
 __all__ = ["ActionCodes", "ScheduleProblem", "Timing", "list_schedule"]
 

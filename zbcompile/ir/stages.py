@@ -42,8 +42,7 @@ import torch
 from torch import fx
 
 from zbcompile.errors import SplitError
-from zbcompile.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, role_of
-from zbcompile.passes.analysis.stage_report import report
+from zbcompile.ir.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, role_of
 
 __all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel", "VocabLayers", "module_path",
            "module_stack"]
@@ -251,10 +250,6 @@ class StagedModel:
     tied: tuple[tuple[str, ...], ...] = ()   # aliases of one Parameter; the canonical name first
     meta: Mapping[str, object] = field(default_factory=dict)
     vocab: VocabLayers | None = None         # the sharded vocabulary layers, with vocabulary parallelism
-
-    def report(self) -> str:
-        """Per-stage table: modules, params, estimated F/B/W FLOPs, saved bytes, boundary tensors, tied groups."""
-        return report(self)
 
     def check(self, where: str = "split") -> StagedModel:
         for s, st in enumerate(self.stages):

@@ -1,4 +1,4 @@
-"""Names of values: the stage IR's local names (`param:fqn`, `act:h`, `saved:3`, see zbcompile.stages) and
+"""Names of values: the stage IR's local names (`param:fqn`, `act:h`, `saved:3`, see zbcompile.ir.stages) and
 the rank program's handles, each with one `Role`. Every pass asks `role_of(name) is Role.X` here instead of
 testing string prefixes itself; `key_of` strips the role's prefix (`act:h` -> `h`, `param:w` -> `w`).
 """
@@ -18,7 +18,7 @@ VOCAB_X = "act:vocab.x"
 
 
 class Role(enum.Enum):
-    """What a value is. The stage-IR roles (zbcompile.stages) come first; their prefix is the `local` name's."""
+    """What a value is. The stage-IR roles (zbcompile.ir.stages) come first; their prefix is the `local` name's."""
 
     PARAM = "param:"          # a parameter (program input)
     BUFFER = "buffer:"        # a buffer: its live value (input) or, as an F output, its new value

@@ -29,17 +29,17 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from zbcompile.errors import LoweringError
-from zbcompile.program.ops import (SPECS, Op, OpKind, RunArgs, TensorType, spec_by_text)
-from zbcompile.program.values import parse as parse_value
-from zbcompile.schedule import Action
-from zbcompile.stages import Graph
+from zbcompile.ir.program.ops import (SPECS, Op, OpKind, RunArgs, TensorType, spec_by_text)
+from zbcompile.ir.program.values import parse as parse_value
+from zbcompile.ir.schedule import Action
+from zbcompile.ir.stages import Graph
 
 __all__ = ["ProgramGraph", "RankProgram"]
 
 
 @dataclass(frozen=True)
 class ProgramGraph(Graph):
-    """One graph a program's RUN ops call: the stage IR's named graph (zbcompile.stages.Graph), plus what the
+    """One graph a program's RUN ops call: the stage IR's named graph (zbcompile.ir.stages.Graph), plus what the
     lowering needs to know of it without running it. types: per output, the type of the boundary tensors
     and parameter gradients (None elsewhere). boxed: the program calls it with its inputs in one list that
     it empties (fx's boxed calling convention; the emitter builds that form of `gm`); else positionally.
