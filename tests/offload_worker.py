@@ -23,12 +23,12 @@ torch.set_num_threads(1)
 from launch import worker_main  # noqa: E402
 from models import eager_accumulated, gpt  # noqa: E402
 
-from zbcompile.api import PipelineModule, model_stage_placement  # noqa: E402
+from zbcompile.api import PipelineModule  # noqa: E402
+from zbcompile.compiler import split_for  # noqa: E402
 from zbcompile.passes.analysis.memory import memory_plan  # noqa: E402
 from zbcompile.passes.analysis.offload_plan import least_peaks  # noqa: E402
 from zbcompile.passes.lower import lower_all  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
-from zbcompile.split import split_model  # noqa: E402
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "interleaved-1f1b", "dualpipev")
 M = 8
@@ -77,10 +77,9 @@ def run(rank: int, pp: int, out: str) -> dict:
     for name in SCHEDULES:
         try:
             schedule = generate(name, pp, M)
-            layout = (schedule.num_model_stages, model_stage_placement(schedule))
+            layout = (schedule.num_model_stages, schedule.stage_groups())
             if layout not in splits:
-                splits[layout] = split_model(case.model, case.loss_fn, case.example, num_stages=layout[0],
-                                             placement=layout[1])
+                splits[layout] = split_for(case.model, case.loss_fn, case.example, schedule)
             results[name] = one(case, splits[layout], schedule, xb, yb, ref, rank)
         except Exception:
             results[name] = {"error": traceback.format_exc()}

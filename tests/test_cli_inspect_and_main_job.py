@@ -28,13 +28,12 @@ def test_inspect_prints_every_rank_program_with_p2p_and_frees():
         assert op in text, op
     assert "tied parameters" in text and "wte.weight" in text  # the stage report comes first
     # the stages are the ones zb.compile makes for this schedule: balanced per rank for the V placement
-    from zbcompile.api import model_stage_placement
     from zbcompile.examples.train_gpt import tiny
     from zbcompile.passes.schedules import generate
     from zbcompile.split import report, split_model
 
     model, loss_fn, example = tiny()
-    staged = split_model(model, loss_fn, example, placement=model_stage_placement(generate("zbv", 2, 4)))
+    staged = split_model(model, loss_fn, example, placement=generate("zbv", 2, 4).stage_groups())
     assert report(staged) in text
 
 

@@ -24,12 +24,11 @@ import torch
 from launch import Launches
 from models import eager_accumulated, gpt
 from threaded import max_grad_error, param_holders, run_threaded
-from zbcompile.api import model_stage_placement
+from zbcompile.compiler import split_for
 from zbcompile.errors import UsageError, ZBCompileError
 from zbcompile.passes.analysis.aliases import graph_output_aliases
 from zbcompile.passes.lower import compiled, emit_fx, lower_all
 from zbcompile.passes.schedules import generate
-from zbcompile.split import split_model
 
 torch.set_num_threads(1)
 
@@ -51,11 +50,10 @@ def case():
 
 
 def _staged(case, sched):
-    key = (sched.num_model_stages, model_stage_placement(sched))
+    key = (sched.num_model_stages, sched.stage_groups())
     if key not in case["splits"]:
         c = case["case"]
-        case["splits"][key] = split_model(c.model, c.loss_fn, c.example, num_stages=sched.num_model_stages,
-                                          placement=model_stage_placement(sched))
+        case["splits"][key] = split_for(c.model, c.loss_fn, c.example, sched)
     return case["splits"][key]
 
 

@@ -19,19 +19,17 @@ import torch
 
 from tests.models import gpt, mlp
 from tests.threaded import run_threaded
-from zbcompile.api import model_stage_placement
+from zbcompile.compiler import split_for
 from zbcompile.passes.analysis.memory import CATEGORIES, memory_plan
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.schedules import generate
 from zbcompile.runtime.memory import StorageTracker
-from zbcompile.split import split_model
 
 SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "interleaved-1f1b", "dualpipev")
 
 
 def _split(case, schedule):
-    return split_model(case.model, case.loss_fn, case.example, num_stages=schedule.num_model_stages,
-                       placement=model_stage_placement(schedule))
+    return split_for(case.model, case.loss_fn, case.example, schedule)
 
 
 def _batch(case, m: int):
@@ -64,7 +62,7 @@ def test_uniform_model_reproduces_v_schedule_ratios():
     peak, splits = {}, {}
     for name in ("1f1b", "zbv", "v-half", "v-min"):
         sched = generate(name, pp, m)
-        layout = (sched.num_model_stages, model_stage_placement(sched))
+        layout = (sched.num_model_stages, sched.stage_groups())
         if layout not in splits:   # the V schedules share one split
             splits[layout] = _split(case, sched)
         plan = memory_plan(lower_all(sched, splits[layout]))
@@ -156,8 +154,7 @@ def test_plan_matches_measured_peak_with_vocabulary_parallelism(name):
     torch.set_num_threads(1)
     case = gpt(layers=4, batch=4, seq=16)
     sched = generate(name, 2, 4, vocab=True)
-    staged = split_model(case.model, case.loss_fn, case.example, num_stages=sched.num_model_stages,
-                         placement=model_stage_placement(sched), vocab_shards=2)
+    staged = split_for(case.model, case.loss_fn, case.example, sched)
     plan = memory_plan(lower_all(sched, staged))
     _, _, runtimes = run_threaded(case.model, staged, sched, _batch(case, 4), then=(_batch(case, 4),), measure=True)
     for r, rt in enumerate(runtimes):

@@ -8,21 +8,19 @@ import sys
 import pytest
 
 from tests.models import gpt
-from zbcompile.api import model_stage_placement
+from zbcompile.compiler import split_for
 from zbcompile.passes.analysis.memory import rank_memory
 from zbcompile.passes.analysis.offload_plan import (DEVICES, Device, OffloadError, _by_lifespan, compute_time,
                                                     least_peaks, plan_offload)
 from zbcompile.passes.lower import OffloadChoice, insert_offload, lower_all, offload_programs
 from zbcompile.passes.schedules import generate
-from zbcompile.split import split_model
 
 
 @pytest.fixture(scope="module")
 def programs():
     case = gpt(layers=8, batch=8, seq=16)
     sched = generate("zb-h1", 2, 8)
-    staged = split_model(case.model, case.loss_fn, case.example, num_stages=sched.num_model_stages,
-                         placement=model_stage_placement(sched))
+    staged = split_for(case.model, case.loss_fn, case.example, sched)
     return lower_all(sched, staged)
 
 
@@ -55,8 +53,7 @@ def test_offload_added_to_finished_programs_equals_lowering_with_it(programs):
     """zb.compile adds the planned offload to the programs it already lowered instead of lowering again."""
     sched = generate("zb-h1", 2, 8)
     case = gpt(layers=8, batch=8, seq=16)
-    staged = split_model(case.model, case.loss_fn, case.example, num_stages=sched.num_model_stages,
-                         placement=model_stage_placement(sched))
+    staged = split_for(case.model, case.loss_fn, case.example, sched)
     choices = [r.choice for r in plan_offload(programs, least_peaks(programs))]
     added = offload_programs(lower_all(sched, staged), choices)
     assert [p.to_text() for p in added] == [p.to_text() for p in lower_all(sched, staged, offload=choices)]

@@ -17,7 +17,7 @@ import torch
 import models
 from test_split import check_against_eager
 from threaded import max_grad_error, param_holders, run_threaded
-from zbcompile.api import model_stage_placement
+from zbcompile.compiler import split_for
 from zbcompile.errors import PartitionError
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
@@ -30,8 +30,7 @@ def threaded_step_matches_eager(case, schedule: str, pp: int, *, split_points=No
     and every gradient within 1e-5 relative."""
     sched = generate(schedule, pp, 2 * pp)
     inputs, targets = [(x,) if isinstance(x, torch.Tensor) else tuple(x) for x in case.example]
-    staged = split_model(case.model, case.loss_fn, (inputs, targets), num_stages=sched.num_model_stages,
-                         split_points=split_points, placement=model_stage_placement(sched))
+    staged = split_for(case.model, case.loss_fn, (inputs, targets), sched, split_points=split_points)
     batch = tuple(x.repeat(2 * pp, *([1] * (x.dim() - 1))) for x in inputs + targets)
     ref = copy.deepcopy(case.model)
     n = len(inputs)
@@ -209,8 +208,7 @@ def test_unused_state_stays_real_on_exactly_one_rank():
 
     case = models.rope_net()
     sched = generate("1f1b", 2, 4)
-    staged = split_model(case.model, case.loss_fn, case.example, num_stages=2,
-                         placement=model_stage_placement(sched))
+    staged = split_for(case.model, case.loss_fn, case.example, sched)
     state = case.model.state_dict()
     real: dict[str, list[int]] = {}
     for rank in range(2):   # what each rank keeps, as zbcompile.api builds it

@@ -14,7 +14,7 @@ import torch
 import zoo
 from test_zoo import MICROBATCHES, _batch
 from threaded import run_threaded
-from zbcompile.api import model_stage_placement
+from zbcompile.compiler import split_for
 from zbcompile.errors import VocabError
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
@@ -45,8 +45,7 @@ def test_zoo_with_vocabulary_parallelism_matches_eager(arch, schedule):
     case = zoo.ZOO[arch]()
     case.model.train()
     sched = generate(schedule, 2, MICROBATCHES, vocab=True)
-    staged = split_model(copy.deepcopy(case.model), case.loss_fn, case.example, num_stages=sched.num_model_stages,
-                         placement=model_stage_placement(sched), vocab_shards=2)
+    staged = split_for(copy.deepcopy(case.model), case.loss_fn, case.example, sched)
     inputs, targets = _batch(case)
     ref, want = _eager(case, inputs, targets)
     losses, ranks, _ = run_threaded(case.model, staged, sched, inputs + targets)

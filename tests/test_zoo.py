@@ -12,7 +12,7 @@ import torch
 
 import zoo
 from threaded import max_grad_error, param_holders, run_threaded
-from zbcompile.api import model_stage_placement
+from zbcompile.compiler import split_for
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
 
@@ -41,8 +41,7 @@ def test_zoo_step_matches_eager_microbatches(arch, schedule):
     case = zoo.ZOO[arch]()
     case.model.train()
     sched = generate(schedule, 2, MICROBATCHES)
-    staged = split_model(case.model, case.loss_fn, case.example, num_stages=sched.num_model_stages,
-                         placement=model_stage_placement(sched))
+    staged = split_for(case.model, case.loss_fn, case.example, sched)
     inputs, targets = _batch(case)
     n = len(inputs)
 

@@ -27,7 +27,8 @@ torch.set_num_threads(1)
 from launch import worker_main  # noqa: E402
 from models import gpt, hf_gpt2  # noqa: E402
 
-from zbcompile.api import PipelineModule, model_stage_placement  # noqa: E402
+from zbcompile.api import PipelineModule  # noqa: E402
+from zbcompile.compiler import split_for  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
 from zbcompile.split import split_model  # noqa: E402
 
@@ -151,10 +152,9 @@ def run(rank: int, pp: int, out: str) -> dict:
             key = f"{tag}/{name}/{str(dtype).removeprefix('torch.')}"
             try:
                 schedule = generate(name, pp, m, vocab=True)
-                layout = (schedule.num_model_stages, model_stage_placement(schedule))
+                layout = (schedule.num_model_stages, schedule.stage_groups())
                 if layout not in splits:
-                    splits[layout] = split_model(copy.deepcopy(case.model), case.loss_fn, case.example,
-                                                 num_stages=layout[0], placement=layout[1], vocab_shards=pp)
+                    splits[layout] = split_for(copy.deepcopy(case.model), case.loss_fn, case.example, schedule)
                 got = pipelined(case, splits[layout], schedule, xb, yb, ref_grads, ref_model, rank)
                 results[key] = dict(got, ref_losses=ref_losses, vocab=splits[layout].vocab.size,
                                     rows=splits[layout].vocab.rows)

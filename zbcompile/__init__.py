@@ -20,7 +20,7 @@ __all__ = ["compile", "PipelineModule", "split_model", "generate", "simulate", "
 
 # The tracing and runtime half pulls in torch.export and functorch (seconds); planning schedules needs
 # neither, so those names load on first use and `zbcompile plan` starts fast.
-_LAZY = {"compile": "zbcompile.api", "PipelineModule": "zbcompile.api", "split_model": "zbcompile.split"}
+_LAZY = {"compile": "zbcompile.api", "PipelineModule": "zbcompile.pipeline_module", "split_model": "zbcompile.split"}
 
 
 def __getattr__(name: str):

@@ -2,7 +2,7 @@
 
     resolve_group      the pipeline's ProcessGroup (a group, a 1-D DeviceMesh, or torchrun's environment)
     p2p_channels       one extra group per P2P direction (NCCL streams; gloo's I/O threads tuned on creation)
-    stage_ranks        per model stage, the ranks that run it ("which ranks hold X", once)
+    holders            per parameter / buffer, the ranks whose stages use it ("which ranks hold X", once)
     keep_only          a rank keeps real storage only for what its stages use (meta-device models initialized)
     sync_copies        copies of one parameter / buffer on several ranks made equal from the lowest rank
     collective_group   one more group over the pipeline's ranks for the vocabulary layers' collectives
@@ -22,27 +22,19 @@ from torch import nn
 from zbcompile._torch_private import default_group, live_process_groups, process_group_name
 from zbcompile.errors import RuntimeFailure, UsageError
 from zbcompile.ir.names import Role, key_of, role_of
-from zbcompile.runtime.host import process_threads, tune_io_threads
-from zbcompile.runtime.vocab_rows import shard_vocab_params
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
+from zbcompile.runtime.host import process_threads, tune_io_threads
+from zbcompile.runtime.vocab_rows import shard_vocab_params
 
-__all__ = ["resolve_group", "p2p_channels", "collective_group", "stage_ranks", "holders", "device_for", "keep_only",
+__all__ = ["resolve_group", "p2p_channels", "collective_group", "holders", "device_for", "keep_only",
            "sync_copies", "shard_vocab_params", "is_meta", "to_device"]
-
-
-def stage_ranks(sched: Schedule) -> list[set[int]]:
-    """Per model stage, the ranks that run it (two for DualPipe's mirrored stages, one otherwise)."""
-    out: list[set[int]] = [set() for _ in range(sched.num_model_stages)]
-    for s, r in enumerate(sched.placement):
-        out[sched.model_stage(s)].add(r)
-    return out
 
 
 def holders(sched: Schedule, staged: StagedModel) -> dict[str, tuple[int, ...]]:
     """Parameter fqn / `buffer:fqn` -> the sorted ranks whose stages use it."""
     found: dict[str, set[int]] = {}
-    for k, ranks in enumerate(stage_ranks(sched)):
+    for k, ranks in enumerate(sched.stage_ranks()):
         stage = staged.stages[k]
         for n in stage.params + tuple(f"buffer:{b}" for b in stage.buffers):
             found.setdefault(n, set()).update(ranks)

@@ -74,31 +74,29 @@ def load_factory(target: str) -> Callable[[], tuple]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from zbcompile.api import model_stage_placement
-    from zbcompile.passes.lower import CAPTURE_FINISHING, FINISHING, emit_fx, lower_all
-    from zbcompile.passes.schedules import generate
-    from zbcompile.split import report, split_model
+    from zbcompile.compiler import compile_programs
+    from zbcompile.options import CompileOptions
+    from zbcompile.passes.lower import emit_fx
+    from zbcompile.split import report
 
     if args.rank is not None and not 0 <= args.rank < args.pp:
         raise ZBCompileError(f"inspect: --rank {args.rank} is not a rank of a {args.pp}-rank pipeline "
                              f"(0..{args.pp - 1})")
     model, loss_fn, example = _build(load_factory(args.target))
-    m = args.microbatches or 2 * args.pp
-    vocab = getattr(args, "vocab_parallel", False)
-    schedule = generate(args.schedule, args.pp, m, chunks=args.chunks, vocab=vocab)
-    split_points = args.split_points.split(",") if args.split_points else None
-    # the cuts zb.compile would make: balanced per rank for this schedule's placement
-    staged = split_model(model, loss_fn, example, num_stages=None if split_points else schedule.num_model_stages,
-                         split_points=split_points, placement=model_stage_placement(schedule),
-                         vocab_shards=args.pp if vocab else None)
-    if len(staged.stages) != schedule.num_model_stages:
-        raise ZBCompileError(f"inspect: --split-points gives {len(staged.stages)} stages but schedule "
-                             f"{args.schedule!r} on {args.pp} ranks needs {schedule.num_model_stages}")
     capture = getattr(args, "capture_check", False) or getattr(args, "replay_check", None) is not None
-    finishing = CAPTURE_FINISHING if capture else FINISHING
-    programs = lower_all(schedule, staged, finishing=finishing)
-    if getattr(args, "offload", None):
-        programs = _offload(args, programs)
+    options = CompileOptions(schedule=args.schedule, microbatches=args.microbatches or 2 * args.pp,
+                             loss_fn=loss_fn, example=example, chunks=args.chunks,
+                             split_points=args.split_points.split(",") if args.split_points else None,
+                             vocab_parallel=getattr(args, "vocab_parallel", False), cuda_graphs=capture,
+                             offload=_offload_budget(args))
+    if options.offload is not None:
+        print(f"# activation offload for {args.offload} (time model: {args.device})")
+    # the programs zb.compile would make; capture problems are printed per rank below, not raised
+    compiled = compile_programs(model, options, args.pp, time_model=getattr(args, "device", None),
+                                lint_capture=False)
+    schedule, staged, programs = compiled.schedule, compiled.staged, compiled.programs
+    if compiled.offload is not None:
+        _offload_table(compiled.offload)
     if capture:
         failed = _capture_check(args, programs)
         if getattr(args, "replay_check", None) is not None:
@@ -187,24 +185,25 @@ def _replay_check(args: argparse.Namespace, programs, model, staged, example) ->
     return any(failed for _, failed in results)
 
 
-def _offload(args: argparse.Namespace, programs):
-    """Plan the offload for --offload, print what each rank moves and what it costs, add it to the programs."""
-    from tabulate import tabulate
-
-    from zbcompile.passes.analysis.offload_plan import DEVICES, plan_offload
-    from zbcompile.passes.lower import offload_programs
-
+def _offload_budget(args: argparse.Namespace) -> int | str | None:
+    """--offload as compile's offload option."""
+    if not getattr(args, "offload", None):
+        return None
     text = args.offload.replace("_", "")
     if text != "auto" and not text.isdigit():
         raise ZBCompileError(f"inspect: --offload {args.offload!r}: give a byte budget (e.g. 3000000) or 'auto'")
-    report = plan_offload(programs, "auto" if text == "auto" else int(text), device=DEVICES[args.device])
+    return "auto" if text == "auto" else int(text)
+
+
+def _offload_table(report) -> None:
+    """What each rank offloads and what it costs."""
+    from tabulate import tabulate
+
     rows = [(r.rank, len(r.choice.units or ()), r.choice.prefetch, r.offloaded_bytes / 2**20,
              r.peak_before / 2**20, r.peak_after / 2**20, r.k, r.slowdown) for r in report]
-    print(f"# activation offload for {args.offload} (time model: {args.device})")
     print(tabulate(rows, headers=("rank", "forwards offloaded", "prefetch", "MiB moved out", "peak MiB before",
                                   "peak MiB after", "k = To/Tc", "modelled slowdown"), floatfmt=".3f"))
     print()
-    return offload_programs(programs, [r.choice for r in report])
 
 
 def _memory(args: argparse.Namespace, programs) -> int:

@@ -46,6 +46,7 @@ Later passes (vocab-parallel reductions, CUDA-graph finishing, overlapped F&B) s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Sequence
 
@@ -67,7 +68,8 @@ from zbcompile.ir.program import RankProgram
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
 
-__all__ = ["LOWERING", "FINISHING", "CAPTURE_FINISHING", "capture_ready", "lower_all", "run_passes", "each",
+__all__ = ["LOWERING", "FINISHING", "CAPTURE_FINISHING", "Lowering", "pipeline", "capture_ready", "lower_all",
+           "run_passes", "each",
            "emit_fx", "build_compute",
            "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD",
            "OffloadChoice", "insert_offload", "offload_programs", "compile_graphs", "BACKENDS"]
@@ -125,39 +127,68 @@ def run_passes(programs: Sequence[RankProgram], passes: Sequence[Pass], *, check
     return programs
 
 
-def lower_all(schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass] = LOWERING,
-              recv_lookahead: int = RECV_LOOKAHEAD, pair_order: bool = True,
-              finishing: Sequence[Pass] = FINISHING, check_each_pass: bool = False,
-              offload: Sequence[OffloadChoice | None] | OffloadChoice | None = None,
-              backend: str | None = None) -> Programs:
-    """Every rank's program, validated together.
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """What the lowering's pass list is built from: the compile options that shape the programs.
 
     recv_lookahead: insert_p2p's `lookahead` (how many RUN ops before its consumer a receive is posted).
     pair_order: post receives in each peer's send order (order_p2p_by_pair), which NCCL needs and gloo does
-    not mind; on by default for every backend so that one schedule has one program. False leaves receives in
-    the receiver's own order (tag-matching backends only).
+        not mind; on by default for every backend so that one schedule has one program. False leaves receives
+        in the receiver's own order (tag-matching backends only).
+    capture: finish for CUDA-graph capture of the whole step (CAPTURE_FINISHING instead of FINISHING).
+    backend: compile every stage graph with this compiler (passes/lower/compiled.py: "inductor"), or None to
+        run the aten graphs; anything else raises UsageError before any lowering.
+    offload: activation offload (passes/lower/offload.py) after the finishing passes: one OffloadChoice for
+        every rank, or one per rank (None: none on that rank); None offloads nothing.
+    """
+
+    recv_lookahead: int = RECV_LOOKAHEAD
+    pair_order: bool = True
+    capture: bool = False
+    backend: str | None = None
+    offload: Sequence[OffloadChoice | None] | OffloadChoice | None = None
+
+    def __post_init__(self) -> None:
+        check_backend(self.backend)
+
+
+def pipeline(lowering: Lowering, num_ranks: int, *, passes: Sequence[Pass] = LOWERING,
+             finishing: Sequence[Pass] | None = None) -> tuple[Pass, ...]:
+    """The named passes after build_compute, in order, for `lowering` (see the module docstring). `passes` /
+    `finishing` replace the LOWERING / FINISHING lists (the tests run prefixes of them)."""
+    if finishing is None:
+        finishing = CAPTURE_FINISHING if lowering.capture else FINISHING
+    bound = [functools.partial(p, lookahead=lowering.recv_lookahead) if p is insert_p2p else p for p in passes
+             if lowering.pair_order or p is not order_p2p_by_pair]
+    after = [each(compile_graphs(lowering.backend))] if lowering.backend is not None else []
+    if lowering.offload is not None:
+        after.append(_offload_pass(lowering.offload, num_ranks))
+    return (*bound, *finishing, *after)
+
+
+def lower_all(schedule: Schedule, staged: StagedModel, lowering: Lowering | None = None, *,
+              passes: Sequence[Pass] = LOWERING, finishing: Sequence[Pass] | None = None,
+              check_each_pass: bool = False, **options) -> Programs:
+    """Every rank's program, validated together: build_compute, then `pipeline(lowering)`.
+
+    lowering: the Lowering record, or its fields as keywords (`lower_all(s, m, backend="inductor")`).
     check_each_pass: check every program after every pass, naming the pass that broke it (the suite does,
     for every schedule; it costs about a fifth of the lowering at pp=32). Without it each program is checked
     once at the end; the cross-rank validation always runs.
-    offload: activation offload (passes/lower/offload.py) after the finishing passes: one OffloadChoice for
-    every rank, or one per rank (None: none on that rank); None offloads nothing.
-    backend: compile every stage graph with this compiler (passes/lower/compiled.py: "inductor"), or None to
-    run the aten graphs; anything else raises UsageError before any lowering.
     """
-    check_backend(backend)
-    bound = [functools.partial(p, lookahead=recv_lookahead) if p is insert_p2p else p for p in passes
-             if pair_order or p is not order_p2p_by_pair]
+    if lowering is None:
+        lowering = Lowering(**options)
+    elif options:
+        raise UsageError(f"lower_all: give a Lowering or its fields as keywords, not both ({', '.join(options)})")
     # an overlapped F&B step (DualPipe) runs as its sub-actions one after the other until a pass fuses them
     schedule = schedule.flatten()
     programs = tuple(build_compute(schedule, staged, r) for r in range(schedule.num_ranks))
     if check_each_pass:
         for q in programs:
             q.check("build_compute", remote_ok=True)
-    after = [each(compile_graphs(backend))] if backend is not None else []
-    if offload is not None:
-        after.append(_offload_pass(offload, schedule.num_ranks))
-    programs = run_passes(programs, [*bound, *finishing, *after], check=check_each_pass)
-    return _validated(programs, pair_order, checked=check_each_pass)
+    steps = pipeline(lowering, schedule.num_ranks, passes=passes, finishing=finishing)
+    programs = run_passes(programs, steps, check=check_each_pass)
+    return _validated(programs, lowering.pair_order, checked=check_each_pass)
 
 
 def offload_programs(programs: Sequence[RankProgram], offload: Sequence[OffloadChoice | None] | OffloadChoice,

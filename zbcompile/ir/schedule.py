@@ -91,6 +91,20 @@ class Schedule:
         """The model cut that `stage` computes (stage itself, except in DualPipe's mirrored pipeline)."""
         return stage % self.num_model_stages
 
+    def stage_ranks(self) -> list[set[int]]:
+        """Per model stage, the ranks that run it (two for DualPipe's mirrored stages, one otherwise)."""
+        out: list[set[int]] = [set() for _ in range(self.num_model_stages)]
+        for s, r in enumerate(self.placement):
+            out[self.model_stage(s)].add(r)
+        return out
+
+    def stage_groups(self) -> tuple[int, ...]:
+        """Per model stage, a group id for balancing the split: the set of ranks running it. Most schedules run
+        each model stage on one rank; DualPipe runs stage m on ranks m and p-1-m (half the microbatches each),
+        so m and p-1-m share one group, whose summed weight is then the load of both ranks."""
+        ids: dict[frozenset[int], int] = {}
+        return tuple(ids.setdefault(frozenset(h), len(ids)) for h in self.stage_ranks())
+
     def pipeline_of(self, microbatch: int) -> int:
         """DualPipe feeds the first half of the microbatches to pipeline 0 and the rest to pipeline 1."""
         return microbatch * self.pipelines // self.num_microbatches

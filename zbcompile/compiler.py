@@ -1,0 +1,195 @@
+"""The compiler core: a model and its options -> every rank's program, in one pure function.
+
+    compiled = compile_programs(model, options, num_ranks=2)
+    compiled.schedule               the Schedule (generated from options.schedule, or the one given)
+    compiled.staged                 the StagedModel (trace -> partition -> [shard_vocab] -> split_fbw)
+    compiled.programs[r]            rank r's finished RankProgram (lowered, offloaded, checked for capture)
+    compiled.offload                per rank, what activation offload chose (None without offload)
+
+No process group and no runtime: `zbcompile.api` places the result on the ranks of a process group, `inspect`
+prints it, the tests' loopback world and the benchmarks run it. Each stage of the compile logs its time on the
+`zbcompile` logger (silent unless configured).
+
+The stages, and the options each reads:
+
+    schedule_for   options.schedule / microbatches / chunks / costs / mem_limit / vocab_parallel -> Schedule
+    split_for      options.loss_fn / example / split_points, the schedule's placement      -> StagedModel
+    lower          passes.lower.lower_all with the pass lists options.cuda_graphs / backend pick
+    offload        options.offload: plan_offload per rank, then the one offload entry of the lowering
+    check_capture  with cuda_graphs: what blocks CUDA-graph capture, as CaptureError
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import warnings
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from zbcompile.errors import UsageError, ZBCompileWarning
+from zbcompile.ir.names import Role, key_of, role_of
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.schedule import Schedule
+from zbcompile.ir.stages import StagedModel
+from zbcompile.options import CompileOptions
+
+__all__ = ["Compiled", "compile_programs", "compile_staged", "schedule_for", "split_for", "lower", "check_fits",
+           "TIME_MODELS"]
+
+log = logging.getLogger("zbcompile")
+
+# the offload planner's time model for a device type (passes/analysis/offload_plan.DEVICES)
+TIME_MODELS = {"cuda": "h100", "cpu": "cpu"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Compiled:
+    """What one compile made, for every rank."""
+
+    options: CompileOptions
+    staged: StagedModel
+    schedule: Schedule
+    programs: tuple[RankProgram, ...]
+    offload: tuple | None = None   # per rank, an offload_plan.RankOffload (None: no offload asked for)
+
+    def stages_of(self, rank: int) -> list:
+        """The model stages `rank` runs, in the schedule's stage order (a model stage once per placement)."""
+        sched = self.schedule
+        return [self.staged.stages[sched.model_stage(s)] for s, r in enumerate(sched.placement) if r == rank]
+
+
+def compile_programs(model: nn.Module, options: CompileOptions, num_ranks: int, *,
+                     device: torch.device | str = "cpu", time_model: str | None = None,
+                     lint_capture: bool = True) -> Compiled:
+    """Trace, split, schedule and lower `model` for `num_ranks` pipeline ranks. `device`: where the ranks run
+    (a model on the meta device is traced for it). time_model: the offload planner's device model (h100, a100,
+    cpu; default by the device's type). lint_capture: with cuda_graphs, raise CaptureError for programs that
+    cannot be captured (inspect --capture-check lists the problems instead)."""
+    schedule = schedule_for(options, num_ranks)
+    with _phase("split", f"{schedule.num_model_stages} model stages"):
+        staged = split_for(model, options.loss_fn, options.example, schedule, split_points=options.split_points,
+                           device=torch.device(device))
+    return compile_staged(staged, schedule, options, device=device, time_model=time_model,
+                          lint_capture=lint_capture)
+
+
+def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOptions, *,
+                   device: torch.device | str = "cpu", time_model: str | None = None,
+                   offload_choices: Sequence | None = None, lint_capture: bool = True) -> Compiled:
+    """compile_programs from an already split model (split once, try several schedules or options).
+    offload_choices: one passes.lower.OffloadChoice per rank (or None), taken as they are instead of planning
+    options.offload (the tests and benchmarks that try given choices)."""
+    check_fits(staged, schedule)
+    with _phase("lower", f"{schedule.name}, {schedule.num_ranks} ranks"):
+        programs = lower(schedule, staged, options)
+    report = None
+    if offload_choices is not None:
+        programs = _with_offload(programs, offload_choices)
+    elif options.offload is not None:
+        with _phase("offload", str(options.offload)):
+            programs, report = _offload(programs, options.offload, time_model or TIME_MODELS.get(
+                torch.device(device).type, "cpu"))
+    if options.capture and lint_capture:
+        from zbcompile.passes.analysis.capture import check_capture
+
+        check_capture(programs)
+    _warn_mirrored_buffer_updates(staged, schedule)
+    return Compiled(options, staged, schedule, programs, report)
+
+
+def schedule_for(options: CompileOptions, num_ranks: int) -> Schedule:
+    """The schedule options ask for on `num_ranks` ranks: generated from its name, or the given one checked."""
+    schedule, m = options.schedule, options.microbatches
+    if isinstance(schedule, Schedule):
+        if schedule.num_ranks != num_ranks or schedule.num_microbatches != m:
+            raise UsageError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and "
+                             f"{schedule.num_microbatches} microbatches, not pp={num_ranks}, microbatches={m}")
+        return schedule.validate().check_order()
+    from zbcompile.passes.schedules import generate
+
+    return generate(schedule, num_ranks, m, chunks=options.chunks, costs=options.costs,
+                    mem_limit=options.mem_limit, vocab=options.vocab_parallel)
+
+
+def split_for(model: nn.Module, loss_fn, example, schedule: Schedule, *, split_points=None,
+              device: torch.device = torch.device("cpu")) -> StagedModel:
+    """The split `schedule` needs: its number of model stages, cuts balanced per group of ranks that run a
+    stage (`Schedule.stage_groups`) unless `split_points` says where, vocabulary layers sharded over
+    every rank when the schedule has vocabulary actions. A model on the meta device is traced with the
+    example on `device`, so that the tensors its graphs create land where the rank runs."""
+    from zbcompile.distributed import is_meta, to_device
+    from zbcompile.split import split_model
+
+    if loss_fn is None or example is None:
+        raise UsageError("compiling a model needs loss_fn and example (one microbatch's (inputs, targets)); "
+                         "only a model split already (PipelineModule.from_staged) goes without")
+    if is_meta(model):
+        example = to_device(example, device)
+    return split_model(model, loss_fn, example, num_stages=schedule.num_model_stages,
+                       split_points=split_points, placement=schedule.stage_groups(),
+                       vocab_shards=schedule.num_ranks if schedule.vocab_shards else None)
+
+
+def check_fits(staged: StagedModel, schedule: Schedule) -> None:
+    """UsageError where a split and a schedule built apart do not go together."""
+    if schedule.num_model_stages != len(staged.stages):
+        raise UsageError(f"schedule {schedule.name!r} needs {schedule.num_model_stages} model stages but the "
+                         f"split made {len(staged.stages)}")
+    if bool(schedule.vocab_shards) != (staged.vocab is not None):
+        raise UsageError(f"schedule {schedule.name!r} {'has' if schedule.vocab_shards else 'has no'} vocabulary "
+                         f"actions but the model was split {'without' if staged.vocab is None else 'with'} "
+                         "vocabulary parallelism; build both with vocab_parallel / vocab_shards, or neither "
+                         "(passes.schedules.vocab.insert_vocab adds the vocabulary actions to a schedule)")
+
+
+def lower(schedule: Schedule, staged: StagedModel, options: CompileOptions) -> tuple[RankProgram, ...]:
+    """Every rank's finished program: passes.lower.pipeline's pass list for the options."""
+    from zbcompile.passes.lower import Lowering, lower_all
+
+    return lower_all(schedule, staged, Lowering(capture=options.capture, backend=options.backend))
+
+
+def _offload(programs, budget, time_model: str):
+    """Plan the offload for `budget` (bytes, per-rank bytes or "auto") on every rank and add it."""
+    from zbcompile.passes.analysis.offload_plan import DEVICES, plan_offload
+
+    report = plan_offload(programs, budget, device=DEVICES[time_model])
+    return _with_offload(programs, [r.choice for r in report]), report
+
+
+def _with_offload(programs, choices):
+    from zbcompile.passes.lower import offload_programs
+
+    return offload_programs(programs, choices)
+
+
+@contextmanager
+def _phase(name: str, what: str):
+    """Log a compile phase's start and time (`zbcompile` logger: INFO, silent unless configured)."""
+    log.info("%s: %s ...", name, what)
+    start = time.perf_counter()
+    yield
+    log.info("%s: done in %.2f s", name, time.perf_counter() - start)
+
+
+def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> None:
+    """DualPipe runs each model stage on two ranks, each copy for half of the microbatches. Gradients and
+    losses are exact, but buffers the forward updates (BatchNorm running statistics) then follow two halves
+    of the step on two ranks instead of all microbatches in order on one: say so (once per compile)."""
+    for k, ranks in enumerate(schedule.stage_ranks()):
+        updated = [key_of(n) for n in staged.stages[k].f.outputs if role_of(n) is Role.BUFFER]
+        if len(ranks) > 1 and updated:
+            more = f" and {len(updated) - 3} more" if len(updated) > 3 else ""
+            warnings.warn(
+                f"schedule {schedule.name!r} runs model stage {k} on ranks {sorted(ranks)}, each copy for half of "
+                f"the microbatches, and that stage's forward updates buffers ({', '.join(updated[:3])}{more}, e.g. "
+                "BatchNorm running statistics): each rank's copy follows only its own half of every step, so the "
+                "copies drift apart and differ from eager training. Gradients and losses are not affected. For "
+                "buffers that match eager training use a schedule without mirrored stages (e.g. dualpipev).",
+                ZBCompileWarning, stacklevel=4)
+            return
