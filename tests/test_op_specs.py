@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pkgutil
 import typing
 
 import pytest
@@ -15,9 +16,10 @@ from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.passes.lower.emit import Emitter
 from zbcompile.passes.schedules import GENERATORS, generate
 from zbcompile.ir.program import RankProgram
-from zbcompile.ir.program.ops import (Coll, CollArgs, SPECS, AccumArgs, AccumMode, HostArgs, Message, Op, OpKind,
-                                      RecvArgs, RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync, TensorType,
-                                      View, ViewArgs)
+from zbcompile.ir.program import ops
+from zbcompile.ir.program.ops import (Coll, CollArgs, FAMILIES, SAFE, SPECS, AccumArgs, AccumMode, HostArgs, Message,
+                                      Op, OpKind, RecvArgs, RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync,
+                                      TensorType, View, ViewArgs)
 from zbcompile.runtime import abi
 from zbcompile.ir.schedule import Action, Schedule
 from zbcompile.split import split_model
@@ -74,6 +76,43 @@ def test_every_op_kind_has_a_complete_spec(kind):
     assert (sample.args is None) == (spec.args is None) and (spec.args is None or isinstance(sample.args, spec.args))
     # exactly the posting kinds put messages on the wire, and the checks can read them
     assert bool(spec.posts(sample, 1)) == (spec.sync is Sync.POST)
+
+
+def test_every_package_module_but_the_machinery_is_a_registered_family():
+    modules = {m.name for m in pkgutil.iter_modules(ops.__path__)} - {"_spec"}
+    assert modules == {f.__name__.rpartition(".")[2] for f in FAMILIES}, \
+        "a module of zbcompile/ir/program/ops/ that is not in ops.FAMILIES: its rows never reach SPECS"
+
+
+@pytest.mark.parametrize("kind", list(OpKind), ids=lambda k: k.name)
+def test_every_op_kind_is_declared_once_in_one_family(kind):
+    """One row per kind, in exactly one family module, next to its args record; it prints and parses back;
+    where capture can refuse it, the row says how to fix that (passes/analysis/capture.py prints it)."""
+    declared = [(f, row) for f in FAMILIES for row in f.ROWS if row.kind is kind]
+    assert len(declared) == 1, f"{kind}: declared by {[f.__name__ for f, _ in declared]}; declare it in one family"
+    family, row = declared[0]
+    assert SPECS[kind] is row
+    assert row.args is None or row.args.__module__ == family.__name__, \
+        f"{kind}: its args record {row.args.__name__} lives in {row.args.__module__}, not beside its row"
+    op = SAMPLES[kind]
+    ins, args = row.parse(row.format(op), op.outs)
+    assert ins == op.ins and (args == op.args or kind is OpKind.RUN)   # RUN's args: from the line's head
+    assert row.capture is not None, f"{kind}: decide OpSpec.capture"
+    if row.capture != SAFE:
+        assert isinstance(row.fix, str) and row.fix.strip(), f"{kind}: capture may refuse it, so give OpSpec.fix"
+
+
+@pytest.mark.parametrize("kind", list(OpKind), ids=lambda k: k.name)
+def test_copy_stream_kinds_say_what_they_copy(kind):
+    """The offload planner times ops by their spec: a copy-stream op either queues copy_bytes on the copy stream
+    (and returns the handles its waits read) or waits for the copies whose handles it reads."""
+    spec, op = SPECS[kind], SAMPLES[kind]
+    if spec.stream is not Stream.COPY:
+        assert spec.copy_bytes is None
+    elif spec.copy_bytes is not None:
+        assert spec.copy_bytes(op) > 0 and op.outs
+    else:
+        assert op.ins and all(v.startswith("h:") for v in op.ins)
 
 
 def test_spec_texts_are_unique():

@@ -7,7 +7,8 @@ IR, in three layers:
 
     program   the batch is copied into static input buffers (staged_inputs), not cut into fresh views
     ops       each op kind's OpSpec.capture: SAFE, or why not (a receive without a static slot, a timed wait,
-              a SET_GRAD that takes ownership of .grad); a kind that has not decided is reported too
+              a SET_GRAD that takes ownership of .grad), with its OpSpec.fix; a kind that has not decided is
+              reported too
     graphs    each stage graph a RUN op calls, node by node: torch's own predicate
               (torch._inductor.utils.is_cudagraph_unsafe_fx_node: `.item()`, `_assert_scalar`, ops tagged
               cudagraph_unsafe, ...), symbolic or data-dependent sizes, random ops given a generator of their
@@ -51,17 +52,6 @@ class Problem(NamedTuple):
         return f"op {self.op}" if self.op is not None else "program"
 
 
-_OP_FIXES = {
-    OpKind.RECV: "lower with capture_ready before the finishing passes, so that static_recv_buffers can give "
-                 "every receive a slot (nothing that aliases it may outlive the step)",
-    OpKind.WAIT_RECV: "lower with capture_ready (RankProgram.wait_timeout=False: plain work.wait())",
-    OpKind.WAIT_SEND: "lower with capture_ready (RankProgram.wait_timeout=False: plain work.wait())",
-    OpKind.WAIT_COLL: "lower with capture_ready (RankProgram.wait_timeout=False: plain work.wait())",
-    OpKind.SET_GRAD: "lower with capture_ready (owned=False: accumulate into .grad, which the capture protocol "
-                     "keeps allocated and zeroes in place)",
-}
-
-
 def capture_problems(program: RankProgram) -> list[Problem]:
     """Every problem of one finished rank program, in program order (graph nodes at the first RUN op that calls
     their graph)."""
@@ -76,12 +66,17 @@ def capture_problems(program: RankProgram) -> list[Problem]:
     for i, op in enumerate(program.ops):
         reason = op.spec.capture_problem(op, program)
         if reason is not None:
-            out.append(Problem(rank, i, None, f"{_short(op)}: {reason}",
-                               _OP_FIXES.get(op.kind, f"decide OpSpec.capture for {op.kind.value} (ops.py)")))
+            out.append(Problem(rank, i, None, f"{_short(op)}: {reason}", _op_fix(op)))
         if op.kind is OpKind.RUN and op.args.graph not in seen:
             seen.add(op.args.graph)
             out += _graph_problems(program, op, i)
     return out
+
+
+def _op_fix(op: Op) -> str:
+    """How to make `op` capture-safe: its kind's OpSpec.fix. A kind without one has not decided capture (every
+    kind that can refuse has a fix: tests/test_op_specs.py)."""
+    return op.spec.fix or f"decide OpSpec.capture for {op.kind.value} (zbcompile/ir/program/ops/)"
 
 
 def check_capture(programs: Iterable[RankProgram]) -> None:

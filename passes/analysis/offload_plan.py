@@ -7,12 +7,13 @@ because removing them removes their whole share of the peak. It takes the shorte
 device peak fits the budget, trying the placements with the most overlap first: the offload waited one action
 after F and the reload issued one action before its reader (both copies can hide behind compute); then the
 offload waited before the next action; then the reload right before its reader (prefetch 0: it cannot
-overlap compute then, but it no longer overlaps the previous action's activations either). When even every candidate offloaded just in time does not fit,
-OffloadError gives the smallest budget that works, per rank.
+overlap compute then, but it no longer overlaps the previous action's activations either). When even every
+candidate offloaded just in time does not fit, OffloadError gives the smallest budget that works, per rank.
 
 Time: a per-rank model of the program on a device (`Device`): a RUN op takes its graph's roofline time
 (FLOPs / throughput, or bytes / memory bandwidth, whichever is longer; passes/cost.py counts both), copies
-queue on one copy stream at `copy_bandwidth` and a wait stalls compute until its copy is done. It gives
+queue on one copy stream at `copy_bandwidth` and a wait stalls compute until its copy is done (which ops are
+copies and waits, and how many bytes a copy moves, is read off their OpSpec: stream, copy_bytes). It gives
 the offload ratio k = (time to copy a unit's tensors out and back) / (its F + B + W time), the paper's
 criterion (k <= 1: the copies can hide behind compute), and the expected slowdown of each rank's own
 compute timeline. P2P waits are not modelled here: a stalled rank also delays its peers.
@@ -30,7 +31,7 @@ from zbcompile.passes.analysis.memory import rank_memory, tensor_bytes
 from zbcompile.passes.cost import node_cost
 from zbcompile.passes.lower.offload import OffloadChoice, insert_offload, offload_candidates
 from zbcompile.ir.program import RankProgram
-from zbcompile.ir.program.ops import OpKind
+from zbcompile.ir.program.ops import OpKind, Stream
 
 __all__ = ["Device", "DEVICES", "OffloadError", "RankOffload", "plan_offload", "least_peaks", "compute_time",
            "offload_ratio"]
@@ -197,20 +198,23 @@ def _cost(gm) -> tuple[float, float]:
 
 
 def _op_times(program: RankProgram, device: Device) -> list[tuple[float, float]]:
-    """(start, end) of every op on the rank's compute timeline; copies run on one copy stream beside it."""
+    """(start, end) of every op on the rank's compute timeline; copies run on one copy stream beside it. Read
+    off each op's spec: a compute op that runs an action takes its graph's time; a copy-stream op with
+    `copy_bytes` queues that many bytes behind the compute so far and the previous copy, and one without
+    (a wait) stalls compute until the copies whose handles it reads are done. Everything else takes no time."""
     seconds = _run_seconds(program, device)
     now, copy_free = 0.0, 0.0
-    done: dict[str, float] = {}
+    done: dict[str, float] = {}   # a copy's handle -> when the copy is done
     out = []
     for op in program.ops:
-        start = now
-        if op.kind is OpKind.RUN:
+        start, s = now, op.spec
+        if s.stream is Stream.COMPUTE and op.action is not None:
             now += seconds[op.args.graph]
-        elif op.kind in (OpKind.OFFLOAD, OpKind.RELOAD):
-            copy_free = max(now, copy_free) + op.args.type.nbytes / device.copy_bandwidth
-            done[op.outs[0]] = copy_free
-        elif op.kind in (OpKind.WAIT_OFFLOAD, OpKind.WAIT_RELOAD):
-            now = max(now, done.get(op.ins[0], now))
+        elif s.stream is Stream.COPY and s.copy_bytes is not None:
+            copy_free = max(now, copy_free) + s.copy_bytes(op) / device.copy_bandwidth
+            done.update((h, copy_free) for h in op.outs)
+        elif s.stream is Stream.COPY:
+            now = max([now, *(done.get(v, now) for v in op.ins)])
         out.append((start, now))
     return out
 

@@ -1,240 +1,23 @@
-"""memory_plan: every rank's device memory over one step, known before anything runs.
-
-A rank program is a straight line whose values the generated code drops at their last use (fx's code
-generator does, and a boxed stage graph drops each input at its own last use inside), so the bytes live
-after every op follow from three facts the compiler already has: which values each op defines and reads,
-which values may share memory (the alias analysis of aliases.py and each op kind's spec), and every stage
-graph's tensor sizes (the FakeTensor in each node's meta["val"], whose storage also says which results are
-views of one another). The plan walks each program once, stage graphs node by node:
-
-    storage   one per fresh allocation (a graph's fresh result, a receive buffer, a gradient sum); its bytes
-              are the FakeTensor storage's. Views and in-place results add none.
-    resident  what exists before the step: parameters, buffers, static receive buffers, the batch.
-    dynamic   what the step allocates; live while any value that may alias it is referenced. Split by what
-              references it: saved (F's saved tensors, what B leaves for W), boundary (activations sent or
-              received, their gradients, vocabulary values, posted handles), grads (gradients and their
-              sums), workspace (a stage graph's temporaries while it runs), other.
-
-    # rank 0 of 1f1b: resident 1.2 MiB, peak 3.4 MiB during [0B1] (saved 1.1, boundary 0.2, grads 0.5, ...)
-
-Assumptions (the runtime's, stated where they matter): Parameter.grad is None when the step starts
-(`optimizer.zero_grad()`'s default), so the gradients the step hands over are its own allocation and live to
-its end; allocator rounding and kernels' internal scratch memory are not counted (the CPU tracker of
-zbcompile.runtime.memory sees neither; on CUDA they are the gap to `max_memory_allocated`).
-"""
+"""rank_memory: one finished rank program's memory over the step, walked op by op (each stage graph a RUN op
+calls node by node, by its graph_profile); every other op kind by its OpSpec's fresh, aliases and keeps."""
 
 from __future__ import annotations
 
-import operator
-import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, NamedTuple, Sequence
-
-import torch
-from torch import fx
+from typing import Iterable
 
 from zbcompile.errors import LoweringError
 from zbcompile.ir.names import Role
-from zbcompile.passes.analysis.aliases import node_roots
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.ops import Op, OpKind
 from zbcompile.ir.program.values import parse
+from zbcompile.passes.analysis.memory.graphs import graph_profile, tensor_bytes
+from zbcompile.passes.analysis.memory.records import (_GRADS, _OTHER, _WORKSPACE, CATEGORIES, RankMemory, Sample,
+                                                      _category)
 
-__all__ = ["CATEGORIES", "MemoryPlan", "RankMemory", "Sample", "memory_plan", "rank_memory", "graph_profile",
-           "tensor_bytes"]
-
-CATEGORIES = ("saved", "boundary", "grads", "workspace", "other")
-_SAVED, _BOUNDARY, _GRADS, _WORKSPACE, _OTHER = range(5)
-_ACTIVATION = (_SAVED, _BOUNDARY)
-_ROLE_CATEGORY = {Role.SAVED: _SAVED, Role.WSAVED: _SAVED, Role.ACT: _BOUNDARY, Role.GRAD_ACT: _BOUNDARY,
-                  Role.DATA: _BOUNDARY, Role.VOCAB: _BOUNDARY, Role.GRAD_PARAM: _GRADS}
+__all__ = ["rank_memory"]
 
 
-class Sample(NamedTuple):
-    """One op of the program: the most dynamic bytes live while it runs, and the dynamic bytes live after it
-    by category (CATEGORIES order; workspace is 0 between ops)."""
-
-    op: int
-    peak: int
-    after: tuple[int, ...]
-
-    @property
-    def total(self) -> int:
-        return sum(self.after)
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """One rank's memory over the step (bytes). resident: what exists before the step, by kind; samples: one
-    per op; peak_op: the op during which the dynamic bytes peak, peak_split: their categories then; host: the
-    host pool's bytes (offload), not device memory."""
-
-    rank: int
-    name: str
-    resident: Mapping[str, int]
-    samples: tuple[Sample, ...]
-    peak_op: int
-    peak_at: str
-    peak_split: tuple[int, ...]
-    host: int = 0
-
-    @property
-    def resident_bytes(self) -> int:
-        return sum(self.resident.values())
-
-    @property
-    def peak_dynamic_bytes(self) -> int:
-        """The most bytes the step itself holds at once (what a tracker of the step's allocations measures)."""
-        return max((s.peak for s in self.samples), default=0)
-
-    @property
-    def peak_total_bytes(self) -> int:
-        return self.resident_bytes + self.peak_dynamic_bytes
-
-    @property
-    def peak_activation_bytes(self) -> int:
-        """The most bytes of saved and boundary tensors live at once (between ops)."""
-        return max((sum(s.after[c] for c in _ACTIVATION) for s in self.samples), default=0)
-
-    def to_json(self) -> dict:
-        return {"rank": self.rank, "peak_activation_bytes": self.peak_activation_bytes,
-                "peak_total_bytes": self.peak_total_bytes, "peak_dynamic_bytes": self.peak_dynamic_bytes,
-                "resident_bytes": self.resident_bytes, "resident": dict(self.resident),
-                "peak_op": self.peak_op, "peak_at": self.peak_at,
-                "peak_split": dict(zip(CATEGORIES, self.peak_split)), "host_bytes": self.host,
-                "timeline": [[s.op, s.peak, *s.after] for s in self.samples],
-                "timeline_columns": ["op", "peak", *CATEGORIES]}
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """Every rank's RankMemory; `table()` prints one row per rank."""
-
-    name: str
-    ranks: tuple[RankMemory, ...]
-
-    def __getitem__(self, rank: int) -> RankMemory:
-        return self.ranks[rank]
-
-    def to_json(self) -> dict:
-        return {"schedule": self.name, "ranks": [r.to_json() for r in self.ranks]}
-
-    def table(self) -> str:
-        from tabulate import tabulate
-
-        rows = [(r.rank, _mib(r.resident_bytes), _mib(r.peak_activation_bytes), _mib(r.peak_dynamic_bytes),
-                 _mib(r.peak_total_bytes), r.peak_at) for r in self.ranks]
-        return tabulate(rows, headers=("rank", "resident MiB", "peak activations MiB", "peak step MiB",
-                                       "peak total MiB", "at op"), floatfmt=".2f")
-
-
-def _mib(n: int) -> float:
-    return n / 2**20
-
-
-def memory_plan(programs: Sequence[RankProgram]) -> MemoryPlan:
-    """The memory plan of every rank's finished program (after `lower_all`)."""
-    ranks = tuple(rank_memory(p, num_ranks=len(programs)) for p in programs)
-    return MemoryPlan(programs[0].name if programs else "", ranks)
-
-
-# ---- stage graphs ------------------------------------------------------------------------------------
-class GraphProfile(NamedTuple):
-    """What running one stage graph allocates and releases, node by node (see graph_profile)."""
-
-    outputs: tuple[frozenset, ...]              # per output, its roots: input positions and fresh root names
-    fresh: Mapping[str, int]                    # fresh root -> bytes
-    steps: tuple[tuple[int, tuple[str, ...], tuple[int, ...]], ...]
-    # per node: (bytes born there, fresh roots dead after it, input positions whose last use it is)
-
-
-_PROFILES: weakref.WeakKeyDictionary[fx.GraphModule, GraphProfile] = weakref.WeakKeyDictionary()
-
-
-def graph_profile(gm: fx.GraphModule) -> GraphProfile:
-    """The graph's memory profile, from the alias roots of its nodes and their FakeTensor sizes. A fresh
-    root dies after the last user of the last node that may alias it; roots an output may alias outlive the
-    graph. Memoized per graph (weakly, as aliases.py does)."""
-    found = _PROFILES.get(gm)
-    if found is None:
-        found = _PROFILES[gm] = _profile(gm)
-    return found
-
-
-def _profile(gm: fx.GraphModule) -> GraphProfile:
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    roots = node_roots(gm)
-    output = nodes[-1]
-    outs = output.args[0]
-    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-    out_roots = tuple(roots.get(o, frozenset()) if isinstance(o, fx.Node) else frozenset() for o in outs)
-    fresh = _fresh_bytes(nodes, roots)
-    end: dict = {}           # fresh root -> index of the last node that may still reference it
-    born: dict[int, int] = {}
-    done: dict[int, list[int]] = {}
-    for n in nodes[:-1]:
-        last = max((index[u] for u in n.users if u is not output), default=index[n])
-        if output in n.users:
-            last = len(nodes)
-        for r in roots.get(n, ()):
-            if isinstance(r, int):
-                if n.op == "placeholder":
-                    done.setdefault(last, []).append(r)
-            elif r in fresh:
-                end[r] = max(end.get(r, -1), last)
-                if r not in born:
-                    born[r] = index[n]
-    survivors = set().union(*out_roots) if out_roots else set()
-    dies: dict[int, list[str]] = {}
-    for r, i in end.items():
-        if r not in survivors and i < len(nodes):
-            dies.setdefault(i, []).append(r)
-    alloc: dict[int, int] = {}
-    for r, i in born.items():
-        alloc[i] = alloc.get(i, 0) + fresh[r]
-    steps = tuple((alloc.get(i, 0), tuple(dies.get(i, ())), tuple(done.get(i, ()))) for i in range(len(nodes) - 1))
-    return GraphProfile(out_roots, fresh, steps)
-
-
-def _fresh_bytes(nodes: list[fx.Node], roots: Mapping[fx.Node, frozenset]) -> dict[str, int]:
-    """Bytes of each fresh root: a node's own result (its FakeTensor's storage) or the i-th result of a
-    multi-result op (`name[i]`); a multi-result op's own root counts the results no getitem takes out.
-    get_attr constants live in the module, not in the step."""
-    by_name = {n.name: n for n in nodes}
-    out: dict[str, int] = {}
-    for n in nodes:
-        for r in roots.get(n, ()):
-            if isinstance(r, int) or r in out:
-                continue
-            base, bracket, idx = r.partition("[")
-            owner = by_name.get(base)
-            if owner is None or owner.op == "get_attr":
-                out[r] = 0
-                continue
-            val = owner.meta.get("val")
-            if bracket:
-                k = int(idx.rstrip("]"))
-                out[r] = tensor_bytes(val[k]) if isinstance(val, (tuple, list)) and k < len(val) else 0
-            elif isinstance(val, (tuple, list)):
-                taken = {u.args[1] for u in owner.users if u.target is operator.getitem}
-                out[r] = sum(tensor_bytes(v) for k, v in enumerate(val) if k not in taken)
-            else:
-                out[r] = tensor_bytes(val)
-    return out
-
-
-def tensor_bytes(val) -> int:
-    """Bytes of the storage under a (fake) tensor; 0 for anything else."""
-    if not isinstance(val, torch.Tensor):
-        return 0
-    try:
-        return int(val.untyped_storage().nbytes())
-    except (RuntimeError, NotImplementedError):   # sparse or other storage-less layouts
-        return val.numel() * val.element_size()
-
-
-# ---- rank programs --------------------------------------------------------------------------------------
 @dataclass
 class _State:
     """The walk's state: storages, which values reference them, and running totals per category."""
@@ -294,16 +77,8 @@ class _State:
 _IN_GRAPH = "\0in-graph"   # a pseudo value: a running graph's hold on the inputs its outputs may alias
 
 
-def _category(value: str) -> int:
-    v = parse(value)
-    if v.role is Role.HANDLE:
-        inner = value[2:]
-        return _category(inner) if inner and parse(inner).role is not Role.OTHER else _BOUNDARY
-    return _ROLE_CATEGORY.get(v.role, _OTHER)
-
-
 def rank_memory(program: RankProgram, num_ranks: int = 1) -> RankMemory:
-    """One finished program's RankMemory (see the module docstring)."""
+    """One finished program's RankMemory (see the package docstring)."""
     return _Walk(program, num_ranks).run()
 
 
@@ -427,7 +202,7 @@ class _Walk:
         fresh = op.spec.fresh
         if fresh is None:
             raise LoweringError(f"rank {self.p.rank} op {i} ({op}): the memory plan does not model op kind "
-                                f"{op.kind.value}; give its OpSpec a `fresh` rule (zbcompile/ir/program/ops.py)")
+                                f"{op.kind.value}; give its OpSpec a `fresh` rule (zbcompile/ir/program/ops/)")
         sizes = fresh(op, self._nbytes, self.num_ranks)
         aliases: dict[str, list[int]] = {}
         for src, dst in op.spec.aliases(op, self._graph_aliases):

@@ -1,0 +1,173 @@
+"""Pass 3, split: differentiate each stage and cut its backward into B (input grads) and W (weight grads).
+
+    Partition  ->  StagedModel                      (split_fbw: every stage, in order)
+    Graph (a stage forward)  ->  Stage(f, b, w, bw, ...)   (split_stage: the four graphs of the stage IR)
+
+Stage s+1's received activations require grad exactly where stage s's sent ones do, so the stages are split
+first to last.
+
+1. Joint: `aot_export_joint_simple` traces forward + backward of the stage's functional forward, with
+   parameters and received activations requiring grad. Pass-through activations are left out of the traced
+   function (an output aliasing an input is not allowed there) and wired in by hand: F re-sends the input, and
+   the backward adds the incoming grad to whatever the stage itself contributes. Before the trace the stage
+   forward is made fit for it (`_differentiable_forward`): outputs aliasing inputs cloned, boundary tensors
+   contiguous, views as reshapes, slice assignments (aten.copy) as expand_copy. A stage with nothing to
+   differentiate (no input requires grad, or it only re-sends what it received) gets a trivial backward.
+2. F / BW: `min_cut_rematerialization_partition` picks what F saves (`saved:*`) and what the backward
+   recomputes; its backward is BW, the fused backward of plain 1F1B.
+3. B / W by dependency analysis on BW:
+
+       B = every node the grad:act:* outputs need            (dx = dy @ W for a Linear)
+       W = the rest of what grad:param:* needs               (dW = dy^T x, the bias sum)
+       wsaved:* = B-computed values that W reads              (e.g. dy of each Linear inside the stage)
+
+   Fused backward ops compute dX and dW in one node. `convolution_backward` is rewritten into two calls with
+   complementary `output_mask` (exact), so the heavy dW goes to W; for the others (layer norm, batch norm)
+   every `getitem` of a node in B stays in B, and W reads the small dW/db results as wsaved.
+
+Random ops stay in F and their masks are saved, so F and B agree (dropout). Buffers are inputs; their updated
+values are F outputs. Parameters are never constants of a graph.
+
+The package, in the order a stage goes through it:
+
+    __init__.py   the pass: split_fbw over the partition, split_stage for one stage
+    joint.py      the stage forward made fit for aot's joint trace (1.), and the trivial stages
+    diagnose.py   SplitError's text when the joint trace fails
+    fbw.py        F and BW from the min-cut partition (2.)
+    b_w.py        BW cut into B and W (3.)
+    common.py     what they share: aten, placeholders by position, value names as identifiers
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping, Sequence
+
+import torch
+from torch import fx
+
+from zbcompile._torch_private import FakeTensorMode, aot_export_joint_simple, min_cut_rematerialization_partition
+from zbcompile.errors import SplitError
+from zbcompile.ir.names import VOCAB_EMB, Role, key_of, role_of
+from zbcompile.ir.stages import Graph, Partition, Stage, StagedModel, TensorSpec
+from zbcompile.passes.split_fbw.b_w import _split_b_w
+from zbcompile.passes.split_fbw.diagnose import _explain_joint_failure
+from zbcompile.passes.split_fbw.fbw import _backward_graph, _forward_graph
+from zbcompile.passes.split_fbw.joint import _differentiable_forward, _fake_arg, _trivial_program
+
+__all__ = ["split_fbw", "split_stage"]
+
+
+def split_fbw(cut: Partition) -> StagedModel:
+    """A split pass: every stage of `cut` as F, B, W and BW (see the module docstring)."""
+    traced = cut.traced
+    acts: dict[str, bool] = {}   # does each sent activation carry a gradient back
+    if cut.vocab is not None:    # the summed lookup of the sharded embedding, which is trained
+        acts[VOCAB_EMB] = True
+
+    def requires_grad(name: str) -> bool:
+        role = role_of(name)
+        if role is Role.PARAM:
+            return key_of(name) not in traced.frozen
+        if role is Role.ACT:
+            return acts[name]
+        return False  # buffers and user data
+
+    stages = []
+    for sg in cut.stages:
+        stage = split_stage(sg, requires_grad, device=traced.device)
+        acts.update((spec.name, spec.requires_grad) for spec in stage.send)
+        stages.append(stage)
+    meta = {"split_points": cut.split_points}
+    sharded = frozenset(cut.vocab.params) if cut.vocab is not None else frozenset()
+    return StagedModel(_hold_unused(tuple(stages), traced, sharded), traced.num_inputs, traced.num_targets,
+                       traced.tied, meta, cut.vocab)
+
+
+def _hold_unused(stages: tuple[Stage, ...], traced, sharded: frozenset[str] = frozenset()) -> tuple[Stage, ...]:
+    """`stages` where each parameter and buffer of the model that no stage reads (a rotary embedding's saved
+    copy of its frequencies, a parameter of an unused head) is listed by exactly one stage: the one whose
+    modules hold the longest prefix of its name, else the first. A rank keeps real storage only for what its
+    stages list (zbcompile.distributed.keep_only), so without this such state would be dropped everywhere and
+    vanish from the model's state dict; listed here, it stays real on that stage's rank, untouched. The
+    vocabulary parameters (`sharded`) are every rank's, as shards: no stage lists them."""
+    used = {name for st in stages for name in st.f.inputs} | {"param:" + n for n in sharded}
+    unused = [n for n in traced.graph.inputs if role_of(n) in (Role.PARAM, Role.BUFFER) and n not in used]
+    extra: list[list[str]] = [[] for _ in stages]
+    for name in unused:
+        extra[_holding_stage(stages, key_of(name))].append(name)
+    return tuple(
+        dataclasses.replace(st, params=st.params + tuple(key_of(n) for n in more if role_of(n) is Role.PARAM),
+                            buffers=st.buffers + tuple(key_of(n) for n in more if role_of(n) is Role.BUFFER))
+        if more else st
+        for st, more in zip(stages, extra)
+    )
+
+
+def _holding_stage(stages: Sequence[Stage], fqn: str) -> int:
+    """The stage whose module paths are the longest prefix of `fqn` (0 when none is)."""
+    best, best_len = 0, -1
+    for st in stages:
+        for path in st.modules:
+            if fqn.startswith(path + ".") and len(path) > best_len:
+                best, best_len = st.index, len(path)
+    return best
+
+
+def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torch.device | None = None) -> Stage:
+    """Build F, B, W and BW for `stage` (a stage forward of the partition); `requires_grad(name)` says which
+    inputs are differentiable.
+
+    `device` replaces the meta device of inputs traced on meta (autograd does not trace meta tensors).
+    """
+    placeholders = list(stage.gm.graph.find_nodes(op="placeholder"))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # lifted constants are real tensors
+    args = tuple(
+        _fake_arg(mode, name, ph, requires_grad(name), device) for name, ph in zip(stage.inputs, placeholders)
+    )
+    diff_names, diff_gm = _differentiable_forward(stage)
+    with mode, torch.enable_grad():
+        outs = diff_gm(*args)
+    out_rg = {name: bool(o.requires_grad) for name, o in zip(diff_names, outs)}
+    in_rg = {name: bool(a.requires_grad) for name, a in zip(stage.inputs, args)}
+    rg = {**in_rg, **out_rg, **{p: in_rg[p] for p in stage.passthrough}}
+    if not any(in_rg.values()) or not diff_names:
+        # nothing to differentiate: no input requires grad, or the stage only re-sends what it received (a
+        # stage that returns its input, e.g. one doing nothing but `.to(dtype)`); aot cannot trace a joint
+        # without outputs
+        return _stage(stage, *_trivial_program(stage, diff_names, diff_gm, in_rg), rg)
+    try:
+        joint = aot_export_joint_simple(diff_gm, args, trace_joint=True)
+        fw, bw = min_cut_rematerialization_partition(joint, args, num_fwd_outputs=len(diff_names))
+    except Exception as exc:  # torch's errors name aot internals; ours names the stage, the node and the fix
+        raise SplitError(_explain_joint_failure(stage, diff_gm, exc)) from exc
+    f, saved = _forward_graph(stage, fw, diff_names)
+    tangents = [f"grad:{n}" for n in diff_names if out_rg[n]]
+    bw_graph = _backward_graph(stage, bw, saved, tangents, in_rg)
+    b, w = _split_b_w(bw_graph)
+    return _stage(stage, f, b, w, bw_graph, rg)
+
+
+def _stage(sg: Graph, f: Graph, b: Graph, w: Graph, bw: Graph, rg: Mapping[str, bool]) -> Stage:
+    """The stage IR record for stage forward `sg` and its four graphs; `rg` says which values carry grads."""
+
+    def spec(name: str, val: torch.Tensor) -> TensorSpec:
+        return TensorSpec(name, tuple(int(d) for d in val.shape), val.dtype, rg[name])
+
+    def values(nodes: Mapping[str, fx.Node]) -> dict[str, torch.Tensor]:
+        return {name: node.meta["val"] for name, node in nodes.items()}
+
+    return Stage(
+        index=sg.index,
+        f=f,
+        b=b,
+        w=w,
+        bw=bw,
+        params=tuple(key_of(n) for n in sg.inputs if role_of(n) is Role.PARAM),
+        buffers=tuple(key_of(n) for n in sg.inputs if role_of(n) is Role.BUFFER),
+        recv=tuple(spec(n, v) for n, v in values(sg.input_nodes()).items() if role_of(n) is Role.ACT),
+        send=tuple(spec(n, v) for n, v in values(sg.output_nodes()).items() if role_of(n) is Role.ACT),
+        data=tuple(int(key_of(n)) for n in sg.inputs if role_of(n) is Role.DATA),
+        modules=sg.modules,
+        has_loss="loss" in sg.outputs,
+    )
