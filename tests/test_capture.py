@@ -229,8 +229,7 @@ def test_capture_ready_programs_train_like_the_reference_when_run_eagerly(name):
     batches = [(x, y), (x.flip(0), y.flip(0)), (x.roll(1, 0), y)]
     for bx, by in batches:
         loss_fn(ref(bx), by).backward()
-    _, models, runtimes = run_threaded(model, staged, sched, batches[0], then=batches[1:],
-                                       finishing=CAPTURE_FINISHING)
+    _, models, runtimes = run_threaded(model, staged, sched, batches[0], then=batches[1:], capture=True)
     assert all(not rt.ir.wait_timeout for rt in runtimes)
     holders = param_holders(sched, staged)
     err, where = max_grad_error(ref, models, [[f for f, rs in holders.items() if r in rs] for r in range(2)])

@@ -414,7 +414,7 @@ def test_dualpipe_warns_that_mirrored_copies_update_buffers_apart():
     """DualPipe's two copies of a stage each see half of the microbatches: their BatchNorm statistics drift
     apart from eager training (gradients do not); compiling says so, and only where it happens."""
     from zbcompile import ZBCompileWarning
-    from zbcompile.api import _warn_mirrored_buffer_updates
+    from zbcompile.compiler import _warn_mirrored_buffer_updates
 
     sched = generate("dualpipe", 2, 4)
     model, loss_fn, (x, y), _ = convnet(blocks=4, batch=4)

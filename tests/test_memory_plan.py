@@ -1,4 +1,4 @@
-"""The memory plan (passes/analysis/memory.py) against an independent measurement and the papers' closed forms.
+"""The memory plan (passes/analysis/memory/) against an independent measurement and the papers' closed forms.
 
 * Every schedule at pp=2 and pp=4 runs as threads (tests/threaded.py) with each rank's step measured by the
   storage tracker (zbcompile/runtime/memory.py, a dispatch mode counting every storage the step's aten ops

@@ -8,24 +8,29 @@ from __future__ import annotations
 
 import threading
 
-from zbcompile.passes.lower import emit_fx, lower_all
+from zbcompile.compiler import compile_staged
+from zbcompile.options import CompileOptions
+from zbcompile.passes.lower import OffloadChoice, emit_fx
 from zbcompile.runtime.loopback import LoopbackWorld, rank_runtime
 
 
 def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
                  staged_inputs: bool = True, offload=None, device: str = "cpu", measure: bool | str = False,
-                 backend: str | None = None, finishing=None):
+                 backend: str | None = None, capture: bool = False):
     """One step on `batch` (inputs then targets), then one on each batch of `then`, gradients accumulating;
     returns (last losses per rank, models per rank, runtimes). `patch(rank, program)` may instrument a rank's
     GraphModule before it runs. staged_inputs=False makes the runtime cut every batch into fresh microbatch
-    slices even where the lowering found static input buffers safe. offload: lower_all's (activation offload).
+    slices even where the lowering found static input buffers safe. offload: an OffloadChoice for every rank or
+    one per rank (activation offload as given, not planned).
     device: where every rank runs (the model and batch must be there already). measure: each rank's last step
     is measured (RankRuntime.measure_step; measure="tracker": by the storage tracker on any device), kept as
-    `runtime.measured`. backend: lower_all's (the stage graphs' compiler). finishing: lower_all's (None: its
-    default)."""
+    `runtime.measured`. backend: compile's (the stage graphs' compiler). capture: lowered for CUDA-graph capture
+    (CAPTURE_FINISHING), run eagerly. The programs are the compiler's (zbcompile.compiler.compile_staged)."""
     pp = schedule.num_ranks
-    more = {} if finishing is None else {"finishing": finishing}
-    programs = lower_all(schedule, staged, offload=offload, backend=backend, **more)
+    options = CompileOptions(schedule=schedule, microbatches=schedule.num_microbatches, backend=backend,
+                             cuda_graphs=capture)
+    choices = None if offload is None else (offload,) * pp if isinstance(offload, OffloadChoice) else offload
+    programs = compile_staged(staged, schedule, options, offload_choices=choices, lint_capture=False).programs
     if not staged_inputs:
         programs = tuple(p.replace(staged_inputs=False) for p in programs)
     models = [None] * pp

@@ -126,7 +126,7 @@ class PipelineModule(nn.Module):
         return self._fx[rank]
 
     def memory_plan(self):
-        """Every rank's device memory over one step, computed from the rank programs (passes/analysis/memory.py):
+        """Every rank's device memory over one step, computed from the rank programs (passes/analysis/memory/):
         per rank the resident bytes, the bytes live after every op by category, and the peak and where it is.
         `.table()` prints it; `.to_json()` is what `zbcompile inspect --memory --json` writes."""
         from zbcompile.passes.analysis.memory import memory_plan

@@ -208,7 +208,7 @@ def _svg_legend(schedule: Schedule, chunks: dict[int, int], left: int, y: int) -
     return out
 
 
-# ---- memory over the step (passes/analysis/memory.py) ----------------------------------------------------
+# ---- memory over the step (passes/analysis/memory/) ----------------------------------------------------
 _MEMORY_COLOURS = {"saved": "#4e79a7", "boundary": "#f28e2b", "grads": "#59a14f", "workspace": "#e15759",
                    "other": "#bab0ac"}
 

@@ -13,6 +13,10 @@ pass is either cross-rank (it reads every rank's program: messages must agree on
     insert_stamps        per-action start / end timing points                                     (per rank)
     order_p2p_by_pair    receives from each peer re-posted in that peer's send order (NCCL)       (cross-rank)
 
+With vocabulary parallelism the list starts with
+
+    insert_collectives   the vocabulary layers' reduce / broadcast / all-gather around S, T, IF, IB (cross-rank)
+
 then FINISHING, which depends on where every op finally sits:
 
     static_recv_buffers  receive buffers made once and reused, wherever nothing aliasing them outlives its use
@@ -64,6 +68,7 @@ from zbcompile.passes.lower.reduce import reduce_shared_grads
 from zbcompile.passes.lower.streams import check_streams
 from zbcompile.passes.lower.validate import check_pair_order, validate_programs
 from zbcompile.passes.lower.variants import box_graphs
+from zbcompile.passes.lower.vocab import insert_collectives
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
@@ -152,18 +157,20 @@ class Lowering:
         check_backend(self.backend)
 
 
-def pipeline(lowering: Lowering, num_ranks: int, *, passes: Sequence[Pass] = LOWERING,
+def pipeline(lowering: Lowering, schedule: Schedule, staged: StagedModel, *, passes: Sequence[Pass] = LOWERING,
              finishing: Sequence[Pass] | None = None) -> tuple[Pass, ...]:
-    """The named passes after build_compute, in order, for `lowering` (see the module docstring). `passes` /
-    `finishing` replace the LOWERING / FINISHING lists (the tests run prefixes of them)."""
+    """The named passes after build_compute, in order, for `lowering` (see the module docstring): with
+    vocabulary parallelism insert_collectives first. `passes` / `finishing` replace the LOWERING / FINISHING
+    lists (the tests run prefixes of them)."""
     if finishing is None:
         finishing = CAPTURE_FINISHING if lowering.capture else FINISHING
     bound = [functools.partial(p, lookahead=lowering.recv_lookahead) if p is insert_p2p else p for p in passes
              if lowering.pair_order or p is not order_p2p_by_pair]
+    before = [insert_collectives(schedule, staged.vocab)] if schedule.vocab_shards else []
     after = [each(compile_graphs(lowering.backend))] if lowering.backend is not None else []
     if lowering.offload is not None:
-        after.append(_offload_pass(lowering.offload, num_ranks))
-    return (*bound, *finishing, *after)
+        after.append(_offload_pass(lowering.offload, schedule.num_ranks))
+    return (*before, *bound, *finishing, *after)
 
 
 def lower_all(schedule: Schedule, staged: StagedModel, lowering: Lowering | None = None, *,
@@ -186,7 +193,7 @@ def lower_all(schedule: Schedule, staged: StagedModel, lowering: Lowering | None
     if check_each_pass:
         for q in programs:
             q.check("build_compute", remote_ok=True)
-    steps = pipeline(lowering, schedule.num_ranks, passes=passes, finishing=finishing)
+    steps = pipeline(lowering, schedule, staged, passes=passes, finishing=finishing)
     programs = run_passes(programs, steps, check=check_each_pass)
     return _validated(programs, lowering.pair_order, checked=check_each_pass)
 

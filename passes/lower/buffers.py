@@ -14,7 +14,7 @@ summed out of place. Aliasing inside a stage graph is read off the aten schemas 
 
 A receive whose buffer may outlive the step keeps a fresh allocation per step: one that may become a
 Parameter's .grad (SET_GRAD takes ownership of the tensor) or the program's output. Which op keeps its
-inputs and which outputs may share memory with which inputs, each op kind's spec says (ops.py).
+inputs and which outputs may share memory with which inputs, each op kind's spec says (ir/program/ops/).
 
     h:s1.mb0.act:h = irecv(from 0 tag 0 [4, 8] float32 -> buf 0)
 

@@ -26,7 +26,7 @@ from zbcompile.ir.program.ops import AccumArgs, AccumMode, Op, OpKind, RunArgs, 
 from zbcompile.ir.names import key_of, primal_of
 from zbcompile.ir.program.values import (GRAD_LOSS, LOSS, Role, acc_value, data_value, parse, python_name, role_of,
                                          stage_value, vocab_value)
-from zbcompile.passes.lower.vocab import VocabLowering, reports_loss, vocab_input
+from zbcompile.passes.lower.vocab import check_vocab, reports_loss, vocab_input, vocab_run
 from zbcompile.ir.schedule import KIND_SPECS, Action, Kind, Schedule
 from zbcompile.ir.stages import Graph, Stage, StagedModel
 
@@ -104,15 +104,15 @@ def _resolve_input(schedule: Schedule, action: Action, name: str) -> str:
 
 
 def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankProgram:
-    """Rank `rank`'s program: one RUN op per action, buffer copies after F, and the loss sum at the end; the
-    vocabulary layers' actions with their collectives (passes/lower/vocab.py)."""
+    """Rank `rank`'s program: one RUN op per action (the vocabulary layers' sharded ones included, without their
+    collectives: passes/lower/vocab.py inserts those), buffer copies after F, and the loss sum at the end."""
     ops: list[Op] = []
     losses: list[str] = []
     graphs: dict[str, ProgramGraph] = {}
-    vocab = VocabLowering(schedule, staged.vocab, rank, graphs) if schedule.vocab_shards else None
+    vocab = check_vocab(schedule, staged.vocab) if schedule.vocab_shards else None
     for action in schedule.ranks[rank]:
         if KIND_SPECS[action.kind].sharded:
-            ops += vocab.action(action)
+            ops.append(vocab_run(vocab, action, graphs))
             if reports_loss(action):
                 losses.append(vocab_value(action.microbatch, LOSS))
             continue
@@ -123,8 +123,7 @@ def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankPro
             graphs[key] = _program_graph(stage, g)
         ins = tuple(_resolve_input(schedule, action, n) for n in g.inputs)
         outs = tuple(stage_value(action.stage, action.microbatch, n) for n in g.outputs)
-        run = Op(OpKind.RUN, ins, outs, RunArgs(action, key))
-        ops += vocab.before(run) if vocab is not None else [run]
+        ops.append(Op(OpKind.RUN, ins, outs, RunArgs(action, key)))
         if action.kind is not Kind.F:
             continue
         for name, vid in zip(g.outputs, outs):
@@ -132,8 +131,6 @@ def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankPro
                 losses.append(vid)
             elif role_of(name) is Role.BUFFER:
                 ops.append(Op(OpKind.COPY_BUFFER, (name, vid), note="buffer update"))
-    if vocab is not None:
-        ops += vocab.finish()
     if losses:  # one sum of every microbatch's (0-dim) loss: one call, not one add per microbatch
         ops.append(Op(OpKind.ADD_LOSS, tuple(losses), (LOSS,), note=f"{len(losses)} microbatches"))
     return RankProgram(schedule.name, rank, schedule.num_microbatches, inputs=_program_inputs(ops),

@@ -1,7 +1,8 @@
 """The vocabulary layers in a rank program: one RUN op per sharded action, with its collectives.
 
-build_compute calls `VocabLowering.action` for each sharded action (S, T, IF, IB: every rank, its own shard).
-Every rank posts the same collectives in the same order (the schedule's sharded sequence is the same on every
+build_compute makes one RUN op per sharded action (`vocab_run`: S, T, IF, IB, every rank its own shard); the
+pass `insert_collectives`, first of the lowering for a schedule with sharded actions, adds the collectives
+around them. Every rank posts the same collectives in the same order (the schedule's sharded sequence is the same on every
 rank; Schedule.validate), numbered by `seq`:
 
     [0IF3] v.mb3.vocab:part = vocab_if(param:wte, vocab:offset, mb3.data:0)
@@ -29,15 +30,17 @@ reduce off its root) goes before the rank's next sharded action, so at most one 
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from zbcompile.errors import LoweringError
 from zbcompile.ir.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, key_of, role_of
-from zbcompile.ir.program import ProgramGraph
+from zbcompile.ir.program import ProgramGraph, RankProgram
 from zbcompile.ir.program.ops import Coll, CollArgs, Op, OpKind, RunArgs, TensorType
 from zbcompile.ir.program.values import GRAD_LOSS, VOCAB_OFFSET, data_value, handle, stage_value, vocab_value
-from zbcompile.ir.schedule import Action, Kind, Schedule
+from zbcompile.ir.schedule import KIND_SPECS, Action, Kind, Schedule
 from zbcompile.ir.stages import VocabLayers
 
-__all__ = ["VocabLowering", "vocab_input", "reports_loss", "VOCAB_GRAPHS"]
+__all__ = ["insert_collectives", "check_vocab", "vocab_run", "vocab_input", "reports_loss", "VOCAB_GRAPHS"]
 
 VOCAB_GRAPHS = {Kind.IF: "if", Kind.S: "s", Kind.T: "t", Kind.IB: "ib"}
 
@@ -57,27 +60,82 @@ def vocab_input(name: str, microbatch: int) -> str | None:
                         f"or a last stage (grad:act:vocab.x) reads")
 
 
-class VocabLowering:
-    """The sharded actions of one rank's program, in order, with their collectives and deferred waits."""
+def check_vocab(schedule: Schedule, vocab: VocabLayers | None) -> VocabLayers:
+    """The vocabulary layers a schedule with sharded actions lowers against; LoweringError if they do not fit."""
+    if vocab is None:
+        raise LoweringError(f"schedule {schedule.name!r} has vocabulary actions (S, T, IF, IB) but the model "
+                            "was split without vocabulary parallelism; split with vocab_shards=p "
+                            "(zb.compile(..., vocab_parallel=True))")
+    if vocab.shards != schedule.num_ranks:
+        raise LoweringError(f"the vocabulary is split into {vocab.shards} shards but schedule "
+                            f"{schedule.name!r} has {schedule.num_ranks} ranks; split with "
+                            f"vocab_shards={schedule.num_ranks}")
+    return vocab
 
-    def __init__(self, schedule: Schedule, vocab: VocabLayers | None, rank: int,
-                 graphs: dict[str, ProgramGraph]):
-        if vocab is None:
-            raise LoweringError(f"schedule {schedule.name!r} has vocabulary actions (S, T, IF, IB) but the model "
-                                "was split without vocabulary parallelism; split with vocab_shards=p "
-                                "(zb.compile(..., vocab_parallel=True))")
-        if vocab.shards != schedule.num_ranks:
-            raise LoweringError(f"the vocabulary is split into {vocab.shards} shards but schedule "
-                                f"{schedule.name!r} has {schedule.num_ranks} ranks; split with "
-                                f"vocab_shards={schedule.num_ranks}")
-        self.schedule, self.vocab, self.rank, self.graphs = schedule, vocab, rank, graphs
+
+def vocab_run(vocab: VocabLayers, action: Action, graphs: dict[str, ProgramGraph]) -> Op:
+    """The RUN op of sharded `action` (this rank's shard), its graph added to `graphs` (build_compute)."""
+    kind, _, mb = action
+    key = "vocab_" + VOCAB_GRAPHS[kind]
+    g = vocab.graphs[VOCAB_GRAPHS[kind]]
+    if key not in graphs:
+        graphs[key] = ProgramGraph(g.gm, g.inputs, g.outputs, types=_output_types(g))
+    ins = tuple(_input(name, mb) for name in g.inputs)
+    outs = tuple(vocab_value(mb, name, input_layer=kind is Kind.IB) for name in g.outputs)
+    return Op(OpKind.RUN, ins, outs, RunArgs(action, key))
+
+
+def _input(name: str, mb: int) -> str:
+    role = role_of(name)
+    if name == VOCAB_OFFSET or role is Role.PARAM:
+        return name
+    if role is Role.DATA:
+        return data_value(mb, int(key_of(name)))
+    if role is Role.GRAD_LOSS:
+        return GRAD_LOSS
+    if role is Role.VOCAB:
+        return vocab_value(mb, name)
+    raise LoweringError(f"vocabulary graph input {name!r} has no known meaning")
+
+
+def insert_collectives(schedule: Schedule, vocab: VocabLayers | None):
+    """The cross-rank pass adding the vocabulary layers' collectives and their waits around every rank's
+    sharded RUN ops (see the module docstring). Every rank posts the same sequence, numbered alike."""
+    check_vocab(schedule, vocab)
+
+    def insert_collectives(programs: Sequence[RankProgram]) -> tuple[RankProgram, ...]:
+        return tuple(_Collectives(schedule, vocab, p.rank).rewrite(p) for p in programs)
+    return insert_collectives
+
+
+class _Collectives:
+    """One rank's sharded actions, in order, with their collectives and deferred waits."""
+
+    def __init__(self, schedule: Schedule, vocab: VocabLayers, rank: int):
+        self.schedule, self.vocab, self.rank = schedule, vocab, rank
         self.seq = 0
         self.pending: list[Op] = []   # waits not placed yet
 
+    def rewrite(self, program: RankProgram) -> RankProgram:
+        """The program with every collective posted after (S, IB: before) its action, and each wait before
+        the first op reading its result; waits still pending go before the loss sum, or last."""
+        ops: list[Op] = []
+        for op in program.ops:
+            if op.kind is OpKind.ADD_LOSS:
+                ops += self.finish()
+                ops.append(op)
+            elif op.kind is OpKind.RUN and KIND_SPECS[op.args.action.kind].sharded:
+                ops += self.action(op)
+            elif op.kind is OpKind.RUN:
+                ops += self._before_reads([op])
+            else:
+                ops.append(op)
+        return program.replace(ops=tuple(ops + self.finish()))
+
     # ---- the ops of one action ------------------------------------------------------------------------
-    def action(self, action: Action) -> list[Op]:
-        """The ops of sharded `action` (this rank's shard), after the waits due before it."""
-        kind, _, mb = action
+    def action(self, run: Op) -> list[Op]:
+        """The ops of a sharded action's RUN op, after the waits due before it."""
+        kind, _, mb = run.args.action
         ops = self._flush_resultless()
         sched = self.schedule
         first, last = sched.placement[sched.first_of(mb)], sched.placement[sched.last_of(mb)]
@@ -87,7 +145,7 @@ class VocabLowering:
         elif kind is Kind.IB:
             ops += self._post(Coll.BROADCAST, first, mb, stage_value(sched.first_of(mb), mb, "grad:" + VOCAB_EMB),
                               "vocab:demb", self.vocab.emb.shape, self.vocab.emb.dtype, now=True)
-        ops += self._before_reads(self._run(action))
+        ops += self._before_reads([run])
         if kind is Kind.IF:
             ops += self._post(Coll.REDUCE, first, mb, vocab_value(mb, "vocab:part"), _SUMMED_EMB,
                               self.vocab.emb.shape, self.vocab.emb.dtype)
@@ -99,37 +157,10 @@ class VocabLowering:
                               self.vocab.x.shape, self.vocab.x.dtype)
         return ops
 
-    def before(self, op: Op) -> list[Op]:
-        """The deferred waits whose results `op` reads, to go right before it."""
-        return self._before_reads([op])
-
     def finish(self) -> list[Op]:
-        """Every wait still pending, for the program's end."""
+        """Every wait still pending."""
         ops, self.pending = self.pending, []
         return ops
-
-    # ---- helpers ---------------------------------------------------------------------------------------
-    def _run(self, action: Action) -> list[Op]:
-        kind, _, mb = action
-        key = "vocab_" + VOCAB_GRAPHS[kind]
-        g = self.vocab.graphs[VOCAB_GRAPHS[kind]]
-        if key not in self.graphs:
-            self.graphs[key] = ProgramGraph(g.gm, g.inputs, g.outputs, types=_output_types(g))
-        ins = tuple(self._input(name, mb) for name in g.inputs)
-        outs = tuple(vocab_value(mb, name, input_layer=kind is Kind.IB) for name in g.outputs)
-        return [Op(OpKind.RUN, ins, outs, RunArgs(action, key))]
-
-    def _input(self, name: str, mb: int) -> str:
-        role = role_of(name)
-        if name == VOCAB_OFFSET or role is Role.PARAM:
-            return name
-        if role is Role.DATA:
-            return data_value(mb, int(key_of(name)))
-        if role is Role.GRAD_LOSS:
-            return GRAD_LOSS
-        if role is Role.VOCAB:
-            return vocab_value(mb, name)
-        raise LoweringError(f"vocabulary graph input {name!r} has no known meaning")
 
     def _post(self, op: Coll, root: int, mb: int, source: str, result: str, shape, dtype,
               now: bool = False) -> list[Op]:

@@ -16,8 +16,8 @@ form) is a pass that adds or replaces an entry of that table.
        ...
           return loss
 
-Value names are described in `values.py`, op kinds in `ops.py` (one spec per kind). The printed program
-parses back: `RankProgram.from_text(p.to_text(), graphs=p.graphs)` equals `p` (without `graphs`, each entry
+Value names are described in `values.py`, op kinds in `ops/` (one spec per kind, in its family's module). The
+printed program parses back: `RankProgram.from_text(p.to_text(), graphs=p.graphs)` equals `p` (without `graphs`, each entry
 keeps its signature and types but no GraphModule, enough for passes that only move ops).
 """
 
@@ -134,8 +134,9 @@ class RankProgram:
     def check(self, after: str = "", remote_ok: bool = False) -> RankProgram:
         """Every value is defined once, before its uses, and not used after it is freed; every op kind has a
         spec and every RUN op a graph. remote_ok: a stage value of a stage this rank does not run may be read
-        without a definition (before insert_p2p receives it). Linear in the ops (set operations per op: it
-        runs after every pass)."""
+        without a definition (before insert_p2p receives it), and so may a vocabulary value while the program
+        has no collective yet (before insert_collectives adds the waits that define it). Linear in the ops (set
+        operations per op: it runs after every pass)."""
         live: set[str] = set(self.inputs)
         freed: dict[str, int] = {}
         local = self.local_stages() if remote_ok else set()
@@ -167,7 +168,9 @@ class RankProgram:
             if v in live:
                 continue
             value = parse_value(v)
-            if not (remote_ok and value.scope == "stage" and value.stage not in local):
+            remote = value.scope == "stage" and value.stage not in local
+            collected = value.scope == "vocab" and not any(o.kind is OpKind.COLLECTIVE for o in self.ops)
+            if not (remote_ok and (remote or collected)):
                 raise LoweringError(self._where(i, f"uses {v!r} before it is defined", after))
 
     def _where(self, index: int, what: str, after: str) -> str:
