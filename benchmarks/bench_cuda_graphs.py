@@ -17,23 +17,19 @@ Without CUDA it says so and exits with status 2 (no CPU stand-in for timings).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+from tabulate import tabulate
 
-import torch  # noqa: E402
-from tabulate import tabulate  # noqa: E402
-
-from _bench_models import build_model, make_batch  # noqa: E402
-from zbcompile.examples.gpt import loss_fn  # noqa: E402
-from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all  # noqa: E402
-from zbcompile.runtime import RankRuntime  # noqa: E402
-from zbcompile.ir.schedule import Schedule  # noqa: E402
-from zbcompile.split import split_model  # noqa: E402
+from _harness import build_model, make_batch, write_results
+from zbcompile.examples.gpt import loss_fn
+from zbcompile.ir.schedule import Schedule
+from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all
+from zbcompile.runtime import RankRuntime
+from zbcompile.split import split_model
 
 
 def one_rank_schedule(stages: int, m: int) -> Schedule:
@@ -80,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the results here instead of benchmarks/results/")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cuda_graphs: needs a CUDA device (torch.cuda.is_available() is False); nothing measured",
@@ -101,9 +97,7 @@ def main(argv=None) -> int:
         eager, graph = (r for r in rows if r["stages"] == s)
         print(f"{s} stage(s): {eager['us_per_action'] / graph['us_per_action']:.1f}x less time per action with "
               "CUDA graphs")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"cfg": cfg, "rows": rows}, fh, indent=1)
+    write_results("bench_cuda_graphs", {"cfg": cfg, "rows": rows}, args.json, default=argv is None)
     return 0
 
 

@@ -19,18 +19,15 @@ round (trace, split, lower, compile), `first step s` the first step's (torch.com
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tabulate import tabulate
 
-from tabulate import tabulate  # noqa: E402
-
-from bench_pp import Bench, med  # noqa: E402
+from _harness import Runner, med, write_results
 
 # label -> (side, schedule, cfg overrides)
 CONFIGS = {
@@ -47,7 +44,7 @@ CONFIGS = {
 DEFAULT = list(CONFIGS)[:6]
 
 
-def run_config(bench: Bench, label: str, rnd: int) -> dict:
+def run_config(bench: Runner, label: str, rnd: int) -> dict:
     side, name, extra = CONFIGS[label]
     base = bench.cfg
     bench.cfg = dict(base, **extra)
@@ -79,14 +76,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="default 3 (--quick: 1)")
     ap.add_argument("--configs", default=",".join(DEFAULT),
                     help=f"comma-separated labels (default: the first six; known: {', '.join(CONFIGS)})")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the results here instead of benchmarks/results/")
     args = ap.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 3)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     cache = tempfile.mkdtemp(prefix="bench_inductor_cache_", dir="/tmp")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache   # round 0 compiles cold, later rounds hit the cache
-    bench = Bench(argparse.Namespace(quick=args.quick, warmup_s=2.0, steps=6, max_measure_s=6.0, our_split="same",
+    bench = Runner(argparse.Namespace(quick=args.quick, warmup_s=2.0, steps=6, max_measure_s=6.0, our_split="same",
                                      profile=0, timeout=600.0))
     labels = [c.strip() for c in args.configs.split(",")]
     results: dict = {label: [] for label in labels}
@@ -121,9 +118,8 @@ def main(argv=None) -> int:
     lines.append(f"total wall time {time.time() - bench.T0:.0f} s")
     text = "\n".join(lines)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(results=results, table=text, cfg=bench.cfg), f, indent=1)
+    write_results("bench_inductor", dict(results=results, table=text, cfg=bench.cfg), args.json,
+                  default=argv is None)
     shutil.rmtree(bench.tmp, ignore_errors=True)
     shutil.rmtree(cache, ignore_errors=True)
     return 0

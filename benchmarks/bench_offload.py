@@ -3,6 +3,7 @@
 
     python benchmarks/bench_offload.py                 # pp=2, about 4 min on 2 vCPUs
     python benchmarks/bench_offload.py --rounds 1 --json out.json
+    python benchmarks/bench_offload.py --quick         # smoke test: tiny model, 1 round, small prediction
 
 Part 1, measured (gloo on 127.0.0.1, 1 thread per rank, pp=2): zbcompile.examples.gpt.GPT with d=128, 8 blocks,
 seq 256, V=512, 8 microbatches of 2 sequences, schedule zb-h1. Configs, fresh processes each, interleaved in
@@ -23,22 +24,17 @@ recomputed norms: about 20 b s h bytes per layer, where this trace saves several
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import tempfile
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from tabulate import tabulate  # noqa: E402
-
-from _bench_workers import _finish, _grad_clearer, _init_pg, _measure_loop, build_ours  # noqa: E402
-from _bench_models import make_batch  # noqa: E402
-from bench_pp import free_port, load, med, spawn  # noqa: E402
+from _harness import (build_ours, finish, free_port, grad_clearer, init_pg, load, make_batch, measure_loop, med,
+                      spawn, write_results)
 
 CONFIGS = ("none", "half", "floor")
 SCHEDULE = "zb-h1"
@@ -50,7 +46,7 @@ def offload_worker(rank: int, world: int, cfg: dict, mode: str, port: int, outdi
     torch.set_num_threads(1)
     out: dict = dict(rank=rank, mode=mode)
     try:
-        _init_pg(rank, world, port)
+        init_pg(rank, world, port)
         pm, _, _, _ = build_ours(cfg, SCHEDULE, rank, world)
         plain = [r.peak_total_bytes for r in pm.memory_plan().ranks]
         if mode != "none":
@@ -60,8 +56,8 @@ def offload_worker(rank: int, world: int, cfg: dict, mode: str, port: int, outdi
             out["budget"] = budget[rank]
             out["offloaded_bytes"] = pm.offload_report[rank].offloaded_bytes
         x, y = make_batch(cfg)
-        zero = _grad_clearer(list(pm.parameters()))
-        rec = _measure_loop(cfg, lambda: dict(loss=float(pm.step(x, y))), zero, True)
+        zero = grad_clearer(list(pm.parameters()))
+        rec = measure_loop(cfg, lambda: dict(loss=float(pm.step(x, y))), zero, True)
         zero()
         dist.barrier()
         _, measured = pm.measure_memory(x, y)
@@ -71,7 +67,7 @@ def offload_worker(rank: int, world: int, cfg: dict, mode: str, port: int, outdi
                    host_bytes=plan.host)
     except Exception as e:  # noqa: BLE001
         out.update(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-    _finish(outdir, f"res_{tag}_r{rank}.json", out)
+    finish(outdir, f"res_{tag}_r{rank}.json", out)
 
 
 def run(cfg: dict, mode: str, tmp: str, timeout: float) -> list[dict]:
@@ -84,11 +80,9 @@ def run(cfg: dict, mode: str, tmp: str, timeout: float) -> list[dict]:
 def predicted(pp: int = 2, d: int = 4096, seq: int = 4096, layers: int = 4,
               dtypes=(torch.float32, torch.bfloat16)) -> list[list]:
     """k and the modelled slowdown for a large GPT, planned on the meta device (nothing is allocated)."""
-    from zbcompile.api import model_stage_placement
+    from zbcompile import generate, split_model
     from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
     from zbcompile.passes.lower import lower_all
-    from zbcompile.passes.schedules import generate
-    from zbcompile.split import split_model
 
     rows = []
     for dtype in dtypes:
@@ -96,8 +90,9 @@ def predicted(pp: int = 2, d: int = 4096, seq: int = 4096, layers: int = 4,
             model = GPT(GPTConfig(vocab=32000, seq=seq, d=d, heads=d // 128, layers=layers, dropout=0.0)).to(dtype)
             x = torch.zeros(1, seq, dtype=torch.long)
         sched = generate(SCHEDULE, pp, 8)
+        # traced on the meta device, example included; the cuts balanced per group of ranks, as zb.compile does
         staged = split_model(model, loss_fn, (x, x), num_stages=sched.num_model_stages,
-                             placement=model_stage_placement(sched))
+                             placement=sched.stage_groups())
         rows += _predict(lower_all(sched, staged), str(dtype).removeprefix("torch."), d, seq)
     return rows
 
@@ -125,18 +120,23 @@ def _predict(programs, dtype: str, d: int, seq: int) -> list[list]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None, help="default 2 (--quick: 1)")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: GPT d=64, 4 blocks, seq 64, 1 round; the prediction at d=512, seq 512")
+    ap.add_argument("--json", default=None, help="write the results here instead of benchmarks/results/")
     ap.add_argument("--timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
     cfg = dict(model="gpt", d=128, layers=8, heads=4, seq=256, vocab=512, mbs=2, n_mb=8, seed=0,
                threads_per_rank=1, warmup=1, warmup_s=0.0, steps=args.steps, max_measure_s=60.0,
                our_split="auto", split="balanced")
+    if args.quick:
+        cfg.update(d=64, layers=4, seq=64, steps=3)
+    rounds_n = args.rounds or (1 if args.quick else 2)
     tmp = tempfile.mkdtemp(prefix="bench_offload_", dir="/tmp")
     started = time.time()
     rounds: dict[str, list] = {}
-    for rnd in range(args.rounds):
+    for rnd in range(rounds_n):
         for mode in CONFIGS if rnd % 2 == 0 else tuple(reversed(CONFIGS)):
             ranks = run(cfg, mode, tmp, args.timeout)
             errors = [r["error"] + "\n" + r.get("traceback", "")[-1500:] for r in ranks if r.get("error")]
@@ -166,12 +166,10 @@ def main(argv=None) -> int:
                                   "planned peak MiB", "planned step MiB", "measured step MiB", "moved MiB",
                                   "loss"]))
     print()
-    pred = predicted()
+    pred = predicted(d=512, seq=512) if args.quick else predicted()
     print(tabulate(pred, headers=["device", "dtype", "rank", "peak GiB w/o", "k model", "k paper formula",
                                   "overlapped: peak GiB", "slowdown", "just in time: peak GiB", "slowdown"]))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(cfg=cfg, rounds=rounds, predicted=pred), fh, indent=1)
+    write_results("bench_offload", dict(cfg=cfg, rounds=rounds, predicted=pred), args.json, default=argv is None)
     return 0
 
 

@@ -26,24 +26,15 @@ stages): same forward and loss, but torch does not sum the tied gradient. Ours d
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
-import statistics
 import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tabulate import tabulate
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from tabulate import tabulate  # noqa: E402
-
-from _bench_models import describe, partition, stage_to_rank  # noqa: E402
-from _bench_workers import (OUR_SCHEDULES, TORCH_SCHEDULES, ours_worker, overhead_worker, probe_worker,  # noqa: E402
-                            single_worker, torch_worker)
+from _harness import (OUR_SCHEDULES, TORCH_SCHEDULES, Runner, describe, med, partition, stage_to_rank,
+                      write_results)
 
 DEFAULT_OURS = "1f1b,zb-h1,zb-h2,zb-auto,interleaved-1f1b,zbv,v-half,dualpipev"
 DEFAULT_TORCH = "1F1B,Interleaved1F1B,InterleavedZeroBubble,ZBVZeroBubble,DualPipeV"
@@ -59,266 +50,59 @@ RUN_ORDER = ["GPipe", "gpipe", "1F1B", "1f1b", "zb-h1", "zb-h2", "zb-auto", "Int
              "interleaved-1f1b", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "zbv", "v-min", "v-half",
              "v-zb", "DualPipeV", "dualpipev"]
 
-
-def med(xs):
-    return statistics.median(xs) if xs else float("nan")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(fn, args, nprocs: int, timeout: float) -> str | None:
-    """Run fn(rank, *args) in nprocs spawned processes; returns an error string on timeout / crash."""
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    t_end = time.time() + timeout
-    try:
-        while not ctx.join(timeout=max(0.5, min(5.0, t_end - time.time()))):
-            if time.time() > t_end:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                return f"timed out after {timeout:.0f} s"
-    except Exception as e:  # noqa: BLE001  (a rank died)
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-        return f"{type(e).__name__}: {str(e)[:300]}"
-    return None
+SPEED_LEGEND = ("step ms = median of the best round (rounds ms = each round's median, every other round "
+                "in reverse order); x torch equiv = torch step / ours (>1: ours faster); x 1p-2t = single "
+                "process 2 threads step / this step; bubble = ours, measured per rank (1 - busy/span), "
+                "median of the measured steps; CPU ms/step = process CPU time per step summed over ranks, "
+                "median of the best round (less sensitive to other jobs than wall time; a 2-thread "
+                "process counts both threads); loss diff = |first-step loss - single-process loss|; "
+                "grad diff = max |grad - single-process grad| after the first step (ours, all params "
+                "incl. the tied wte).")
+OVERHEAD_LEGEND = ("  us/action = step / (compute + P2P actions of the busiest rank). host / gloo us/act: "
+                   "cProfile of 10 more steps on rank 0, time outside / inside torch._C._distributed_c10d "
+                   "(posting send/recv, waits, collectives); cProfile inflates call-heavy runtimes (torch) by "
+                   "~1 us per call. Target: ours <= 0.20x torch's per action.")
 
 
-def proc(fn, args, timeout: float, env: dict | None = None) -> str | None:
-    """Run fn(*args) in one spawned process with `env` overrides (OMP_NUM_THREADS must be set before start)."""
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        p = mp.get_context("spawn").Process(target=fn, args=args)
-        p.start()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    p.join(timeout)
-    if p.is_alive():
-        p.terminate()
-        return f"timed out after {timeout:.0f} s"
-    return None if p.exitcode == 0 else f"exit code {p.exitcode}"
+def overhead_lines(ov: dict) -> list:
+    """Section (d): the null model's step time per action, ours and torch's, with the cProfile split."""
+    oc = ov["cfg"]
+    lines = ["", f"per-action host overhead, null model (Embedding, {oc['layers']} residual Linear units d="
+                 f"{oc['d']}, head; seq={oc['seq']}, {oc['n_mb']} microbatches of {oc['mbs']}); gloo one-way "
+                 f"latency {ov.get('pingpong_oneway_us') or float('nan'):.0f} us"]
+    s1 = ov.get("single", {})
+    if s1.get("step_s"):
+        lines.append(f"  one process, same model, 1 thread: {1e3 * med(s1['step_s']):.2f} ms/step "
+                     f"({1e6 * med(s1['step_s']) / oc['n_mb']:.0f} us per microbatch fwd+bwd+loss)")
+    rows = [overhead_row(key, v, ov) for key, v in ov.items() if ":" in key]
+    lines.append(tabulate(rows, headers=["schedule", "step ms", "actions r0 r1 (comp+p2p)", "us/action",
+                                         "us/compute-action", "host us/act (prof)", "gloo us/act (prof)",
+                                         "calls/act", "ours/torch: us/action / host"], tablefmt="github"))
+    lines.append(OVERHEAD_LEGEND)
+    return lines
 
 
-def load(path: str) -> dict | None:
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def grad_diff(ref: dict, got: dict) -> tuple[float, float, list]:
-    mx = mref = 0.0
-    missing = []
-    for n, g in ref.items():
-        if n not in got:
-            missing.append(n)
-            continue
-        mx = max(mx, float((got[n] - g).abs().max()))
-        mref = max(mref, float(g.abs().max()))
-    return mx, (mx / mref if mref else float("nan")), missing
-
-
-def split_summary(splits: list, nacts: list, bias: tuple[float, float]) -> dict:
-    """Per-action split of the probed steps (see _bench_workers._timed_split), all ranks together: for each
-    step i, sum over ranks of the part / sum over ranks of the actions; the median over steps. Also each
-    rank's own median. The probe wrappers' own cost (calls x `bias`, (wall, CPU) seconds per probed call,
-    measured in place) is taken off the overhead."""
-    n = min(len(sp["wall"]) for sp in splits)
-    tot = sum(nacts)
-
-    def parts(sp, i):
-        wall_bias = bias[0] * (sp["ncomp"][i] + sp["ncomm"][i])
-        cpu_bias = bias[1] * (sp["ncomp"][i] + sp["ncomm"][i])
-        return dict(wall=sp["wall"][i], comp=sp["comp"][i], comm=sp["comm"][i],
-                    ovh_wall=sp["wall"][i] - sp["comp"][i] - sp["comm"][i] - wall_bias,
-                    ovh_cpu=sp["tcpu"][i] - sp["comp_cpu"][i] - sp["comm_cpu"][i] - cpu_bias,
-                    ovh_pcpu=sp["pcpu"][i] - sp["comp_cpu"][i] - cpu_bias,
-                    calls=sp["ncomp"][i] + sp["ncomm"][i])
-
-    keys = ("wall", "comp", "comm", "ovh_wall", "ovh_cpu", "ovh_pcpu", "calls")
-    all_steps = [[parts(sp, i) for sp in splits] for i in range(n)]
-    res = {k: 1e6 * med([sum(p[k] for p in step) / tot for step in all_steps]) for k in keys}
-    res["calls"] /= 1e6
-    per_rank = {k: [(1e6 if k != "calls" else 1.0) * med([step[r][k] for step in all_steps]) / nacts[r]
-                    for r in range(len(splits))] for k in keys}
-    out = dict(split_us_per_action=res, split_per_rank=per_rank, split_steps=n,
-               probe_bias_us=1e6 * med([sp["bias_s"] for sp in splits]),
-               probe_bias_cpu_us=1e6 * med([sp["bias_cpu_s"] for sp in splits]),
-               used_bias_us=(1e6 * bias[0], 1e6 * bias[1]),
-               warm_bias_us=1e6 * med([sp.get("warm_comm_bias_s", float("nan")) for sp in splits]))
-    if splits[0].get("stamp_comp") and all(v is not None for v in splits[0]["stamp_comp"]):
-        out["stamp_comp_us_per_action_r0"] = 1e6 * med(splits[0]["stamp_comp"]) / nacts[0]
-    return out
+def overhead_row(key: str, v: dict, ov: dict) -> list:
+    side, name = key.split(":")
+    if "error" in v:
+        return [key, "ERROR " + v["error"][:100], "", "", "", "", ""]
+    ratio = ""
+    if side == "ours" and f"torch:{EQUIVALENT.get(name)}" in ov and "us_per_action" in ov[f"torch:{EQUIVALENT[name]}"]:
+        t = ov[f"torch:{EQUIVALENT[name]}"]
+        ratio = f"{v['us_per_action'] / t['us_per_action']:.2f}"
+        if "host_us_per_action" in v and "host_us_per_action" in t:
+            ratio += f" / {v['host_us_per_action'] / t['host_us_per_action']:.2f}"
+        ratio += f" ({EQUIVALENT[name]})"
+    return [key, f"{1e3 * v['step_s']:.2f}", " ".join(f"{x['compute']}+{x['comm']}" for x in v["actions"]),
+            f"{v['us_per_action']:.0f}", f"{v['us_per_compute']:.0f}",
+            f"{v.get('host_us_per_action', float('nan')):.0f}", f"{v.get('comm_us_per_action', float('nan')):.0f}",
+            f"{v.get('calls_per_action', float('nan')):.0f}", ratio]
 
 
 # ---- the driver -----------------------------------------------------------------------------------------
-class Bench:
-    def __init__(self, args):
-        self.args = args
-        self.world = 2
-        self.cfg = dict(model="gpt", d=256, layers=8, heads=4, seq=128, vocab=8192, mbs=2, n_mb=8, seed=0,
-                        threads_per_rank=1, warmup=2, warmup_s=args.warmup_s, steps=args.steps,
-                        max_measure_s=args.max_measure_s, our_split=args.our_split, split="balanced")
-        if args.quick:
-            self.cfg.update(d=64, layers=4, seq=32, vocab=512, mbs=1, warmup=1, warmup_s=0.3, steps=3,
-                            max_measure_s=1.0)
-        self.tmp = tempfile.mkdtemp(prefix="bench_pp_", dir="/tmp")
-        self.T0 = time.time()
-        self.report: dict = dict(torch=torch.__version__, python=sys.version.split()[0], cfg=self.cfg,
-                                 world=self.world, cpu_count=os.cpu_count(), argv=sys.argv[1:],
-                                 started=time.strftime("%Y-%m-%d %H:%M:%S"))
-        self.tokens = self.cfg["mbs"] * self.cfg["n_mb"] * self.cfg["seq"]
+class Bench(Runner):
+    """The whole run: (a)-(c) for `--rounds` rounds, then (d); `table()` renders the report."""
 
-    def log(self, msg: str) -> None:
-        print(f"[{time.time() - self.T0:6.1f}s] {msg}", flush=True)
-
-    # -- pieces --
-    def probe(self, tag: str) -> dict:
-        secs = 0.6 if self.args.quick else 2.5
-        proc(probe_worker, (0, self.cfg, secs, self.tmp, tag + "_alone"), 120, {"OMP_NUM_THREADS": "1"})
-        os.environ["OMP_NUM_THREADS"] = "1"
-        ps = [mp.get_context("spawn").Process(target=probe_worker, args=(i, self.cfg, secs, self.tmp, tag + "_pair"))
-              for i in range(2)]
-        for p in ps:
-            p.start()
-        for p in ps:
-            p.join(120)
-
-        def tail(v):  # the first 30% of samples are the VM's start-up transient
-            return v[int(len(v) * 0.3):] or v
-
-        try:
-            alone = med(tail(load(os.path.join(self.tmp, f"probe_{tag}_alone_0.json"))["step_s"]))
-            pair = [med(tail(load(os.path.join(self.tmp, f"probe_{tag}_pair_{i}.json"))["step_s"])) for i in range(2)]
-        except (TypeError, KeyError):
-            return dict(error="probe failed")
-        res = dict(alone_ms=1e3 * alone, pair_ms=[1e3 * p for p in pair], capacity=sum(alone / p for p in pair))
-        self.log(f"probe {tag}: alone {res['alone_ms']:.1f} ms, pair {[round(v, 1) for v in res['pair_ms']]} ms "
-                 f"-> parallel capacity {res['capacity']:.2f} cores")
-        return res
-
-    def run_single(self, tag: str, mode: str, threads: int, rnd: int) -> dict:
-        cfg = dict(self.cfg, save_grads=(rnd == 0 and tag == "single_2t_full"))
-        err = proc(single_worker, (cfg, mode, threads, self.tmp, tag), 300, {"OMP_NUM_THREADS": str(threads)})
-        res = load(os.path.join(self.tmp, f"res_{tag}.json")) or dict(error=err or "no result")
-        self.log(f"round {rnd} {tag}: {1e3 * med(res.get('step_s', [])):.1f} ms/step {res.get('error', '')}")
-        return res
-
-    def run_pp(self, side: str, name: str, rnd: int) -> dict:
-        tag = f"{side}_{name}"
-        cfg = dict(self.cfg, save_grads=(rnd == 0 and side == "ours"), profile_ours=self.args.profile)
-        fn = torch_worker if side == "torch" else ours_worker
-        for r in range(self.world):
-            p = os.path.join(self.tmp, f"res_{tag}_r{r}.json")
-            if os.path.exists(p):
-                os.remove(p)
-        os.environ["OMP_NUM_THREADS"] = "1"
-        err = spawn(fn, (self.world, cfg, name, free_port(), self.tmp, tag), self.world, self.args.timeout)
-        ranks = [load(os.path.join(self.tmp, f"res_{tag}_r{r}.json")) or dict(error=err or "no result")
-                 for r in range(self.world)]
-        rr: dict = dict(per_rank=ranks)
-        errs = [x["error"] for x in ranks if x.get("error")]
-        if errs or err:
-            rr["error"] = errs[0] if errs else err
-            tb = next((x.get("traceback") for x in ranks if x.get("traceback")), "")
-            self.log(f"round {rnd} {tag}: ERROR {rr['error'][:300]}\n{tb[-1500:]}")
-            return rr
-        n = min(len(x["step_s"]) for x in ranks)
-        rr["step_s"] = [max(x["step_s"][i] for x in ranks) for i in range(n)]
-        rr["cpu_s"] = [sum(x["cpu_s"][i] for x in ranks) for i in range(n)]  # CPU time of all ranks
-        rr["loss"] = next((x["loss"] for x in ranks if x.get("loss") is not None), None)
-        if side == "ours":
-            bub = [b for x in ranks[:1] for b in x.get("bubble", []) if b]
-            rr["bubble"] = [med([b[r] for b in bub]) for r in range(self.world)] if bub else None
-            rr["compile_s"] = max(x.get("compile_s", 0.0) for x in ranks)
-            if rnd == 0:
-                self.check_grads(tag, rr)
-        extra = f" loss {rr['loss']:.6f}" if rr.get("loss") is not None else ""
-        if rr.get("bubble"):
-            extra += " bubble " + "/".join(f"{b:.1%}" for b in rr["bubble"])
-        self.log(f"round {rnd} {tag}: {1e3 * med(rr['step_s']):.1f} ms/step{extra}")
-        return rr
-
-    def check_grads(self, tag: str, rr: dict) -> None:
-        ref_p = os.path.join(self.tmp, "grads_single_2t_full.pt")
-        if not os.path.exists(ref_p):
-            return
-        ref = torch.load(ref_p)
-        got: dict = {}
-        for r in range(self.world):
-            p = os.path.join(self.tmp, f"grads_{tag}_r{r}.pt")
-            if os.path.exists(p):
-                for k, v in torch.load(p).items():
-                    got.setdefault(k, v)
-                os.remove(p)
-        mx, rel, missing = grad_diff(ref, got)
-        rr.update(grad_max_abs_diff=mx, grad_rel_diff=rel, grad_missing=missing)
-
-    def overhead(self, torch_names: list, our_names: list, reverse: bool = False) -> dict:
-        ocfg = dict(self.cfg, model="null", d=4, layers=4, heads=1, seq=1, vocab=8, mbs=1, n_mb=16, warmup=3,
-                    warmup_s=0.3 if self.args.quick else 1.0, steps=30, max_measure_s=1.0 if self.args.quick else 2.5,
-                    spin_s=0.5 if self.args.quick else 2.0, split="even", our_split="same", save_grads=False)
-        out: dict = dict(cfg=ocfg)
-        splits: dict = {}
-        os.environ["OMP_NUM_THREADS"] = "1"
-        sides = (("torch", torch_names), ("ours", our_names))
-        for side, names in reversed(sides) if reverse else sides:
-            if not names:
-                continue
-            tag = f"ov_{side}"
-            err = spawn(overhead_worker, (self.world, ocfg, free_port(), self.tmp, tag,
-                                          names if side == "torch" else [], names if side == "ours" else []),
-                        self.world, self.args.timeout * 2)
-            per_rank = [load(os.path.join(self.tmp, f"overhead_{tag}_r{r}.json")) or {} for r in range(self.world)]
-            out.setdefault("pingpong_oneway_us", per_rank[0].get("pingpong_oneway_us"))
-            for name in names:
-                key = f"{side}:{name}"
-                rs = [x.get(key, dict(error=err or "no result")) for x in per_rank]
-                e = next((x["error"] for x in rs if x.get("error")), None)
-                if e or not all(x.get("step_s") for x in rs):
-                    out[key] = dict(error=e or err or "no steps")
-                    self.log(f"overhead {key}: ERROR {out[key]['error'][:300]}")
-                    continue
-                n = min(len(x["step_s"]) for x in rs)
-                step = med([max(x["step_s"][i] for x in rs) for i in range(n)])
-                acts = [x["actions"] for x in rs]
-                nact = max(a["compute"] + a["comm"] for a in acts)
-                ncomp = max(a["compute"] for a in acts)
-                out[key] = dict(step_s=step, actions=acts, us_per_action=1e6 * step / nact,
-                                us_per_compute=1e6 * step / ncomp)
-                if "prof_host_s" in rs[0]:  # rank 0's profile: host time outside gloo, per action
-                    out[key].update(host_us_per_action=1e6 * rs[0]["prof_host_s"] / nact,
-                                    comm_us_per_action=1e6 * rs[0]["prof_comm_s"] / nact,
-                                    calls_per_action=rs[0]["prof_calls"] / nact)
-                if all(x.get("split") for x in rs):
-                    splits[key] = ([x["split"] for x in rs], [a["compute"] + a["comm"] for a in acts])
-                self.log(f"overhead {key}: {1e3 * step:.2f} ms/step, {acts[0]['compute']}+{acts[0]['comm']} actions "
-                         f"r0 -> {out[key]['us_per_action']:.0f} us/action")
-        # the probes are the same code in both runtimes: one in-place cost per call for the round, the median
-        # of every schedule's and rank's own estimate (each alone moves by +-1 us)
-        bias = (med([sp["bias_s"] for sps, _ in splits.values() for sp in sps] or [0.0]),
-                med([sp["bias_cpu_s"] for sps, _ in splits.values() for sp in sps] or [0.0]))
-        for key, (sps, nacts) in splits.items():
-            out[key].update(split_summary(sps, nacts, bias))
-            sp = out[key]["split_us_per_action"]
-            self.log(f"overhead {key}: runtime host us/action: wall {sp['ovh_wall']:.1f}, CPU {sp['ovh_cpu']:.1f} "
-                     f"(compute {sp['comp']:.1f}, gloo {sp['comm']:.1f}; probe cost {1e6 * bias[0]:.2f} us/call)")
-        err = proc(single_worker, (dict(ocfg, steps=20), "accum", 1, self.tmp, "null_single"), 120,
-                   {"OMP_NUM_THREADS": "1"})
-        out["single"] = load(os.path.join(self.tmp, "res_null_single.json")) or dict(error=err)
-        return out
-
-    # -- the whole run --
     def run(self) -> dict:
         a = self.args
         ours = [s for s in a.schedules.split(",") if s]
@@ -370,47 +154,25 @@ class Bench:
         self.log("done measuring")
         return self.report
 
-    # -- the table --
+
+    # -- the tables --
+    def best_ms(self, tag: str) -> float:
+        e = self.report["results"].get(tag, {})
+        return 1e3 * med(e["best"]["step_s"]) if "best" in e else float("nan")
+
     def table(self) -> str:
+        lines = [] if self.args.only_overhead else self.speed_lines()
+        lines += self.target_lines()
+        ov = self.report.get("overhead")
+        if ov:
+            lines += overhead_lines(ov) + self.split_table(ov)
+        lines.append(f"total wall time {time.time() - self.T0:.0f} s")
+        return "\n".join(lines)
+
+    def speed_lines(self) -> list:
+        """The model, the stage cuts, the machine probes and one row per config of (a)-(c), with its legend."""
         rep, cfg, res = self.report, self.cfg, self.report["results"]
-        ref_loss = rep.get("ref_loss")
-
-        def best_ms(tag):
-            e = res.get(tag, {})
-            return 1e3 * med(e["best"]["step_s"]) if "best" in e else float("nan")
-
-        t2 = best_ms("single_2t_full")
-        rows = []
-        for tag, e in res.items():
-            side, _, name = tag.partition("_")
-            if "best" not in e:
-                rows.append([tag, "", "ERROR " + str(e.get("error"))[:120]] + [""] * 9)
-                continue
-            b = e["best"]
-            m = best_ms(tag)
-            vs_torch = ""
-            if side == "ours" and EQUIVALENT.get(name) and f"torch_{EQUIVALENT[name]}" in res:
-                tm = best_ms(f"torch_{EQUIVALENT[name]}")
-                vs_torch = f"{tm / m:.2f} ({EQUIVALENT[name]})"
-            if side == "single":
-                label = {"2t_full": "single 2 threads, full batch", "1t_accum": "single 1 thread, grad-accum"}[name]
-                spr, rss = "-", f"{b.get('peak_rss_mib', float('nan')):.0f}"
-            else:
-                label = f"{'ours' if side == 'ours' else 'torch'} {name}"
-                spr = (OUR_SCHEDULES[name][0] if side == "ours" else TORCH_SCHEDULES[name][0])
-                rss = "/".join(f"{x.get('peak_rss_mib', float('nan')):.0f}" for x in b["per_rank"])
-            bub = "/".join(f"{v:.0%}" for v in b["bubble"]) if b.get("bubble") else ""
-            loss = b.get("loss") if side != "single" else e["rounds"][0].get("loss")
-            if side != "single":
-                loss = e["rounds"][0].get("loss", loss)
-            ld = f"{abs(loss - ref_loss):.1e}" if loss is not None and ref_loss is not None else ""
-            gd = e["rounds"][0].get("grad_max_abs_diff")
-            rounds = "/".join("-" if v is None else f"{v:.0f}" for v in e["round_medians_ms"])
-            cpu = f"{1e3 * med(b['cpu_s']):.0f}" if b.get("cpu_s") else ""
-            rows.append([label, spr, f"{m:.1f}", rounds, f"{self.tokens / (m / 1e3):.0f}", vs_torch,
-                         f"{t2 / m:.2f}", bub, cpu, rss, ld, "" if gd is None else f"{gd:.1e}"])
-        hdr = ["config", "st/rk", "step ms", "rounds ms", "tok/s", "x torch equiv", "x 1p-2t", "bubble r0/r1",
-               "CPU ms/step", "peak RSS MiB", "loss diff", "grad diff"]
+        t2 = self.best_ms("single_2t_full")
         lines = [f"model GPT d={cfg['d']} L={cfg['layers']} heads={cfg['heads']} seq={cfg['seq']} V={cfg['vocab']}, "
                  f"{cfg['n_mb']} microbatches x {cfg['mbs']} seqs = {self.tokens} tokens/step; pp=2, gloo, "
                  f"1 thread/rank, no optimizer; torch {rep['torch']}"]
@@ -424,72 +186,49 @@ class Bench:
             lines.append("  parallel capacity (2 concurrent 1-thread procs / 1 alone), per probe: "
                          + ", ".join(f"{p.get('capacity', float('nan')):.2f}" for p in rep["probes"]))
         lines.append(f"  ours split: {'same cut points as torch' if cfg['our_split'] == 'same' else 'automatic'}; "
-                     f"ref loss (1 process, full batch) {ref_loss}")
+                     f"ref loss (1 process, full batch) {rep.get('ref_loss')}")
+        hdr = ["config", "st/rk", "step ms", "rounds ms", "tok/s", "x torch equiv", "x 1p-2t", "bubble r0/r1",
+               "CPU ms/step", "peak RSS MiB", "loss diff", "grad diff"]
+        rows = [self.config_row(tag, e, t2) for tag, e in res.items()]
         lines.append(tabulate(rows, headers=hdr, tablefmt="github"))
-        if self.args.only_overhead:
-            lines = []
-        else:
-            lines.append("step ms = median of the best round (rounds ms = each round's median, every other round "
-                         "in reverse order); x torch equiv = torch step / ours (>1: ours faster); x 1p-2t = single "
-                         "process 2 threads step / this step; bubble = ours, measured per rank (1 - busy/span), "
-                         "median of the measured steps; CPU ms/step = process CPU time per step summed over ranks, "
-                         "median of the best round (less sensitive to other jobs than wall time; a 2-thread "
-                         "process counts both threads); loss diff = |first-step loss - single-process loss|; "
-                         "grad diff = max |grad - single-process grad| after the first step (ours, all params "
-                         "incl. the tied wte).")
-        # targets
-        zb = best_ms("ours_zbv")
-        tz = best_ms("torch_ZBVZeroBubble")
-        if zb == zb and tz == tz:
-            lines.append(f"TARGET ours zbv >= 1.05x torch ZBVZeroBubble: {tz / zb:.3f}x "
-                         f"{'MET' if tz / zb >= 1.05 else 'NOT MET'}; "
-                         f">= 0.95x single process 2 threads: {t2 / zb:.3f}x {'MET' if t2 / zb >= 0.95 else 'NOT MET'}")
-        ov = rep.get("overhead")
-        if ov:
-            oc = ov["cfg"]
-            lines.append("")
-            lines.append(f"per-action host overhead, null model (Embedding, {oc['layers']} residual Linear units d="
-                         f"{oc['d']}, head; seq={oc['seq']}, {oc['n_mb']} microbatches of {oc['mbs']}); gloo one-way "
-                         f"latency {ov.get('pingpong_oneway_us') or float('nan'):.0f} us")
-            s1 = ov.get("single", {})
-            if s1.get("step_s"):
-                lines.append(f"  one process, same model, 1 thread: {1e3 * med(s1['step_s']):.2f} ms/step "
-                             f"({1e6 * med(s1['step_s']) / oc['n_mb']:.0f} us per microbatch fwd+bwd+loss)")
-            orow = []
-            for key, v in ov.items():
-                if ":" not in key:
-                    continue
-                side, name = key.split(":")
-                if "error" in v:
-                    orow.append([key, "ERROR " + v["error"][:100], "", "", "", "", ""])
-                    continue
-                ratio = ""
-                if side == "ours" and f"torch:{EQUIVALENT.get(name)}" in ov and "us_per_action" in ov[
-                        f"torch:{EQUIVALENT[name]}"]:
-                    t = ov[f"torch:{EQUIVALENT[name]}"]
-                    ratio = f"{v['us_per_action'] / t['us_per_action']:.2f}"
-                    if "host_us_per_action" in v and "host_us_per_action" in t:
-                        ratio += f" / {v['host_us_per_action'] / t['host_us_per_action']:.2f}"
-                    ratio += f" ({EQUIVALENT[name]})"
-                a0 = v["actions"]
-                orow.append([key, f"{1e3 * v['step_s']:.2f}",
-                             " ".join(f"{x['compute']}+{x['comm']}" for x in a0),
-                             f"{v['us_per_action']:.0f}", f"{v['us_per_compute']:.0f}",
-                             f"{v.get('host_us_per_action', float('nan')):.0f}",
-                             f"{v.get('comm_us_per_action', float('nan')):.0f}",
-                             f"{v.get('calls_per_action', float('nan')):.0f}", ratio])
-            lines.append(tabulate(orow, headers=["schedule", "step ms", "actions r0 r1 (comp+p2p)", "us/action",
-                                                 "us/compute-action", "host us/act (prof)", "gloo us/act (prof)",
-                                                 "calls/act", "ours/torch: us/action / host"],
-                                  tablefmt="github"))
-            lines.append("  us/action = step / (compute + P2P actions of the busiest rank). host / gloo us/act: "
-                         "cProfile of 10 more steps on rank 0, time outside / inside torch._C._distributed_c10d "
-                         "(posting send/recv, waits, collectives); cProfile inflates call-heavy runtimes (torch) by "
-                         "~1 us per call. Target: ours <= 0.20x torch's per action.")
-            lines.extend(self.split_table(ov))
-        lines.append(f"total wall time {time.time() - self.T0:.0f} s")
-        return "\n".join(lines)
+        lines.append(SPEED_LEGEND)
+        return lines
 
+    def config_row(self, tag: str, e: dict, t2: float) -> list:
+        side, _, name = tag.partition("_")
+        if "best" not in e:
+            return [tag, "", "ERROR " + str(e.get("error"))[:120]] + [""] * 9
+        res, ref_loss = self.report["results"], self.report.get("ref_loss")
+        b = e["best"]
+        m = self.best_ms(tag)
+        vs_torch = ""
+        if side == "ours" and EQUIVALENT.get(name) and f"torch_{EQUIVALENT[name]}" in res:
+            vs_torch = f"{self.best_ms(f'torch_{EQUIVALENT[name]}') / m:.2f} ({EQUIVALENT[name]})"
+        if side == "single":
+            label = {"2t_full": "single 2 threads, full batch", "1t_accum": "single 1 thread, grad-accum"}[name]
+            spr, rss = "-", f"{b.get('peak_rss_mib', float('nan')):.0f}"
+        else:
+            label = f"{'ours' if side == 'ours' else 'torch'} {name}"
+            spr = (OUR_SCHEDULES[name][0] if side == "ours" else TORCH_SCHEDULES[name][0])
+            rss = "/".join(f"{x.get('peak_rss_mib', float('nan')):.0f}" for x in b["per_rank"])
+        bub = "/".join(f"{v:.0%}" for v in b["bubble"]) if b.get("bubble") else ""
+        loss = b.get("loss") if side != "single" else e["rounds"][0].get("loss")
+        if side != "single":
+            loss = e["rounds"][0].get("loss", loss)
+        ld = f"{abs(loss - ref_loss):.1e}" if loss is not None and ref_loss is not None else ""
+        gd = e["rounds"][0].get("grad_max_abs_diff")
+        rounds = "/".join("-" if v is None else f"{v:.0f}" for v in e["round_medians_ms"])
+        cpu = f"{1e3 * med(b['cpu_s']):.0f}" if b.get("cpu_s") else ""
+        return [label, spr, f"{m:.1f}", rounds, f"{self.tokens / (m / 1e3):.0f}", vs_torch, f"{t2 / m:.2f}", bub,
+                cpu, rss, ld, "" if gd is None else f"{gd:.1e}"]
+
+    def target_lines(self) -> list:
+        zb, tz, t2 = self.best_ms("ours_zbv"), self.best_ms("torch_ZBVZeroBubble"), self.best_ms("single_2t_full")
+        if not (zb == zb and tz == tz):
+            return []
+        return [f"TARGET ours zbv >= 1.05x torch ZBVZeroBubble: {tz / zb:.3f}x "
+                f"{'MET' if tz / zb >= 1.05 else 'NOT MET'}; "
+                f">= 0.95x single process 2 threads: {t2 / zb:.3f}x {'MET' if t2 / zb >= 0.95 else 'NOT MET'}"]
 
     def round_table(self) -> list:
         """ours/torch overhead ratios (wall / CPU) per round of (d) and their medians; the target on the medians."""
@@ -558,41 +297,47 @@ class Bench:
                        f"{tmin['ovh_wall']:.1f}-{tmax['ovh_wall']:.1f} wall, "
                        f"{tmin['ovh_cpu']:.1f}-{tmax['ovh_cpu']:.1f} CPU")
         out.extend(self.round_table())
-        warm = [v["warm_bias_us"] for v in ov.values() if isinstance(v, dict) and v.get("warm_bias_us")]
-        used = next((v["used_bias_us"] for v in ov.values() if isinstance(v, dict) and v.get("used_bias_us")), None)
-        ov_bias = f"{used[0]:.2f} us wall, {used[1]:.2f} us CPU" if used else "n/a"
-        out.append(
-            "  Method: after the timed and cProfile'd steps, 40 more steps per schedule with probes (perf_counter "
-            "wrappers). Model compute = ours: the forward body of every stage graph (F/B/W GraphModules, wrapped "
-            "per instance; the call into it stays outside, i.e. counts as ours' overhead; W / BW graphs add their "
-            "parameter gradients into the running sums inside, the work torch's AccumulateGrad does) and any "
-            "foreach gradient sums the program makes outside a graph; torch: the stage "
-            "module's forward body (submod.forward wrapped per instance), the schedule's loss_fn, and every "
-            "autograd engine run (torch.autograd._engine_run_backward: full / input / weight backward, incl. "
-            "AccumulateGrad and pipelining's graph hooks, which thus count as torch's compute, not overhead). "
-            "gloo = time inside ProcessGroup.send/recv/allgather/... and Work.wait (C++ entry points, patched on "
-            "the pybind classes; the same for both). Per step, all ranks summed, divided by all ranks' actions "
-            "(compute + P2P ops, as in the table above); median over steps. OVERHEAD wall = wall - compute wall - "
-            "gloo wall: it includes the time the main thread is runnable but not running (2 ranks' main and gloo "
-            "I/O threads share 2 cores). OVERHEAD CPU = the main thread's thread_time minus its thread_time inside "
-            "model compute and inside gloo calls (gloo's own CPU for posting sends / receives and waking from "
-            "waits is the backend's cost, the same per message for both runtimes): the runtime's own host work. "
-            "proc-CPU = process_time minus compute CPU (gloo's I/O threads and gloo's main-thread CPU included). "
-            "The probes' own cost is subtracted, measured in place: 40 more steps with every probe wrapped twice, "
-            "interleaved one by one with the probed steps, cost that much more per probed call (probe us/call, "
-            "each schedule's estimate; the median over all "
-            "schedules of both runtimes, the same probe code, is what is subtracted for the round: "
-            f"{ov_bias}; the same wrapper on a warm no-op: {med(warm) if warm else float('nan'):.2f} us). "
-            "compute r0 probe / stamp = "
-            "rank 0's compute per rank-0 action, probe / ours' runtime stamps around each stage-graph call (the stamp "
-            "window also holds the call and the output unpacking, not the gradient sums), a cross-check of the probe.")
+        out.append(probe_method(ov))
         return out
+
+
+def probe_method(ov: dict) -> str:
+    """How section (d)'s probed split is measured, with the probe cost the round subtracted."""
+    warm = [v["warm_bias_us"] for v in ov.values() if isinstance(v, dict) and v.get("warm_bias_us")]
+    used = next((v["used_bias_us"] for v in ov.values() if isinstance(v, dict) and v.get("used_bias_us")), None)
+    ov_bias = f"{used[0]:.2f} us wall, {used[1]:.2f} us CPU" if used else "n/a"
+    return (
+        "  Method: after the timed and cProfile'd steps, 40 more steps per schedule with probes (perf_counter "
+        "wrappers). Model compute = ours: the forward body of every stage graph (F/B/W GraphModules, wrapped "
+        "per instance; the call into it stays outside, i.e. counts as ours' overhead; W / BW graphs add their "
+        "parameter gradients into the running sums inside, the work torch's AccumulateGrad does) and any "
+        "foreach gradient sums the program makes outside a graph; torch: the stage "
+        "module's forward body (submod.forward wrapped per instance), the schedule's loss_fn, and every "
+        "autograd engine run (torch.autograd._engine_run_backward: full / input / weight backward, incl. "
+        "AccumulateGrad and pipelining's graph hooks, which thus count as torch's compute, not overhead). "
+        "gloo = time inside ProcessGroup.send/recv/allgather/... and Work.wait (C++ entry points, patched on "
+        "the pybind classes; the same for both). Per step, all ranks summed, divided by all ranks' actions "
+        "(compute + P2P ops, as in the table above); median over steps. OVERHEAD wall = wall - compute wall - "
+        "gloo wall: it includes the time the main thread is runnable but not running (2 ranks' main and gloo "
+        "I/O threads share 2 cores). OVERHEAD CPU = the main thread's thread_time minus its thread_time inside "
+        "model compute and inside gloo calls (gloo's own CPU for posting sends / receives and waking from "
+        "waits is the backend's cost, the same per message for both runtimes): the runtime's own host work. "
+        "proc-CPU = process_time minus compute CPU (gloo's I/O threads and gloo's main-thread CPU included). "
+        "The probes' own cost is subtracted, measured in place: 40 more steps with every probe wrapped twice, "
+        "interleaved one by one with the probed steps, cost that much more per probed call (probe us/call, "
+        "each schedule's estimate; the median over all "
+        "schedules of both runtimes, the same probe code, is what is subtracted for the round: "
+        f"{ov_bias}; the same wrapper on a warm no-op: {med(warm) if warm else float('nan'):.2f} us). "
+        "compute r0 probe / stamp = "
+        "rank 0's compute per rank-0 action, probe / ours' runtime stamps around each stage-graph call (the stamp "
+        "window also holds the call and the output unpacking, not the gradient sums), a cross-check of the probe.")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny model, short warm-up (~1-2 min)")
-    ap.add_argument("--json", default=None, help="write the full report (all rounds, per rank) here")
+    ap.add_argument("--json", default=None, help="write the full report (all rounds, per rank) here instead of "
+                                                  "benchmarks/results/bench_pp-<commit>.json")
     ap.add_argument("--schedules", default=None, help=f"ours, comma-separated (default {DEFAULT_OURS}; --quick: "
                                                       f"{QUICK_OURS}; known: {','.join(OUR_SCHEDULES)})")
     ap.add_argument("--torch-schedules", default=None, help=f"torch's (default {DEFAULT_TORCH}; --quick: "
@@ -627,10 +372,7 @@ def main(argv=None) -> int:
     text = bench.table()
     print(text)
     bench.report["table"] = text
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(bench.report, f, indent=1)
-        print(f"wrote {args.json}")
+    write_results("bench_pp", bench.report, args.json, default=argv is None)
     if args.keep_tmp or args.profile:
         print(f"per-process files kept in {bench.tmp}")
     else:

@@ -3,6 +3,7 @@
 
     python benchmarks/bench_vocab.py                 # pp=2, about 6 min on 2 vCPUs
     python benchmarks/bench_vocab.py --rounds 1 --json out.json
+    python benchmarks/bench_vocab.py --quick         # smoke test: tiny model, 1 round (about 1 min)
 
 Model: zbcompile.examples.gpt.GPT with V=65536, d=256, 4 blocks, 4 heads, seq 128; 8 microbatches of 2
 sequences; gloo on 127.0.0.1, 1 thread per rank, pp=2. Its output layer (6·b·s·d·V FLOPs per microbatch)
@@ -20,18 +21,13 @@ round with the lowest median (other jobs on this shared machine only ever slow a
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tabulate import tabulate
 
-from tabulate import tabulate  # noqa: E402
-
-from _bench_workers import ours_worker, torch_worker  # noqa: E402
-from bench_pp import free_port, load, med, spawn  # noqa: E402
+from _harness import free_port, load, med, ours_worker, spawn, torch_worker, write_results
 
 CONFIGS = (("ours", "zbv", True), ("ours", "zbv", False), ("torch", "ZBVZeroBubble", False),
            ("ours", "1f1b", True), ("ours", "1f1b", False))
@@ -59,18 +55,22 @@ def run(cfg: dict, side: str, name: str, vocab: bool, tmp: str, timeout: float) 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None, help="default 2 (--quick: 1)")
     ap.add_argument("--steps", type=int, default=4, help="measured steps per config and round (at least 3)")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="smoke test: GPT V=4096, d=64, 2 blocks, seq 32, 1 round")
+    ap.add_argument("--json", default=None, help="write the results here instead of benchmarks/results/")
     ap.add_argument("--timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
     cfg = dict(model="gpt", d=256, layers=4, heads=4, seq=128, vocab=65536, mbs=2, n_mb=8, seed=0,
                threads_per_rank=1, warmup=1, warmup_s=0.0, steps=args.steps, max_measure_s=60.0,
                our_split="auto", split="balanced")
+    if args.quick:
+        cfg.update(d=64, layers=2, seq=32, vocab=4096, steps=3)
+    rounds_n = args.rounds or (1 if args.quick else 2)
     tmp = tempfile.mkdtemp(prefix="bench_vocab_", dir="/tmp")
     started = time.time()
     rounds: dict[str, list] = {}
-    for rnd in range(args.rounds):
+    for rnd in range(rounds_n):
         order = CONFIGS if rnd % 2 == 0 else tuple(reversed(CONFIGS))
         for side, name, vocab in order:
             res = run(cfg, side, name, vocab, tmp, args.timeout)
@@ -90,9 +90,7 @@ def main(argv=None) -> int:
                      f"{best['torch ZBVZeroBubble'] / best[key]:.2f}x", f"{loss:.4f}" if loss is not None else "",
                      f"{max((r.get('compile_s', 0.0) for r in rounds[key]), default=0.0):.1f}"])
     print(tabulate(rows, headers=["config", "ms/step", "vs without vocab", "vs torch ZBV", "loss", "compile s"]))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(cfg=cfg, rounds=rounds, best_ms=best), fh, indent=1)
+    write_results("bench_vocab", dict(cfg=cfg, rounds=rounds, best_ms=best), args.json, default=argv is None)
     return 0
 
 

@@ -15,7 +15,6 @@ zbv on the project's 2-core machine: at most 5 s at p=32, m=128 and 30 s at p=64
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -23,6 +22,7 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
+from _harness import write_results
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
@@ -51,13 +51,13 @@ def measure(schedule: str, pp: int, m: int, repeat: int) -> dict:
             "us_per_op": 1e6 * statistics.median(times) / ops, "split_s": split_s}
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--schedule", default="zbv")
     ap.add_argument("--pp", default="4,8,16,32", help="comma-separated pipeline sizes")
     ap.add_argument("--m-per-pp", type=int, default=4, help="microbatches = this * pp")
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the rows here instead of benchmarks/results/")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
@@ -69,10 +69,9 @@ def main(argv=None) -> None:
     print(tabulate([[r["pp"], r["microbatches"], r["actions"], r["ops"], f"{r['lower_all_s']:.2f}",
                      f"{r['us_per_op']:.1f}"] for r in rows],
                    headers=["pp", "m", "actions", "ops (all ranks)", "lower_all s", "us / op"]))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    write_results("lower_time", dict(rows=rows), args.json, default=argv is None)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
