@@ -67,7 +67,7 @@ def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
 
 def from_staged(model: nn.Module, staged: StagedModel, schedule: Schedule, **options) -> PipelineModule:
     """compile_with for an already split model: `options` as compile's, without loss_fn / example."""
-    checked = CompileOptions(schedule=schedule, microbatches=schedule.num_microbatches, **options)
+    checked = CompileOptions.from_kwargs((), schedule=schedule, microbatches=schedule.num_microbatches, **options)
     resolved = _resolve(checked)
     compiled = compile_staged(staged, schedule, checked, device=device_for(model, resolved[0]))
     return place(model, compiled, resolved)

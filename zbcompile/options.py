@@ -100,14 +100,15 @@ class CompileOptions:
                 object.__setattr__(self, field.name, check(getattr(self, field.name)))
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> CompileOptions:
-        """CompileOptions from keyword arguments, with our error for a misspelled or missing option."""
+    def from_kwargs(cls, required: Sequence[str] | None = None, **kwargs) -> CompileOptions:
+        """CompileOptions from keyword arguments, with our error for a misspelled or missing option.
+        required: the options that must be given (default: what compile needs to trace a model)."""
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in kwargs if k not in names]
         if unknown:
             raise UsageError(f"zbcompile.compile got unknown option(s) {', '.join(map(repr, unknown))}; the options "
                              f"are {', '.join(names)} (see zbcompile.options.CompileOptions)")
-        missing = [k for k in _REQUIRED if k not in kwargs]
+        missing = [k for k in (_REQUIRED if required is None else required) if k not in kwargs]
         if missing:
             raise UsageError(f"zbcompile.compile needs {', '.join(missing)}: e.g. zb.compile(model, "
                              "schedule=\"1f1b\", microbatches=8, loss_fn=loss_fn, example=(inputs, targets))")
