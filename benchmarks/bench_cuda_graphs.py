@@ -25,11 +25,12 @@ import torch
 from tabulate import tabulate
 
 from _harness import build_model, make_batch, write_results
+from zbcompile.compiler import compile_programs
 from zbcompile.examples.gpt import loss_fn
 from zbcompile.ir.schedule import Schedule
-from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all
+from zbcompile.options import CompileOptions
+from zbcompile.passes.lower import emit_fx
 from zbcompile.runtime import RankRuntime
-from zbcompile.split import split_model
 
 
 def one_rank_schedule(stages: int, m: int) -> Schedule:
@@ -48,8 +49,9 @@ def run(cfg: dict, stages: int, graphs: bool, device: torch.device) -> dict:
     x, y = (t.to(device) for t in make_batch(cfg))
     m = cfg["n_mb"]
     sched = one_rank_schedule(stages, m)
-    staged = split_model(model, loss_fn, ((x[: x.shape[0] // m],), (y[: y.shape[0] // m],)), num_stages=stages)
-    programs = lower_all(sched, staged, finishing=CAPTURE_FINISHING)
+    options = CompileOptions(schedule=sched, microbatches=m, loss_fn=loss_fn, cuda_graphs=True,
+                             example=((x[: x.shape[0] // m],), (y[: y.shape[0] // m],)))
+    programs = compile_programs(model, options, 1).programs   # lowered for capture and checked
     rt = RankRuntime(programs[0], emit_fx(programs[0]), pg=None, device=device,
                      params=dict(model.named_parameters()), buffers=dict(model.named_buffers()), peers=programs,
                      cuda_graphs=graphs)

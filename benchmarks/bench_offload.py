@@ -80,20 +80,18 @@ def run(cfg: dict, mode: str, tmp: str, timeout: float) -> list[dict]:
 def predicted(pp: int = 2, d: int = 4096, seq: int = 4096, layers: int = 4,
               dtypes=(torch.float32, torch.bfloat16)) -> list[list]:
     """k and the modelled slowdown for a large GPT, planned on the meta device (nothing is allocated)."""
-    from zbcompile import generate, split_model
+    from zbcompile.compiler import compile_programs
     from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
-    from zbcompile.passes.lower import lower_all
+    from zbcompile.options import CompileOptions
 
     rows = []
     for dtype in dtypes:
         with torch.device("meta"):
             model = GPT(GPTConfig(vocab=32000, seq=seq, d=d, heads=d // 128, layers=layers, dropout=0.0)).to(dtype)
             x = torch.zeros(1, seq, dtype=torch.long)
-        sched = generate(SCHEDULE, pp, 8)
-        # traced on the meta device, example included; the cuts balanced per group of ranks, as zb.compile does
-        staged = split_model(model, loss_fn, (x, x), num_stages=sched.num_model_stages,
-                             placement=sched.stage_groups())
-        rows += _predict(lower_all(sched, staged), str(dtype).removeprefix("torch."), d, seq)
+        # traced on the meta device, example included: the programs zb.compile makes, without the process group
+        options = CompileOptions(schedule=SCHEDULE, microbatches=8, loss_fn=loss_fn, example=(x, x))
+        rows += _predict(compile_programs(model, options, pp).programs, str(dtype).removeprefix("torch."), d, seq)
     return rows
 
 

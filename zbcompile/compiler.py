@@ -64,22 +64,22 @@ class Compiled:
 
 
 def compile_programs(model: nn.Module, options: CompileOptions, num_ranks: int, *,
-                     device: torch.device | str = "cpu", time_model: str | None = None,
+                     device: torch.device | str | None = None, time_model: str | None = None,
                      lint_capture: bool = True) -> Compiled:
     """Trace, split, schedule and lower `model` for `num_ranks` pipeline ranks. `device`: where the ranks run
-    (a model on the meta device is traced for it). time_model: the offload planner's device model (h100, a100,
+    (a model on the meta device is traced with the example moved there; None: as given). time_model: the offload planner's device model (h100, a100,
     cpu; default by the device's type). lint_capture: with cuda_graphs, raise CaptureError for programs that
     cannot be captured (inspect --capture-check lists the problems instead)."""
     schedule = schedule_for(options, num_ranks)
     with _phase("split", f"{schedule.num_model_stages} model stages"):
         staged = split_for(model, options.loss_fn, options.example, schedule, split_points=options.split_points,
-                           device=torch.device(device))
+                           device=device)
     return compile_staged(staged, schedule, options, device=device, time_model=time_model,
                           lint_capture=lint_capture)
 
 
 def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOptions, *,
-                   device: torch.device | str = "cpu", time_model: str | None = None,
+                   device: torch.device | str | None = None, time_model: str | None = None,
                    offload_choices: Sequence | None = None, lint_capture: bool = True) -> Compiled:
     """compile_programs from an already split model (split once, try several schedules or options).
     offload_choices: one passes.lower.OffloadChoice per rank (or None), taken as they are instead of planning
@@ -93,7 +93,7 @@ def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOpti
     elif options.offload is not None:
         with _phase("offload", str(options.offload)):
             programs, report = _offload(programs, options.offload, time_model or TIME_MODELS.get(
-                torch.device(device).type, "cpu"))
+                torch.device(device or "cpu").type, "cpu"))
     if options.capture and lint_capture:
         from zbcompile.passes.analysis.capture import check_capture
 
@@ -117,21 +117,22 @@ def schedule_for(options: CompileOptions, num_ranks: int) -> Schedule:
 
 
 def split_for(model: nn.Module, loss_fn, example, schedule: Schedule, *, split_points=None,
-              device: torch.device = torch.device("cpu")) -> StagedModel:
+              device: torch.device | str | None = None) -> StagedModel:
     """The split `schedule` needs: its number of model stages, cuts balanced per group of ranks that run a
     stage (`Schedule.stage_groups`) unless `split_points` says where, vocabulary layers sharded over
     every rank when the schedule has vocabulary actions. A model on the meta device is traced with the
-    example on `device`, so that the tensors its graphs create land where the rank runs."""
+    example moved to `device` (where given), so that the tensors its graphs create land where the rank runs."""
     from zbcompile.distributed import is_meta, to_device
     from zbcompile.split import split_model
 
     if loss_fn is None or example is None:
         raise UsageError("compiling a model needs loss_fn and example (one microbatch's (inputs, targets)); "
                          "only a model split already (PipelineModule.from_staged) goes without")
-    if is_meta(model):
-        example = to_device(example, device)
-    return split_model(model, loss_fn, example, num_stages=schedule.num_model_stages,
-                       split_points=split_points, placement=schedule.stage_groups(),
+    if device is not None and is_meta(model):
+        example = to_device(example, torch.device(device))
+    groups = schedule.stage_groups()   # one group (every stage on one rank): balance the stages themselves
+    return split_model(model, loss_fn, example, num_stages=schedule.num_model_stages, split_points=split_points,
+                       placement=groups if len(set(groups)) > 1 else None,
                        vocab_shards=schedule.num_ranks if schedule.vocab_shards else None)
 
 
