@@ -73,7 +73,9 @@ class StepFootprint(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 key = _key(t)
-                if key not in self.static and key not in self._allocated:
+                known = self._allocated.get(key)
+                # a dead entry is memory the step freed: a new storage at its address is a new allocation
+                if key not in self.static and (known is None or known() is None):
                     self._allocated[key] = weakref.ref(_storage(t))
         return out
 
