@@ -1,32 +1,28 @@
 """Checkpoints that move between pipeline layouts (zbcompile/checkpoint.py), against an uninterrupted eager run.
 
-Two launches (gloo on 127.0.0.1, tests/ckpt_worker.py): pp=2 trains the tied-embedding GPT and a BatchNorm
-ConvNet two AdamW steps with zbv and saves them, then loads them at pp=2 with 1f1b and other cuts; pp=4 loads
-them with 1f1b. This process loads them into the plain models. Every load resumes with steps 3 and 4, whose
-losses must equal the uninterrupted eager run's (step 4 also proves the AdamW state came back).
+Two launches (gloo on 127.0.0.1, tests/distributed/workers/ckpt_worker.py): pp=2 trains the tied-embedding GPT
+and a BatchNorm ConvNet two AdamW steps with zbv and saves them, then loads them at pp=2 with 1f1b and other
+cuts; pp=4 loads them with 1f1b. This process loads them into the plain models. Every load resumes with steps
+3 and 4, whose losses must equal the uninterrupted eager run's (step 4 also proves the AdamW state came back).
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-import ckpt_common as common  # noqa: E402
-from launch import launch  # noqa: E402
-
-from zbcompile import checkpoint  # noqa: E402
-from zbcompile.errors import CheckpointError  # noqa: E402
+from support import ckpt as common
+from support.launch import launch
+from zbcompile import checkpoint
+from zbcompile.errors import CheckpointError
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-WORKER = os.path.join(os.path.dirname(__file__), "ckpt_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "ckpt_worker.py")
 TOL = 1e-6
 
 

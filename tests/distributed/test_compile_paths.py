@@ -1,10 +1,10 @@
 """`zbcompile.compile` as users call it, multi-process (gloo on 127.0.0.1), against eager microbatch training.
 
-tests/test_dist.py checks every schedule from a plain split (`from_staged`); this runs `compile` itself: the
+tests/distributed/test_dist.py checks every schedule from a plain split (`from_staged`); this runs `compile` itself: the
 automatic split for several placements, the decorator, a subgroup and a 1-D DeviceMesh, interleaving with 3
 chunks, explicit split points, zb-auto with measured-style costs under a memory limit, microbatch counts that
 do not divide by pp and the fewest a schedule takes, BatchNorm buffers, tied copies that start different,
-and a peer that raises (pp=2) or stalls (pp=4). One launch per pp runs tests/compile_worker.py.
+and a peer that raises (pp=2) or stalls (pp=4). One launch per pp runs tests/distributed/workers/compile_worker.py.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import os
 
 import pytest
 
-from launch import Launches, pipeline_fixtures
+from support.launch import Launches, pipeline_fixtures
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-WORKER = os.path.join(os.path.dirname(__file__), "compile_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "compile_worker.py")
 TOL = 1e-5
 # the last case makes the last rank raise (pp=2) or stall (pp=4): one failure per launch, since a broken step
 # leaves messages in flight that a later pipeline on the same groups could receive

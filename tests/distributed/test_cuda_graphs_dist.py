@@ -1,4 +1,5 @@
-"""Captured steps and the replay-identity check across processes (gloo), pp=2 and pp=4 (tests/graphs_worker.py).
+"""Captured steps and the replay-identity check across processes (gloo), pp=2 and pp=4
+(tests/distributed/workers/graphs_worker.py).
 
 Per schedule and rank: `zb.compile(cuda_graphs=True)` with the CPU stand-in for the capture API trains 5 steps
 (2 eager, capture, 3 replays) equal to single-process eager training within 1e-5, the stand-in seeing the
@@ -12,10 +13,13 @@ import os
 
 import pytest
 
-from tests.graphs_worker import SCHEDULES
-from tests.launch import Launches, pipeline_fixtures
+from support.dist_cases import GRAPHS_SCHEDULES as SCHEDULES
+from support.launch import Launches, pipeline_fixtures
 
-run, run_pp2 = pipeline_fixtures(Launches(os.path.join(os.path.dirname(__file__), "graphs_worker.py")))
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "graphs_worker.py")
+run, run_pp2 = pipeline_fixtures(Launches(WORKER))
 
 EAGER = ["side0 waits default", "use side0", "default waits side0"]
 

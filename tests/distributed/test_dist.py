@@ -1,8 +1,8 @@
 """Multi-process tests: every schedule under torch.distributed (gloo on 127.0.0.1), against eager.
 
-One set of processes per pipeline size runs tests/dist_worker.py, which loops over all schedules (the
-tied-embedding GPT, a HuggingFace GPT2 for a few), the error cases, a meta-device model, and finally a
-rank dying mid-step; each rank writes JSON that the tests below read.
+One set of processes per pipeline size runs tests/distributed/workers/dist_worker.py, which loops over all
+schedules (the tied-embedding GPT, a HuggingFace GPT2 for a few), the error cases, a meta-device model, and
+finally a rank dying mid-step; each rank writes JSON that the tests below read.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from launch import Launches, pipeline_fixtures
+from support.launch import Launches, pipeline_fixtures
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_worker.py")
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "v-min", "v-half", "v-zb",
              "dualpipe", "dualpipev"]
 TOL = 1e-5

@@ -1,6 +1,6 @@
 """`zbcompile.compile` under torch.distributed (gloo, 2 ranks) with the automatic split, on user-model classes
 that used to fail: blocks in an nn.ModuleDict, pipe_split() markers, state no stage reads. One launch of
-tests/dist_user_worker.py; each rank writes JSON that the tests read."""
+tests/distributed/workers/dist_user_worker.py; each rank writes JSON that the tests read."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 
 import pytest
 
-from launch import launch
+from support.launch import launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-WORKER = os.path.join(os.path.dirname(__file__), "dist_user_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_user_worker.py")
 PP = 2
 
 

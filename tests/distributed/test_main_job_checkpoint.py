@@ -4,18 +4,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from launch import free_port  # noqa: E402
-
-from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
-from zbcompile.examples.train_gpt import batches, corpus_tokens  # noqa: E402
+from support.launch import free_port, run_command
+from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
+from zbcompile.examples.train_gpt import batches, corpus_tokens
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -23,10 +19,9 @@ JOB = ["--microbatches", "4", "--microbatch-size", "2", "--seq", "16", "--dim", 
 
 
 def _job(*args: str) -> list[float]:
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", str(free_port()), "-m", "zbcompile.examples.train_gpt",
-                          *JOB, *args], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                       "127.0.0.1", "--master-port", str(free_port()), "-m", "zbcompile.examples.train_gpt",
+                       *JOB, *args], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return [float(line.split("loss ")[1].split()[0]) for line in out.stdout.splitlines() if line.startswith("[")]
 

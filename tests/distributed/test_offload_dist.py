@@ -1,8 +1,8 @@
 """Activation offload under a device-memory budget, multi-process (gloo): every schedule at pp=2 and pp=4.
 
 Each rank's budget is half its planned peak without offload, or the least peak any offload reaches there where
-that is more (tests/offload_worker.py): the planner must offload saved tensors, longest-lived first, wherever
-offload can lower a rank's peak at all (not on a last stage whose backward follows each forward).
+that is more (tests/distributed/workers/offload_worker.py): the planner must offload saved tensors, longest-lived
+first, wherever offload can lower a rank's peak at all (not on a last stage whose backward follows each forward).
 Checked per schedule and rank: the loss and first-step gradients equal eager training within 1e-5 relative, the
 planned device peak fits the budget, and the storage tracker's measured peak is within 10% of the plan.
 """
@@ -13,10 +13,13 @@ import os
 
 import pytest
 
-from tests.launch import Launches, pipeline_fixtures
-from tests.offload_worker import SCHEDULES
+from support.dist_cases import OFFLOAD_SCHEDULES as SCHEDULES
+from support.launch import Launches, pipeline_fixtures
 
-run, run_pp2 = pipeline_fixtures(Launches(os.path.join(os.path.dirname(__file__), "offload_worker.py")))
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "offload_worker.py")
+run, run_pp2 = pipeline_fixtures(Launches(WORKER))
 
 
 @pytest.mark.parametrize("name", SCHEDULES)

@@ -1,6 +1,6 @@
 """Checkpoints of a vocabulary-parallel pipeline (each rank holds rows of the vocabulary tables): saved as
 whole tables assembled from every rank's rows, they load into other layouts, with and without vocabulary
-parallelism, and into the plain model. One launch of tests/vocab_ckpt_worker.py at pp=2."""
+parallelism, and into the plain model. One launch of tests/distributed/workers/vocab_ckpt_worker.py at pp=2."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import os
 import pytest
 import torch
 
-from launch import launch
-from vocab_ckpt_worker import case
-
+from support.ckpt import vocab_case as case
+from support.launch import launch
 from zbcompile import checkpoint
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
-WORKER = os.path.join(os.path.dirname(__file__), "vocab_ckpt_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "vocab_ckpt_worker.py")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 for 1f1b, zb-h1, zbv, v-half and interleaved-1f1b, on a GPT with tied embeddings, an untied one (a vocabulary
 the ranks do not divide, ignored targets) and a HuggingFace GPT-2, the loss of 3 AdamW steps, the first step's
 gradients (each rank's rows of the vocabulary parameters against the same rows of eager's) and the parameters
-after the steps. One launch of tests/vocab_worker.py per pipeline size."""
+after the steps. One launch of tests/distributed/workers/vocab_worker.py per pipeline size."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import os
 
 import pytest
 
-from launch import Launches, pipeline_fixtures
+from support.launch import Launches, pipeline_fixtures
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
-run, run_pp2 = pipeline_fixtures(Launches(os.path.join(os.path.dirname(__file__), "vocab_worker.py")))
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "vocab_worker.py")
+run, run_pp2 = pipeline_fixtures(Launches(WORKER))
 SCHEDULES = ("1f1b", "zb-h1", "zbv", "v-half", "interleaved-1f1b")
 TOL = 1e-5
 
@@ -25,7 +26,7 @@ TOL = 1e-5
 def test_trains_equal_to_eager(run, model, schedule, dtype):
     """Losses of 3 steps and the first step's gradients within 1e-5 relative; the parameters after 3 AdamW steps
     too in float64 (in float32 Adam turns summation-order noise in tiny gradients into ~1e-3 of a step, for
-    eager against itself as well; tests/vocab_worker.py)."""
+    eager against itself as well; tests/distributed/workers/vocab_worker.py)."""
     pp, ranks = run
     for r, res in enumerate(ranks):
         got = res[f"{model}/{schedule}/{dtype}"]

@@ -1,4 +1,4 @@
-"""Vocabulary parallelism across the transformers zoo (tests/zoo.py), as threaded pp=2 pipelines: every causal
+"""Vocabulary parallelism across the transformers zoo (tests/support/zoo.py), as threaded pp=2 pipelines: every causal
 and masked LM (rotary, ALiBi, learned positions, tied and untied heads, a biased decoder, mixtures of experts)
 under 1f1b+vocab and zbv+vocab over 4 microbatches (and Llama under every other kind of schedule) gives eager microbatch accumulation's loss, and every
 gradient (each rank's rows of the vocabulary parameters against eager's same rows) within 1e-5 relative.
@@ -11,9 +11,9 @@ import copy
 import pytest
 import torch
 
-import zoo
-from test_zoo import MICROBATCHES, _batch
-from threaded import run_threaded
+from support import zoo
+from support.zoo import MICROBATCHES, batch
+from support.threaded import run_threaded
 from zbcompile.compiler import split_for
 from zbcompile.errors import VocabError
 from zbcompile.passes.schedules import generate
@@ -39,6 +39,7 @@ def _eager(case, inputs, targets):
     return ref, total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,schedule", [(arch, s) for arch in LMS for s in ("1f1b", "zbv")]
                          + [("llama", s) for s in ("gpipe", "zb-h2", "zb-auto", "v-min", "dualpipev", "dualpipe")])
 def test_zoo_with_vocabulary_parallelism_matches_eager(arch, schedule):
@@ -46,7 +47,7 @@ def test_zoo_with_vocabulary_parallelism_matches_eager(arch, schedule):
     case.model.train()
     sched = generate(schedule, 2, MICROBATCHES, vocab=True)
     staged = split_for(copy.deepcopy(case.model), case.loss_fn, case.example, sched)
-    inputs, targets = _batch(case)
+    inputs, targets = batch(case)
     ref, want = _eager(case, inputs, targets)
     losses, ranks, _ = run_threaded(case.model, staged, sched, inputs + targets)
     assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (losses, want)

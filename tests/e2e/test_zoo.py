@@ -1,4 +1,4 @@
-"""A zoo of transformers architectures (tests/zoo.py: rotary, ALiBi and learned positions, encoder-only masked
+"""A zoo of transformers architectures (tests/support/zoo.py: rotary, ALiBi and learned positions, encoder-only masked
 LMs, encoder-decoders, a vision transformer, mixtures of experts), each split and run as a threaded pp=2
 pipeline under 1f1b (2 stages) and zbv (4 stages) over 4 microbatches: the loss, every gradient and every
 floating buffer after the step equal eager microbatch accumulation within 1e-5 relative."""
@@ -10,31 +10,16 @@ import copy
 import pytest
 import torch
 
-import zoo
-from threaded import max_grad_error, param_holders, run_threaded
+from support import zoo
+from support.zoo import MICROBATCHES, batch
+from support.threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.compiler import split_for
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)
 
-MICROBATCHES = 4
-
-
-def _batch(case) -> tuple[tuple, tuple]:
-    """MICROBATCHES distinct microbatches shaped like the example (seeded), inputs then targets."""
-    inputs, targets = case.example
-    g = torch.Generator().manual_seed(1)
-
-    def like(x: torch.Tensor) -> torch.Tensor:
-        shape = (MICROBATCHES * x.shape[0], *x.shape[1:])
-        if x.is_floating_point():
-            return torch.randn(shape, generator=g, dtype=x.dtype)
-        return torch.randint(int(x.min()), int(x.max()) + 1, shape, generator=g, dtype=x.dtype)
-
-    return tuple(like(x) for x in inputs), tuple(like(x) for x in targets)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 @pytest.mark.parametrize("arch", list(zoo.ZOO))
 def test_zoo_step_matches_eager_microbatches(arch, schedule):
@@ -42,7 +27,7 @@ def test_zoo_step_matches_eager_microbatches(arch, schedule):
     case.model.train()
     sched = generate(schedule, 2, MICROBATCHES)
     staged = split_for(case.model, case.loss_fn, case.example, sched)
-    inputs, targets = _batch(case)
+    inputs, targets = batch(case)
     n = len(inputs)
 
     ref = copy.deepcopy(case.model)
@@ -81,8 +66,8 @@ def test_zoo_step_matches_eager_microbatches(arch, schedule):
 def test_stage_ending_in_a_linear_on_3d_input_splits_and_matches_eager():
     """aten.linear on 3-d input decomposes to view(addmm(view(x))): a stage whose sent output is that view of an
     intermediate (BERT's cut after `output.dense` under zbv) used to fail aot's joint export."""
-    from models import Case
-    from test_split import check_against_eager
+    from support.models import Case
+    from support.reference import check_against_eager
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))

@@ -1,20 +1,17 @@
-"""One rank of tests/test_cuda_graphs_gpu.py's pp=2 test (2+ GPUs, NCCL): zb.compile(cuda_graphs=True) on
+"""One rank of tests/gpu/test_cuda_graphs_gpu.py's pp=2 test (2+ GPUs, NCCL): zb.compile(cuda_graphs=True) on
 cuda:<rank> trains 5 steps (2 eager, capture, 3 replays) next to single-process eager training on the same
 GPU; writes the largest relative loss and gradient differences to `<out>/rank<r>.json`."""
 
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 
-from launch import worker_main  # noqa: E402
-from models import eager_accumulated, gpt, train_sgd  # noqa: E402
+from support.launch import worker_main  # noqa: E402
+from support.models import eager_accumulated, gpt, train_sgd  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
 

@@ -5,20 +5,21 @@ hand-over local), each trained 6 steps with torch.cuda's capture API (2 eager wa
 next to the same program run eagerly: losses and gradients equal step for step. Plus: the captured step's
 timings come from device events; parameters moved after capture are refused; the null model's host time per
 action with and without graphs (benchmarks/bench_cuda_graphs.py measures it properly). With 2+ GPUs, pp=2 over
-NCCL through zb.compile(cuda_graphs=True) (tests/graphs_gpu_worker.py).
+NCCL through zb.compile(cuda_graphs=True) (tests/gpu/graphs_gpu_worker.py).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from models import gpt, train_sgd  # noqa: E402
+from support.models import gpt, train_sgd  # noqa: E402
 from zbcompile.errors import CaptureError  # noqa: E402
 from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all  # noqa: E402
 from zbcompile.runtime import RankRuntime  # noqa: E402
@@ -27,6 +28,7 @@ from zbcompile.ir.schedule import Schedule  # noqa: E402
 from zbcompile.split import split_model  # noqa: E402
 
 STEPS, M = 6, 4
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _schedule(stages: int) -> Schedule:
@@ -103,11 +105,10 @@ def test_a_parameter_moved_after_capture_is_refused_on_the_gpu():
         rt.step_batch((x, y))
 
 
-def test_graphs_cut_the_null_models_host_time_per_action():
+def test_graphs_cut_the_null_models_host_time_per_action(monkeypatch):
     """Directional only (a benchmark measures it): on a model with next to no device work, a replayed step
     spends less time per action than the eager one."""
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    monkeypatch.syspath_prepend(BENCHMARKS)   # the benchmark scripts import their siblings (_harness)
     from bench_cuda_graphs import run
 
     cfg = {"model": "null", "d": 4, "layers": 8, "heads": 4, "seq": 1, "vocab": 16, "mbs": 2, "n_mb": 8,
@@ -120,9 +121,10 @@ def test_graphs_cut_the_null_models_host_time_per_action():
     assert graph["us_per_action"] < eager["us_per_action"]
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_pp2_over_nccl_captured_equals_eager(tmp_path):
-    from launch import launch
+    from support.launch import launch
 
     results = launch(os.path.join(os.path.dirname(__file__), "graphs_gpu_worker.py"), 2, tmp_path)
     for rank, res in enumerate(results):

@@ -17,7 +17,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]   # the repository (this file is tests/ir/test_layers.py)
 
 # room -> the rooms it may import (itself included)
 MAY_IMPORT = {

@@ -11,7 +11,7 @@ import typing
 import pytest
 import torch
 
-from models import gpt
+from support.models import gpt
 from zbcompile.passes.lower import emit_fx, lower_all
 from zbcompile.passes.lower.emit import Emitter
 from zbcompile.passes.schedules import GENERATORS, generate

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from models import gpt
-from threaded import max_grad_error, param_holders, run_threaded
+from support.models import gpt
+from support.threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.lower.buffers import static_input_buffers
 from zbcompile.passes.analysis.aliases import graph_output_aliases, graph_output_owned

@@ -15,8 +15,8 @@ import torch
 from torch import fx
 
 import zbcompile as zb
-from models import gpt
-from threaded import max_grad_error, param_holders, run_threaded
+from support.models import gpt
+from support.threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.errors import CaptureError, ZBCompileError
 from zbcompile.passes.analysis.capture import capture_problems, check_capture, node_problem
 from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all
@@ -170,6 +170,7 @@ def test_inspect_capture_check_prints_each_rank(capsys):
     assert capsys.readouterr().out.splitlines() == ["rank 0: capture-safe", "rank 1: capture-safe"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--vocab-parallel"]])
 def test_inspect_replay_check_runs_the_steps_and_reports_each_rank(capsys, extra):
     from zbcompile.inspect import add_arguments, run

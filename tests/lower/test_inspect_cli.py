@@ -1,4 +1,5 @@
-"""The user-facing commands, run as a user runs them: `zbcompile inspect` and the torchrun main job."""
+"""`zbcompile inspect`, run as a user runs it (one process: tests/distributed/test_main_job.py runs the torchrun
+main job)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from launch import free_port
+pytestmark = pytest.mark.slow   # each test starts the CLI, which traces and lowers in a fresh interpreter
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -50,7 +51,6 @@ def test_inspect_ops_view_and_bad_rank():
     assert missing.returncode == 2 and "cannot import module 'no_such_module'" in missing.stderr
 
 
-@pytest.mark.dist
 def test_inspect_vocab_parallel_shows_the_passes_and_the_collectives():
     out = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "1f1b",
                "--vocab-parallel", "--ops")
@@ -65,16 +65,3 @@ def test_inspect_vocab_parallel_shows_the_passes_and_the_collectives():
     for what in ("broadcast root 1", "all_gather root -1", "reduce root 1", "reduce root 0", "broadcast root 0"):
         assert what in text, what
     assert "wait_coll(" in text
-
-
-def test_main_job_trains_under_torchrun():
-    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "-m", "zbcompile.examples.train_gpt", "--schedule", "zb-h1",
-               "--steps", "6", "--dim", "64", "--layers", "2", "--seq", "32")
-    # on failure show the ranks' own last words (a C++ abort message comes before torchrun's summary)
-    assert out.returncode == 0, out.stdout[-2000:] + "\n".join(
-        line for line in out.stderr.splitlines() if "torch/distributed/elastic" not in line)[-6000:]
-    steps = [line for line in out.stdout.splitlines() if line.startswith("[")]
-    assert len(steps) == 6 and "6/6" in steps[-1] and "tok/s" in steps[-1] and "r1=" in steps[-1]
-    losses = [float(line.split("loss ")[1].split()[0]) for line in steps]
-    assert losses[-1] < losses[0]  # it learns: six AdamW steps on the tiny corpus

@@ -1,6 +1,6 @@
 """Lowering, single process: schedules in, rank-program structure out; then all ranks run as threads.
 
-Models come from tests/models.py and are split with zbcompile.split.split_model; schedules from
+Models come from tests/support/models.py and are split with zbcompile.split.split_model; schedules from
 zbcompile.passes.schedules.generate. The eager model's autograd is the reference for the threaded runs.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from models import convnet, gpt, mlp
-from threaded import max_grad_error, param_holders, run_threaded
+from support.models import convnet, gpt, mlp
+from support.threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower import LOWERING, build_compute, emit_fx, lower_all, validate_programs
 from zbcompile.passes.lower.reduce import grad_holders
@@ -88,6 +88,7 @@ def test_same_rank_neighbours_need_no_p2p():
     assert _count(r0, OpKind.SEND) == 8 and _count(r1, OpKind.SEND) == 8
 
 
+@pytest.mark.slow
 def test_tied_weights_are_summed_across_ranks_and_accumulated_on_one():
     *_, staged = _gpt_split(2)
     r0, r1 = lower_all(generate("1f1b", 2, 4), staged)
@@ -128,6 +129,7 @@ def test_last_gradient_is_sent_before_the_hand_off_to_grad():
         assert set(kinds[run + 1:first_set]) <= {OpKind.SEND, OpKind.STAMP, OpKind.FREE}, kinds[run + 1:first_set]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["ZBCOMPILE_GLOO_IO_NICE=abc", "ZBCOMPILE_GLOO_IO_NICE=25",
                                      "ZBCOMPILE_GLOO_IO_BATCH=yes"])
 def test_bad_gloo_thread_settings_say_what_is_valid(setting):

@@ -1,7 +1,7 @@
 """Lowering passes as text in, text out: each pass applied to the printed programs of the pass before it must
 print exactly the golden text under tests/golden/programs/ (`{case}.{step}.txt`, every rank's program).
 
-Regenerate after an intended change with `ZB_UPDATE_GOLDEN=1 python -m pytest tests/test_lower_golden.py`
+Regenerate after an intended change with `ZB_UPDATE_GOLDEN=1 python -m pytest tests/lower/test_lower_golden.py`
 and read the diff: it is the change's effect on the programs.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import mlp
+from support.models import mlp
 from zbcompile.passes.lower import FINISHING, LOWERING, build_compute, run_passes
 from zbcompile.passes.lower.p2p import insert_p2p
 from zbcompile.passes.schedules import generate
@@ -23,7 +23,7 @@ from zbcompile.split import split_model
 
 torch.set_num_threads(1)
 
-GOLDEN = Path(__file__).parent / "golden" / "programs"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "programs"   # tests/golden/programs
 UPDATE = os.environ.get("ZB_UPDATE_GOLDEN") == "1"
 CASES = {"1f1b-pp2-m2": ("1f1b", 2, 2), "zbv-pp2-m3": ("zbv", 2, 3), "zb-h1-pp2-m2": ("zb-h1", 2, 2)}
 STEPS = [p.__name__ if hasattr(p, "__name__") else p.func.__name__ for p in (*LOWERING, *FINISHING)]

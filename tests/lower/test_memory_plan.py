@@ -1,6 +1,6 @@
 """The memory plan (passes/analysis/memory/) against an independent measurement and the papers' closed forms.
 
-* Every schedule at pp=2 and pp=4 runs as threads (tests/threaded.py) with each rank's step measured by the
+* Every schedule at pp=2 and pp=4 runs as threads (tests/support/threaded.py) with each rank's step measured by the
   storage tracker (zbcompile/runtime/memory.py, a dispatch mode counting every storage the step's aten ops
   allocate until it is freed): the plan's dynamic peak is within 10% of the measured one on every rank.
 * On a uniform model (a GPT of 16 equal blocks) the plan's peak activation bytes, relative to 1F1B, reproduce
@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from tests.models import gpt, mlp
-from tests.threaded import run_threaded
+from support.models import gpt, mlp
+from support.threaded import run_threaded
 from zbcompile.compiler import split_for
 from zbcompile.passes.analysis.memory import CATEGORIES, memory_plan
 from zbcompile.passes.lower import lower_all
@@ -37,6 +37,7 @@ def _batch(case, m: int):
     return torch.cat([x] * m), torch.cat([y] * m)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_plan_matches_measured_peak(name, pp):
@@ -56,6 +57,7 @@ def test_plan_matches_measured_peak(name, pp):
                 f"{name} pp={pp} rank {r}: plan {planned} B, measured {measured} B\n{plan.table()}")
 
 
+@pytest.mark.slow
 def test_uniform_model_reproduces_v_schedule_ratios():
     pp, m = 4, 16
     case = gpt(layers=16, batch=2, seq=16)
@@ -104,6 +106,7 @@ def test_storage_tracker_counts_a_known_pattern():
     assert tracker.peak == 32768 and tracker.live == 16384 and v.shape == (64, 64) and b.shape == (64, 64)
 
 
+@pytest.mark.slow
 def test_inspect_memory_cli(tmp_path):
     svg, js = tmp_path / "mem.svg", tmp_path / "mem.json"
     out = subprocess.run([sys.executable, "-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny",

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from models import gpt, mlp
-from threaded import max_grad_error, param_holders, run_threaded
+from support.models import gpt, mlp
+from support.threaded import max_grad_error, param_holders, run_threaded
 from zbcompile._torch_private import StorageWeakRef
 from zbcompile.errors import UsageError
 from zbcompile.passes.analysis.memory import CATEGORIES, rank_memory
@@ -268,6 +268,7 @@ def test_most_saved_storage_of_a_gpt_stage_may_go():
         assert groups and all(len({w.offset for w in c.views}) == len(c.views) for c in groups)
 
 
+@pytest.mark.slow
 def test_offloading_every_storage_halves_the_activation_peak():
     """gpt(layers=8, batch=8, seq=16), pp=2, zb-h1, 8 microbatches, rank 0, every storage offloaded and
     reloaded just in time: the planned peak of saved and boundary tensors falls to ~51% of the peak without
@@ -295,6 +296,7 @@ FLOORS = {"1f1b": (0.875, 1.0), "gpipe": (0.609, 0.602), "zb-h1": (0.874, 0.882)
           "zbv": (0.807, 0.815), "v-half": (0.804, 0.815), "v-min": (0.928, 0.814), "dualpipev": (0.770, 0.766)}
 
 
+@pytest.mark.slow
 def test_offloading_between_b_and_w_lowers_the_floor():
     model, loss_fn, (x, y), _ = gpt(layers=8, batch=32, seq=16)
     staged = {n: split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=n) for n in (2, 4)}

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.models import gpt
+from support.models import gpt
 from zbcompile.compiler import split_for
 from zbcompile.passes.analysis.memory import rank_memory
 from zbcompile.passes.analysis.offload_plan import (DEVICES, Device, OffloadError, _by_lifespan, compute_time,
@@ -49,6 +49,7 @@ def test_the_longest_lived_forwards_go_first(programs):
     assert report[1].offloaded_bytes == 0
 
 
+@pytest.mark.slow
 def test_offload_added_to_finished_programs_equals_lowering_with_it(programs):
     """zb.compile adds the planned offload to the programs it already lowered instead of lowering again."""
     sched = generate("zb-h1", 2, 8)
@@ -97,6 +98,7 @@ def test_time_model_stalls_on_slow_copies(programs):
     assert report[0].k > 1 and report[0].slowdown > 1
 
 
+@pytest.mark.slow
 def test_inspect_offload_cli():
     out = subprocess.run([sys.executable, "-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp",
                           "2", "--schedule", "zb-h1", "--memory", "--offload", "2200000"],

@@ -19,8 +19,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from models import gpt, mlp
-from threaded import max_grad_error, param_holders, run_ranks
+from support.models import gpt, mlp
+from support.threaded import max_grad_error, param_holders, run_ranks
 from zbcompile.errors import LoweringError, RuntimeFailure
 from zbcompile.passes.lower import check_pair_order, emit_fx, lower_all, order_p2p_by_pair, validate_programs
 from zbcompile.passes.lower.order_p2p import pair_sequences

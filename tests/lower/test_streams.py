@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from models import gpt
+from support.models import gpt
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.lower.streams import check_streams, stream_cycle

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from models import gpt
+from support.models import gpt
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower import lower_all
 from zbcompile.passes.lower.streams import check_streams

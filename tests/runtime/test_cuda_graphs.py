@@ -1,6 +1,6 @@
 """The CUDA-graph runtime (zbcompile/runtime/graphs.py) and the replay-identity check (runtime/replay_check.py),
 exercised on a CPU: every rank a thread of the loopback world, the graph API a stand-in that checks the call order
-and the memory each replay touches (tests/graph_standin.py). Training with captured steps must equal eager
+and the memory each replay touches (tests/support/graph_standin.py). Training with captured steps must equal eager
 training step for step, with optimizer steps and zero_grad(set_to_none=True) between steps; programs and callers
 that break replay must fail with the reason."""
 
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import zbcompile as zb
-from graph_standin import StandInError, StandInGraphs
-from models import eager_accumulated, gpt, train_sgd
-from threaded import run_ranks
+from support.graph_standin import StandInError, StandInGraphs
+from support.models import eager_accumulated, gpt, train_sgd
+from support.threaded import run_ranks
 from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
 from zbcompile.passes.lower import CAPTURE_FINISHING, FINISHING, emit_fx, lower_all
 from zbcompile.passes.lower.offload import OffloadChoice
@@ -114,6 +114,7 @@ def test_captured_training_equals_eager_for_every_schedule(name):
         assert rt.captured.captured and rt.captured.steps == STEPS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev", "v-half"])
 def test_captured_training_equals_eager_at_pp4(name):
     sched = generate(name, 4, 8)
@@ -133,6 +134,7 @@ def test_a_two_stage_program_on_one_rank_is_captured():
     _assert_equal_to_eager(_train(sched, staged, model, batches), ref_losses, ref_grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["1f1b", "zbv"])
 def test_captured_training_with_vocabulary_parallelism_equals_eager(name):
     """The vocabulary layers' broadcasts, reductions and all-gathers captured with the rest of the step."""
@@ -166,7 +168,7 @@ def test_captured_training_of_the_model_zoo_equals_eager(case_name):
     """Other architectures under capture: BatchNorm (buffers written in place), skip connections, masks, dtype
     casts, rotary embeddings, a HuggingFace GPT-2, a dict-returning LM; zbv where the model has 4 stages to cut,
     else 1f1b; 2 microbatches per step, a different sample order every step."""
-    import models
+    from support import models
 
     case = getattr(models, case_name)()
     x, y = case.example
@@ -178,6 +180,7 @@ def test_captured_training_of_the_model_zoo_equals_eager(case_name):
     _assert_equal_to_eager(_train(sched, staged, case.model, batches), ref_losses, ref_grads)
 
 
+@pytest.mark.slow
 def test_replay_check_passes_for_every_schedule_and_equals_eager():
     """The replay-identity check itself (eager steps, footprints compared from step 2 on) for each schedule."""
     for name in ("gpipe", "1f1b", "zb-h1", "zb-h2", "zbv", "v-min", "dualpipe", "interleaved-1f1b"):

@@ -3,9 +3,9 @@
 Every schedule at pp=2 runs threaded on a small GPT (tied embedding, attention, layer norm) against eager
 microbatch accumulation; every compiled graph of two programs against its aten graph on the same inputs
 (outputs, in-place sums, no aliasing the aten graph does not have); one compilation per distinct graph, and
-inductor's FX graph cache across compilations; zbcompile.compile multi-process (gloo, 2 ranks); an unknown
-backend. The threaded cases share one process-wide set of compiled graphs, so the whole module takes about
-a minute on 2 cores with a warm inductor cache.
+inductor's FX graph cache across compilations; an unknown backend (zbcompile.compile multi-process:
+tests/distributed/test_inductor_dist.py). The threaded cases share one process-wide set of compiled graphs,
+so the whole module takes about a minute on 2 cores with a warm inductor cache.
 
 Tolerance 1e-4 relative (eager and pipelined-eager agree to 1e-5 elsewhere in the suite): inductor fuses and
 vectorizes reductions (layer norm, softmax, the gradient sums over the batch), which reassociates float32
@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 
 import pytest
 import torch
 
-from launch import Launches
-from models import eager_accumulated, gpt
-from threaded import max_grad_error, param_holders, run_threaded
+from support.models import eager_accumulated, gpt
+from support.threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.compiler import split_for
 from zbcompile.errors import UsageError, ZBCompileError
 from zbcompile.passes.analysis.aliases import graph_output_aliases
@@ -57,6 +55,7 @@ def _staged(case, sched):
     return case["splits"][key]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_trains_like_eager(case, schedule):
     sched = generate(schedule, 2, MICROBATCHES)
@@ -104,6 +103,7 @@ def _shares(out: torch.Tensor, ins: list[torch.Tensor]) -> set[int]:
     return {i for i, t in enumerate(ins) if t.untyped_storage().data_ptr() == ptr}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_compiled_graphs_keep_the_aten_graphs_contract(case, schedule):
     """Every compiled graph of both ranks, on the same inputs as its aten graph: equal outputs, the same
@@ -131,6 +131,7 @@ def test_compiled_graphs_keep_the_aten_graphs_contract(case, schedule):
                     assert got[k] is ins_compiled[g.inputs.index("acc:" + name)], (rank, key, name, "not in place")
 
 
+@pytest.mark.slow
 def test_the_program_runs_the_accumulating_variants_compiled(case):
     """With several microbatches the W / BW runs after the first call `<graph>_acc`, compiled."""
     programs, _ = _graphs(case, "zb-h1")
@@ -142,6 +143,7 @@ def test_the_program_runs_the_accumulating_variants_compiled(case):
         assert "boxed inductor" in p.to_text()
 
 
+@pytest.mark.slow
 def test_one_compilation_per_distinct_graph_and_inductors_cache(case, monkeypatch):
     """Emitting both ranks of dualpipev (each model stage on both ranks) compiles each distinct graph once;
     compiling them again in a fresh process-wide memo is served by inductor's FX graph cache."""
@@ -169,26 +171,6 @@ def test_unknown_backend_says_the_choices(case):
     with pytest.raises(UsageError, match="'inductor'.*or None") as e:
         lower_all(sched, _staged(case, sched), backend="tvm")
     assert isinstance(e.value, ZBCompileError)
-
-
-# ---- zbcompile.compile, multi-process ------------------------------------------------------------------
-_launch = Launches(os.path.join(os.path.dirname(__file__), "inductor_worker.py"))
-
-
-@pytest.mark.dist
-@pytest.mark.slow
-def test_compile_with_inductor_multi_process(tmp_path_factory):
-    _, results = _launch(2, tmp_path_factory)
-    for name in ("zbv", "1f1b"):
-        vals = [res[name] for res in results]
-        for r, v in enumerate(vals):
-            assert "error" not in v, f"rank {r} {name}:\n{v['error']}"
-            assert abs(v["loss"] - v["loss_ref"]) <= TOL * abs(v["loss_ref"]), (name, r, v["loss"], v["loss_ref"])
-            assert v["grad_err"] <= TOL, (name, r, v["grad_err"])
-        assert len({v["loss"] for v in vals}) == 1, (name, "ranks report different losses")
-    for r, res in enumerate(results):
-        bad = res["bad_backend"]
-        assert "UsageError" in bad.get("type", ()) and "'inductor'" in bad["message"], (r, bad)
 
 
 def test_accumulating_graphs_compile_cold_where_ci_is_set(monkeypatch):

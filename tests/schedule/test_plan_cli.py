@@ -10,14 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from support.schedules import acts, one_f_one_b
 from zbcompile.__main__ import main
 from zbcompile.ir.schedule import Schedule
 
-try:  # rootdir-style import, or package-style if tests/ becomes a package
-    from test_simulate import acts, one_f_one_b
-except ImportError:
-    from tests.test_simulate import acts, one_f_one_b
-
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -178,12 +175,10 @@ def test_compare_cli_and_limits(fake_generators: None, capsys: pytest.CaptureFix
     assert "unknown schedule 'nope'; choose one of: 1f1b, two, picky" in capsys.readouterr().err
 
 
-def test_benchmark_table_reuses_compare(fake_generators: None, capsys: pytest.CaptureFixture) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        from schedule_table import main as bench_main
-    finally:
-        sys.path.pop(0)
+def test_benchmark_table_reuses_compare(fake_generators: None, capsys: pytest.CaptureFixture,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(BENCHMARKS)   # the benchmark scripts import their siblings (_harness)
+    from schedule_table import main as bench_main
     assert bench_main(["--pp", "4", "--microbatches", "8", "12", "--costs", "W=0.5"]) == 0
     out = capsys.readouterr().out
     assert "p=4, m=8" in out and "p=4, m=12" in out and "picky" in out

@@ -14,7 +14,7 @@ from zbcompile.passes.schedules import GENERATORS, generate
 from zbcompile.ir.schedule import Schedule
 from zbcompile.simulate import Costs
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"   # tests/golden
 COSTS = Costs(f=1, b=1.1, w=0.6, comm=0.05)
 
 CASES = [(name, 4, 8, {}, f"{name}_p4_m8.txt") for name in GENERATORS] + [

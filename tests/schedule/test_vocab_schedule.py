@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from support.schedules import acts
 from zbcompile.errors import ScheduleError
 from zbcompile.passes.schedules import SCHEDULES, generate
 from zbcompile.passes.schedules.vocab import insert_vocab, vocab_costs, with_extra_warmup
 from zbcompile.plan_vocab import VocabModel, baseline_model, vocab_model
 from zbcompile.ir.schedule import KIND_SPECS, SHARDED_KINDS, Action, Kind, Schedule
 from zbcompile.simulate import Costs, MemoryModel, simulate
-
-try:  # rootdir-style import, or package-style if tests/ becomes a package
-    from test_simulate import acts
-except ImportError:
-    from tests.test_simulate import acts
 
 GEMMA = VocabModel(ratio=4.6, layers_per_stage=8)  # the output layer is 4.6 blocks' work
 

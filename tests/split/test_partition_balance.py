@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-import models
-from test_split import check_against_eager
+from support import models
+from support.reference import check_against_eager
 from zbcompile.errors import PartitionError
 from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
 from zbcompile.passes import choose_cuts

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import gpt
+from support.models import gpt
 from zbcompile.errors import VocabError
 from zbcompile.ir.names import VOCAB_EMB, VOCAB_X
 from zbcompile.split import split_model

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import models
+from support import models
 from zbcompile.errors import PartitionError, TraceError, ZBCompileError
 from zbcompile.split import split_model
 

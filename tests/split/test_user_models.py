@@ -1,11 +1,11 @@
 """Models users bring that the split used to reject: each class reproduced by a small model, split, and
 checked against eager autograd (loss, every gradient, updated buffers) stage graph by stage graph
-(test_split.check_against_eager), most also as a threaded pipeline step (tests/threaded.py). The classes:
-blocks in an nn.ModuleDict; split points users already wrote (pipe_split() markers, torch's split_spec);
-stages returning their input or a view of it; non-contiguous boundary tensors and SDPA's layout under
-autograd (an encoder-decoder, HF T5); slice assignment into activations; parameters and buffers no stage
-reads; keyword-only inputs with a mask; and the in-place writes that still cannot work, which get one clear
-error."""
+(tests/support/reference.py, check_against_eager), most also as a threaded pipeline step
+(tests/support/threaded.py). The classes: blocks in an nn.ModuleDict; split points users already wrote
+(pipe_split() markers, torch's split_spec); stages returning their input or a view of it; non-contiguous
+boundary tensors and SDPA's layout under autograd (an encoder-decoder, HF T5); slice assignment into
+activations; parameters and buffers no stage reads; keyword-only inputs with a mask; and the in-place writes
+that still cannot work, which get one clear error."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import copy
 import pytest
 import torch
 
-import models
-from test_split import check_against_eager
-from threaded import max_grad_error, param_holders, run_threaded
+from support import models
+from support.reference import check_against_eager
+from support.threaded import max_grad_error, param_holders, run_threaded
 from zbcompile.compiler import split_for
 from zbcompile.errors import PartitionError
 from zbcompile.passes.schedules import generate
@@ -154,6 +154,7 @@ def test_sdpa_layout_under_autograd_splits_and_matches_eager(point):
     check_against_eager(staged, case)
 
 
+@pytest.mark.slow
 def test_encoder_decoder_with_a_permuted_boundary_trains_equal_to_eager_pipelined():
     threaded_step_matches_eager(models.seq2seq(), "1f1b", 2, split_points=["encoder.2"])
 
@@ -228,6 +229,7 @@ def test_model_with_unused_state_trains_equal_to_eager_pipelined():
     threaded_step_matches_eager(models.rope_net(), "1f1b", 2)
 
 
+@pytest.mark.slow
 def test_hf_t5_splits_automatically_and_matches_eager():
     """An encoder-decoder users bring: two inputs, blocks behind ModuleLists inside two stacks of one class,
     SDPA's layout under autograd; the automatic split cuts between blocks."""
@@ -240,7 +242,7 @@ def test_hf_t5_splits_automatically_and_matches_eager():
 # several inputs passed by keyword
 
 def test_keyword_only_model_with_a_mask_matches_eager():
-    from test_split import assert_close, run_staged
+    from support.reference import assert_close, run_staged
     from zbcompile.passes.trace import flatten_example
 
     case = models.keyword_lm()

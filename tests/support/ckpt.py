@@ -1,11 +1,12 @@
-"""The models, batches and eager reference shared by tests/test_checkpoint.py and its worker processes."""
+"""The models, batches and eager reference shared by the checkpoint tests (tests/distributed/test_checkpoint.py,
+test_vocab_checkpoint.py) and their worker processes."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from models import convnet, gpt
+from support.models import convnet, gpt
 from zbcompile.examples.gpt import GPT, GPTConfig
 from zbcompile.examples.gpt import loss_fn as gpt_loss
 
@@ -40,7 +41,8 @@ def microbatch(batch, m: int):
 
 
 def adamw(params):
-    """eps=1e-3 (tests/dist_worker.py's reference says why: near-zero gradients and float summation order)."""
+    """eps=1e-3 (tests/distributed/workers/dist_worker.py's reference says why: near-zero gradients and float
+    summation order)."""
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
@@ -69,3 +71,23 @@ def eager_train(model: nn.Module, opt, loss_fn, batches, m: int) -> list[float]:
         opt.step()
         opt.zero_grad()
     return losses
+
+
+VOCAB_MICROBATCHES = 4
+
+
+def vocab_case():
+    """test_vocab_checkpoint's model, loss_fn and 4 batches of VOCAB_MICROBATCHES microbatches: an untied GPT
+    over 61 tokens (the last vocabulary shard padded), the same in every process."""
+    M = VOCAB_MICROBATCHES
+    base = gpt(layers=4, batch=1)
+    torch.manual_seed(5)
+    cfg = base.model.cfg.__class__(vocab=61, seq=base.model.cfg.seq, d=base.model.cfg.d,
+                                   heads=base.model.cfg.heads, layers=4)
+    model = type(base.model)(cfg)
+    model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone() * 0.5)
+    g = torch.Generator().manual_seed(9)
+    x0, _ = base.example
+    batches = [(torch.randint(0, 61, (M * x0.shape[0], x0.shape[1]), generator=g),
+                torch.randint(0, 61, (M * x0.shape[0], x0.shape[1]), generator=g)) for _ in range(4)]
+    return model, base.loss_fn, batches

@@ -1,16 +1,29 @@
 """Launch a worker script as the ranks of one pipeline (the torchrun environment, gloo on 127.0.0.1, one
-thread per rank) and read what each rank wrote to `<out>/rank<r>.json`. Shared by the multi-process tests."""
+process per rank) and read what each rank wrote to `<out>/rank<r>.json`. Shared by the multi-process tests.
+
+Every rank starts in a process group of its own (a new session), with `tests/` on its PYTHONPATH so that a
+worker imports the same helpers as the tests (`from support.models import gpt`). Its stdout and stderr go to
+`<out>/rank<r>.log` (a file, never a pipe nobody reads). As soon as one rank exits with an error, or the
+launch runs past its timeout, every rank's whole process group is killed: no rank outlives its launch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parents[1]   # the folder holding `support`: the children's PYTHONPATH
+POLL = 0.1   # seconds between looks at the ranks
 
 
 def free_port() -> int:
@@ -19,23 +32,102 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """os.environ with `tests/` first on PYTHONPATH (the helpers' package `support`), plus `extra`."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), *([path] if path else [])]), **extra)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group `proc` leads (it and whatever it started), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - chars))
+            return fh.read().decode(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+
+
 def launch(worker: str, pp: int, out, *args: str, timeout: float = 600) -> list[dict]:
     """Run `worker --out OUT *args` as ranks 0..pp-1; returns each rank's JSON. A rank that wrote nothing fails
-    the test with the end of its output."""
+    the test with the end of its output. The first rank to exit with an error, or the timeout (seconds, for the
+    whole launch), ends every rank."""
+    out = Path(out)
     port = free_port()
-    procs = []
-    for r in range(pp):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
-                   WORLD_SIZE=str(pp), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, worker, "--out", str(out), *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    logs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
+    procs: list[subprocess.Popen] = []
+    logs = [out / f"rank{r}.log" for r in range(pp)]
+    failed, timed_out = None, False
+    try:
+        for r in range(pp):
+            env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
+                            WORLD_SIZE=str(pp), OMP_NUM_THREADS="1")
+            with open(logs[r], "wb") as log:
+                procs.append(subprocess.Popen([sys.executable, str(worker), "--out", str(out), *args], env=env,
+                                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while True:
+            running = [p.poll() is None for p in procs]
+            failed = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+            if failed is not None or not any(running):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(POLL)
+    finally:
+        for p in procs:   # the ranks still running, and whatever any rank started
+            _kill_group(p)
+    codes = ", ".join(f"rank {r}: {p.returncode}" for r, p in enumerate(procs))
+    if timed_out:
+        pytest.fail(f"{worker}: the launch ran past {timeout} s; every rank killed (exit codes {codes})\n"
+                    + "\n".join(f"---- rank {r}:\n{_tail(logs[r])}" for r in range(pp)), pytrace=False)
+    first = "" if failed is None else f"rank {failed} failed first (exit codes {codes}):\n{_tail(logs[failed])}\n"
     results = []
     for r in range(pp):
         path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no results:\n{logs[r][-3000:]}"
-        results.append(json.loads(path.read_text()))
+        assert path.exists(), f"{first}rank {r} wrote no results:\n{_tail(logs[r])}"
+        try:
+            results.append(json.loads(path.read_text()))
+        except ValueError as e:
+            raise AssertionError(f"{first}rank {r} wrote no whole results ({e}):\n{_tail(logs[r])}") from None
     return results
+
+
+def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)` for a command that starts
+    processes of its own (torchrun and its ranks): it runs in a process group of its own, its output goes to
+    files, and on timeout the whole group is killed before subprocess.TimeoutExpired is raised."""
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise
+        finally:
+            _kill_group(proc)   # whatever it left behind in its group
+        stdout.seek(0)
+        stderr.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, _text(stdout.read()), _text(stderr.read()))
+
+
+def _text(data: bytes) -> str:
+    """Bytes as subprocess.run(text=True) gives them: decoded, universal newlines."""
+    return data.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
 def worker_main(run) -> None:

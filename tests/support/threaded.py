@@ -1,7 +1,7 @@
 """Run every rank's program of a schedule as threads of this process (a LoopbackWorld instead of torch.distributed).
 
 This checks the lowering end to end — P2P matching, gradient accumulation and the shared-gradient sums —
-without starting processes; tests/test_dist.py runs the same under torch.distributed.
+without starting processes; tests/distributed/test_dist.py runs the same under torch.distributed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A zoo of transformers architectures from tiny random configs (no downloads), for tests/test_zoo.py.
+"""A zoo of transformers architectures from tiny random configs (no downloads), for tests/e2e/test_zoo.py.
 
 Every factory seeds its own init and returns a models.Case whose example is one microbatch (one sequence or
 image); hidden 32, 2 heads, vocab 64, seq 8, every dropout probability 0. The wrappers return just the logits.
@@ -10,10 +10,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import Case, HFLogits, HFSeq2SeqLogits
+from support.models import Case, HFLogits, HFSeq2SeqLogits
 from zbcompile.examples.gpt import loss_fn as token_loss
 
 VOCAB, SEQ, D, HEADS, FF = 64, 8, 32, 2, 64
+MICROBATCHES = 4   # per step, in the zoo tests (tests/e2e/)
+
+
+def batch(case) -> tuple[tuple, tuple]:
+    """MICROBATCHES distinct microbatches shaped like the example (seeded), inputs then targets."""
+    inputs, targets = case.example
+    g = torch.Generator().manual_seed(1)
+
+    def like(x: torch.Tensor) -> torch.Tensor:
+        shape = (MICROBATCHES * x.shape[0], *x.shape[1:])
+        if x.is_floating_point():
+            return torch.randn(shape, generator=g, dtype=x.dtype)
+        return torch.randint(int(x.min()), int(x.max()) + 1, shape, generator=g, dtype=x.dtype)
+
+    return tuple(like(x) for x in inputs), tuple(like(x) for x in targets)
 
 
 class ImageLogits(nn.Module):

@@ -1,4 +1,4 @@
-"""One rank of tests/test_checkpoint.py, started with the torchrun environment (RANK, WORLD_SIZE, MASTER_*).
+"""One rank of tests/distributed/test_checkpoint.py, started with the torchrun environment (RANK, WORLD_SIZE, MASTER_*).
 
 --save: train the tied-embedding GPT and a BatchNorm ConvNet two AdamW steps with zbv, save each (torch's own
 calls for the GPT, zbcompile.checkpoint.save for the ConvNet), then load both into freshly initialized
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import traceback
 
 import torch
@@ -21,10 +20,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-import ckpt_common as common  # noqa: E402
+from support import ckpt as common  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
 from zbcompile import checkpoint  # noqa: E402

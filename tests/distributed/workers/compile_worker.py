@@ -1,4 +1,5 @@
-"""One rank of tests/test_compile_paths.py: `zbcompile.compile` as users call it, under the torchrun environment.
+"""One rank of tests/distributed/test_compile_paths.py: `zbcompile.compile` as users call it, under the torchrun
+environment.
 
 Each case compiles from the plain model (automatic split unless the case says otherwise), runs steps, and
 records loss and gradients next to single-process eager microbatch training on the same batch; the test
@@ -11,17 +12,15 @@ import argparse
 import copy
 import json
 import os
-import sys
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-from models import convnet, gpt, mlp  # noqa: E402
+from support.models import convnet, gpt, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 from zbcompile.errors import RuntimeFailure  # noqa: E402

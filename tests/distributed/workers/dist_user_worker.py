@@ -1,21 +1,18 @@
-"""One rank of tests/test_dist_user_models.py (torchrun environment): `zbcompile.compile` with the automatic
-split on the user-model classes of tests/test_user_models.py, one 1F1B step each against eager; writes
+"""One rank of tests/distributed/test_dist_user_models.py (torchrun environment): `zbcompile.compile` with the automatic
+split on the user-model classes of tests/split/test_user_models.py, one 1F1B step each against eager; writes
 `<out>/rank<r>.json`."""
 
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-from launch import worker_main  # noqa: E402
-from models import dict_lm, marked_mlp, rope_net  # noqa: E402
+from support.launch import worker_main  # noqa: E402
+from support.models import dict_lm, marked_mlp, rope_net  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 

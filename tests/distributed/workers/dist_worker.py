@@ -1,4 +1,5 @@
-"""One rank of tests/test_dist.py, started with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+"""One rank of tests/distributed/test_dist.py, started with the torchrun environment (RANK, WORLD_SIZE,
+MASTER_ADDR/PORT).
 
 Loops over every schedule inside the process (process start-up costs seconds) and writes what it saw to
 `<out>/rank<r>.json`; the test reads the files and asserts. The last phase kills one rank mid-step.
@@ -10,17 +11,15 @@ import argparse
 import copy
 import json
 import os
-import sys
 import threading
 import time
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-from models import gpt, hf_gpt2, mlp  # noqa: E402
+from support.models import gpt, hf_gpt2, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 from zbcompile.errors import RuntimeFailure, ScheduleError, UsageError  # noqa: E402

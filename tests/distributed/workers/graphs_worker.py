@@ -1,9 +1,9 @@
-"""One rank of tests/test_cuda_graphs_dist.py (torchrun environment, gloo): captured steps and the replay check
-across processes.
+"""One rank of tests/distributed/test_cuda_graphs_dist.py (torchrun environment, gloo): captured steps and the
+replay check across processes.
 
 For each schedule, twice from the same model:
-  * `zb.compile(..., cuda_graphs=True)` with the capture API replaced by the CPU stand-in (tests/graph_standin.py;
-    the real one needs CUDA): 2 eager warm-up steps, capture, 3 replays;
+  * `zb.compile(..., cuda_graphs=True)` with the capture API replaced by the CPU stand-in
+    (tests/support/graph_standin.py; the real one needs CUDA): 2 eager warm-up steps, capture, 3 replays;
   * the eager capture-ready program under ReplayCheck (runtime/replay_check.py): every step's static memory and
     message order on the real gloo group equal step 2's.
 Both train with SGD, zero_grad(set_to_none=True) on even steps and in place on odd ones; each step's loss and
@@ -13,25 +13,22 @@ gradients are compared with single-process eager training. Writes `<out>/rank<r>
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-from graph_standin import StandInGraphs  # noqa: E402
-from launch import worker_main  # noqa: E402
-from models import eager_accumulated, gpt, train_sgd  # noqa: E402
+from support.dist_cases import GRAPHS_SCHEDULES as SCHEDULES  # noqa: E402
+from support.graph_standin import StandInGraphs  # noqa: E402
+from support.launch import worker_main  # noqa: E402
+from support.models import eager_accumulated, gpt, train_sgd  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
 from zbcompile.runtime import graphs  # noqa: E402
 from zbcompile.runtime.replay_check import ReplayCheck  # noqa: E402
 
-SCHEDULES = ("1f1b", "zb-h1", "zbv", "v-half", "dualpipev")
 M, STEPS, LR = 4, 5, 0.05
 
 

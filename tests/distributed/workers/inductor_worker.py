@@ -1,21 +1,18 @@
-"""One rank of tests/test_inductor.py's multi-process case: `zbcompile.compile(..., backend="inductor")` as users
+"""One rank of tests/distributed/test_inductor_dist.py: `zbcompile.compile(..., backend="inductor")` as users
 call it under the torchrun environment, next to eager microbatch training (compile_worker.run_case), and a
 backend name zbcompile does not know. Results go to `<out>/rank<r>.json`."""
 
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-from compile_worker import run_case  # noqa: E402
-from launch import worker_main  # noqa: E402
-from models import gpt  # noqa: E402
+from compile_worker import run_case  # noqa: E402  (a sibling script: this one's folder is sys.path[0])
+from support.launch import worker_main  # noqa: E402
+from support.models import gpt  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 

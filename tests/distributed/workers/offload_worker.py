@@ -1,4 +1,4 @@
-"""One rank of tests/test_offload_dist.py (torchrun environment): activation offload under a memory budget.
+"""One rank of tests/distributed/test_offload_dist.py (torchrun environment): activation offload under a memory budget.
 
 For each schedule: split once per stage layout, plan memory without offload, set each rank's budget to half its
 peak without offload, or to the least peak offload can reach there (`least_peaks`, the floor) if that is more,
@@ -11,17 +11,15 @@ Writes `<out>/rank<r>.json`.
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import traceback
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-from launch import worker_main  # noqa: E402
-from models import eager_accumulated, gpt  # noqa: E402
+from support.dist_cases import OFFLOAD_SCHEDULES as SCHEDULES  # noqa: E402
+from support.launch import worker_main  # noqa: E402
+from support.models import eager_accumulated, gpt  # noqa: E402
 
 from zbcompile.api import PipelineModule  # noqa: E402
 from zbcompile.compiler import split_for  # noqa: E402
@@ -30,7 +28,6 @@ from zbcompile.passes.analysis.offload_plan import least_peaks  # noqa: E402
 from zbcompile.passes.lower import lower_all  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
 
-SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-h2", "zbv", "v-half", "v-min", "interleaved-1f1b", "dualpipev")
 M = 8
 
 

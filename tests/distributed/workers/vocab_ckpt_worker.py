@@ -1,4 +1,4 @@
-"""One rank of tests/test_vocab_checkpoint.py (torchrun environment): a vocabulary-parallel checkpoint.
+"""One rank of tests/distributed/test_vocab_checkpoint.py (torchrun environment): a vocabulary-parallel checkpoint.
 
 Train an untied GPT over 61 tokens (the last shard padded) two AdamW steps with 1f1b and vocab_parallel=True,
 save with zbcompile.checkpoint, then load it into freshly initialized (perturbed) pipelines of other layouts
@@ -11,37 +11,19 @@ from __future__ import annotations
 
 import copy
 import os
-import sys
 import traceback
 
 import torch
-from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-from ckpt_worker import train  # noqa: E402
-from launch import worker_main  # noqa: E402
-from models import gpt  # noqa: E402
+from ckpt_worker import train  # noqa: E402  (a sibling script: this one's folder is sys.path[0])
+from support.ckpt import VOCAB_MICROBATCHES as M  # noqa: E402
+from support.ckpt import vocab_case as case  # noqa: E402
+from support.launch import worker_main  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
 from zbcompile import checkpoint  # noqa: E402
-
-M = 4
-
-
-def case():
-    base = gpt(layers=4, batch=1)
-    torch.manual_seed(5)
-    cfg = base.model.cfg.__class__(vocab=61, seq=base.model.cfg.seq, d=base.model.cfg.d,
-                                   heads=base.model.cfg.heads, layers=4)
-    model = type(base.model)(cfg)
-    model.lm_head.weight = nn.Parameter(model.wte.weight.detach().clone() * 0.5)
-    g = torch.Generator().manual_seed(9)
-    x0, _ = base.example
-    batches = [(torch.randint(0, 61, (M * x0.shape[0], x0.shape[1]), generator=g),
-                torch.randint(0, 61, (M * x0.shape[0], x0.shape[1]), generator=g)) for _ in range(4)]
-    return model, base.loss_fn, batches
 
 
 def pipeline(model, loss_fn, batches, schedule: str, vocab: bool, perturb: bool = False):

@@ -1,4 +1,4 @@
-"""One rank of tests/test_vocab_parallel.py (torchrun environment): vocabulary parallelism against eager.
+"""One rank of tests/distributed/test_vocab_parallel.py (torchrun environment): vocabulary parallelism against eager.
 
 For each model (a GPT with tied embeddings, an untied one whose vocabulary does not divide by the ranks and whose
 targets ignore some tokens, a HuggingFace GPT-2) and each schedule, compile with vocab_parallel=True (one split
@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import itertools
 import copy
-import os
-import sys
 import traceback
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
-from launch import worker_main  # noqa: E402
-from models import gpt, hf_gpt2  # noqa: E402
+from support.launch import worker_main  # noqa: E402
+from support.models import gpt, hf_gpt2  # noqa: E402
 
 from zbcompile.api import PipelineModule  # noqa: E402
 from zbcompile.compiler import split_for  # noqa: E402

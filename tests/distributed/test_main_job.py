@@ -1,0 +1,32 @@
+"""The main job, run as a user runs it: torchrun with 2 ranks (gloo) training the example GPT."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from support.launch import free_port, run_command
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _run(*args: str, timeout: int = 300):
+    """`python *args` in a process group of its own (torchrun and its ranks), killed whole on timeout."""
+    return run_command([sys.executable, *args], timeout=timeout, env=ENV)
+
+
+def test_main_job_trains_under_torchrun():
+    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "-m", "zbcompile.examples.train_gpt", "--schedule", "zb-h1",
+               "--steps", "6", "--dim", "64", "--layers", "2", "--seq", "32")
+    # on failure show the ranks' own last words (a C++ abort message comes before torchrun's summary)
+    assert out.returncode == 0, out.stdout[-2000:] + "\n".join(
+        line for line in out.stderr.splitlines() if "torch/distributed/elastic" not in line)[-6000:]
+    steps = [line for line in out.stdout.splitlines() if line.startswith("[")]
+    assert len(steps) == 6 and "6/6" in steps[-1] and "tok/s" in steps[-1] and "r1=" in steps[-1]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in steps]
+    assert losses[-1] < losses[0]  # it learns: six AdamW steps on the tiny corpus
