@@ -2,10 +2,11 @@
 
     tests/ir/           the IRs alone: action kinds, op specs, composite steps, the schedule problem, import layers
     tests/split/        tracing and splitting a model into stage graphs: errors, balance, costs, vocabulary shards
+    tests/compiler/     the options (each checked before tracing) and the compiler core against the passes by hand
     tests/schedule/     schedule generators, golden orders, the simulator and zb-auto, `zbcompile plan`
     tests/lower/        lowering to rank programs and its passes (p2p, buffers, streams, offload, memory, capture),
                         golden program text, `zbcompile inspect`; ranks run as threads of one process
-    tests/runtime/      the runtimes behind the programs: CUDA graphs (CPU stand-in), the inductor backend
+    tests/runtime/      the runtimes behind the programs: CUDA graphs (CPU stand-in), the replay footprint, inductor
     tests/e2e/          whole pipelines, threaded: the transformers zoo, with and without vocabulary parallelism
     tests/distributed/  several processes (gloo on 127.0.0.1, all marked dist); workers/ holds their rank scripts
     tests/gpu/          a real CUDA device (marked gpu, skipped without one)

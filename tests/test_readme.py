@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from launch import free_port
+from support.launch import free_port, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -116,10 +115,9 @@ def test_readme_section_runs(section, tmp_path, monkeypatch):
 def test_readme_section_runs_under_torchrun(section, tmp_path):
     script = tmp_path / f"readme_{slug(section).replace('-', '_')}.py"
     script.write_text(PROGRAMS[section])
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", str(free_port()), str(script)],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                       "127.0.0.1", "--master-port", str(free_port()), str(script)],
+                      cwd=tmp_path, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     # on failure, the ranks' own tracebacks (their line numbers are README.md's) without torchrun's summary
     assert out.returncode == 0, f"README.md, section {section!r} under torchrun:\n" + out.stdout[-2000:] + "\n".join(
         line for line in out.stderr.splitlines() if "torch/distributed/elastic" not in line)[-6000:]

@@ -106,12 +106,13 @@ def launch(worker: str, pp: int, out, *args: str, timeout: float = 600) -> list[
     return results
 
 
-def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)` for a command that starts
-    processes of its own (torchrun and its ranks): it runs in a process group of its own, its output goes to
-    files, and on timeout the whole group is killed before subprocess.TimeoutExpired is raised."""
+def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
+                cwd=None) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)` for a command that
+    starts processes of its own (torchrun and its ranks): it runs in a process group of its own, its output goes
+    to files, and on timeout the whole group is killed before subprocess.TimeoutExpired is raised."""
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                                 start_new_session=True)
         try:
             proc.wait(timeout=timeout)

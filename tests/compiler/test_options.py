@@ -1,0 +1,124 @@
+"""CompileOptions and the compiler core (zbcompile/options.py, zbcompile/compiler.py).
+
+Every option is checked before anything is traced: a bad value raises UsageError naming the option and what it
+accepts, even for a model whose forward would fail (so nothing ran). compile_programs is the one way to build
+rank programs: pure (no process group), and the same programs as the split and the lowering run by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zbcompile as zb
+from zbcompile.compiler import compile_programs, compile_staged, split_for
+from zbcompile.errors import UsageError
+from zbcompile.ir.costs import Costs
+from zbcompile.options import WARMUP_STEPS, CompileOptions
+from zbcompile.passes.lower import lower_all
+from zbcompile.passes.schedules import generate
+from zbcompile.pipeline_module import PipelineModule
+from zbcompile.split import split_model
+
+
+class Untraceable(nn.Module):
+    """A model whose forward fails: any error other than our UsageError means it was traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        raise AssertionError("traced: the option was not checked before tracing")
+
+
+def _loss(out, y):
+    return nn.functional.mse_loss(out, y)
+
+
+GOOD = dict(schedule="1f1b", microbatches=2, loss_fn=_loss, example=((torch.randn(1, 4),), (torch.randn(1, 4),)))
+
+BAD = [
+    ("schedule", "zb-h3", "zb-h1"), ("schedule", 3, "a zbcompile.Schedule"),
+    ("microbatches", 0, "positive int"), ("microbatches", 2.0, "positive int"), ("microbatches", True, "positive"),
+    ("loss_fn", "mse", "callable"), ("pp", 0, "positive int or None"), ("chunks", -1, "positive int or None"),
+    ("split_points", "blocks.2", "list of module names"), ("split_points", [1, 2], "list of module names"),
+    ("costs", 3, "zbcompile.Costs"), ("mem_limit", -1.0, "number > 0"), ("mem_limit", float("inf"), "finite"),
+    ("init_fn", 5, "callable or None"), ("timeout", 0, "number > 0"), ("timeout", "60", "number > 0"),
+    ("vocab_parallel", 1, "True or False"), ("offload", -5, "budget in bytes"), ("offload", "half", "auto"),
+    ("offload", [100, 0], "one budget per rank"), ("offload", True, "budget"), ("backend", "tvm", "'inductor'"),
+    ("cuda_graphs", 0, "cuda_graphs=0"), ("cuda_graphs", -1, "int n >= 1"), ("cuda_graphs", "yes", "False"),
+]
+
+
+@pytest.mark.parametrize("name, value, says", BAD, ids=[f"{n}={v!r}" for n, v, _ in BAD])
+def test_a_bad_option_is_refused_by_name_before_tracing(name, value, says):
+    with pytest.raises(UsageError) as e:
+        zb.compile(Untraceable(), **{**GOOD, name: value})
+    assert f"{name}={value!r}" in str(e.value) and says in str(e.value), str(e.value)
+    assert not dist.is_initialized()   # refused before any process group was made
+
+
+def test_unknown_and_missing_options_are_named():
+    with pytest.raises(UsageError, match=r"unknown option\(s\) 'microbatch'.*microbatches"):
+        zb.compile(Untraceable(), microbatch=2, **{k: v for k, v in GOOD.items() if k != "microbatches"})
+    with pytest.raises(UsageError, match="needs loss_fn, example"):
+        zb.compile(Untraceable(), schedule="1f1b", microbatches=2)
+    with pytest.raises(UsageError, match="'tvm'"):   # the decorator form checks as early
+        zb.compile(**GOOD, backend="tvm")
+
+
+def test_options_are_held_in_their_normal_form():
+    o = CompileOptions(**GOOD, cuda_graphs=True, offload=[10, 20], split_points=["a", "b"], costs="F=1,B=2,W=1")
+    assert o.cuda_graphs == WARMUP_STEPS and o.capture
+    assert o.offload == (10, 20) and o.split_points == ("a", "b") and o.costs == Costs(f=1, b=2, w=1)
+    assert CompileOptions(**GOOD).cuda_graphs is False and not CompileOptions(**GOOD).capture
+    assert CompileOptions(**GOOD, cuda_graphs=3).cuda_graphs == 3
+    assert o.replace(microbatches=4) == CompileOptions(**{**GOOD, "microbatches": 4}, cuda_graphs=2,
+                                                       offload=(10, 20), split_points=("a", "b"),
+                                                       costs=Costs(f=1, b=2, w=1))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "dualpipev"])
+def test_compile_programs_is_the_split_and_lowering_by_hand(schedule):
+    """Pure (no process group is made) and the same programs, op for op, as split_model with the schedule's
+    placement then lower_all."""
+    options = CompileOptions(**{**GOOD, "schedule": schedule, "microbatches": 4})
+    compiled = compile_programs(_mlp(), options, 2)
+    assert not dist.is_initialized()
+    sched = generate(schedule, 2, 4)
+    staged = split_model(_mlp(), _loss, GOOD["example"], num_stages=sched.num_model_stages,
+                         placement=sched.stage_groups())
+    assert compiled.schedule.to_text() == sched.to_text()
+    assert [p.to_text() for p in compiled.programs] == [p.to_text() for p in lower_all(sched, staged)]
+    assert [len(compiled.stages_of(r)) for r in range(2)] == [sched.placement.count(r) for r in range(2)]
+
+
+def test_split_for_and_compile_staged_refuse_what_does_not_fit():
+    sched = generate("zbv", 2, 4)
+    staged = split_for(_mlp(), _loss, GOOD["example"], sched)
+    assert len(staged.stages) == sched.num_model_stages == 4
+    options = CompileOptions(schedule=generate("1f1b", 2, 4), microbatches=4)
+    with pytest.raises(UsageError, match="needs 2 model stages but the split made 4"):
+        compile_staged(staged, options.schedule, options)
+    with pytest.raises(UsageError, match="needs loss_fn and example"):
+        compile_programs(_mlp(), options, 2)
+
+
+def test_from_staged_takes_every_option():
+    """PipelineModule.from_staged used to drop `backend` silently; now it takes compile's options and checks
+    them before any process group is made."""
+    sched = generate("1f1b", 2, 4)
+    staged = split_for(_mlp(), _loss, GOOD["example"], sched)
+    with pytest.raises(UsageError, match="backend='tvm'"):
+        PipelineModule.from_staged(_mlp(), staged, sched, backend="tvm")
+    with pytest.raises(UsageError, match=r"unknown option\(s\) 'microbatch'"):
+        PipelineModule.from_staged(_mlp(), staged, sched, microbatch=4)
+    assert not dist.is_initialized()
