@@ -75,7 +75,7 @@ def capture_problems(program: RankProgram) -> list[Problem]:
 
 def _op_fix(op: Op) -> str:
     """How to make `op` capture-safe: its kind's OpSpec.fix. A kind without one has not decided capture (every
-    kind that can refuse has a fix: tests/test_op_specs.py)."""
+    kind that can refuse has a fix: tests/ir/test_op_specs.py)."""
     return op.spec.fix or f"decide OpSpec.capture for {op.kind.value} (zbcompile/ir/program/ops/)"
 
 

@@ -24,7 +24,7 @@ slots, untimed waits, accumulation into .grad, the batch staged, timing stamps a
 CUDA generator is registered with every graph by torch, so dropout draws fresh numbers each replay.
 
 `CaptureAPI` is every call the protocol makes into torch.cuda, so that tests can stand a recorder in its
-place and check the call order and buffer identity on a CPU (tests/graph_standin.py).
+place and check the call order and buffer identity on a CPU (tests/support/graph_standin.py).
 """
 
 from __future__ import annotations

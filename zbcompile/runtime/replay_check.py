@@ -14,7 +14,7 @@ every step touches the same memory outside its own allocations and posts the sam
                     belongs to the graph's pool, which the next replay overwrites
 
 `StepFootprint` records one step; `ReplayCheck` runs steps on a RankRuntime and raises CaptureError with the
-first difference. tests/graph_standin.py uses the same footprint to emulate capture and replay on a CPU.
+first difference. tests/support/graph_standin.py uses the same footprint to emulate capture and replay on a CPU.
 """
 
 from __future__ import annotations

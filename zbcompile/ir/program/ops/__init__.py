@@ -32,7 +32,7 @@ row together in one module:
     host_copies.py   OFFLOAD, WAIT_OFFLOAD, RELOAD, WAIT_RELOAD
 
 A new kind (a collective, an overlapped F&B run) is one OpKind member and, in one family module, its args
-record and OpSpec row; tests/test_op_specs.py fails while any part is missing, and the checks refuse a kind
+record and OpSpec row; tests/ir/test_op_specs.py fails while any part is missing, and the checks refuse a kind
 whose synchronisation they do not model instead of guessing. docs/design.md walks through adding one.
 """
 
