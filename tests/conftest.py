@@ -22,6 +22,6 @@ Tiers:
     python -m pytest -q -m dist                                     the multi-process tests alone
 
 Markers (declared in pyproject.toml, --strict-markers): dist (launches several processes), slow (more than a few
-seconds), gpu (needs CUDA). Every test has a timeout (pytest-timeout, 900 s); every launch kills all its ranks
+seconds), gpu (needs CUDA). Every test has a timeout (pytest-timeout, 1500 s); every launch kills all its ranks
 on a failure or its own timeout (support/launch.py).
 """

@@ -60,7 +60,7 @@ def _tail(path: Path, chars: int = 3000) -> str:
         return f"(no log: {e})"
 
 
-def launch(worker: str, pp: int, out, *args: str, timeout: float = 600) -> list[dict]:
+def launch(worker: str, pp: int, out, *args: str, timeout: float = 1200) -> list[dict]:
     """Run `worker --out OUT *args` as ranks 0..pp-1; returns each rank's JSON. A rank that wrote nothing fails
     the test with the end of its output. The first rank to exit with an error, or the timeout (seconds, for the
     whole launch), ends every rank."""
