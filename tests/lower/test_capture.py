@@ -16,7 +16,7 @@ from torch import fx
 
 import zbcompile as zb
 from support.models import gpt
-from support.threaded import max_grad_error, param_holders, run_threaded
+from support.threaded import assert_graded_where_eager_is, max_grad_error, param_holders, run_threaded
 from zbcompile.errors import CaptureError, ZBCompileError
 from zbcompile.passes.analysis.capture import capture_problems, check_capture, node_problem
 from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all
@@ -222,7 +222,8 @@ def test_a_node_of_symbolic_size_is_reported():
 @pytest.mark.parametrize("name", ["zb-h1", "zbv"])
 def test_capture_ready_programs_train_like_the_reference_when_run_eagerly(name):
     """Untimed waits and accumulating SET_GRADs, run on the loopback world for three steps (the gradients
-    accumulate into .grad across them): the same gradients as the single-process model."""
+    accumulate into .grad across them): the same gradients as the single-process model, each on the ranks that
+    hold its parameter and nowhere else."""
     model, loss_fn, (x, y), _ = gpt(layers=2, batch=4)
     sched = generate(name, 2, 4)
     staged = split_model(model, loss_fn, ((x[:1],), (y[:1],)), num_stages=sched.num_model_stages)
@@ -232,6 +233,8 @@ def test_capture_ready_programs_train_like_the_reference_when_run_eagerly(name):
         loss_fn(ref(bx), by).backward()
     _, models, runtimes = run_threaded(model, staged, sched, batches[0], then=batches[1:], capture=True)
     assert all(not rt.ir.wait_timeout for rt in runtimes)
-    holders = param_holders(sched, staged)
-    err, where = max_grad_error(ref, models, [[f for f, rs in holders.items() if r in rs] for r in range(2)])
+    eager = {n for n, p in ref.named_parameters() if p.grad is not None}
+    owned = assert_graded_where_eager_is(eager, param_holders(sched, staged),
+                                         [{n for n, p in m.named_parameters() if p.grad is not None} for m in models])
+    err, where = max_grad_error(ref, models, owned)
     assert err <= 1e-5, where

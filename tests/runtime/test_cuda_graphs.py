@@ -15,7 +15,7 @@ import torch
 import zbcompile as zb
 from support.graph_standin import StandInError, StandInGraphs
 from support.models import eager_accumulated, gpt, train_sgd
-from support.threaded import run_ranks
+from support.threaded import assert_graded_where_eager_is, param_holders, run_ranks
 from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
 from zbcompile.passes.lower import CAPTURE_FINISHING, FINISHING, emit_fx, lower_all
 from zbcompile.passes.lower.offload import OffloadChoice
@@ -83,11 +83,19 @@ def _train(schedule, staged, model, batches, *, finishing=CAPTURE_FINISHING, gra
     return out
 
 
-def _assert_equal_to_eager(results, ref_losses, ref_grads, tol=1e-5):
-    assert any(grads[0] for _, grads, _, _ in results), "no rank got gradients"
-    for r, (losses, grads, _, _) in enumerate(results):   # every step the gradients the eager first step had
+def _holders(schedule, staged) -> dict[str, tuple[int, ...]]:
+    """Parameter -> the ranks holding it: its stages' ranks; a vocabulary parameter, every rank (its rows)."""
+    vocab = staged.vocab.params if staged.vocab is not None else ()
+    return param_holders(schedule, staged) | {n: tuple(range(schedule.num_ranks)) for n in vocab}
+
+
+def _assert_equal_to_eager(results, ref_losses, ref_grads, holders, tol=1e-5):
+    """Every step: the loss, and on every rank a gradient for exactly the parameters it holds that eager training
+    grades (a missing or an extra one fails), each equal to eager's (a vocabulary shard: this rank's rows)."""
+    for k in range(STEPS):
+        assert_graded_where_eager_is(ref_grads[k], holders, [grads[k] for _, grads, _, _ in results], f"step {k}: ")
+    for r, (losses, grads, _, _) in enumerate(results):
         for k in range(STEPS):
-            assert grads[k].keys() == grads[0].keys(), (r, k, set(grads[0]) ^ set(grads[k]))
             assert abs(losses[k] - ref_losses[k]) <= tol * max(1.0, abs(ref_losses[k])), (r, k, losses[k])
             for n, g in grads[k].items():
                 ref = ref_grads[k][n]
@@ -106,7 +114,7 @@ def test_captured_training_equals_eager_for_every_schedule(name):
     batches = _batches(x, y)
     ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 4)
     results = _train(sched, staged, model, batches)
-    _assert_equal_to_eager(results, ref_losses, ref_grads)
+    _assert_equal_to_eager(results, ref_losses, ref_grads, _holders(sched, staged))
     for losses, grads, api, rt in results:
         eager = ["side0 waits default", "use side0", "default waits side0"]   # the batch in, the step out
         assert api.log == [*eager, *eager, "synchronize", "pool", "capture", "synchronize",
@@ -121,7 +129,7 @@ def test_captured_training_equals_eager_at_pp4(name):
     model, loss_fn, x, y, staged = _case(sched.num_model_stages, 8, layers=8)
     batches = _batches(x, y)
     ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 8)
-    _assert_equal_to_eager(_train(sched, staged, model, batches), ref_losses, ref_grads)
+    _assert_equal_to_eager(_train(sched, staged, model, batches), ref_losses, ref_grads, _holders(sched, staged))
 
 
 def test_a_two_stage_program_on_one_rank_is_captured():
@@ -131,7 +139,7 @@ def test_a_two_stage_program_on_one_rank_is_captured():
     model, loss_fn, x, y, staged = _case(2, 2)
     batches = _batches(x, y)
     ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 2)
-    _assert_equal_to_eager(_train(sched, staged, model, batches), ref_losses, ref_grads)
+    _assert_equal_to_eager(_train(sched, staged, model, batches), ref_losses, ref_grads, _holders(sched, staged))
 
 
 @pytest.mark.slow
@@ -144,7 +152,7 @@ def test_captured_training_with_vocabulary_parallelism_equals_eager(name):
     batches = _batches(x, y)
     ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 4)
     results = _train(sched, staged, model, batches)
-    _assert_equal_to_eager(results, ref_losses, ref_grads)
+    _assert_equal_to_eager(results, ref_losses, ref_grads, _holders(sched, staged))
     assert any(op.kind is OpKind.COLLECTIVE for op in results[0][3].ir.ops)
 
 
@@ -156,7 +164,7 @@ def test_captured_training_with_activation_offload_equals_eager(name):
     batches = _batches(x, y)
     ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 4)
     results = _train(sched, staged, model, batches, offload=OffloadChoice(prefetch=1, min_bytes=0))
-    _assert_equal_to_eager(results, ref_losses, ref_grads)
+    _assert_equal_to_eager(results, ref_losses, ref_grads, _holders(sched, staged))
     assert all(rt.ir.host_buffers and rt.ir.of_kind(OpKind.OFFLOAD) for *_, rt in results)
 
 
@@ -177,7 +185,8 @@ def test_captured_training_of_the_model_zoo_equals_eager(case_name):
     staged = split_model(case.model, case.loss_fn, ((x[:half],), (y[:half],)), num_stages=sched.num_model_stages)
     batches = [(torch.roll(x, k, dims=0), torch.roll(y, k, dims=0)) for k in range(STEPS)]
     ref_losses, ref_grads = _eager_reference(case.model, case.loss_fn, batches, 2)
-    _assert_equal_to_eager(_train(sched, staged, case.model, batches), ref_losses, ref_grads)
+    _assert_equal_to_eager(_train(sched, staged, case.model, batches), ref_losses, ref_grads,
+                           _holders(sched, staged))
 
 
 @pytest.mark.slow
@@ -189,7 +198,7 @@ def test_replay_check_passes_for_every_schedule_and_equals_eager():
         batches = _batches(x, y)
         ref_losses, ref_grads = _eager_reference(model, loss_fn, batches, 4)
         results = _train(sched, staged, model, batches, graphs=False, check=True, warmup=1)
-        _assert_equal_to_eager(results, ref_losses, ref_grads)
+        _assert_equal_to_eager(results, ref_losses, ref_grads, _holders(sched, staged))
 
 
 # ---- what breaks replay fails with the reason ---------------------------------------------------------------
@@ -222,7 +231,8 @@ def test_a_parameter_rebound_after_capture_is_refused_until_put_back():
             with pytest.raises(CaptureError, match="moved since the step was captured"):
                 rt.step_batch(batches[k])
             w.data = moved[r]
-    _assert_equal_to_eager(_train(sched, staged, model, batches, between=move_and_restore), ref_losses, ref_grads)
+    _assert_equal_to_eager(_train(sched, staged, model, batches, between=move_and_restore), ref_losses, ref_grads,
+                           _holders(sched, staged))
 
 
 def test_the_replay_check_names_a_rebound_parameter_and_renewed_receive_buffers():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import itertools
 import random
-import time
 
 import pytest
 import torch
@@ -84,13 +83,13 @@ def test_one_stage_per_device_is_plain_balance():
     assert balance_placed([1, 1, 1, 1, 1, 1, 1, 6], (0, 1, 1, 0)) == (1, 2, 7)  # the module docstring's example
 
 
-def test_hill_climb_is_fast_and_never_worse_than_per_stage_balance():
+def test_hill_climb_on_large_instances_never_worse_than_per_stage_balance():
+    """100 weights over 16 stages (the hill climb, not brute force): valid cuts, never worse than balancing per
+    stage, the heaviest rank within 5% of an even share. How fast it runs is a benchmark's to measure."""
     rng = random.Random(2)
     for placement in (v_placement(8), tuple(s % 4 for s in range(16))):
         weights = [rng.random() * 10 for _ in range(100)]
-        started = time.perf_counter()
         cuts = balance_placed(weights, placement)
-        assert time.perf_counter() - started < 0.5
         check_cuts(cuts, len(weights), len(placement))
         per_stage = balance(weights, len(placement))
         assert score(weights, cuts, placement) <= score(weights, per_stage, placement)
@@ -141,19 +140,37 @@ def test_benchmark_gpt_v_placement_balances_ranks():
     assert max(_rank_loads(model, traced, per_stage, placement).values()) > 1.1 * max(loads.values())
 
 
-def test_benchmark_gpt_cuts_move_before_attention_projections():
-    """The block-level optimum leaves the second rank heavier; moving the cut before the next attention
-    projection (two tensors cross there) evens the ranks out, by estimate and in measured step time (see
-    REFINE_GAIN). A cut already inside a block by WITHIN_BLOCK_GAIN (the V's `blocks.4.ln2`) stays."""
+def _loads_by_hand(weights, bounds, placement) -> dict[int, float]:
+    """Per rank, the summed weights of its stages: stage s holds the units from bounds[s] up to bounds[s + 1]."""
+    loads: dict[int, float] = {}
+    for rank, a, b in zip(placement, bounds, bounds[1:]):
+        loads[rank] = loads.get(rank, 0.0) + sum(weights[a:b])
+    return loads
+
+
+def test_benchmark_gpt_cuts_move_inside_blocks_and_even_the_ranks_out():
+    """Cut between blocks only, the best split (brute force over every block-level cutting, here) leaves a rank
+    heavier than half the model; the cuts chosen move inside blocks (before an attention projection, say) and even
+    the ranks out: the heaviest rank within half the largest sub-block unit of an exact half of the work (where
+    the half falls inside a block, an ideal cut has at most that unit's halves on either side), and lighter than
+    the best block-level split by more than REFINE_GAIN. Weights: the per-module training-time estimates."""
     model, traced = _benchmark_gpt()
-    assert choose_cuts.auto_split_points(model, traced, 2, (0, 1)) == ("blocks.5.attn.proj",)
-    v = choose_cuts.auto_split_points(model, traced, 4, v_placement(2))
-    assert v == ("blocks.2", "blocks.4.ln2", "blocks.7.attn.proj")
-    for placement, before, after in [((0, 1), ["blocks.5"], ["blocks.5.attn.proj"]),
-                                     (v_placement(2), ["blocks.2", "blocks.4.ln2", "blocks.7.ln2"], list(v))]:
-        old = max(_rank_loads(model, traced, before, placement).values())
-        new = max(_rank_loads(model, traced, after, placement).values())
-        assert new < (1 - choose_cuts.REFINE_GAIN) * old
+    coarse = choose_cuts.cut_units(model, traced)
+    finest = choose_cuts.cut_units(model, traced, within_blocks=2)
+    weights = choose_cuts._unit_weights(traced, finest)
+    half = sum(weights) / 2
+    inner = max(w for u, w in zip(finest, weights) if u not in coarse)   # the largest unit inside a block
+    walls = [finest.index(u) for u in coarse]
+    for placement in [(0, 1), v_placement(2)]:
+        points = choose_cuts.auto_split_points(model, traced, len(placement), placement)
+        assert any(p not in coarse for p in points), points   # at least one cut inside a block
+        chosen = max(_loads_by_hand(weights, [0, *(finest.index(p) for p in points), len(finest)],
+                                    placement).values())
+        blocks = min(max(_loads_by_hand(weights, [0, *cuts, len(finest)], placement).values())
+                     for cuts in itertools.combinations(walls[1:], len(placement) - 1))
+        assert blocks > half + inner / 2, (placement, blocks, half)   # the block-level split cannot even it out
+        assert half <= chosen <= half + inner / 2, (placement, points, chosen, half, inner)
+        assert chosen < (1 - choose_cuts.REFINE_GAIN) * blocks, (placement, points, chosen, blocks)
 
 
 def test_refined_cuts_stay_next_to_their_blocks_and_narrow():

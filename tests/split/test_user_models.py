@@ -16,7 +16,7 @@ import torch
 
 from support import models
 from support.reference import check_against_eager
-from support.threaded import max_grad_error, param_holders, run_threaded
+from support.threaded import assert_graded_where_eager_is, max_grad_error, param_holders, run_threaded
 from zbcompile.compiler import split_for
 from zbcompile.errors import PartitionError
 from zbcompile.passes.schedules import generate
@@ -25,26 +25,51 @@ from zbcompile.split import split_model
 torch.set_num_threads(1)
 
 
+def distinct_microbatches(tensors, m: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """m microbatches shaped like each example tensor (one microbatch), concatenated on dim 0: each a shuffle of
+    the example's own values (token ids stay in the vocabulary, a mask stays 0/1) by a fixed generator, so no two
+    are equal and a pipeline that mixed microbatches up (fed one twice, paired one's targets with another's
+    inputs, summed a gradient into the wrong step) would differ from eager."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        out.append(torch.cat([flat[torch.randperm(flat.numel(), generator=g)].view_as(t) for _ in range(m)]))
+    for t in out[:1]:
+        assert len({tuple(c.flatten().tolist()) for c in t.chunk(m)}) == m, "two microbatches are equal"
+    return tuple(out)
+
+
+def eager_microbatches(model, loss_fn, batch, n: int, m: int, *, keywords=()):
+    """Eager autograd on a copy of `model`, microbatch by microbatch as the pipeline cuts the batch (inputs then
+    targets; `keywords` names the first inputs passed by keyword): each loss / m, backward, summed. Returns
+    (the copy with its gradients, the step's loss)."""
+    ref = copy.deepcopy(model)
+    total = 0.0
+    for mb in zip(*(t.chunk(m) for t in batch)):
+        kwargs = dict(zip(keywords, mb))
+        loss = loss_fn(ref(*mb[len(keywords):n], **kwargs), *mb[n:]) / m
+        loss.backward()
+        total += loss.item()
+    return ref, total
+
+
 def threaded_step_matches_eager(case, schedule: str, pp: int, *, split_points=None) -> None:
-    """One pipelined step over 2*pp microbatches (ranks as threads) against eager on the whole batch: losses
-    and every gradient within 1e-5 relative."""
+    """One pipelined step over 2*pp distinct microbatches (ranks as threads) against eager autograd on the same
+    microbatches: losses and every gradient within 1e-5 relative, a gradient exactly where eager has one."""
     sched = generate(schedule, pp, 2 * pp)
     inputs, targets = [(x,) if isinstance(x, torch.Tensor) else tuple(x) for x in case.example]
     staged = split_for(case.model, case.loss_fn, (inputs, targets), sched, split_points=split_points)
-    batch = tuple(x.repeat(2 * pp, *([1] * (x.dim() - 1))) for x in inputs + targets)
-    ref = copy.deepcopy(case.model)
+    batch = distinct_microbatches(inputs + targets, 2 * pp)
     n = len(inputs)
-    loss = case.loss_fn(ref(*batch[:n]), *batch[n:])
-    loss.backward()
+    ref, want = eager_microbatches(case.model, case.loss_fn, batch, n, 2 * pp)
     losses, ranks, _ = run_threaded(case.model, staged, sched, batch)
-    assert all(abs(v - loss.item()) <= 1e-5 * abs(loss.item()) for v in losses), (losses, loss.item())
-    holders = param_holders(sched, staged)
-    graded = {name for name, p in ref.named_parameters() if p.grad is not None}
-    owned = [[f for f, rs in holders.items() if r in rs and f in graded] for r in range(pp)]
+    assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (losses, want)
+    eager = {name for name, p in ref.named_parameters() if p.grad is not None}
+    graded = [{name for name, p in mdl.named_parameters() if p.grad is not None} for mdl in ranks]
+    owned = assert_graded_where_eager_is(eager, param_holders(sched, staged), graded)
     err, where = max_grad_error(ref, ranks, owned)
     assert err <= 1e-5, where
-    for r, mdl in enumerate(ranks):   # what eager leaves without a grad (parameters no stage reads) stays so
-        assert all(p.grad is None for name, p in mdl.named_parameters() if name not in graded), r
 
 
 # (1) blocks in an nn.ModuleDict: the repeated units come from the traced graph, whatever holds them
@@ -264,15 +289,16 @@ def test_keyword_only_model_trains_equal_to_eager_pipelined():
     pp = 2
     sched = generate("1f1b", pp, 2 * pp)
     staged = split_model(case.model, case.loss_fn, case.example, num_stages=2)
-    kwargs = {k: v.repeat(2 * pp, 1) for k, v in case.example[0].items()}
-    tgt = case.example[1][0].repeat(2 * pp, 1)
-    ref = copy.deepcopy(case.model)
-    loss = case.loss_fn(ref(**kwargs), tgt)
-    loss.backward()
-    losses, ranks, _ = run_threaded(case.model, staged, sched, (*kwargs.values(), tgt))  # flat, in the dict's order
-    assert all(abs(v - loss.item()) <= 1e-5 * loss.item() for v in losses), (losses, loss.item())
-    holders = param_holders(sched, staged)
-    err, where = max_grad_error(ref, ranks, [[f for f, rs in holders.items() if r in rs] for r in range(pp)])
+    names = tuple(case.example[0])
+    batch = distinct_microbatches((*case.example[0].values(), *case.example[1]), 2 * pp)  # flat, the dict's order
+    ref, want = eager_microbatches(case.model, case.loss_fn, batch, len(names), 2 * pp, keywords=names)
+    losses, ranks, _ = run_threaded(case.model, staged, sched, batch)
+    assert all(abs(v - want) <= 1e-5 * want for v in losses), (losses, want)
+    eager = {name for name, p in ref.named_parameters() if p.grad is not None}
+    owned = assert_graded_where_eager_is(eager, param_holders(sched, staged),
+                                         [{name for name, p in mdl.named_parameters() if p.grad is not None}
+                                          for mdl in ranks])
+    err, where = max_grad_error(ref, ranks, owned)
     assert err <= 1e-5, where
 
 

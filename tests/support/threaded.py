@@ -91,3 +91,20 @@ def param_holders(schedule, staged) -> dict[str, tuple[int, ...]]:
     from zbcompile.distributed import holders
 
     return {n: rs for n, rs in holders(schedule, staged).items() if not n.startswith("buffer:")}
+
+
+def assert_graded_where_eager_is(eager, holders, graded, what: str = "") -> list[set[str]]:
+    """The union check of the equivalence tests: a parameter that eager autograd gives a gradient has one on
+    every rank holding it (`holders`: fqn -> ranks, as param_holders gives them) and no other gradient exists
+    anywhere; a parameter without an eager gradient has none on any rank. `eager`: the names eager autograd
+    graded; `graded`: per rank, the names with a gradient there. Returns per rank the names to compare values of.
+    A comparison that only walked the gradients one side has would pass with a gradient missing."""
+    eager = set(eager)
+    owned = [{n for n, rs in holders.items() if r in rs and n in eager} for r in range(len(graded))]
+    assert eager, f"{what}eager autograd graded nothing"
+    assert set().union(*owned) == eager, f"{what}eager gradients no rank holds: {sorted(eager - set().union(*owned))}"
+    for r, names in enumerate(graded):
+        names = set(names)
+        assert names == owned[r], (f"{what}rank {r}: gradients missing {sorted(owned[r] - names)}, "
+                                   f"unexpected {sorted(names - owned[r])}")
+    return owned
