@@ -106,12 +106,19 @@ def place(model: nn.Module, compiled: Compiled, resolved) -> PipelineModule:
     if staged.vocab is not None:
         shard_vocab_params(model, staged.vocab, rank, pg, initialized_here=was_meta, timeout=options.timeout)
         constants[VOCAB_OFFSET] = torch.tensor(rank * staged.vocab.rows, device=device)
-    program = compiled.programs[rank]
-    runtime = RankRuntime(program, emit_fx(program, abi), pg=pg, device=device,
-                          params={n: model.get_parameter(n) for n in owned_params},
-                          buffers={n: model.get_buffer(n) for n in owned_buffers}, timeout=options.timeout,
-                          channels=p2p_channels(pg, options.timeout), peers=compiled.programs, constants=constants,
-                          collectives=collective_group(pg, options.timeout) if staged.vocab is not None else None,
-                          cuda_graphs=options.capture, warmup=options.cuda_graphs or WARMUP_STEPS,
+    params = {n: model.get_parameter(n) for n in owned_params}
+    buffers = {n: model.get_buffer(n) for n in owned_buffers}
+    channels = p2p_channels(pg, options.timeout)
+    collectives = collective_group(pg, options.timeout) if staged.vocab is not None else None
+
+    def runtime_for(programs, **graphs) -> RankRuntime:
+        """A runtime of this rank's program of `programs` (the training step, or an evaluation step built later)
+        over this rank's parameters, buffers and groups."""
+        return RankRuntime(programs[rank], emit_fx(programs[rank], abi), pg=pg, device=device, params=params,
+                           buffers=buffers, timeout=options.timeout, channels=channels, peers=programs,
+                           constants=constants, collectives=collectives, **graphs)
+
+    runtime = runtime_for(compiled.programs, cuda_graphs=options.capture,
+                          warmup=options.cuda_graphs or WARMUP_STEPS,
                           graph_api=graphs.capture_api(device) if options.capture else None)
-    return PipelineModule(model, compiled, runtime, rank, owned_params, owned_buffers, pg)
+    return PipelineModule(model, compiled, runtime, rank, owned_params, owned_buffers, pg, runtime_for=runtime_for)

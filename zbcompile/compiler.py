@@ -38,7 +38,7 @@ from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
 from zbcompile.options import CompileOptions
 
-__all__ = ["Compiled", "compile_programs", "compile_staged", "schedule_for", "split_for", "lower", "check_fits",
+__all__ = ["Compiled", "compile_programs", "compile_staged", "compile_forward", "schedule_for", "split_for", "lower", "check_fits",
            "TIME_MODELS"]
 
 log = logging.getLogger("zbcompile")
@@ -61,6 +61,17 @@ class Compiled:
         """The model stages `rank` runs, in the schedule's stage order (a model stage once per placement)."""
         sched = self.schedule
         return [self.staged.stages[sched.model_stage(s)] for s, r in enumerate(sched.placement) if r == rank]
+
+    def counted_params(self, rank: int) -> tuple[str, ...]:
+        """The parameters whose gradients `rank` counts in a pipeline-wide sum (a norm, an inf check): each
+        parameter once over the pipeline, on the lowest rank holding it (a tied or mirrored parameter has a full
+        gradient on every rank holding it), and this rank's rows of every vocabulary parameter (disjoint)."""
+        from zbcompile.distributed import holders
+
+        mine = [n for n, ranks in holders(self.schedule, self.staged).items()
+                if not n.startswith("buffer:") and ranks[0] == rank]
+        vocab = self.staged.vocab.params if self.staged.vocab is not None else ()
+        return tuple(dict.fromkeys([*mine, *vocab]))
 
 
 def compile_programs(model: nn.Module, options: CompileOptions, num_ranks: int, *,
@@ -100,6 +111,18 @@ def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOpti
         check_capture(programs)
     _warn_mirrored_buffer_updates(staged, schedule)
     return Compiled(options, staged, schedule, programs, report)
+
+
+def compile_forward(compiled: Compiled, training: bool) -> tuple[RankProgram, ...]:
+    """Every rank's forward-only program for `compiled` (an evaluation step): the schedule's F actions over the
+    same split's forward graphs without their backward outputs (passes/forward_only.py), in train or eval mode,
+    lowered as the training step is (no CUDA-graph capture: it runs eagerly)."""
+    from zbcompile.passes.forward_only import forward_stages
+
+    staged = forward_stages(compiled.staged, training)
+    schedule = compiled.schedule.forward_only()
+    with _phase("lower", f"{schedule.name} ({'train' if training else 'eval'} mode)"):
+        return lower(schedule, staged, dataclasses.replace(compiled.options, cuda_graphs=False))
 
 
 def schedule_for(options: CompileOptions, num_ranks: int) -> Schedule:

@@ -101,6 +101,9 @@ def collective_group(pg, timeout: float):
     """A group over the pipeline group's ranks for the vocabulary layers' collectives: on a device each group has
     its own stream, so the collectives never queue behind P2P (made once per pipeline group). The pipeline
     group itself for a one-rank pipeline or a stand-in group."""
+    own = getattr(pg, "collective_group", None)   # a stand-in group (runtime.loopback) brings its own
+    if own is not None:
+        return own()
     found = _side_groups(pg, timeout, "collective", 1, tune_gloo_threads=False)
     return pg if found is None else found[0]
 

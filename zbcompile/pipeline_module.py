@@ -7,13 +7,17 @@ generated code of any rank, the last step's timeline).
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 from torch import fx, nn
 
+from zbcompile import grads
 from zbcompile.compiler import Compiled
 from zbcompile.errors import UsageError
+from zbcompile.grads import PipelineGradScaler
+from zbcompile.split import autocast_state
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
 from zbcompile.passes.lower import emit_fx
@@ -35,7 +39,7 @@ class PipelineModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, compiled: Compiled, runtime: RankRuntime, rank: int,
-                 owned: tuple[str, ...], owned_buffers: tuple[str, ...] = (), group=None):
+                 owned: tuple[str, ...], owned_buffers: tuple[str, ...] = (), group=None, *, runtime_for=None):
         from zbcompile.checkpoint import attach_share
 
         super().__init__()
@@ -52,11 +56,18 @@ class PipelineModule(nn.Module):
         self._owned = owned
         self._fx: dict[int, fx.GraphModule] = {rank: runtime.program}
         self._plan = None
+        # runtime_for(programs) -> this rank's RankRuntime of other programs (the evaluation steps, made when first
+        # asked for, one per mode)
+        self._runtime_for = runtime_for
+        self._forward: dict[bool, RankRuntime] = {}
         self.offload_report = compiled.offload   # per rank, what activation offload chose (compile's offload=)
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
         staged = compiled.staged
         self._batch_specs = tuple(runtime.batch_specs.get(i) for i in range(staged.num_inputs + staged.num_targets))
+        self._autocast = compiled.staged.meta.get("autocast", ())
+        self._seed_value = 1.0 / compiled.schedule.num_microbatches
         attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
+        self.__dict__["_counted"] = [model.get_parameter(n) for n in compiled.counted_params(rank)]
 
     @classmethod
     def from_staged(cls, model: nn.Module, staged: StagedModel, schedule: Schedule, **options) -> PipelineModule:
@@ -69,20 +80,126 @@ class PipelineModule(nn.Module):
         return from_staged(model, staged, schedule, **options)
 
     # ---- training ------------------------------------------------------------------------------
-    def step(self, *batch: torch.Tensor) -> float:
+    def step(self, *batch: torch.Tensor, scaler: PipelineGradScaler | None = None) -> float:
         """One training step on the whole batch (model inputs, then loss targets; split on dim 0 into
-        microbatches). Returns the batch's mean loss, the same value on every rank."""
+        microbatches). Returns the batch's mean loss, the same value on every rank. scaler: a grad_scaler() of
+        this pipeline, whose scale seeds the backward (loss scaling for float16; the loss returned is not
+        scaled)."""
+        self._check_step_context()
+        self._seed(scaler)
+        self._check_batch(batch, "step")
+        return self.runtime.step_batch(batch)
+
+    __call__ = step
+
+    def evaluate(self, *batch: torch.Tensor) -> float:
+        """The batch's mean loss from a forward-only step (model inputs, then loss targets, as step() takes them):
+        no backward, no gradients written, nothing kept for a backward. It runs in the module's mode: after
+        eval(), dropout is off and BatchNorm uses (and keeps) its running statistics; in train mode it is the
+        forward of a training step (what `with torch.no_grad(): loss_fn(model(x), y)` does). The forward-only
+        programs are lowered from the same split when first asked for. Call it on every rank."""
+        self._check_batch(batch, "evaluate")
+        runtime = self._forward.get(self.training)
+        if runtime is None:
+            runtime = self._forward_runtime(self.training)
+        with torch.inference_mode(False):   # the step's buffers must stay usable outside inference_mode too
+            return runtime.step_batch(batch)
+
+    def _forward_runtime(self, training: bool) -> RankRuntime:
+        from zbcompile.compiler import compile_forward
+
+        if self._runtime_for is None:
+            raise UsageError("this PipelineModule was built without a way to make more runtimes; build it with "
+                             "zbcompile.compile or PipelineModule.from_staged to evaluate")
+        with torch.inference_mode(False):
+            runtime = self._forward[training] = self._runtime_for(compile_forward(self.compiled, training))
+        return runtime
+
+    def train(self, mode: bool = True) -> PipelineModule:
+        """Train mode (the default) or, with mode=False, eval mode: step() trains only in train mode;
+        evaluate() runs the forward of the mode (eval: dropout off, BatchNorm on its running statistics)."""
+        if not isinstance(mode, bool):
+            raise UsageError(f"train(mode) takes a bool, got {mode!r}")
+        self.training = mode
+        return self
+
+    def _check_batch(self, batch: Sequence[torch.Tensor], what: str) -> None:
         specs = self._batch_specs
         if len(batch) != len(specs):
-            raise UsageError(f"step() takes {self.staged.num_inputs} model input(s) then "
-                                 f"{self.staged.num_targets} target(s), {len(specs)} tensors; got {len(batch)}")
+            raise UsageError(f"{what}() takes {self.staged.num_inputs} model input(s) then "
+                             f"{self.staged.num_targets} target(s), {len(specs)} tensors; got {len(batch)}")
         for t, spec in zip(batch, specs):
             if spec is None or t.shape != spec[0] or t.dtype != spec[1]:
                 self._check_microbatch_shapes(batch, self.schedule.num_microbatches)   # raises what is wrong
                 break
-        return self.runtime.step_batch(batch)
 
-    __call__ = step
+    def _check_step_context(self) -> None:
+        """Refuse what a compiled training step cannot honour: no_grad / inference_mode (the step would write
+        gradients all the same) and an autocast region other than the one the step was traced under (its casts
+        are fixed in the graphs)."""
+        if not self.training:
+            raise UsageError("step() trains, but this PipelineModule is in eval mode (eval() was called): call "
+                             "train() before training, and evaluate(*batch) for the eval-mode loss")
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            raise UsageError("step() trains (it writes .grad) but was called under torch.no_grad() or "
+                             "torch.inference_mode(); for a forward pass without gradients call evaluate(*batch) "
+                             "(the loss) or run step() with gradients enabled")
+        now = autocast_state()
+        if now != self._autocast:
+            traced = ", ".join(f"{d}: {t}" for d, t in self._autocast) or "no autocast"
+            found = ", ".join(f"{d}: {t}" for d, t in now) or "no autocast"
+            raise UsageError(f"step() runs under {found} but the step was compiled under {traced}: a compiled "
+                             "step's casts are fixed when it is traced. Call zbcompile.compile(...) inside the same "
+                             "torch.autocast region you train in (and call step() there too, or outside any)")
+
+    def _seed(self, scaler: PipelineGradScaler | None) -> None:
+        """The backward's seed for this step: 1 / microbatches, times the scaler's scale."""
+        m = self.schedule.num_microbatches
+        if scaler is None:
+            seed = 1.0 / m
+        elif not isinstance(scaler, PipelineGradScaler) or scaler._gather != self._gather:
+            raise UsageError("step(scaler=...) takes the scaler this pipeline made (scaler = pipe.grad_scaler()), "
+                             "whose inf checks cover every rank; a plain torch.amp.GradScaler sees this rank only, "
+                             f"so ranks would skip different steps (got {type(scaler).__name__})")
+        else:
+            seed = scaler.seed(m)
+        if seed != self._seed_value:
+            self.runtime.grad_loss.fill_(seed)
+            self._seed_value = seed
+
+    # ---- the optimizer step over the whole pipeline (zbcompile/grads.py) ---------------------------------
+    def _gather(self, values: torch.Tensor) -> torch.Tensor:
+        return self.runtime.allgather(values, "reducing gradient statistics over the pipeline")
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self._counted if p.grad is not None]
+
+    def get_total_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """The norm of all the model's gradients over the whole pipeline (torch.nn.utils.get_total_norm's
+        semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.parameters()), torch.float16)
+        return grads.total_norm(self._counted_grads(), grads.check_norm_type(norm_type), self._gather, dtype=dtype,
+                                error_if_nonfinite=error_if_nonfinite, device=self.runtime.device)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model: the total norm of every rank's gradients (each
+        parameter once: tied and mirrored copies, vocabulary row shards), every gradient of this rank scaled by
+        max_norm / (norm + 1e-6) where that is below 1. Returns the total norm, the same on every rank (a
+        non-finite one where any gradient holds an inf or NaN). Call it on every rank."""
+        total = self.get_total_norm(norm_type, error_if_nonfinite)
+        grads.clip_grads(self.parameters(), max_norm, total, foreach)
+        return total
+
+    def grads_finite(self) -> bool:
+        """False when any gradient on any rank holds an inf or a NaN (then skip the optimizer step: every rank
+        gets the same answer). Call it on every rank."""
+        return grads.grads_finite(self._counted_grads(), self._gather, self.runtime.device)
+
+    def grad_scaler(self, **kwargs) -> PipelineGradScaler:
+        """A torch.amp.GradScaler (`kwargs`: init_scale, growth_factor, ...) whose inf checks cover the whole
+        pipeline, for step(*batch, scaler=...): an inf on any rank skips the optimizer step on every rank."""
+        return PipelineGradScaler(self._gather, self.runtime.device.type, **kwargs)
 
     def _check_microbatch_shapes(self, batch: Sequence[torch.Tensor], m: int) -> None:
         """Every argument splits into m microbatches of the shape the programs were traced for (static

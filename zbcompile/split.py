@@ -41,7 +41,7 @@ from zbcompile.passes.split_fbw import split_fbw
 from zbcompile.passes.trace import retarget_stages, trace
 from zbcompile.ir.stages import Partition, StagedModel, Traced
 
-__all__ = ["split_model", "split_traced", "split_passes", "run_split_passes", "report"]
+__all__ = ["split_model", "split_traced", "split_passes", "run_split_passes", "report", "autocast_state"]
 
 SplitPass = Callable[[Traced | Partition], Partition | StagedModel]
 
@@ -126,7 +126,15 @@ def split_model(
         split_points = tuple(p for _, p in sorted(zip(cut_starts(traced, split_points), split_points)))
     staged = split_traced(model, traced, num_stages=num_stages, split_points=split_points, placement=placement,
                           vocab_shards=vocab_shards)
-    return dataclasses.replace(staged, meta={**staged.meta, "seconds": time.perf_counter() - started})
+    return dataclasses.replace(staged, meta={**staged.meta, "seconds": time.perf_counter() - started,
+                                             "autocast": autocast_state()})
+
+
+def autocast_state() -> tuple[tuple[str, str], ...]:
+    """The torch.autocast regions in force, as (device type, dtype) pairs: a step traced under autocast has its
+    casts in the graphs, so the compiled step runs as the trace did whatever is in force when it runs."""
+    return tuple((d, str(torch.get_autocast_dtype(d)).removeprefix("torch.")) for d in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(d))
 
 
 def split_traced(

@@ -108,3 +108,41 @@ def assert_graded_where_eager_is(eager, holders, graded, what: str = "") -> list
         assert names == owned[r], (f"{what}rank {r}: gradients missing {sorted(owned[r] - names)}, "
                                    f"unexpected {sorted(names - owned[r])}")
     return owned
+
+
+def loopback_pipes(model, options, pp: int, *, compiled=None):
+    """Every rank's PipelineModule of one compile (zbcompile.compiler + api.place, as zb.compile builds them),
+    each over a copy of `model`, wired through a LoopbackWorld: the user-facing pipeline in one process.
+    options: a CompileOptions; compiled: an existing compile to place instead of compiling again.
+    Run them with run_pipes (every rank's calls in its own thread, as torchrun's processes would)."""
+    import copy
+
+    from zbcompile.api import place
+    from zbcompile.compiler import compile_programs
+
+    compiled = compiled or compile_programs(model, options, pp)
+    world = LoopbackWorld(pp)
+    pipes = [None] * pp
+
+    def build(r: int) -> None:   # in threads: placing a vocabulary split already talks to the peers
+        pipes[r] = place(copy.deepcopy(model), compiled, (world.group(r), r, pp))
+
+    run_pipes(build, pp, world=world)
+    return pipes
+
+
+def run_pipes(fn, pp: int, *, world=None) -> list:
+    """fn(rank) on every rank in its own thread; returns the results in rank order, re-raising the first error
+    (after aborting the loopback world, so that no peer waits for it)."""
+    results, errors = [None] * pp, []
+
+    def run(r: int) -> None:
+        try:
+            results[r] = fn(r)
+        except BaseException as e:
+            errors.append(e)
+            if world is not None:
+                world.abort()
+
+    run_ranks(run, pp, errors)
+    return results

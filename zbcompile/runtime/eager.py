@@ -101,7 +101,8 @@ class RankRuntime:
         self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
                                channels=channels, buffers=ir.buffers, collectives=collectives,
                                host_buffers=ir.host_buffers, event_timing=ir.event_timing)
-        self.grad_loss = torch.full((), 1.0 / m, device=device)
+        # the seed gradient 1 / m, in the loss's dtype (a float64 or bfloat16 model's backward takes no float32 seed)
+        self.grad_loss = torch.full((), 1.0 / m, dtype=seed_dtype(ir), device=device)
         self._fixed = {}
         for n in ir.inputs:
             value = parse(n)
@@ -154,18 +155,26 @@ class RankRuntime:
         also a barrier); CaptureError names the ranks' values where they differ."""
         if self.pg is None:
             return
-        mine = torch.tensor([value], dtype=torch.float64, device=self.device)
-        got = [torch.empty_like(mine) for _ in range(self.num_ranks)]
-        try:
-            work = self.pg.allgather([got], [mine])
-        except Exception as e:
-            raise RuntimeFailure(f"rank {self.ir.rank}: agreeing to {what} failed: {e}") from e
-        wait(self.ctx, work, "agreeing to", what, None)
-        values = [float(g) for g in got]
+        values = self.allgather(torch.tensor([value], dtype=torch.float64), f"agreeing to {what}")[:, 0].tolist()
         if len(set(values)) > 1:
             raise CaptureError(f"rank {self.ir.rank}: the ranks disagree when to {what} (per rank: {values}); every "
                                "rank must capture the same step: compile every rank with the same cuda_graphs "
                                "options")
+
+    def allgather(self, values: torch.Tensor, what: str) -> torch.Tensor:
+        """Every rank's `values` (a small 1-d tensor, the same length on every rank) stacked in rank order, through
+        the pipeline's group, on this rank's device: the same bits on every rank. RuntimeFailure names `what`
+        where a peer is gone or the wait runs past the timeout."""
+        mine = values.to(self.device)
+        if self.pg is None:
+            return mine[None]
+        got = torch.empty((self.num_ranks, *mine.shape), dtype=mine.dtype, device=self.device)
+        try:
+            work = self.pg.allgather([list(got.unbind(0))], [mine])
+        except Exception as e:
+            raise RuntimeFailure(f"rank {self.ir.rank}: {what} failed: {e}") from e
+        wait(self.ctx, work, what, "(an all-gather on the pipeline's group)", None)
+        return got
 
     @property
     def last_step(self) -> StepTimings | None:
@@ -263,6 +272,19 @@ class RankRuntime:
         if self._row_arrays is not None:
             return sum(a[0] for a in self._row_arrays) / self.ir.microbatches
         return sum(float(r[0]) for r in self._rows) / self.ir.microbatches
+
+
+def seed_dtype(program: RankProgram) -> torch.dtype:
+    """The dtype of the loss gradient the program's graphs take (grad:loss placeholders); the default dtype where
+    no graph reads it."""
+    for g in program.graphs.values():
+        if g.gm is None:
+            continue
+        for name, node in zip(g.inputs, g.gm.graph.find_nodes(op="placeholder")):
+            val = node.meta.get("val")
+            if parse(name).role is Role.GRAD_LOSS and val is not None:
+                return val.dtype
+    return torch.get_default_dtype()
 
 
 def data_specs(programs: Sequence[RankProgram]) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:

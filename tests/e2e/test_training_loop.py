@@ -1,0 +1,306 @@
+"""The training loops people write, on the pipeline's own PipelineModules (one compile, every rank a thread of
+this process: support.threaded.loopback_pipes), each against eager single-process training of the same model:
+train / eval / train with BatchNorm and dropout, every floating dtype and autocast, clip_grad_norm_ over the
+whole pipeline (tied weights, mirrored stages, vocabulary shards), an inf / NaN skipped on every rank, and
+GradScaler. tests/distributed/test_training_loop_dist.py runs the same user calls across processes (gloo).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from support.models import convnet, gpt, mlp
+from support.threaded import loopback_pipes, run_pipes
+from zbcompile.errors import UsageError
+from zbcompile.options import CompileOptions
+
+pytestmark = pytest.mark.slow
+PP, M = 2, 4
+
+
+def _pipes(case, schedule="1f1b", dtype=None, **options):
+    model, loss_fn, (x, y), _ = case
+    if dtype is not None:
+        model = model.to(dtype)
+        x = x.to(dtype) if x.is_floating_point() else x
+        y = y.to(dtype) if y.is_floating_point() else y
+    opts = CompileOptions.from_kwargs(None, schedule=schedule, microbatches=M, loss_fn=loss_fn,
+                                      example=((x[:x.shape[0] // M],), (y[:y.shape[0] // M],)), **options)
+    return model, loss_fn, x, y, loopback_pipes(model, opts, PP)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def _shard_of(full: torch.Tensor, part: torch.Tensor, rank: int) -> torch.Tensor:
+    """The rows of `full` a vocabulary shard holds (the whole tensor where it is not sharded)."""
+    if full.shape == part.shape:
+        return full
+    rows = part.shape[0]
+    got = full[rank * rows:(rank + 1) * rows]
+    return torch.cat([got, got.new_zeros((rows - got.shape[0], *got.shape[1:]))])
+
+
+def _eager_step(model, loss_fn, x, y, scaler=None) -> float:
+    """The pipeline's reference step: microbatch by microbatch, each loss / M (BatchNorm sees microbatches),
+    scaled by `scaler` where given."""
+    loss = 0.0
+    for xb, yb in zip(x.chunk(M), y.chunk(M)):
+        part = loss_fn(model(xb), yb) / M
+        (part if scaler is None else scaler.scale(part)).backward()
+        loss += part.item()
+    return loss
+
+
+def _assert_state_equal(pipes, ref, tol: float, what: str) -> None:
+    """Every rank's parameters (and their grads) and buffers equal eager's, rows of a shard against its rows."""
+    params, buffers = dict(ref.named_parameters()), dict(ref.named_buffers())
+    for r, pipe in enumerate(pipes):
+        for n, p in pipe.named_parameters():
+            assert _rel(p.detach(), _shard_of(params[n].detach(), p, r)) <= tol, f"{what}: rank {r} {n}"
+            if params[n].grad is not None:
+                assert p.grad is not None and _rel(p.grad, _shard_of(params[n].grad, p, r)) <= tol, \
+                    f"{what}: rank {r} grad of {n}"
+        for n, b in pipe.named_buffers():
+            assert _rel(b.double(), buffers[n].double()) <= tol, f"{what}: rank {r} buffer {n}"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_train_eval_train_with_batchnorm_matches_eager(schedule):
+    """SGD steps, an eval pass, more steps, another eval: losses, parameters and BatchNorm's running statistics
+    equal eager's (which trains on the same microbatches). evaluate() writes no gradient and, in eval mode, leaves
+    the running statistics alone; in train mode it updates them as eager's no_grad forward does."""
+    model, loss_fn, x, y, pipes = _pipes(convnet(blocks=4, batch=8), schedule, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batches = [(x, y), (x.flip(0), y), (x, y.flip(0))]
+    want = []
+    for k, (xb, yb) in enumerate(batches):
+        ref.train()
+        opt_ref.zero_grad()
+        want.append(("train", _eager_step(ref, loss_fn, xb, yb)))
+        opt_ref.step()
+        ref.eval() if k != 1 else None   # the second eval pass runs in train mode: running stats move
+        with torch.no_grad():
+            want.append(("eval" if k != 1 else "train-mode eval", sum(
+                loss_fn(ref(a), b).item() for a, b in zip(xb.chunk(M), yb.chunk(M))) / M))
+        opt_ref.zero_grad()
+
+    def loop(r):
+        pipe = pipes[r]
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        got = []
+        for k, (xb, yb) in enumerate(batches):
+            pipe.train()
+            opt.zero_grad()
+            got.append(("train", pipe.step(xb, yb)))
+            opt.step()
+            opt.zero_grad()
+            pipe.eval() if k != 1 else None
+            got.append(("eval" if k != 1 else "train-mode eval", pipe.evaluate(xb, yb)))
+            assert all(p.grad is None for p in pipe.parameters()), "evaluate() wrote a gradient"
+        return got
+
+    for got in run_pipes(loop, PP):
+        assert [k for k, _ in got] == [k for k, _ in want]
+        for (kind, a), (_, b) in zip(got, want):
+            assert abs(a - b) <= 1e-10 * abs(b), (kind, a, b)
+    _assert_state_equal(pipes, ref, 1e-10, schedule)
+
+
+def test_eval_turns_dropout_off_and_train_mode_keeps_it():
+    """A GPT with dropout 0.3: evaluate() after eval() equals eager's eval loss; in train mode the forward drops
+    (another loss, different between calls); step() in eval mode and under no_grad / inference_mode is refused,
+    and the next step after a refusal trains normally (nothing wedged)."""
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, dropout=0.3, batch=8), "zbv")
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        want = sum(loss_fn(ref(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M
+
+    def run(r):
+        pipe = pipes[r]
+        out = {"eval": pipe.eval().evaluate(x, y)}
+        with pytest.raises(UsageError, match="eval mode"):
+            pipe.step(x, y)
+        pipe.train()
+        out["train1"], out["train2"] = pipe.evaluate(x, y), pipe.evaluate(x, y)
+        with pytest.raises(UsageError, match="no_grad"):
+            with torch.no_grad():
+                pipe.step(x, y)
+        with pytest.raises(UsageError, match="inference_mode"):
+            with torch.inference_mode():
+                pipe.step(x, y)
+        with torch.inference_mode():
+            out["inference"] = pipe.eval().evaluate(x, y)
+        out["step"] = pipe.train().step(x, y)
+        out["graded"] = all(p.grad is not None for p in pipe.parameters())
+        return out
+
+    for out in run_pipes(run, PP):
+        assert abs(out["eval"] - want) <= 1e-6 * want and abs(out["inference"] - want) <= 1e-6 * want
+        assert out["train1"] != out["eval"] and out["train1"] != out["train2"]
+        assert math.isfinite(out["step"]) and out["graded"]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_every_floating_dtype_trains_equal_to_eager(dtype, tol):
+    """A float64, bfloat16 or float16 GPT: the loss and every gradient equal eager's in the same dtype, within
+    what the dtype's rounding allows (the pipeline sums microbatch gradients in another order)."""
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), "zbv", dtype=dtype)
+    ref = copy.deepcopy(model)
+    want = _eager_step(ref, loss_fn, x, y)
+    losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
+    assert all(abs(loss - want) <= tol * abs(want) for loss in losses), (losses, want)
+    for r, pipe in enumerate(pipes):
+        for n, p in pipe.named_parameters():
+            assert p.grad.dtype == dtype and _rel(p.grad, dict(ref.named_parameters())[n].grad) <= 10 * tol, n
+
+
+def test_autocast_around_compile_and_step():
+    """Compiled under torch.autocast(bfloat16), stepped in the same region: equal to eager under autocast.
+    A step outside the region it was compiled in (or inside one it was not) is refused with our error."""
+    case = gpt(layers=4, batch=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model, loss_fn, x, y, pipes = _pipes(case, "1f1b")
+    plain = _pipes(gpt(layers=4, batch=8), "1f1b")[-1]
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _eager_step(ref, loss_fn, x, y)
+
+    def run(r):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pipes[r].step(x, y)
+        with pytest.raises(UsageError, match="compiled under cpu: bfloat16"):
+            pipes[r].step(x, y)
+        with pytest.raises(UsageError, match="compiled under no autocast"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                plain[r].step(x, y)
+        return loss
+
+    assert all(abs(loss - want) <= 1e-6 * abs(want) for loss in run_pipes(run, PP))
+    for pipe in pipes:
+        for n, p in pipe.named_parameters():
+            assert _rel(p.grad, dict(ref.named_parameters())[n].grad) <= 1e-5, n
+
+
+@pytest.mark.parametrize("schedule,vocab", [("1f1b", False), ("zbv", False), ("dualpipe", False), ("zbv", True)])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_over_the_pipeline_matches_eager(schedule, vocab, norm_type):
+    """pipe.clip_grad_norm_ returns eager's total norm on every rank and leaves eager's clipped gradients, with a
+    tied embedding / head (one parameter on two ranks), DualPipe's mirrored stages (every parameter on both
+    ranks) and vocabulary row shards; AdamW after the clip then agrees as well."""
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), schedule, dtype=torch.float64,
+                                         vocab_parallel=vocab)
+    ref = copy.deepcopy(model)
+    _eager_step(ref, loss_fn, x, y)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type)
+    torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3).step()
+
+    def run(r):
+        pipes[r].step(x, y)
+        norm = pipes[r].clip_grad_norm_(0.5, norm_type)
+        grads = {n: p.grad.clone() for n, p in pipes[r].named_parameters()}
+        torch.optim.AdamW(pipes[r].parameters(), lr=1e-2, eps=1e-3).step()
+        return norm, grads
+
+    refp = dict(ref.named_parameters())
+    for r, (norm, grads) in enumerate(run_pipes(run, PP)):
+        assert norm.dtype == torch.float64 and abs(norm.item() - want.item()) <= 1e-12 * want.item(), (norm, want)
+        for n, g in grads.items():
+            assert _rel(g, _shard_of(refp[n].grad, g, r)) <= 1e-10, f"rank {r} {n}"
+    for r, pipe in enumerate(pipes):
+        for n, p in pipe.named_parameters():
+            assert _rel(p.detach(), _shard_of(refp[n].detach(), p, r)) <= 1e-9, f"rank {r} {n}"
+
+
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
+    """A NaN in one rank's gradient makes grads_finite() False on every rank, and clip_grad_norm_ returns a NaN
+    norm everywhere (error_if_nonfinite=True raises everywhere): the loop skips the step and nothing changes.
+    A NaN in the batch does the same end to end."""
+    model, loss_fn, x, y, pipes = _pipes(mlp(layers=4, batch=8), "zbv")
+    before = [{n: p.detach().clone() for n, p in pipe.named_parameters()} for pipe in pipes]
+
+    def run(r):
+        pipe = pipes[r]
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        pipe.step(x, y)
+        clean = pipe.grads_finite()
+        if r == PP - 1:
+            next(iter(pipe.parameters())).grad.view(-1)[0] = float("nan")
+        finite, norm = pipe.grads_finite(), pipe.clip_grad_norm_(1.0)
+        with pytest.raises(RuntimeError, match="non-finite"):
+            pipe.clip_grad_norm_(1.0, error_if_nonfinite=True)
+        if finite:
+            opt.step()
+        opt.zero_grad()
+        bad = x.clone()
+        bad[0, 0] = float("nan")
+        pipe.step(bad, y)
+        if pipe.grads_finite():
+            opt.step()
+        return clean, finite, norm.item()
+
+    for clean, finite, norm in run_pipes(run, PP):
+        assert clean and not finite and math.isnan(norm)
+    for pipe, was in zip(pipes, before):
+        assert all(torch.equal(p.detach(), was[n]) for n, p in pipe.named_parameters())
+
+
+def test_grad_scaler_skips_an_overflow_on_every_rank_and_matches_eager():
+    """float16 autocast with pipe.grad_scaler(): the backward is seeded with the scale, losses and parameters
+    follow eager's torch.amp.GradScaler; a step whose gradients overflow on one rank is skipped on every rank and
+    lowers the scale everywhere. A plain GradScaler is refused (it would see one rank's gradients)."""
+    case = mlp(layers=4, batch=8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        model, loss_fn, x, y, pipes = _pipes(case, "1f1b")
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler_ref = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    huge = x * 6e4   # overflows float16 in the first layer's backward
+
+    want = []
+    for xb in (x, huge, x):
+        with torch.autocast("cpu", dtype=torch.float16):
+            want.append(_eager_step(ref, loss_fn, xb, y, scaler_ref))
+        scaler_ref.step(opt_ref)
+        scaler_ref.update()
+        opt_ref.zero_grad()
+        want.append(scaler_ref.get_scale())
+
+    def run(r):
+        pipe = pipes[r]
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        scaler = pipe.grad_scaler(init_scale=2.0 ** 10)
+        with pytest.raises(UsageError, match="grad_scaler"), torch.autocast("cpu", dtype=torch.float16):
+            pipe.step(x, y, scaler=torch.amp.GradScaler("cpu"))
+        got = []
+        for xb in (x, huge, x):
+            with torch.autocast("cpu", dtype=torch.float16):
+                got.append(pipe.step(xb, y, scaler=scaler))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            got.append(scaler.get_scale())
+        # an inf in one rank's gradients only: every rank skips and halves its scale
+        with torch.autocast("cpu", dtype=torch.float16):
+            pipe.step(x, y, scaler=scaler)
+        if r == PP - 1:
+            next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
+        kept = [p.detach().clone() for p in pipe.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        assert all(torch.equal(a, p) for a, p in zip(kept, pipe.parameters())), f"rank {r} stepped"
+        assert scaler.get_scale() == got[-1] / 2, (r, scaler.get_scale(), got[-1])
+        return got
+
+    for got in run_pipes(run, PP):
+        assert got[3] == want[3] == 2.0 ** 9, (got, want)   # the overflow halved the scale on every rank
+        for a, b in zip(got, want):
+            assert abs(a - b) <= 1e-3 * abs(b) or (math.isnan(a) and math.isnan(b)), (got, want)
+    _assert_state_equal(pipes, ref, 1e-3, "after GradScaler steps")

@@ -1,0 +1,123 @@
+"""The optimizer step over the whole pipeline: gradient norms, clipping, inf / NaN checks and loss scaling that
+see every rank's gradients, each parameter counted once.
+
+Each rank holds only its stages' parameters, so torch's `clip_grad_norm_(pipe.parameters(), ...)` on a rank sees
+a part of the model; and a tied or mirrored parameter (a DualPipe stage on two ranks) has a full copy of its
+gradient on every rank that holds it, so summing the ranks' own norms counts it twice. Here each rank reduces
+the gradients it *counts* (`Compiled.counted_params`: a parameter on the lowest rank holding it, vocabulary
+row shards on every rank, their rows being disjoint), and one all-gather of a few float64s across the pipeline
+group combines them, in rank order, so that every rank gets the same bits.
+
+    norm = pipe.clip_grad_norm_(1.0)        # torch.nn.utils.clip_grad_norm_'s semantics and return value
+    if pipe.grads_finite(): opt.step()      # a NaN on any rank skips the step on every rank
+
+    scaler = pipe.grad_scaler()             # torch.amp.GradScaler whose found-inf is the pipeline's
+    loss = pipe.step(x, y, scaler=scaler)   # the backward seeded with the scale instead of scaling the loss
+    scaler.step(opt); scaler.update()
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from zbcompile.errors import UsageError
+
+__all__ = ["total_norm", "clip_grads", "PipelineGradScaler"]
+
+# gather(values: float64 tensor [n]) -> [ranks, n]: every rank's values, in rank order (RankRuntime.allgather)
+Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+def total_norm(grads: Sequence[torch.Tensor], norm_type: float, gather: Gather, *, dtype: torch.dtype,
+               error_if_nonfinite: bool = False, device: torch.device | None = None) -> torch.Tensor:
+    """The norm of every counted gradient of the pipeline, as torch.nn.utils.get_total_norm over all of them:
+    the `norm_type` norm of the per-tensor norms, in `dtype` (the parameters'; a rank that counts no gradient
+    returns the same dtype as its peers). `grads`: the gradients this rank counts."""
+    p = float(norm_type)
+    partial = _partial(grads, p)
+    parts = gather(torch.tensor([partial], dtype=torch.float64, device=partial_device(grads, device)))[:, 0]
+    if math.isinf(p):
+        total = parts.max()
+    elif p == 0:   # torch: the 0-"norm" of the per-tensor norms counts the tensors with a nonzero gradient
+        total = parts.sum()
+    else:
+        total = parts.sum() ** (1.0 / p)
+    total = total.to(dtype)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {p} for gradients from the whole pipeline is non-finite, so it "
+                           "cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
+    return total
+
+
+def partial_device(grads: Sequence[torch.Tensor], device) -> torch.device:
+    return grads[0].device if grads else torch.device(device or "cpu")
+
+
+def _partial(grads: Sequence[torch.Tensor], p: float) -> float:
+    """This rank's share of the total: the max of the per-tensor norms (inf), the number of nonzero ones (0),
+    or the sum of their p-th powers."""
+    if not grads:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), p).to(torch.float64) for g in grads])
+    if math.isinf(p):
+        return float(norms.max())
+    if p == 0:
+        return float((norms != 0).sum())
+    return float((norms ** p).sum())
+
+
+def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total: torch.Tensor,
+               foreach: bool | None = None) -> None:
+    """Scale every gradient of this rank's parameters (copies included) by max_norm / (total + 1e-6), at most 1:
+    torch.nn.utils.clip_grads_with_norm_ with the pipeline's total norm."""
+    torch.nn.utils.clip_grads_with_norm_(list(params), max_norm, total, foreach=foreach)
+
+
+def grads_finite(grads: Sequence[torch.Tensor], gather: Gather, device=None) -> bool:
+    """True when no gradient on any rank holds an inf or a NaN."""
+    bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+    return not bool(gather(torch.tensor([float(bad)], dtype=torch.float64,
+                                        device=partial_device(grads, device))).any())
+
+
+class PipelineGradScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler whose found-inf is the whole pipeline's: after `unscale_` (called by `step` where the
+    user did not), an inf or NaN in any rank's gradients counts as found on every rank, so every rank skips the
+    same steps and keeps the same scale. Made by `PipelineModule.grad_scaler()`; `pipe.step(*batch,
+    scaler=scaler)` seeds the backward with the scale (the loss it returns is not scaled)."""
+
+    def __init__(self, gather: Gather, device: str = "cuda", **kwargs):
+        super().__init__(device, **kwargs)
+        self._gather = gather
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        here = float(sum(float(v) for v in found.values()) > 0) if found else 0.0
+        anywhere = float(self._gather(torch.tensor([here], dtype=torch.float64,
+                                                   device=self._device_of(found))).max())
+        for v in found.values():
+            v.fill_(anywhere)
+        if not found and anywhere:   # this rank has no gradients, but another found an inf: skip here too
+            found[torch.device(self._device)] = torch.full((1,), anywhere, dtype=torch.float32,
+                                                           device=self._device)
+
+    def _device_of(self, found) -> torch.device:
+        return next(iter(found.values())).device if found else torch.device(self._device)
+
+    def seed(self, microbatches: int) -> float:
+        """The backward's seed gradient: scale / microbatches (the scale lazily made, as GradScaler.scale does)."""
+        if not self._enabled:
+            return 1.0 / microbatches
+        return float(self.scale(torch.ones((), device=self._device))) / microbatches
+
+
+def check_norm_type(norm_type) -> float:
+    try:
+        return float(norm_type)
+    except (TypeError, ValueError):
+        raise UsageError(f"norm_type must be a number (2.0, 1.0, float('inf')), got {norm_type!r}") from None
