@@ -102,6 +102,21 @@ def test_meta_device_model_is_materialized_per_rank(run):
     assert len(owned) == len(set(owned)) == 8  # 4 Linear layers, each on exactly one rank
 
 
+def test_training_loop_matches_eager(run):
+    """Train / clip / AdamW / evaluate(eval mode) twice on a float64 BatchNorm ConvNet under zbv, and a step and a
+    clip of a vocabulary-parallel GPT under 1f1b, against eager on every rank (workers/dist_worker.py
+    check_training_loop); an inf injected on the last rank only is seen by grads_finite() on every rank."""
+    pp, results = run
+    for r, res in enumerate(results):
+        loop = res["training_loop"]
+        assert "error" not in loop, f"rank {r}:\n{loop['error']}"
+        for case in ("convnet", "vocab"):
+            for a, b in zip(loop[case]["got"], loop[case]["want"], strict=True):
+                assert abs(a - b) <= 1e-10 * abs(b), (r, case, loop[case])
+        assert loop["convnet"]["param_err"] <= 1e-9, (r, loop["convnet"])
+        assert loop["vocab"]["clean"] and not loop["vocab"]["finite_after_inf"], (r, loop["vocab"])
+
+
 def test_dead_rank_makes_others_fail_fast(run):
     """Every other rank raises RuntimeFailure instead of hanging (a hang ends the launch at its timeout, failing
     the test); how long that took is printed with a failure, not asserted (timings belong to benchmarks)."""

@@ -19,7 +19,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from support.models import gpt, hf_gpt2, mlp  # noqa: E402
+from support.models import convnet, eager_accumulated, gpt, hf_gpt2, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 from zbcompile.errors import RuntimeFailure, ScheduleError, UsageError  # noqa: E402
@@ -160,6 +160,47 @@ def check_meta(pp, results, timeout):
         init_calls=called)
 
 
+def check_training_loop(pp, results, timeout):
+    """The loop users write, across processes: a float64 ConvNet (BatchNorm) under zbv: train, evaluate in eval
+    mode, train, clip_grad_norm_, AdamW; a vocabulary-parallel GPT under 1f1b: a step and a clip; an inf injected on
+    the last rank only: grads_finite() False everywhere. Each value next to eager's."""
+    m = 2 * pp
+    out = {}
+    model, loss_fn, (x, y), _ = convnet(blocks=2 * pp, batch=2 * m)
+    model = model.double()
+    x = x.double()
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+    pipe = zb.compile(copy.deepcopy(model), schedule="zbv", microbatches=m, loss_fn=loss_fn,
+                      example=((x[:2],), (y[:2],)), timeout=timeout)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=1e-3)
+    got, want = [], []
+    for k, (xb, yb) in enumerate([(x, y), (x.flip(0), y)]):
+        got.append(pipe.train().step(xb, yb))
+        want.append(eager_accumulated(ref.train(), loss_fn, xb, yb, m))
+        got.append(pipe.clip_grad_norm_(0.1).item())
+        want.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1).item())
+        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+        got.append(pipe.eval().evaluate(xb, yb))
+        with torch.no_grad():
+            want.append(sum(loss_fn(ref.eval()(a), b).item() for a, b in zip(xb.chunk(m), yb.chunk(m))) / m)
+    refp = dict(ref.named_parameters())
+    out["convnet"] = dict(got=got, want=want,
+                          param_err=max(rel(p.detach(), refp[n].detach()) for n, p in pipe.named_parameters()))
+    model, loss_fn, (x, y), _ = gpt(layers=2 * pp, batch=m)
+    model = model.double()
+    ref = copy.deepcopy(model)
+    want = [eager_accumulated(ref, loss_fn, x, y, m), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()]
+    pipe = zb.compile(copy.deepcopy(model), schedule="1f1b", microbatches=m, loss_fn=loss_fn,
+                      example=((x[:1],), (y[:1],)), vocab_parallel=True, timeout=timeout)
+    got = [pipe.step(x, y), pipe.clip_grad_norm_(0.5).item()]
+    clean = pipe.grads_finite()
+    if pipe.rank == pp - 1:
+        next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
+    out["vocab"] = dict(got=got, want=want, clean=clean, finite_after_inf=pipe.grads_finite())
+    results["training_loop"] = out
+
+
 def die_mid_step(pp, results, timeout, victim):
     model, loss_fn, (x, y), _ = mlp(layers=4, batch=8)
     pipe = zb.compile(copy.deepcopy(model), schedule="1f1b", microbatches=8, loss_fn=loss_fn,
@@ -210,6 +251,11 @@ def main() -> None:
         dump()
     check_errors(pp, results, args.timeout)
     check_meta(pp, results, args.timeout)
+    dump()
+    try:
+        check_training_loop(pp, results, args.timeout)
+    except Exception:
+        results["training_loop"] = dict(error=traceback.format_exc())
     dump()
     die_mid_step(pp, results, 3.0, victim=pp - 1)
     dump()

@@ -1,8 +1,8 @@
 """One rank of tests/distributed/test_cuda_graphs_dist.py (torchrun environment, gloo): captured steps and the
 replay check across processes.
 
-For each schedule, twice from the same model:
-  * `zb.compile(..., cuda_graphs=True)` with the capture API replaced by the CPU stand-in
+For each schedule, twice from the same split (one trace per stage layout):
+  * `PipelineModule.from_staged(..., cuda_graphs=True)` with the capture API replaced by the CPU stand-in
     (tests/support/graph_standin.py; the real one needs CUDA): 2 eager warm-up steps, capture, 3 replays;
   * the eager capture-ready program under ReplayCheck (runtime/replay_check.py): every step's static memory and
     message order on the real gloo group equal step 2's.
@@ -27,6 +27,7 @@ from support.models import eager_accumulated, gpt, train_sgd  # noqa: E402
 from support.threaded import param_holders  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
+from zbcompile.compiler import split_for  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
 from zbcompile.runtime import graphs  # noqa: E402
 from zbcompile.runtime.replay_check import ReplayCheck  # noqa: E402
@@ -56,16 +57,18 @@ def run(rank: int, pp: int, out: str) -> dict:
     ref = train_sgd(ref_model, lambda xb, yb: eager_accumulated(ref_model, case.loss_fn, xb, yb, M), batches)
     apis: list = []
     graphs.capture_api = lambda device: apis.append(StandInGraphs()) or apis[-1]   # the stand-in, on CPU
-    results = {}
+    results, splits = {}, {}
     for name in SCHEDULES:
         try:
             schedule = generate(name, pp, M)
-            pipe = zb.compile(copy.deepcopy(case.model), schedule=schedule, microbatches=M, loss_fn=case.loss_fn,
-                              example=case.example, cuda_graphs=True)
+            layout = (schedule.num_model_stages, schedule.stage_groups())   # one trace per stage layout
+            if layout not in splits:
+                splits[layout] = split_for(case.model, case.loss_fn, case.example, schedule)
+            pipe = zb.PipelineModule.from_staged(copy.deepcopy(case.model), splits[layout], schedule,
+                                                 cuda_graphs=True)
             captured = errors(train_sgd(pipe, pipe.step, batches), ref)
             captured["log"] = apis[-1].log
-            plain = zb.compile(copy.deepcopy(case.model), schedule=schedule, microbatches=M,
-                               loss_fn=case.loss_fn, example=case.example)
+            plain = zb.PipelineModule.from_staged(copy.deepcopy(case.model), splits[layout], schedule)
             check = ReplayCheck(plain.runtime, warmup=1)
             checked = errors(train_sgd(plain, lambda xb, yb: check.step((xb, yb)), batches), ref)
             checked["messages"] = len(check.reference[1])
