@@ -49,6 +49,9 @@ _RESHAPES = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.defau
 _IDENTITIES = (_aten.alias.default, _aten.clone.default, _aten.contiguous.default, _aten.detach.default)
 _TOKEN_OPS = (_aten.slice.Tensor, _aten.select.int)
 _CAST = _aten._to_copy.default
+# checks export adds beside a cast (`.float()` -> _to_copy + _assert_tensor_metadata): they read the logits but
+# compute nothing, so they go with the logits
+_CHECKS = (_aten._assert_tensor_metadata.default,)
 _EXPECTED = ("an embedding lookup `embedding(E, ids)` in the first stage and, as the loss, "
              "`cross_entropy(linear(x, W)[...], targets)` in the last, with E and W of shape [V, d]")
 
@@ -137,9 +140,10 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
         raise VocabError(f"vocab_parallel=True expects the cross-entropy's input as [tokens, V={size}]; it is "
                          f"{list(logits.shape)}.\nfix: pass `logits.view(-1, V)` and `targets.view(-1)`")
     for n in (linear, *chain):
-        if len(n.users) != 1:
+        readers = [u for u in n.users if u.target not in _CHECKS]
+        if len(readers) != 1:
             raise VocabError(f"the logits `{n.name}` are read by more than the cross-entropy "
-                             f"({', '.join(u.name for u in n.users)}); vocab_parallel=True never materializes the "
+                             f"({', '.join(u.name for u in readers)}); vocab_parallel=True never materializes the "
                              "whole logits. fix: compute only the loss from them")
     for n in chain:
         _check_token_op(n, size)
@@ -231,6 +235,8 @@ def _output_layer_input(last: Graph, p: VocabPattern) -> tuple[torch.Tensor, Gra
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(last.gm.graph, env)
+    for check in [u for n in (p.linear, *p.chain) for u in n.users if u.target in _CHECKS]:
+        graph.erase_node(env[check])   # it read the logits, which this stage no longer computes
     x = env[p.linear.args[0]]
     for n in p.chain:
         if n.target in _IDENTITIES or n.target is _CAST:

@@ -304,3 +304,28 @@ def test_grad_scaler_skips_an_overflow_on_every_rank_and_matches_eager():
         for a, b in zip(got, want):
             assert abs(a - b) <= 1e-3 * abs(b) or (math.isnan(a) and math.isnan(b)), (got, want)
     _assert_state_equal(pipes, ref, 1e-3, "after GradScaler steps")
+
+
+def _titan_loss(pred, labels):
+    """torchtitan's cross-entropy: the logits cast to float32 first (a bfloat16 model, a float32 loss)."""
+    return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-5), (torch.bfloat16, 2e-2)])
+def test_vocab_parallel_takes_a_loss_that_casts_the_logits(dtype, tol):
+    """vocab_parallel=True with `cross_entropy(pred.flatten(0, 1).float(), ...)`: the cast (and the metadata check
+    export puts beside it) between the logits and the loss is accepted, the sharded loss runs in float32 as the
+    user's does, and loss and gradients equal eager's."""
+    model, _, (x, y), _ = gpt(layers=4, batch=8)
+    model = model.to(dtype)
+    opts = CompileOptions.from_kwargs(None, schedule="zbv", microbatches=M, loss_fn=_titan_loss,
+                                      example=((x[:2],), (y[:2],)), vocab_parallel=True)
+    pipes = loopback_pipes(model, opts, PP)
+    ref = copy.deepcopy(model)
+    want = _eager_step(ref, _titan_loss, x, y)
+    losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
+    assert all(abs(loss - want) <= tol * abs(want) for loss in losses), (losses, want)
+    refp = dict(ref.named_parameters())
+    for r, pipe in enumerate(pipes):
+        for n, p in pipe.named_parameters():
+            assert _rel(p.grad, _shard_of(refp[n].grad, p, r)) <= 5 * tol, f"rank {r} {n}"
