@@ -22,11 +22,13 @@ lowers the heaviest rank by more than REFINE_GAIN:
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import Counter
 from typing import Sequence
 
 import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
@@ -34,9 +36,11 @@ from zbcompile.passes.analysis.step import constant_nodes, first_positions
 from zbcompile.passes.balance import balance_placed, device_loads, group_weights, placement_loads
 from zbcompile.ir.stages import Traced, module_path, module_stack
 
-__all__ = ["auto_split_points", "cut_units", "FLOPS_PER_BYTE", "BACKWARD_PER_FORWARD", "WITHIN_BLOCK_GAIN",
+__all__ = ["auto_split_points", "op_split_points", "op_units", "NODE_PREFIX", "cut_units", "FLOPS_PER_BYTE", "BACKWARD_PER_FORWARD", "WITHIN_BLOCK_GAIN",
            "REFINE_WIDTH", "REFINE_GAIN"]
 
+
+NODE_PREFIX = "node:"   # "node:<op>": right before that op of the traced step (a cut between ops)
 
 # One byte moved costs about as much time as this many FLOPs. Calibrated on the development CPU (1 thread,
 # torch 2.13, the benchmark GPT): matmuls ran at ~65 GFLOP/s and memory-bound elementwise ops moved ~6 GB/s,
@@ -147,11 +151,8 @@ def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
     if num_stages == 1:
         return ()
     coarse = _within(traced, cut_units(model, traced), inside)
-    if len(coarse) < num_stages:
-        raise PartitionError(
-            f"cannot cut the model into {num_stages} stages: it has only {len(coarse)} cuttable units "
-            f"({', '.join(coarse) or 'none'}). Use fewer stages or a model with more layers."
-        )
+    if len(coarse) < num_stages:   # too few modules: cut between ops
+        return op_split_points(traced, num_stages, placement, skip, inside)
     units = _narrow_units(traced, coarse, _within(traced, cut_units(model, traced, within_blocks=True), inside))
     coarse_set = set(coarse)
     weights = _unit_weights(traced, units, skip)
@@ -167,6 +168,121 @@ def auto_split_points(model: nn.Module, traced: Traced, num_stages: int,
     chosen = [units[i] for i in cuts]
     return _refine(traced, coarse, chosen, _within(traced, cut_units(model, traced, within_blocks=2), inside),
                    placement, skip)
+
+
+def op_split_points(traced: Traced, num_stages: int, placement: Sequence[int] | None = None,
+                    skip: frozenset[fx.Node] = frozenset(),
+                    inside: tuple[fx.Node, fx.Node] | None = None) -> tuple[str, ...]:
+    """Split points for `num_stages` stages between any two ops of the step, for a model whose modules are too
+    few (a model of three Linears, a few ops in one forward): before each computed op (a module's name where one
+    begins there, else `node:<op>`), balanced by estimated training time as the module cuts are, charging each
+    cut the bytes it sends. PartitionError only where the step has fewer ops than stages."""
+    placement = tuple(range(num_stages)) if placement is None else tuple(placement)
+    starts, names = op_units(traced, inside)
+    if len(starts) < num_stages:
+        raise PartitionError(f"cannot cut the training step into {num_stages} stages: it computes only "
+                             f"{len(starts)} ops a cut can go before ({', '.join(names) or 'none'}); use fewer "
+                             "stages (a schedule with fewer model stages, or fewer ranks)")
+    weights = _position_weights(traced, starts, skip)
+    width = _boundary_bytes(traced)
+    transfer = [_BOUNDARY_PASSES_PER_SIDE * FLOPS_PER_BYTE * width[p] for p in starts]
+    cuts = balance_placed([w for w in weights], placement)
+    best = _heaviest_with_transfer(weights, cuts, placement, transfer)
+    # the balance ignored what each cut sends: move a cut to a neighbour while that lowers the heaviest rank
+    cuts = list(cuts)
+    improved = True
+    while improved:
+        improved = False
+        for k in range(len(cuts)):
+            lo, hi = (cuts[k - 1] if k else 0) + 1, (cuts[k + 1] if k + 1 < len(cuts) else len(starts)) - 1
+            for j in (cuts[k] - 1, cuts[k] + 1):
+                if lo <= j <= hi:
+                    score = _heaviest_with_transfer(weights, cuts[:k] + [j] + cuts[k + 1:], placement, transfer)
+                    if score < best:
+                        best, cuts[k], improved = score, j, True
+    return tuple(names[c] for c in cuts)
+
+
+def op_units(traced: Traced, inside: tuple[fx.Node, fx.Node] | None = None) -> tuple[list[int], list[str]]:
+    """(graph positions, split point names) where a cut between ops may go, in order: before every computed op
+    up to the loss (constants are recomputed where used; views and an op's tuple results stay with it), named by the
+    outermost module that begins there or as `node:<op>`; the first is the start of the step."""
+    const = constant_nodes(traced)
+    nodes = list(traced.gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    loss = dict(zip(traced.graph.outputs, traced.gm.graph.output_node().args[0]))["loss"]
+    module_at: dict[int, str] = {}
+    first = first_positions(traced)
+    for path, i in sorted(first.items(), key=lambda kv: (kv[1], _depth(kv[0]))):
+        module_at.setdefault(i, path)
+    lo, hi = (position[inside[0]], position[inside[1]]) if inside is not None else (-1, len(nodes))
+    blocked = _view_crossings(nodes, position, const)
+    starts, names = [], []
+    for i, node in enumerate(nodes[:position[loss] + 1]):
+        if node.op != "call_function" or const[node] or not _computes(node) or (starts and blocked[i]):
+            continue
+        if starts and not lo < i < hi:
+            continue
+        # a module's name where the module begins here (its first node may be a view just before this op)
+        begins = [m for m in module_path(node) if m and (starts[-1] if starts else -1) < first.get(m, -1) <= i]
+        starts.append(i)
+        names.append(module_at.get(i) or (begins[0] if begins else f"{NODE_PREFIX}{node.name}"))
+    return starts, names
+
+
+def _view_crossings(nodes: Sequence[fx.Node], position: dict, const) -> list[bool]:
+    """Per graph position, whether a cut there would send a view (a view of the sending stage's input would be
+    a stage output aliasing an input, which the stage's backward cannot be traced for)."""
+    delta = [0] * (len(nodes) + 2)
+    for i, node in enumerate(nodes):
+        if node.op != "call_function" or const[node]:
+            continue
+        view = _aliases(node) or (node.target is operator.getitem and _aliases(node.args[0]))
+        last = max((position[u] for u in node.users if u.op != "output"), default=i)
+        if view and last > i:
+            delta[i + 1] += 1
+            delta[last + 1] -= 1
+    return [c > 0 for c in itertools.accumulate(delta)]
+
+
+def _computes(node: fx.Node) -> bool:
+    """A cut may go before this node: it makes a tensor of its own, not a view or one of a tuple's results (a
+    stage that began with a view could return a view of its own input), and something reads it."""
+    return node.target is not operator.getitem and bool(node.users) and not _aliases(node)
+
+
+def _aliases(node: fx.Node) -> bool:
+    """The op returns a view of an argument (view, expand, broadcast_tensors, ...): its schema says so, or its
+    traced result shares an argument's storage (composite ops such as broadcast_tensors annotate nothing)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and any(r.alias_info is not None for r in schema.returns):
+        return True
+    out = node.meta.get("val")
+    results = out if isinstance(out, (tuple, list)) else (out,)
+    storages = {_storage(a.meta.get("val")) for a in node.all_input_nodes} - {None}
+    return any(_storage(r) in storages for r in results)
+
+
+def _storage(val):
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except (RuntimeError, NotImplementedError):   # a tensor without storage (a sparse or wrapper tensor)
+        return None
+
+
+def _position_weights(traced: Traced, starts: Sequence[int], skip: frozenset[fx.Node]) -> list[float]:
+    """Estimated training time of the nodes from each start up to the next one (the first start takes what is
+    before it too)."""
+    weights = [0.0] * len(starts)
+    k = 0
+    for i, node in enumerate(traced.gm.graph.nodes):
+        while k + 1 < len(starts) and starts[k + 1] <= i:
+            k += 1
+        if node.op == "call_function" and node not in skip:
+            weights[k] += _node_time(node)
+    return weights
 
 
 def _within(traced: Traced, units: list[str], inside: tuple[fx.Node, fx.Node] | None) -> list[str]:

@@ -6,7 +6,8 @@ A split point is a module name; the cut goes right BEFORE the first node the mod
 cover the split points users already wrote for torch.distributed.pipelining: `after:<module>` cuts right after
 the module's last node (`SplitPoint.END` in a `split_spec`; `split_point_names` converts a split_spec), and
 `pipe_split:<k>` cuts at the k-th `pipe_split()` marker the model calls (the trace keeps the markers as
-`pippy._pipe_split` nodes; they compute nothing and are never copied into a stage). Nodes are assigned in
+`pippy._pipe_split` nodes; they compute nothing and are never copied into a stage), and `node:<op>` right
+before an op of the traced step (the automatic cuts between ops, for models with too few modules). Nodes are assigned in
 graph (= execution) order: a running stage counter advances at the first node of the next split point
 (modules read from `meta["nn_module_stack"]`). So everything between two split points, including
 top-level glue code, lands in the earlier stage, and the loss lands in the last one.
@@ -41,7 +42,7 @@ from zbcompile.errors import PartitionError
 from zbcompile.ir.names import Role, role_of
 from zbcompile.passes.analysis.step import constant_nodes
 # re-exported so that the chooser stays importable from here; cutting itself never calls it
-from zbcompile.passes.choose_cuts import FLOPS_PER_BYTE, auto_split_points, cut_units
+from zbcompile.passes.choose_cuts import FLOPS_PER_BYTE, NODE_PREFIX, auto_split_points, cut_units
 from zbcompile.ir.stages import Graph, Partition, Traced, module_path
 
 __all__ = ["partition", "check_split_points", "split_point_names", "markers", "cut_starts", "auto_split_points",
@@ -84,7 +85,7 @@ def check_split_points(model: nn.Module, split_points: Sequence[str]) -> None:
     names = [n for n, _ in model.named_modules() if n]
     known = set(names)
     for point in split_points:
-        if point.startswith(MARKER_PREFIX):
+        if point.startswith((MARKER_PREFIX, NODE_PREFIX)):   # checked against the trace (cut_starts)
             continue
         module = point.removeprefix(AFTER_PREFIX)
         if module not in known:
@@ -137,10 +138,19 @@ def cut_starts(traced: Traced, split_points: Sequence[str]) -> list[int]:
             last[path] = i
     position = {n: i for i, n in enumerate(nodes)}
     marks = [position[n] for n in _marker_nodes(traced)]
+    by_name = {n.name: i for i, n in enumerate(nodes)}
     starts = []
     for point in split_points:
         module = point.removeprefix(AFTER_PREFIX)
-        if point.startswith(MARKER_PREFIX):
+        if point.startswith(NODE_PREFIX):
+            op = point[len(NODE_PREFIX):]
+            if op not in by_name or nodes[by_name[op]].op != "call_function":
+                close = difflib.get_close_matches(op, [n.name for n in nodes if n.op == "call_function"], n=5)
+                raise PartitionError(f"split point `{point}`: the traced step has no op `{op}`"
+                                     + (f"; close names: {', '.join(close)}" if close else "")
+                                     + " (op names are the trace's: `python -m zbcompile inspect` lists the cuts)")
+            starts.append(by_name[op])
+        elif point.startswith(MARKER_PREFIX):
             k = point[len(MARKER_PREFIX):]
             if not (k.isdigit() and int(k) < len(marks)):
                 raise PartitionError(f"split point `{point}`: the traced step has {len(marks)} pipe_split() "

@@ -34,6 +34,7 @@ from torch import nn
 
 from zbcompile.errors import PartitionError, SplitError
 from zbcompile.passes.analysis.stage_report import report
+from zbcompile.passes.choose_cuts import NODE_PREFIX
 from zbcompile.passes.partition import (auto_split_points, check_split_points, cut_starts, markers, partition,
                                         split_point_names)
 from zbcompile.passes.shard_vocab import find_vocab_layers, shard_vocab
@@ -143,6 +144,7 @@ def split_traced(
 ) -> StagedModel:
     """`split_model` after the trace pass: partition and split an already traced step (cheap to repeat).
     Explicit `split_points` win over the model's pipe_split() markers, and markers over the automatic balance."""
+    why = "given (split_points=...)"
     if split_points is None:
         if num_stages is None and placement is not None:
             num_stages = len(placement)
@@ -150,9 +152,22 @@ def split_traced(
         if vocab_shards:   # the vocabulary layers weigh on every rank alike: balance the rest, cut between them
             p = find_vocab_layers(traced.graph, traced.graph)
             skip, inside = frozenset((p.embedding, p.linear, *p.chain, p.loss)), (p.embedding, p.linear)
-        split_points = _marked_split_points(traced, num_stages) or auto_split_points(
-            model, traced, num_stages or 1, placement, skip, inside)
-    return run_split_passes(traced, split_passes(split_points, vocab_shards))
+        split_points = _marked_split_points(traced, num_stages)
+        why = "the model's pipe_split() markers"
+        if not split_points:
+            split_points = auto_split_points(model, traced, num_stages or 1, placement, skip, inside)
+            why = _why_automatic(split_points, placement)
+    staged = run_split_passes(traced, split_passes(split_points, vocab_shards))
+    return dataclasses.replace(staged, meta={**staged.meta, "cuts": {"points": tuple(split_points), "why": why}})
+
+
+def _why_automatic(points: Sequence[str], placement) -> str:
+    """Why the automatic cuts are where they are, for split.report and inspect."""
+    per = "per rank of the placement" if placement is not None else "per stage"
+    if any(p.startswith(NODE_PREFIX) for p in points):
+        return (f"balanced by estimated training time {per}, between ops: the model has fewer cuttable modules "
+                f"than the {len(points) + 1} stages (node:<op> cuts before that op of the traced step)")
+    return f"balanced by estimated training time {per}, between modules"
 
 
 def _marked_split_points(traced: Traced, num_stages: int | None) -> tuple[str, ...]:

@@ -86,6 +86,9 @@ def report(staged) -> str:
         ))
     headers = ("stage", "modules", "params", "F flops", "B flops", "W flops", "F saves", "B->W alive")
     lines = [tabulate.tabulate(rows, headers=headers)]
+    cuts = staged.meta.get("cuts")
+    if cuts and cuts["points"]:
+        lines += ["", f"cuts before: {', '.join(cuts['points'])}", f"  why: {cuts['why']}"]
     boundary = [
         (st.index, st.index + 1, s.name, tuple(s.shape), str(s.dtype).replace("torch.", ""), s.requires_grad,
          fmt_b(s.nbytes))

@@ -70,10 +70,12 @@ def test_unknown_split_point_lists_close_names():
     assert "`block.1`" in str(info.value) and "blocks.1" in str(info.value)
 
 
-def test_more_stages_than_cuttable_units():
-    case = models.mlp(layers=2)  # 4 units: Linear, Tanh, Linear, Tanh
-    with pytest.raises(PartitionError, match="only 4 cuttable units"):
-        split_model(case.model, case.loss_fn, case.example, num_stages=5)
+def test_more_stages_than_ops():
+    """Fewer modules than stages cut between ops (tests/split/test_cut_anywhere.py); fewer ops than stages is
+    refused, naming the places a cut could go."""
+    case = models.mlp(layers=2)  # Linear, Tanh, Linear, Tanh, then the loss
+    with pytest.raises(PartitionError, match=r"only \d+ ops a cut can go before \(0, 1, 2, 3"):
+        split_model(case.model, case.loss_fn, case.example, num_stages=20)
 
 
 def test_split_points_out_of_order():
