@@ -329,3 +329,52 @@ def test_vocab_parallel_takes_a_loss_that_casts_the_logits(dtype, tol):
     for r, pipe in enumerate(pipes):
         for n, p in pipe.named_parameters():
             assert _rel(p.grad, _shard_of(refp[n].grad, p, r)) <= 5 * tol, f"rank {r} {n}"
+
+
+class _MoE(torch.nn.Module):
+    """transformers' Mixtral with `output_router_logits=True`: each layer's router logits travel to the loss,
+    which adds the load-balancing loss over all layers to the cross-entropy (terms from every stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        torch.manual_seed(0)
+        cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+                            num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=32, output_router_logits=True, router_aux_loss_coef=0.1)
+        self.lm = MixtralForCausalLM(cfg)
+
+    def forward(self, ids):
+        out = self.lm(input_ids=ids, use_cache=False, output_router_logits=True)
+        return out.logits, out.aux_loss
+
+
+def _moe_loss(out, labels):
+    logits, aux = out
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) + 0.1 * aux
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_aux_loss_from_every_stage_matches_eager(schedule):
+    """A mixture-of-experts model whose loss adds a router load-balancing term computed from every layer's router
+    logits (spread over every stage): loss and every gradient equal eager's, the routers' included."""
+    torch.manual_seed(1)
+    x, y = torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))
+    case = type(gpt())(_MoE(), _moe_loss, (x, y), 4)
+    model, loss_fn, x, y, pipes = _pipes(case, schedule)
+    ref = copy.deepcopy(model)
+    want = _eager_step(ref, loss_fn, x, y)
+    losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
+    assert all(abs(loss - want) <= 1e-5 * abs(want) for loss in losses), (losses, want)
+    refp = dict(ref.named_parameters())
+    graded = set()
+    for pipe in pipes:
+        for n, p in pipe.named_parameters():
+            if refp[n].grad is None:
+                assert p.grad is None, n
+                continue
+            graded.add(n)
+            assert _rel(p.grad, refp[n].grad) <= 1e-5, n
+    routers = {n for n in refp if ".gate." in n or n.endswith(".gate.weight")}
+    assert routers and routers <= graded, sorted(routers - graded)
