@@ -116,7 +116,8 @@ def place(model: nn.Module, compiled: Compiled, resolved) -> PipelineModule:
         over this rank's parameters, buffers and groups."""
         return RankRuntime(programs[rank], emit_fx(programs[rank], abi), pg=pg, device=device, params=params,
                            buffers=buffers, timeout=options.timeout, channels=channels, peers=programs,
-                           constants=constants, collectives=collectives, **graphs)
+                           constants=constants, collectives=collectives,
+                           profiled=lambda: emit_fx(programs[rank], abi, profile=True), **graphs)
 
     runtime = runtime_for(compiled.programs, cuda_graphs=options.capture,
                           warmup=options.cuda_graphs or WARMUP_STEPS,

@@ -81,8 +81,10 @@ def compile_programs(model: nn.Module, options: CompileOptions, num_ranks: int, 
     (a model on the meta device is traced with the example moved there; None: as given). time_model: the offload planner's device model (h100, a100,
     cpu; default by the device's type). lint_capture: with cuda_graphs, raise CaptureError for programs that
     cannot be captured (inspect --capture-check lists the problems instead)."""
-    schedule = schedule_for(options, num_ranks)
-    with _phase("split", f"{schedule.num_model_stages} model stages"):
+    with _phase("schedule", f"{options.schedule if isinstance(options.schedule, str) else options.schedule.name}, "
+                            f"{num_ranks} ranks, {options.microbatches} microbatches"):
+        schedule = schedule_for(options, num_ranks)
+    with _phase("split", f"{schedule.num_model_stages} model stages (trace, partition, split F/B/W)"):
         staged = split_for(model, options.loss_fn, options.example, schedule, split_points=options.split_points,
                            device=device)
     return compile_staged(staged, schedule, options, device=device, time_model=time_model,

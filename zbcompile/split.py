@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from typing import Callable, Mapping, Sequence
 
@@ -43,6 +44,8 @@ from zbcompile.passes.trace import retarget_stages, trace
 from zbcompile.ir.stages import Partition, StagedModel, Traced
 
 __all__ = ["split_model", "split_traced", "split_passes", "run_split_passes", "report", "autocast_state"]
+
+log = logging.getLogger("zbcompile")
 
 SplitPass = Callable[[Traced | Partition], Partition | StagedModel]
 
@@ -123,6 +126,7 @@ def split_model(
         raise PartitionError(f"placement {list(placement)} has {len(placement)} stages but num_stages={num_stages}")
     started = time.perf_counter()
     traced = trace(model, loss_fn, example)
+    log.info("trace: done in %.2f s (%d nodes)", time.perf_counter() - started, len(traced.gm.graph.nodes))
     if isinstance(spec, Mapping):   # a split_spec names modules in no particular order
         split_points = tuple(p for _, p in sorted(zip(cut_starts(traced, split_points), split_points)))
     staged = split_traced(model, traced, num_stages=num_stages, split_points=split_points, placement=placement,

@@ -26,7 +26,9 @@ run and every graph with the same code share it), and across processes inductor'
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import time
 
 import torch
 from torch import fx, nn
@@ -81,6 +83,7 @@ class CompiledGraph(nn.Module):
 # (backend, graph code, input layouts) -> compiled callable; compilation is serialized, since inductor keeps
 # per-compilation global state and the threaded test emits all ranks at once
 _COMPILED: dict[tuple, object] = {}
+log = logging.getLogger("zbcompile")
 _LOCK = threading.Lock()
 
 
@@ -91,8 +94,12 @@ def compiled_module(g: ProgramGraph, where: str = "") -> CompiledGraph:
     key = _memo_key(g, inputs)
     with _LOCK:
         fn = _COMPILED.get(key)
-        if fn is None:
+        if fn is None:   # inductor takes seconds a graph cold (100+ s a model): say what it is doing
+            log.info("inductor: compiling %s (%d ops) ...", where or "a stage graph",
+                     sum(n.op == "call_function" for n in g.gm.graph.nodes))
+            start = time.perf_counter()
             fn = _COMPILED[key] = _inductor(g.gm, inputs, where)
+            log.info("inductor: %s done in %.2f s", where or "the stage graph", time.perf_counter() - start)
     return CompiledGraph(fn, g.backend)
 
 

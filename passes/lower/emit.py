@@ -43,16 +43,23 @@ __all__ = ["emit_fx", "Emitter", "DEFAULT_ABI"]
 DEFAULT_ABI = "zbcompile.runtime.abi"
 
 
-def emit_fx(program: RankProgram, abi: ModuleType | str = DEFAULT_ABI) -> fx.GraphModule:
-    """The GraphModule whose forward(ctx, *program.inputs) runs `program` once."""
-    return Emitter(program, importlib.import_module(abi) if isinstance(abi, str) else abi).emit()
+def emit_fx(program: RankProgram, abi: ModuleType | str = DEFAULT_ABI, *, profile: bool = False) -> fx.GraphModule:
+    """The GraphModule whose forward(ctx, *program.inputs) runs `program` once. profile: each action (`zb:2F0`),
+    send (`zb:send`) and wait for a message (`zb:wait_recv`, `zb:wait_send`) inside a torch.profiler range, so
+    that a profiler trace shows the schedule (the runtime runs this variant while a profiler records)."""
+    return Emitter(program, importlib.import_module(abi) if isinstance(abi, str) else abi, profile=profile).emit()
+
+
+_ENTER = torch.ops.profiler._record_function_enter_new.default
+_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 
 
 class Emitter:
     """Builds one program's fx graph, op by op; one method per `OpSpec.emit` name."""
 
-    def __init__(self, program: RankProgram, abi: ModuleType):
+    def __init__(self, program: RankProgram, abi: ModuleType, profile: bool = False):
         self.program = program
+        self.profile = profile
         self.abi = abi
         self.graph = fx.Graph()
         self.root: dict[str, torch.nn.Module] = {}
@@ -72,7 +79,11 @@ class Emitter:
             if method is None:
                 raise LoweringError(f"op kind {op.kind} names emitter method {spec(op.kind).emit!r}, which "
                                     f"passes.lower.emit.Emitter does not have")
-            method(i, op)
+            label = _RANGES.get(op.kind)
+            if label is None:
+                method(i, op)
+            else:
+                self.ranged(label(op), lambda: method(i, op))
         graph.output(self.env[program.output] if program.output else None)
         graph.lint()
         gm = fx.GraphModule(self.root, graph, class_name=f"Rank{program.rank}Program")
@@ -103,6 +114,15 @@ class Emitter:
 
     def values(self, names) -> list[fx.Node]:
         return [self.env[v] for v in names]
+
+    def ranged(self, name: str, emit) -> None:
+        """emit() inside a profiler range `name` where profiling (emit_fx's profile), else just emit()."""
+        if not self.profile:
+            emit()
+            return
+        handle = self.call(_ENTER, (name, None), "range")
+        emit()
+        self.call(_EXIT, (handle,))
 
     # ---- one method per spec.emit ------------------------------------------------------------------
     def run(self, i: int, op: Op) -> None:
@@ -232,6 +252,16 @@ class Emitter:
         node = self.call(self.fn(op), self.values(op.ins), op.outs[0] if op.outs else None)
         if op.outs:
             self.env[op.outs[0]] = node
+
+
+# the profiler range of each op kind that gets one (emit_fx's profile)
+_RANGES = {
+    OpKind.RUN: lambda op: f"zb:{op.args.action}",
+    OpKind.SEND: lambda op: "zb:send",
+    OpKind.WAIT_RECV: lambda op: "zb:wait_recv",
+    OpKind.WAIT_SEND: lambda op: "zb:wait_send",
+    OpKind.WAIT_COLL: lambda op: "zb:wait_collective",
+}
 
 
 def _handed_over(program: RankProgram) -> dict[int, tuple[str, ...]]:

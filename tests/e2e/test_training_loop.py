@@ -378,3 +378,27 @@ def test_aux_loss_from_every_stage_matches_eager(schedule):
             assert _rel(p.grad, refp[n].grad) <= 1e-5, n
     routers = {n for n in refp if ".gate." in n or n.endswith(".gate.weight")}
     assert routers and routers <= graded, sorted(routers - graded)
+
+
+def test_profiler_trace_shows_the_schedule():
+    """Under torch.profiler a step runs the program variant with one range per action (`zb:<stage>F<mb>`, B, W)
+    and per message; outside a profiler the plain program runs, and both give eager's loss. (A profiler records
+    its own thread: rank 0's thread profiles, as each torchrun rank would in its process.)"""
+    model, loss_fn, x, y, pipes = _pipes(mlp(layers=4, batch=8), "zb-h1")
+    want = _eager_step(copy.deepcopy(model), loss_fn, x, y)
+
+    def run(r):
+        if r:
+            return pipes[r].step(x, y), None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            loss = pipes[r].step(x, y)
+        return loss, {e.name for e in prof.events()}
+
+    profiled = run_pipes(run, PP)
+    plain = run_pipes(lambda r: pipes[r].step(x, y), PP)
+    assert all(abs(loss - want) <= 1e-6 * want for loss in [p[0] for p in profiled] + plain)
+    names = profiled[0][1]
+    actions = {f"zb:{a}" for a in pipes[0].schedule.ranks[0]}
+    assert actions <= names, sorted(actions - names)
+    assert {"zb:send", "zb:wait_recv"} <= names
+    assert pipes[0].runtime._profiled_program is not None and pipes[1].runtime._profiled_program is None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -78,6 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--chunks", type=int, default=None, help="stages per rank for interleaved-1f1b")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the gradient norm over the whole pipeline to this (steps whose gradients hold an "
+                        "inf or NaN are skipped on every rank)")
+    p.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="every K steps, the eval-mode loss of the next batch (a forward-only step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", type=Path, default=None, help="write the last step's timeline as a Chrome trace")
     p.add_argument("--save", type=Path, default=None, help="write a checkpoint into this directory at the end")
@@ -152,14 +158,16 @@ def main(argv=None) -> int:
     for step in range(done + 1, total + 1):
         start = time.perf_counter()
         loss = model.step(x, y)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        note = _optimizer_step(model, opt, args.clip_grad)
         seconds = time.perf_counter() - start
         bubbles = model.last_step.bubble
         rows.append((loss, batch * args.seq / seconds, bubbles))
         say(f"{progress(step, total)} loss {loss:.4f}  {batch * args.seq / seconds:8.0f} tok/s  bubble "
-            + " ".join(f"r{r}={b:.0%}" for r, b in enumerate(bubbles)), flush=True)
+            + " ".join(f"r{r}={b:.0%}" for r, b in enumerate(bubbles)) + note, flush=True)
         x, y = next(data)
+        if args.eval_every and step % args.eval_every == 0:
+            say(f"{'':>{len(progress(step, total))}} eval loss {model.eval().evaluate(x, y):.4f}", flush=True)
+            model.train()
     if args.trace:
         model.chrome_trace(args.trace)
         say(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
@@ -170,6 +178,24 @@ def main(argv=None) -> int:
     dist.barrier()  # tear the groups down together: a rank closing its sockets under a busy peer is a race
     dist.destroy_process_group()
     return 0
+
+
+def _optimizer_step(model, opt, clip: float | None) -> str:
+    """Clip over the whole pipeline (if asked), then step unless some rank's gradients are not finite; the
+    gradients are dropped either way. Returns what to add to the step's line."""
+    note = ""
+    if clip is not None:
+        norm = float(model.clip_grad_norm_(clip))
+        note = f"  grad norm {norm:.3f}"
+        finite = math.isfinite(norm)
+    else:
+        finite = model.grads_finite()
+    if finite:
+        opt.step()
+    else:
+        note += "  (inf/NaN in the gradients: step skipped on every rank)"
+    opt.zero_grad(set_to_none=True)
+    return note
 
 
 def save(path: Path, model, opt, steps: int, rank: int) -> None:

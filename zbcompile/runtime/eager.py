@@ -77,9 +77,12 @@ class RankRuntime:
                  params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
                  peers: Sequence[RankProgram], timeout: float = 60.0, channels: tuple | None = None,
                  constants: Mapping[str, torch.Tensor] | None = None, collectives=None,
-                 cuda_graphs: bool = False, graph_api=None, warmup: int = 2):
+                 cuda_graphs: bool = False, graph_api=None, warmup: int = 2, profiled=None):
         self.ir = ir
         self.program = program
+        # profiled() -> the program with a torch.profiler range per action (emit_fx's profile), made on the first
+        # step a profiler records
+        self._profiled, self._profiled_program = profiled, None
         if device.type == "cpu":
             retain_freed_cpu_memory()
         peers = tuple(peers)
@@ -240,6 +243,10 @@ class RankRuntime:
         try:
             if self.captured is not None:
                 loss = self.captured.run(args)
+            elif self._profiled is not None and torch.autograd._profiler_enabled():
+                if self._profiled_program is None:
+                    self._profiled_program = self._profiled()
+                loss = self._profiled_program.forward(ctx, *args)
             else:
                 loss = self.program.forward(ctx, *args)  # the emitted program has no hooks to run
         except BaseException:
