@@ -17,11 +17,54 @@
 Tiers:
 
     python -m pytest -q                                             everything (CI: .ci/run)
-    python -m pytest -q -m "not slow and not dist"                  the edit loop: no multi-process runs, nothing slow
+    python -m pytest -q -m "not slow"                               the edit loop (every dist test is slow too)
     python -m pytest -q tests/ir tests/split tests/schedule tests/lower   the compiler's layers on a CPU
     python -m pytest -q -m dist                                     the multi-process tests alone
 
-Markers (declared in pyproject.toml, --strict-markers): dist (launches several processes), slow (more than a few
-seconds), gpu (needs CUDA). Every test has a timeout (pytest-timeout, 1500 s); every launch kills all its ranks
-on a failure or its own timeout (support/launch.py).
+Markers (declared in pyproject.toml, --strict-markers): dist (launches several processes), slow (over a second
+here: marked by hand, and by the timings in durations.json, see below), gpu (needs CUDA). Refresh the timings
+after adding slow tests: `python -m pytest -q --record-durations` (the whole suite, on this kind of machine).
+Every test has a timeout (pytest-timeout, 1500 s); every launch kills all its ranks on a failure or its own
+timeout (support/launch.py).
 """
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+# Measured seconds per test (setup + call + teardown) on the reference machine (2 cores, no GPU), from a full run
+# with --record-durations. A test measured over SLOW_SECONDS is marked slow, so that the edit loop
+# (`-m "not slow"`) stays within a few minutes without anyone keeping hand-placed marks in step with the
+# timings; a test the file does not know yet runs in the edit loop until the next recording.
+DURATIONS = Path(__file__).with_name("durations.json")
+SLOW_SECONDS = 1.0
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help=f"write every test's measured seconds into {DURATIONS.name} at the end of the run "
+                          "(merged with what it holds: run the whole suite to refresh it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    for item in items:
+        if known.get(item.nodeid, 0.0) > SLOW_SECONDS and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _measured[report.nodeid] = _measured.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--record-durations") and _measured:
+        known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        known.update({k: round(v, 2) for k, v in _measured.items()})
+        DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
