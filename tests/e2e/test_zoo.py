@@ -13,7 +13,6 @@ import torch
 from support import zoo
 from support.zoo import MICROBATCHES, batch
 from support.threaded import max_grad_error, param_holders, run_threaded
-from zbcompile.compiler import split_for
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
 
@@ -23,10 +22,8 @@ torch.set_num_threads(1)
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 @pytest.mark.parametrize("arch", list(zoo.ZOO))
 def test_zoo_step_matches_eager_microbatches(arch, schedule):
-    case = zoo.ZOO[arch]()
-    case.model.train()
     sched = generate(schedule, 2, MICROBATCHES)
-    staged = split_for(case.model, case.loss_fn, case.example, sched)
+    case, staged = zoo.split(arch, sched)   # one trace per architecture, split for each schedule
     inputs, targets = batch(case)
     n = len(inputs)
 

@@ -6,12 +6,16 @@ image); hidden 32, 2 heads, vocab 64, seq 8, every dropout probability 0. The wr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from support.models import Case, HFLogits, HFSeq2SeqLogits
 from zbcompile.examples.gpt import loss_fn as token_loss
+from zbcompile.passes.trace import trace
+from zbcompile.split import split_traced
 
 VOCAB, SEQ, D, HEADS, FF = 64, 8, 32, 2, 64
 MICROBATCHES = 4   # per step, in the zoo tests (tests/e2e/)
@@ -212,3 +216,21 @@ def qwen2_moe() -> Case:
 
 ZOO = {f.__name__: f for f in (llama, mistral, qwen2, bloom, gpt2, gpt_neox, opt, bert_mlm, roberta_mlm, bart, t5,
                                vit, mixtral, qwen2_moe)}
+
+
+@functools.lru_cache(maxsize=None)
+def traced(arch: str):
+    """(case, its traced step): one trace per architecture for every schedule a test module splits it for (the
+    trace does not depend on the schedule; the cuts, stage layout and vocabulary shards do, see split)."""
+    case = ZOO[arch]()
+    case.model.train()
+    return case, trace(case.model, case.loss_fn, case.example)
+
+
+def split(arch: str, schedule):
+    """compiler.split_for's split of `arch` for `schedule`, from the architecture's one trace: (case, staged)."""
+    case, step = traced(arch)
+    groups = schedule.stage_groups()
+    return case, split_traced(case.model, step, num_stages=schedule.num_model_stages,
+                              placement=groups if len(set(groups)) > 1 else None,
+                              vocab_shards=schedule.num_ranks if schedule.vocab_shards else None)
