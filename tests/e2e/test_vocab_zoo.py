@@ -14,7 +14,6 @@ import torch
 from support import zoo
 from support.zoo import MICROBATCHES, batch
 from support.threaded import run_threaded
-from zbcompile.compiler import split_for
 from zbcompile.errors import VocabError
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
