@@ -15,21 +15,34 @@ kept for a backward; dead-code elimination removes what computed only them). In 
   that path, and evaluation would silently run it.
 
 The backward graphs are left as they are (a forward-only program never calls them).
+
+    output_graph(partition)                   -> OutputGraph (or why there is none), kept in StagedModel.meta
+    output_stages(staged, training)           -> StagedModel whose loss stage returns the model's outputs
+
+A forward returning the model's outputs (`PipelineModule.forward`, `pipe(x)`) runs the same F graphs, except
+on the loss stage: there it runs the stage's forward as the partition cut it (before the F/B/W split, which
+renames values), returning `out:<k>` for each tensor leaf of the model's outputs instead of the loss, which
+with the targets it reads is dropped. The trace knows which values those are from the model's call signature
+(passes/trace.py); a model output the loss never reads is never computed, so such a model gets no forward.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import fx
 
 from zbcompile.errors import UsageError
-from zbcompile.ir.names import Role, role_of
-from zbcompile.ir.stages import Graph, Stage, StagedModel
+from zbcompile.ir.names import Role, key_of, role_of
+from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Stage, StagedModel
 
-__all__ = ["forward_stages", "forward_graph", "TRAINING_ARGUMENT"]
+__all__ = ["forward_stages", "forward_graph", "output_graph", "output_stages", "OutputGraph", "TRAINING_ARGUMENT",
+           "OUTPUT"]
+
+OUTPUT = Role.OUTPUT.value   # out:<k>: the k-th tensor leaf of the model's outputs, from the loss stage
 
 aten = torch.ops.aten
 
@@ -41,6 +54,13 @@ TRAINING_ARGUMENT = {
     aten.native_batch_norm.default: 5,
     aten.rrelu_with_noise_functional.default: 4,
     aten.rrelu_with_noise.default: 4,
+}
+
+# op -> the position of its dropout probability: attention that drops (a module's `dropout_p=p if
+# self.training else 0.0`, fixed at p by the trace) runs with 0 in eval mode; F graphs have it decomposed into
+# native_dropout, the partitioned forward a forward returning the outputs runs (output_graph) has it whole
+DROPOUT_PROBABILITY = {
+    aten.scaled_dot_product_attention.default: 4,
 }
 
 # what draws random numbers: left in an eval-mode graph, it was a train-mode path the trace fixed
@@ -63,24 +83,106 @@ def forward_graph(stage: Stage, training: bool) -> Graph:
     f = stage.f
     keep = [i for i, n in enumerate(f.outputs)
             if role_of(n) in (Role.ACT, Role.LOSS) or (training and role_of(n) is Role.BUFFER)]
+    return _forward_copy(f, keep, training, stage.index)
+
+
+def _forward_copy(f: Graph, keep: list[int], training: bool, stage: int) -> Graph:
+    """A copy of `f` returning its outputs at `keep`, in eval mode unless `training`, with what computed only
+    the others removed."""
     gm = fx.GraphModule(f.gm, copy.deepcopy(f.gm.graph))
     graph = gm.graph
     out = graph.output_node()
     out.args = (tuple(out.args[0][i] for i in keep),)
     if not training:
-        _to_eval_mode(graph, stage.index)
+        _to_eval_mode(graph, stage)
     graph.eliminate_dead_code(is_impure_node=_impure)
     gm.recompile()
     outputs = tuple(f.outputs[i] for i in keep)
     return dataclasses.replace(f, gm=gm, outputs=outputs,
                                passthrough=tuple(n for n in f.passthrough if n in outputs)).check(
-        f"forward-only stage {stage.index}")
+        f"forward-only stage {stage}")
+
+
+# ---- forward outputs --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OutputGraph:
+    """The loss stage's forward (as partitioned) returning the model's tensor outputs, `out:<k>` in leaf order,
+    then its buffer updates; `outputs` says how they rebuild the model's output tree."""
+
+    stage: int
+    graph: Graph
+    outputs: ModelOutputs
+
+
+def output_graph(cut: Partition) -> OutputGraph | str:
+    """The OutputGraph of `cut`, or why the model has none (kept in StagedModel.meta["outputs"] by the split,
+    so that asking for the model's outputs costs no second trace)."""
+    outputs = cut.traced.outputs
+    if cut.vocab is not None:
+        return "its output layer is sharded over the ranks (vocab_parallel=True)"
+    if outputs is None:
+        return "torch.export could not keep the model's call signature, so the trace does not know its outputs"
+    if outputs.missing:
+        return (f"the loss does not read every output of the model ({', '.join(outputs.missing)}), so the "
+                "traced step never computes those")
+    stage = next(i for i, st in enumerate(cut.stages) if "loss" in st.outputs)
+    g = cut.stages[stage]
+    gm = fx.GraphModule(g.gm, copy.deepcopy(g.gm.graph))
+    graph = gm.graph
+    by_value = dict(zip(g.inputs, graph.find_nodes(op="placeholder")))
+    nodes = {n.name: n for n in graph.nodes if n.op != "placeholder"}
+    found = []
+    for leaf in outputs.leaves:
+        if isinstance(leaf, Constant):
+            continue
+        node = nodes.get(leaf, by_value.get(leaf, by_value.get("act:" + leaf)))
+        if node is None:
+            return (f"the model output {leaf!r} is not on the loss stage (stage {stage}): the loss reads it "
+                    "through a value computed from it")
+        found.append(node)
+    out = graph.output_node()
+    buffers = [(n, v) for n, v in zip(g.outputs, out.args[0]) if role_of(n) is Role.BUFFER]
+    out.args = (tuple(found) + tuple(v for _, v in buffers),)
+    names = tuple(f"{OUTPUT}{k}" for k in range(len(found))) + tuple(n for n, _ in buffers)
+    graph.eliminate_dead_code(is_impure_node=_impure)
+    inputs = list(g.inputs)
+    for name, node in list(by_value.items()):   # the targets the loss read, and anything else now unread
+        if role_of(name) is Role.DATA and not node.users:
+            graph.erase_node(node)
+            inputs.remove(name)
+    gm.recompile()
+    return OutputGraph(stage, Graph(gm, tuple(inputs), names, index=g.index, modules=g.modules), outputs)
+
+
+def output_stages(staged: StagedModel, training: bool) -> StagedModel:
+    """forward_stages(staged, training), except that the loss stage returns the model's outputs (out:<k>) and
+    no loss; UsageError naming why where the model has no OutputGraph."""
+    og = staged.meta.get("outputs")
+    if not isinstance(og, OutputGraph):
+        why = og or "it was split without them"
+        raise UsageError(f"this model's outputs cannot be returned by the pipeline: {why}; use evaluate(*batch) "
+                         "for the loss, or run the plain model")
+    fwd = forward_stages(staged, training)
+    g = og.graph
+    keep = [i for i, n in enumerate(g.outputs) if role_of(n) is not Role.BUFFER or training]
+    f = _forward_copy(g, keep, training, og.stage)
+    data = tuple(int(key_of(n)) for n in f.inputs if role_of(n) is Role.DATA)
+    stages = list(fwd.stages)
+    stages[og.stage] = dataclasses.replace(stages[og.stage], f=f, data=data, has_loss=False)
+    return dataclasses.replace(fwd, stages=tuple(stages))
 
 
 def _to_eval_mode(graph: fx.Graph, stage: int) -> None:
     """Every op's `training` argument set False; UsageError for a random op that still draws."""
     for node in graph.nodes:
         if node.op != "call_function":
+            continue
+        pos = DROPOUT_PROBABILITY.get(node.target)
+        if pos is not None:
+            if len(node.args) > pos:
+                node.args = (*node.args[:pos], 0.0, *node.args[pos + 1:])
+            elif "dropout_p" in node.kwargs:
+                node.kwargs = {**node.kwargs, "dropout_p": 0.0}
             continue
         pos = TRAINING_ARGUMENT.get(node.target)
         if pos is not None:
@@ -94,7 +196,8 @@ def _to_eval_mode(graph: fx.Graph, stage: int) -> None:
             continue
     graph.eliminate_dead_code(is_impure_node=_impure)
     for node in graph.nodes:
-        if node.op == "call_function" and node.target not in TRAINING_ARGUMENT and _draws(node.target):
+        if (node.op == "call_function" and node.target not in TRAINING_ARGUMENT
+                and node.target not in DROPOUT_PROBABILITY and _draws(node.target)):
             module = _module_of(node)
             raise UsageError(
                 f"stage {stage}: the traced forward draws random numbers in {module} ({node.target}), which "

@@ -30,7 +30,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from zbcompile._torch_private import tree_map
 from zbcompile.errors import TraceError
-from zbcompile.ir.stages import Graph, Partition, Traced, module_path
+from zbcompile.ir.names import Role, role_of
+from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Traced, module_path
 
 __all__ = ["trace", "flatten_example", "input_keywords", "retarget_device", "retarget_stages"]
 
@@ -96,7 +97,8 @@ def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
     aliases = _tied_groups(model)
     graph = _name_values(ep, aliases)
     frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
-    return Traced(graph, num_inputs, num_targets, tuple(aliases.values()), frozen, device)
+    return Traced(graph, num_inputs, num_targets, tuple(aliases.values()), frozen, device,
+                  _model_outputs(ep, graph))
 
 
 def retarget_stages(cut: Partition) -> Partition:
@@ -133,7 +135,12 @@ def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
             keywords: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
     step = _Step(model, loss_fn, num_inputs, keywords)
     try:
-        ep = torch.export.export(step, tuple(flat), strict=False)
+        try:
+            # the model's call signature kept: which graph values are the model's outputs (forward outputs of an
+            # evaluation step, PipelineModule.forward); the graph itself is the same as without it
+            ep = torch.export.export(step, tuple(flat), strict=False, preserve_module_call_signature=(_WRAPPED,))
+        except Exception:   # a model whose call signature export cannot keep still trains
+            ep = torch.export.export(step, tuple(flat), strict=False)
         with warnings.catch_warnings():
             # torch 2.13's own run_decompositions trips its LeafSpec deprecation; nothing a user can act on
             warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
@@ -142,6 +149,31 @@ def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
         raise
     except Exception as exc:  # torch raises many types here; ours names the module and the fix
         raise TraceError(_explain_export_failure(exc, model)) from exc
+
+
+def _model_outputs(ep, graph: Graph) -> ModelOutputs | None:
+    """The model's outputs in the traced step, from the call signature export kept (None where it kept none):
+    each tensor leaf by the name of the value it is (a node's name, or a placeholder's value name), any other
+    leaf as its constant, and the tree they flatten from."""
+    entry = next((e for e in ep.module_call_graph if e.fqn == _WRAPPED and e.signature is not None), None)
+    if entry is None:
+        return None
+    names = dict(zip((n.name for n in graph.gm.graph.find_nodes(op="placeholder")), graph.inputs))
+    nodes = {n.name for n in graph.gm.graph.nodes}
+    leaves: list = []
+    for arg in entry.signature.outputs:
+        name = getattr(arg, "name", None)
+        value = names.get(name, name)
+        # a parameter or buffer as an output is what export's signature names where the value was removed as
+        # dead (the loss does not read it), so it counts as missing: returning a parameter is no model output
+        if type(arg).__name__ == "TensorArgument" and name in nodes and role_of(value) not in (Role.PARAM,
+                                                                                               Role.BUFFER):
+            leaves.append(value)
+        elif type(arg).__name__ == "ConstantArgument":
+            leaves.append(Constant(arg.value))
+        else:   # a symbolic size, or a value the step never computes (the loss does not read it)
+            leaves.append(Constant(None, missing=f"leaf {len(leaves)} of its output tree"))
+    return ModelOutputs(tuple(leaves), entry.signature.out_spec)
 
 
 def _explain_export_failure(exc: BaseException, model: nn.Module) -> str:

@@ -23,6 +23,7 @@ import functools
 import torch
 from torch import nn
 
+from zbcompile.agreement import check_agreement
 from zbcompile.compiler import Compiled, compile_programs, compile_staged
 from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, resolve_group,
                                    shard_vocab_params, sync_copies)
@@ -88,12 +89,14 @@ def _resolve(options: CompileOptions):
 
 def place(model: nn.Module, compiled: Compiled, resolved) -> PipelineModule:
     """This rank's PipelineModule: the parameters and buffers its stages use kept (and initialized where the
-    model is on the meta device), copies on several ranks made equal, vocabulary rows cut, the runtime built."""
+    model is on the meta device), copies on several ranks made equal, vocabulary rows cut, the runtime built;
+    first of all, every rank's fingerprint of what it built compared (zbcompile/agreement.py)."""
     pg, rank, world = resolved
     schedule, staged, options = compiled.schedule, compiled.staged, compiled.options
     if schedule.num_ranks != world:
         raise UsageError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
                          f"has {world}")
+    check_agreement(model, compiled, pg, rank)   # before the first message: ranks that built other things refuse
     device = device_for(model, pg)
     mine = compiled.stages_of(rank)
     vocab = staged.vocab.params if staged.vocab is not None else ()

@@ -34,7 +34,7 @@ from torch import nn
 from zbcompile.errors import UsageError, ZBCompileWarning
 from zbcompile.ir.names import Role, key_of, role_of
 from zbcompile.ir.program import RankProgram
-from zbcompile.ir.schedule import Schedule
+from zbcompile.ir.schedule import Kind, Schedule
 from zbcompile.ir.stages import StagedModel
 from zbcompile.options import CompileOptions
 
@@ -115,16 +115,31 @@ def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOpti
     return Compiled(options, staged, schedule, programs, report)
 
 
-def compile_forward(compiled: Compiled, training: bool) -> tuple[RankProgram, ...]:
+def compile_forward(compiled: Compiled, training: bool, outputs: bool = False) -> tuple[RankProgram, ...]:
     """Every rank's forward-only program for `compiled` (an evaluation step): the schedule's F actions over the
     same split's forward graphs without their backward outputs (passes/forward_only.py), in train or eval mode,
-    lowered as the training step is (no CUDA-graph capture: it runs eagerly)."""
-    from zbcompile.passes.forward_only import forward_stages
+    lowered as the training step is (no CUDA-graph capture: it runs eagerly). With `outputs`, the loss stage
+    returns the model's outputs instead of the loss (the program returns them: OUTPUTS)."""
+    from zbcompile.passes.forward_only import forward_stages, output_stages
 
-    staged = forward_stages(compiled.staged, training)
+    staged = (output_stages if outputs else forward_stages)(compiled.staged, training)
     schedule = compiled.schedule.forward_only()
+    if outputs:
+        _check_one_output_rank(compiled.schedule, staged)
     with _phase("lower", f"{schedule.name} ({'train' if training else 'eval'} mode)"):
         return lower(schedule, staged, dataclasses.replace(compiled.options, cuda_graphs=False))
+
+
+def _check_one_output_rank(schedule: Schedule, staged: StagedModel) -> None:
+    """The model's outputs come back whole on one rank: refuse a schedule that runs the loss stage on several
+    (DualPipe's two directions each end in a copy of it)."""
+    last = len(staged.stages) - 1
+    ranks = sorted({r for r, acts in enumerate(schedule.ranks) for a in acts
+                    if a.kind is Kind.F and schedule.model_stage(a.stage) == last})
+    if len(ranks) > 1:
+        raise UsageError(f"schedule {schedule.name!r} runs the last stage on ranks {ranks}, so the model's outputs "
+                         "would come back in pieces; call evaluate(*batch) for the loss, or compile with a schedule "
+                         "that ends on one rank (1f1b, zbv, dualpipev ...) to get the outputs")
 
 
 def schedule_for(options: CompileOptions, num_ranks: int) -> Schedule:

@@ -15,6 +15,7 @@ __all__ = [
     "LoweringError",
     "OffloadError",
     "UsageError",
+    "DisagreementError",
     "RuntimeFailure",
     "CheckpointError",
     "CaptureError",
@@ -64,6 +65,11 @@ class OffloadError(ZBCompileError, ValueError):
 class UsageError(ZBCompileError, ValueError):
     """A call's arguments do not fit together: pp against the process group, a 2-D mesh, a batch of another
     shape than the compiled one, a meta-device model that nothing can initialize."""
+
+
+class DisagreementError(UsageError):
+    """The ranks of one pipeline compiled different things (model, options, versions) or were handed different
+    batches; raised on every rank, naming the first difference and the ranks on each side."""
 
 
 class RuntimeFailure(ZBCompileError, RuntimeError):

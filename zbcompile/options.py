@@ -74,6 +74,10 @@ class CompileOptions:
         what blocks it). .grad stays one persistent tensor per parameter, added into like backward() does;
         parameters must be updated in place. Needs a CUDA device: CaptureError otherwise, never a silent eager
         fallback. Normal form: False, or the number of warm-up steps.
+    check_batch: whether step() / evaluate() check that every rank was handed the same batch (a checksum per
+        argument, all-gathered; DisagreementError on every rank otherwise): True on the first call only, an
+        int n on the first and every n-th call, False never. compile always checks that every rank built the
+        same thing (zbcompile/agreement.py).
     """
 
     schedule: str | Schedule
@@ -92,6 +96,7 @@ class CompileOptions:
     offload: int | str | Sequence[int] | None = None
     backend: str | None = None
     cuda_graphs: bool | int = False
+    check_batch: bool | int = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -213,6 +218,13 @@ def _cuda_graphs(value):
                      "n >= 1 (n warm-up steps), or False")
 
 
+def _check_batch(value):
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 1):
+        return value
+    raise UsageError(f"check_batch={value!r}: give True (check the first batch), an int n >= 1 (the first and "
+                     "every n-th), or False (never)")
+
+
 # what compile needs to trace a model (compile_staged / from_staged take a model already split: neither)
 _REQUIRED = ("schedule", "microbatches", "loss_fn", "example")
 
@@ -231,4 +243,5 @@ _CHECKS = {
     "offload": _offload,
     "backend": _backend,
     "cuda_graphs": _cuda_graphs,
+    "check_batch": _check_batch,
 }

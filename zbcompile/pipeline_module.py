@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from zbcompile import grads
+from zbcompile import agreement, grads
 from zbcompile.compiler import Compiled
 from zbcompile.errors import UsageError
 from zbcompile.grads import PipelineGradScaler
@@ -59,7 +59,8 @@ class PipelineModule(nn.Module):
         # runtime_for(programs) -> this rank's RankRuntime of other programs (the evaluation steps, made when first
         # asked for, one per mode)
         self._runtime_for = runtime_for
-        self._forward: dict[bool, RankRuntime] = {}
+        self._forward: dict[tuple[bool, bool], RankRuntime] = {}
+        self._calls: dict[str, int] = {}   # step / evaluate / forward calls past the batch check (check_batch)
         self.offload_report = compiled.offload   # per rank, what activation offload chose (compile's offload=)
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
         staged = compiled.staged
@@ -88,9 +89,23 @@ class PipelineModule(nn.Module):
         self._check_step_context()
         self._seed(scaler)
         self._check_batch(batch, "step")
+        self._check_same_batch(batch, "step")
         return self.runtime.step_batch(batch)
 
-    __call__ = step
+    def forward(self, *inputs: torch.Tensor):
+        """The model's outputs for a whole batch of model inputs (no targets), from a forward-only step in the
+        module's mode (eval(): dropout off, BatchNorm on its running statistics), as `model(*inputs)` under
+        torch.no_grad() returns them: each tensor leaf the microbatches' outputs concatenated on dim 0 (a 0-dim
+        leaf, e.g. an auxiliary loss, one value per microbatch). Returned on the rank that runs the loss stage,
+        None on the others (as torch.distributed.pipelining's eval). Call it on every rank; `pipe(*inputs)`
+        calls it."""
+        self._check_batch(inputs, "forward", targets=False)
+        runtime = self._forward.get((self.training, True)) or self._forward_runtime(self.training, outputs=True)
+        self._check_same_batch(inputs, "forward")
+        with torch.inference_mode(False):
+            flat = runtime.run_batch(inputs)
+        return None if flat is None else _rebuild(flat, self.staged.meta["outputs"].outputs,
+                                                  self.schedule.num_microbatches)
 
     def evaluate(self, *batch: torch.Tensor) -> float:
         """The batch's mean loss from a forward-only step (model inputs, then loss targets, as step() takes them):
@@ -99,20 +114,20 @@ class PipelineModule(nn.Module):
         forward of a training step (what `with torch.no_grad(): loss_fn(model(x), y)` does). The forward-only
         programs are lowered from the same split when first asked for. Call it on every rank."""
         self._check_batch(batch, "evaluate")
-        runtime = self._forward.get(self.training)
-        if runtime is None:
-            runtime = self._forward_runtime(self.training)
+        runtime = self._forward.get((self.training, False)) or self._forward_runtime(self.training)
+        self._check_same_batch(batch, "evaluate")
         with torch.inference_mode(False):   # the step's buffers must stay usable outside inference_mode too
             return runtime.step_batch(batch)
 
-    def _forward_runtime(self, training: bool) -> RankRuntime:
+    def _forward_runtime(self, training: bool, outputs: bool = False) -> RankRuntime:
         from zbcompile.compiler import compile_forward
 
         if self._runtime_for is None:
             raise UsageError("this PipelineModule was built without a way to make more runtimes; build it with "
                              "zbcompile.compile or PipelineModule.from_staged to evaluate")
         with torch.inference_mode(False):
-            runtime = self._forward[training] = self._runtime_for(compile_forward(self.compiled, training))
+            programs = compile_forward(self.compiled, training, outputs=outputs)
+            runtime = self._forward[training, outputs] = self._runtime_for(programs)
         return runtime
 
     def train(self, mode: bool = True) -> PipelineModule:
@@ -123,15 +138,26 @@ class PipelineModule(nn.Module):
         self.training = mode
         return self
 
-    def _check_batch(self, batch: Sequence[torch.Tensor], what: str) -> None:
-        specs = self._batch_specs
+    def _check_batch(self, batch: Sequence[torch.Tensor], what: str, targets: bool = True) -> None:
+        specs = self._batch_specs if targets else self._batch_specs[:self.staged.num_inputs]
         if len(batch) != len(specs):
-            raise UsageError(f"{what}() takes {self.staged.num_inputs} model input(s) then "
-                             f"{self.staged.num_targets} target(s), {len(specs)} tensors; got {len(batch)}")
+            wanted = f" then {self.staged.num_targets} target(s)" if targets else " (no targets)"
+            raise UsageError(f"{what}() takes {self.staged.num_inputs} model input(s){wanted}, {len(specs)} "
+                             f"tensors; got {len(batch)}")
         for t, spec in zip(batch, specs):
             if spec is None or t.shape != spec[0] or t.dtype != spec[1]:
                 self._check_microbatch_shapes(batch, self.schedule.num_microbatches)   # raises what is wrong
                 break
+
+    def _check_same_batch(self, batch: Sequence[torch.Tensor], what: str) -> None:
+        """Every rank was handed the same batch (options.check_batch: on the first call of each kind, and every
+        n-th with an int); zbcompile/agreement.py."""
+        every = self.compiled.options.check_batch
+        calls = self._calls.get(what, 0)   # calls whose batch passed (a refused batch leaves the next one checked)
+        if every is not False and (calls == 0 or (every is not True and calls % every == 0)):
+            with torch.inference_mode(False):
+                agreement.check_batch(batch, self._gather, self.rank, what)
+        self._calls[what] = calls + 1
 
     def _check_step_context(self) -> None:
         """Refuse what a compiled training step cannot honour: no_grad / inference_mode (the step would write
@@ -272,3 +298,17 @@ class PipelineModule(nn.Module):
         if self.runtime.last_step is None:
             raise UsageError("no step has run yet; call step() first")
         return self.runtime.last_step.save_chrome_trace(path)
+
+
+def _rebuild(flat: Sequence[torch.Tensor], outputs, m: int):
+    """The model's output tree from a forward's flat result (microbatch by microbatch, each its tensor leaves
+    in order): each leaf's microbatches concatenated on dim 0, a 0-dim leaf's stacked."""
+    from torch.utils._pytree import tree_unflatten
+
+    from zbcompile.ir.stages import Constant
+
+    k = len(flat) // m
+    tensors = iter([torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts)
+                    for parts in (flat[j::k] for j in range(k))])
+    leaves = [leaf.value if isinstance(leaf, Constant) else next(tensors) for leaf in outputs.leaves]
+    return tree_unflatten(leaves, outputs.spec)

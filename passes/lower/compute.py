@@ -24,8 +24,8 @@ from zbcompile.passes.analysis.aliases import graph_output_owned
 from zbcompile.ir.program import ProgramGraph, RankProgram
 from zbcompile.ir.program.ops import AccumArgs, AccumMode, Op, OpKind, RunArgs, SetGradArgs, TensorType
 from zbcompile.ir.names import key_of, primal_of
-from zbcompile.ir.program.values import (GRAD_LOSS, LOSS, Role, acc_value, data_value, parse, python_name, role_of,
-                                         stage_value, vocab_value)
+from zbcompile.ir.program.values import (GRAD_LOSS, LOSS, OUTPUTS, Role, acc_value, data_value, parse, python_name,
+                                         role_of, stage_value, vocab_value)
 from zbcompile.passes.lower.vocab import check_vocab, reports_loss, vocab_input, vocab_run
 from zbcompile.ir.schedule import KIND_SPECS, Action, Kind, Schedule
 from zbcompile.ir.stages import Graph, Stage, StagedModel
@@ -108,6 +108,7 @@ def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankPro
     collectives: passes/lower/vocab.py inserts those), buffer copies after F, and the loss sum at the end."""
     ops: list[Op] = []
     losses: list[str] = []
+    outputs: list[tuple[int, int, str]] = []   # (microbatch, leaf, value) of a forward returning the outputs
     graphs: dict[str, ProgramGraph] = {}
     vocab = check_vocab(schedule, staged.vocab) if schedule.vocab_shards else None
     for action in schedule.ranks[rank]:
@@ -129,12 +130,18 @@ def build_compute(schedule: Schedule, staged: StagedModel, rank: int) -> RankPro
         for name, vid in zip(g.outputs, outs):
             if name == LOSS:
                 losses.append(vid)
+            elif role_of(name) is Role.OUTPUT:
+                outputs.append((action.microbatch, int(key_of(name)), vid))
             elif role_of(name) is Role.BUFFER:
                 ops.append(Op(OpKind.COPY_BUFFER, (name, vid), note="buffer update"))
     if losses:  # one sum of every microbatch's (0-dim) loss: one call, not one add per microbatch
         ops.append(Op(OpKind.ADD_LOSS, tuple(losses), (LOSS,), note=f"{len(losses)} microbatches"))
+    if outputs:
+        ops.append(Op(OpKind.KEEP_OUTPUTS, tuple(v for *_, v in sorted(outputs)), (OUTPUTS,),
+                      note=f"{len(outputs)} output tensors"))
+    output = OUTPUTS if outputs else LOSS if losses else None
     return RankProgram(schedule.name, rank, schedule.num_microbatches, inputs=_program_inputs(ops),
-                       ops=tuple(ops), output=LOSS if losses else None, graphs=graphs)
+                       ops=tuple(ops), output=output, graphs=graphs)
 
 
 def _program_inputs(ops: list[Op]) -> tuple[str, ...]:

@@ -50,6 +50,7 @@ from zbcompile._torch_private import FakeTensorMode, aot_export_joint_simple, mi
 from zbcompile.errors import SplitError
 from zbcompile.ir.names import VOCAB_EMB, Role, key_of, role_of
 from zbcompile.ir.stages import Graph, Partition, Stage, StagedModel, TensorSpec
+from zbcompile.passes.forward_only import output_graph
 from zbcompile.passes.split_fbw.b_w import _split_b_w
 from zbcompile.passes.split_fbw.diagnose import _explain_joint_failure
 from zbcompile.passes.split_fbw.fbw import _backward_graph, _forward_graph
@@ -78,7 +79,8 @@ def split_fbw(cut: Partition) -> StagedModel:
         stage = split_stage(sg, requires_grad, device=traced.device)
         acts.update((spec.name, spec.requires_grad) for spec in stage.send)
         stages.append(stage)
-    meta = {"split_points": cut.split_points}
+    # the loss stage's forward returning the model's outputs, kept for an evaluation step that asks for them
+    meta = {"split_points": cut.split_points, "outputs": output_graph(cut)}
     sharded = frozenset(cut.vocab.params) if cut.vocab is not None else frozenset()
     return StagedModel(_hold_unused(tuple(stages), traced, sharded), traced.num_inputs, traced.num_targets,
                        traced.tied, meta, cut.vocab)

@@ -12,7 +12,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from support.loops import MoE, eager_step, moe_loss, rel, shard_of, titan_loss
 from support.models import convnet, gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
 from zbcompile.errors import UsageError
@@ -33,41 +35,17 @@ def _pipes(case, schedule="1f1b", dtype=None, **options):
     return model, loss_fn, x, y, loopback_pipes(model, opts, PP)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-
-
-def _shard_of(full: torch.Tensor, part: torch.Tensor, rank: int) -> torch.Tensor:
-    """The rows of `full` a vocabulary shard holds (the whole tensor where it is not sharded)."""
-    if full.shape == part.shape:
-        return full
-    rows = part.shape[0]
-    got = full[rank * rows:(rank + 1) * rows]
-    return torch.cat([got, got.new_zeros((rows - got.shape[0], *got.shape[1:]))])
-
-
-def _eager_step(model, loss_fn, x, y, scaler=None) -> float:
-    """The pipeline's reference step: microbatch by microbatch, each loss / M (BatchNorm sees microbatches),
-    scaled by `scaler` where given."""
-    loss = 0.0
-    for xb, yb in zip(x.chunk(M), y.chunk(M)):
-        part = loss_fn(model(xb), yb) / M
-        (part if scaler is None else scaler.scale(part)).backward()
-        loss += part.item()
-    return loss
-
-
 def _assert_state_equal(pipes, ref, tol: float, what: str) -> None:
     """Every rank's parameters (and their grads) and buffers equal eager's, rows of a shard against its rows."""
     params, buffers = dict(ref.named_parameters()), dict(ref.named_buffers())
     for r, pipe in enumerate(pipes):
         for n, p in pipe.named_parameters():
-            assert _rel(p.detach(), _shard_of(params[n].detach(), p, r)) <= tol, f"{what}: rank {r} {n}"
+            assert rel(p.detach(), shard_of(params[n].detach(), p, r)) <= tol, f"{what}: rank {r} {n}"
             if params[n].grad is not None:
-                assert p.grad is not None and _rel(p.grad, _shard_of(params[n].grad, p, r)) <= tol, \
+                assert p.grad is not None and rel(p.grad, shard_of(params[n].grad, p, r)) <= tol, \
                     f"{what}: rank {r} grad of {n}"
         for n, b in pipe.named_buffers():
-            assert _rel(b.double(), buffers[n].double()) <= tol, f"{what}: rank {r} buffer {n}"
+            assert rel(b.double(), buffers[n].double()) <= tol, f"{what}: rank {r} buffer {n}"
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
@@ -83,7 +61,7 @@ def test_train_eval_train_with_batchnorm_matches_eager(schedule):
     for k, (xb, yb) in enumerate(batches):
         ref.train()
         opt_ref.zero_grad()
-        want.append(("train", _eager_step(ref, loss_fn, xb, yb)))
+        want.append(("train", eager_step(ref, loss_fn, xb, yb, M)))
         opt_ref.step()
         ref.eval() if k != 1 else None   # the second eval pass runs in train mode: running stats move
         with torch.no_grad():
@@ -153,12 +131,12 @@ def test_every_floating_dtype_trains_equal_to_eager(dtype, tol):
     what the dtype's rounding allows (the pipeline sums microbatch gradients in another order)."""
     model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), "zbv", dtype=dtype)
     ref = copy.deepcopy(model)
-    want = _eager_step(ref, loss_fn, x, y)
+    want = eager_step(ref, loss_fn, x, y, M)
     losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
     assert all(abs(loss - want) <= tol * abs(want) for loss in losses), (losses, want)
     for r, pipe in enumerate(pipes):
         for n, p in pipe.named_parameters():
-            assert p.grad.dtype == dtype and _rel(p.grad, dict(ref.named_parameters())[n].grad) <= 10 * tol, n
+            assert p.grad.dtype == dtype and rel(p.grad, dict(ref.named_parameters())[n].grad) <= 10 * tol, n
 
 
 def test_autocast_around_compile_and_step():
@@ -170,7 +148,7 @@ def test_autocast_around_compile_and_step():
     plain = _pipes(gpt(layers=4, batch=8), "1f1b")[-1]
     ref = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = _eager_step(ref, loss_fn, x, y)
+        want = eager_step(ref, loss_fn, x, y, M)
 
     def run(r):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -185,7 +163,7 @@ def test_autocast_around_compile_and_step():
     assert all(abs(loss - want) <= 1e-6 * abs(want) for loss in run_pipes(run, PP))
     for pipe in pipes:
         for n, p in pipe.named_parameters():
-            assert _rel(p.grad, dict(ref.named_parameters())[n].grad) <= 1e-5, n
+            assert rel(p.grad, dict(ref.named_parameters())[n].grad) <= 1e-5, n
 
 
 @pytest.mark.parametrize("schedule,vocab", [("1f1b", False), ("zbv", False), ("dualpipe", False), ("zbv", True)])
@@ -197,7 +175,7 @@ def test_clip_grad_norm_over_the_pipeline_matches_eager(schedule, vocab, norm_ty
     model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), schedule, dtype=torch.float64,
                                          vocab_parallel=vocab)
     ref = copy.deepcopy(model)
-    _eager_step(ref, loss_fn, x, y)
+    eager_step(ref, loss_fn, x, y, M)
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type)
     torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3).step()
 
@@ -212,10 +190,10 @@ def test_clip_grad_norm_over_the_pipeline_matches_eager(schedule, vocab, norm_ty
     for r, (norm, grads) in enumerate(run_pipes(run, PP)):
         assert norm.dtype == torch.float64 and abs(norm.item() - want.item()) <= 1e-12 * want.item(), (norm, want)
         for n, g in grads.items():
-            assert _rel(g, _shard_of(refp[n].grad, g, r)) <= 1e-10, f"rank {r} {n}"
+            assert rel(g, shard_of(refp[n].grad, g, r)) <= 1e-10, f"rank {r} {n}"
     for r, pipe in enumerate(pipes):
         for n, p in pipe.named_parameters():
-            assert _rel(p.detach(), _shard_of(refp[n].detach(), p, r)) <= 1e-9, f"rank {r} {n}"
+            assert rel(p.detach(), shard_of(refp[n].detach(), p, r)) <= 1e-9, f"rank {r} {n}"
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
@@ -266,7 +244,7 @@ def test_grad_scaler_skips_an_overflow_on_every_rank_and_matches_eager():
     want = []
     for xb in (x, huge, x):
         with torch.autocast("cpu", dtype=torch.float16):
-            want.append(_eager_step(ref, loss_fn, xb, y, scaler_ref))
+            want.append(eager_step(ref, loss_fn, xb, y, M, scaler_ref))
         scaler_ref.step(opt_ref)
         scaler_ref.update()
         opt_ref.zero_grad()
@@ -306,11 +284,6 @@ def test_grad_scaler_skips_an_overflow_on_every_rank_and_matches_eager():
     _assert_state_equal(pipes, ref, 1e-3, "after GradScaler steps")
 
 
-def _titan_loss(pred, labels):
-    """torchtitan's cross-entropy: the logits cast to float32 first (a bfloat16 model, a float32 loss)."""
-    return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-5), (torch.bfloat16, 2e-2)])
 def test_vocab_parallel_takes_a_loss_that_casts_the_logits(dtype, tol):
     """vocab_parallel=True with `cross_entropy(pred.flatten(0, 1).float(), ...)`: the cast (and the metadata check
@@ -318,41 +291,17 @@ def test_vocab_parallel_takes_a_loss_that_casts_the_logits(dtype, tol):
     user's does, and loss and gradients equal eager's."""
     model, _, (x, y), _ = gpt(layers=4, batch=8)
     model = model.to(dtype)
-    opts = CompileOptions.from_kwargs(None, schedule="zbv", microbatches=M, loss_fn=_titan_loss,
+    opts = CompileOptions.from_kwargs(None, schedule="zbv", microbatches=M, loss_fn=titan_loss,
                                       example=((x[:2],), (y[:2],)), vocab_parallel=True)
     pipes = loopback_pipes(model, opts, PP)
     ref = copy.deepcopy(model)
-    want = _eager_step(ref, _titan_loss, x, y)
+    want = eager_step(ref, titan_loss, x, y, M)
     losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
     assert all(abs(loss - want) <= tol * abs(want) for loss in losses), (losses, want)
     refp = dict(ref.named_parameters())
     for r, pipe in enumerate(pipes):
         for n, p in pipe.named_parameters():
-            assert _rel(p.grad, _shard_of(refp[n].grad, p, r)) <= 5 * tol, f"rank {r} {n}"
-
-
-class _MoE(torch.nn.Module):
-    """transformers' Mixtral with `output_router_logits=True`: each layer's router logits travel to the loss,
-    which adds the load-balancing loss over all layers to the cross-entropy (terms from every stage)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import MixtralConfig, MixtralForCausalLM
-
-        torch.manual_seed(0)
-        cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
-                            num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                            max_position_embeddings=32, output_router_logits=True, router_aux_loss_coef=0.1)
-        self.lm = MixtralForCausalLM(cfg)
-
-    def forward(self, ids):
-        out = self.lm(input_ids=ids, use_cache=False, output_router_logits=True)
-        return out.logits, out.aux_loss
-
-
-def _moe_loss(out, labels):
-    logits, aux = out
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()) + 0.1 * aux
+            assert rel(p.grad, shard_of(refp[n].grad, p, r)) <= 5 * tol, f"rank {r} {n}"
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
@@ -361,10 +310,10 @@ def test_aux_loss_from_every_stage_matches_eager(schedule):
     logits (spread over every stage): loss and every gradient equal eager's, the routers' included."""
     torch.manual_seed(1)
     x, y = torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))
-    case = type(gpt())(_MoE(), _moe_loss, (x, y), 4)
+    case = type(gpt())(MoE(), moe_loss, (x, y), 4)
     model, loss_fn, x, y, pipes = _pipes(case, schedule)
     ref = copy.deepcopy(model)
-    want = _eager_step(ref, loss_fn, x, y)
+    want = eager_step(ref, loss_fn, x, y, M)
     losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
     assert all(abs(loss - want) <= 1e-5 * abs(want) for loss in losses), (losses, want)
     refp = dict(ref.named_parameters())
@@ -375,7 +324,7 @@ def test_aux_loss_from_every_stage_matches_eager(schedule):
                 assert p.grad is None, n
                 continue
             graded.add(n)
-            assert _rel(p.grad, refp[n].grad) <= 1e-5, n
+            assert rel(p.grad, refp[n].grad) <= 1e-5, n
     routers = {n for n in refp if ".gate." in n or n.endswith(".gate.weight")}
     assert routers and routers <= graded, sorted(routers - graded)
 
@@ -385,7 +334,7 @@ def test_profiler_trace_shows_the_schedule():
     and per message; outside a profiler the plain program runs, and both give eager's loss. (A profiler records
     its own thread: rank 0's thread profiles, as each torchrun rank would in its process.)"""
     model, loss_fn, x, y, pipes = _pipes(mlp(layers=4, batch=8), "zb-h1")
-    want = _eager_step(copy.deepcopy(model), loss_fn, x, y)
+    want = eager_step(copy.deepcopy(model), loss_fn, x, y, M)
 
     def run(r):
         if r:
@@ -402,3 +351,78 @@ def test_profiler_trace_shows_the_schedule():
     assert actions <= names, sorted(actions - names)
     assert {"zb:send", "zb:wait_recv"} <= names
     assert pipes[0].runtime._profiled_program is not None and pipes[1].runtime._profiled_program is None
+
+
+def _outputs(outs: list) -> tuple[int, object]:
+    """(rank, outputs) of the one rank that returned the model's outputs; every other rank returned None."""
+    held = [(r, o) for r, o in enumerate(outs) if o is not None]
+    assert len(held) == 1, f"the outputs came back on ranks {[r for r, _ in held]}"
+    return held[0]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "dualpipev"])
+def test_forward_returns_the_model_outputs_in_eval_mode(schedule):
+    """pipe(x) after eval() returns what the eager model returns under no_grad in eval mode (dropout in the
+    blocks and inside attention off), whole, on the rank that runs the last stage (rank 0 for a V), None on the
+    others; no gradient is touched."""
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, dropout=0.3, batch=8), schedule)
+    with torch.no_grad():
+        want = copy.deepcopy(model).eval()(x)
+    rank, got = _outputs(run_pipes(lambda r: pipes[r].eval()(x), PP))
+    assert {rank} == pipes[0].schedule.stage_ranks()[-1], "not the rank of the last stage"
+    assert got.shape == want.shape and rel(got, want) <= 1e-6
+    assert all(p.grad is None for pipe in pipes for p in pipe.parameters())
+
+
+def test_forward_in_train_mode_updates_batchnorm_as_eager_does():
+    """In train mode pipe(x) is the forward of a training step: BatchNorm normalizes each microbatch by its own
+    statistics and updates the running ones, as eager does microbatch by microbatch under no_grad."""
+    model, loss_fn, x, y, pipes = _pipes(convnet(blocks=4, batch=8), "zbv")
+    ref = copy.deepcopy(model).train()
+    with torch.no_grad():
+        want = torch.cat([ref(xb) for xb in x.chunk(M)])
+    _, got = _outputs(run_pipes(lambda r: pipes[r].train()(x), PP))
+    assert rel(got, want) <= 1e-6
+    _assert_state_equal(pipes, ref, 1e-6, "after a train-mode forward")
+
+
+def test_forward_rebuilds_an_output_tree_with_a_scalar_per_microbatch():
+    """A model returning (logits, aux_loss): the logits come back concatenated over microbatches, the 0-dim
+    auxiliary loss as one value per microbatch, each equal to eager's on that microbatch."""
+    torch.manual_seed(1)
+    x, y = torch.randint(0, 64, (8, 8)), torch.randint(0, 64, (8, 8))
+    model, loss_fn, x, y, pipes = _pipes(type(gpt())(MoE(), moe_loss, (x, y), 4), "1f1b")
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        want = [ref(xb) for xb in x.chunk(M)]
+    _, (logits, aux) = _outputs(run_pipes(lambda r: pipes[r].eval()(x), PP))
+    assert rel(logits, torch.cat([w[0] for w in want])) <= 1e-6
+    assert aux.shape == (M,) and rel(aux, torch.stack([w[1] for w in want])) <= 1e-6
+
+
+class _TwoHeads(torch.nn.Module):
+    """Returns (main, side); the loss reads only `main`, so the traced step never computes `side`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.side = torch.nn.Linear(16, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h), self.side(h)
+
+
+def test_forward_is_refused_where_the_outputs_cannot_come_back_whole():
+    """Our errors, before any message is sent: DualPipe ends in a copy of the last stage on both ranks, a
+    vocabulary-parallel output layer is sharded, an output the loss never reads is never computed; and pipe(x, y)
+    (targets handed to forward) is named as such."""
+    cases = [(mlp(layers=4, batch=8), "dualpipe", {}, "runs the last stage on ranks"),
+             (gpt(layers=4, batch=8), "1f1b", {"vocab_parallel": True}, "sharded over the ranks"),
+             (type(gpt())(_TwoHeads(), lambda out, t: F.mse_loss(out[0], t),
+                          (torch.randn(8, 16), torch.randn(8, 4)), 4), "1f1b", {}, "does not read every output")]
+    for case, schedule, options, message in cases:
+        model, loss_fn, x, y, pipes = _pipes(case, schedule, **options)
+        with pytest.raises(UsageError, match=message):
+            pipes[0].eval()(x)
+    with pytest.raises(UsageError, match=r"forward\(\) takes 1 model input\(s\) \(no targets\)"):
+        pipes[0](x, y)

@@ -42,6 +42,8 @@ SAMPLES = {
     OpKind.SUM: Op(OpKind.SUM, ("acc3.grad:param:w", "r1.grad:param:w"), ("sum.grad:param:w",)),
     OpKind.SET_GRAD: Op(OpKind.SET_GRAD, ("param:w", "sum.grad:param:w"), args=SetGradArgs(True)),
     OpKind.ADD_LOSS: Op(OpKind.ADD_LOSS, ("s1.mb0.loss", "s1.mb1.loss"), ("loss",)),
+    OpKind.KEEP_OUTPUTS: Op(OpKind.KEEP_OUTPUTS, ("s1.mb0.out:0", "s1.mb0.out:1", "s1.mb1.out:0", "s1.mb1.out:1"),
+                            ("outputs",)),
     OpKind.COPY_BUFFER: Op(OpKind.COPY_BUFFER, ("buffer:bn.mean", "s1.mb0.buffer:bn.mean")),
     OpKind.STAMP: Op(OpKind.STAMP, args=StampArgs(7)),
     OpKind.COLLECTIVE: Op(OpKind.COLLECTIVE, ("v.mb1.vocab:dx",), ("h:c3",), CollArgs(Coll.REDUCE, 1, 3, _T),

@@ -8,59 +8,16 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
-import torch.nn.functional as F
-from torch import nn
 
+from support.loops import CUT_CASES, three_linears
 from support.reference import check_against_eager
-from support.models import Case, eager_accumulated
+from support.models import eager_accumulated
 from support.threaded import run_threaded
 from zbcompile.errors import PartitionError
 from zbcompile.passes.schedules import generate
 from zbcompile.split import report, split_model
 
-
-class Three(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
-
-
-class FewOps(nn.Module):
-    """Four matmuls and their activations in one forward: no submodule at all."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1, self.w2 = nn.Parameter(torch.randn(16, 16) / 4), nn.Parameter(torch.randn(16, 16) / 4)
-
-    def forward(self, x):
-        h = torch.tanh(x @ self.w1)
-        h = torch.relu(h @ self.w2)
-        h = torch.sin(h @ self.w1.t())
-        return torch.tanh(h @ self.w2) * 2.0 + h
-
-
-def _three():
-    torch.manual_seed(0)
-    return Case(Three(), F.mse_loss, (torch.randn(8, 16), torch.randn(8, 4)), 7)
-
-
-def _few_ops():
-    torch.manual_seed(0)
-    return Case(FewOps(), F.mse_loss, (torch.randn(8, 16), torch.randn(8, 16)), 8)
-
-
-def _cnn():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                          nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
-    return Case(model, F.cross_entropy, (torch.randn(8, 3, 8, 8), torch.randint(0, 5, (8,))), 8)
-
-
-CASES = {"three_linears": _three, "few_ops": _few_ops, "cnn_sequential": _cnn}
+CASES = CUT_CASES
 
 
 @pytest.mark.parametrize("stages", [4, 5])
@@ -105,7 +62,7 @@ def test_cut_between_ops_trains_equal_to_eager_under_zbv(name, pp):
 
 
 def test_node_split_points_cut_before_that_op():
-    case = _three()
+    case = three_linears()
     staged = split_model(case.model, case.loss_fn, case.example, split_points=["node:tanh", "b"])
     assert [st.modules for st in staged.stages] == [("a",), (), ("b", "c")]
     check_against_eager(staged, case)

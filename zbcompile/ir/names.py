@@ -30,6 +30,7 @@ class Role(enum.Enum):
     GRAD_PARAM = "grad:param:"  # a parameter's gradient (per microbatch, or a sum: see Value.scope)
     GRAD_LOSS = "grad:loss"   # the loss's seed gradient
     LOSS = "loss"             # a microbatch's loss, or the program's loss sum
+    OUTPUT = "out:"           # a leaf of the model's outputs (a forward that returns them, not the loss)
     VOCAB = "vocab:"          # a value of the vocabulary layers (passes/shard_vocab.py)
     HANDLE = "h:"             # a P2P handle
     OTHER = ""                # anything else (a later pass's own values)

@@ -44,8 +44,8 @@ from torch import fx
 from zbcompile.errors import SplitError
 from zbcompile.ir.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, role_of
 
-__all__ = ["TensorSpec", "Graph", "Traced", "Partition", "Stage", "StagedModel", "VocabLayers", "module_path",
-           "module_stack"]
+__all__ = ["TensorSpec", "Graph", "Traced", "ModelOutputs", "Constant", "Partition", "Stage", "StagedModel",
+           "VocabLayers", "module_path", "module_stack"]
 
 
 def module_path(node: fx.Node) -> tuple[str, ...]:
@@ -141,6 +141,29 @@ class Graph:
 
 
 @dataclass(frozen=True)
+class Constant:
+    """A leaf of the model's outputs that is no tensor of the step (None, a number), or, with `missing`, one the
+    step never computes (the loss does not read it) and why."""
+
+    value: object
+    missing: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelOutputs:
+    """The model's outputs within the traced step `loss_fn(model(*inputs), *targets)`: per leaf of the output
+    tree, the value name it is (a node of the step, or a data:/param:/buffer: input) or a Constant; `spec` is the
+    tree (torch.utils._pytree) they flatten from."""
+
+    leaves: tuple[str | Constant, ...]
+    spec: object
+
+    @property
+    def missing(self) -> list[str]:
+        return [c.missing for c in self.leaves if isinstance(c, Constant) and c.missing]
+
+
+@dataclass(frozen=True)
 class Traced:
     """The trace pass's result: one training step as a Graph, plus facts about the whole step.
 
@@ -156,6 +179,7 @@ class Traced:
     # A model on the meta device is traced with meta data; graphs built from it create their tensors
     # (arange, masks) on the device of the user's example instead (cpu if that is meta too).
     device: torch.device | None = None
+    outputs: ModelOutputs | None = None    # which values of the step are the model's outputs (before the loss)
 
     @property
     def gm(self) -> fx.GraphModule:

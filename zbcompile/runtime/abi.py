@@ -27,7 +27,7 @@ from zbcompile.errors import RuntimeFailure, ZBCompileWarning
 
 __all__ = ["StepContext", "stamp_event", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective",
            "wait_collective", "wait", "offload", "wait_offload", "reload", "wait_reload", "free", "set_grad",
-           "copy_buffer", "accumulate_", "sum_losses", "sum_in_order"]
+           "copy_buffer", "accumulate_", "sum_losses", "keep_outputs", "sum_in_order"]
 
 
 class StepContext:
@@ -353,6 +353,11 @@ def copy_buffer(buffer: torch.Tensor, value: torch.Tensor) -> None:
 # in-place gradient accumulation, called directly by the program (no wrapper frame); it mutates its first
 # argument, which fx cannot see on a builtin, so dead-code elimination must be told to keep it
 accumulate_ = fx.node.has_side_effect(torch._foreach_add_)
+
+
+def keep_outputs(*outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The model's outputs of every microbatch, as the program's result (PipelineModule.forward regroups them)."""
+    return outputs
 
 
 def sum_losses(*losses: torch.Tensor) -> torch.Tensor:

@@ -233,7 +233,18 @@ class RankRuntime:
         return self._run([self._fixed[n] if d is None else data[d[1]][d[0]]
                           for n, d in zip(self.ir.inputs, self._data)])
 
+    def run_batch(self, batch: Sequence[torch.Tensor]):
+        """Run this rank's program on the whole batch and return what the program returns, without the loss's
+        all-gather: a forward returning the model's outputs (`outputs`: every microbatch's out:<k>) or None."""
+        m = self.ir.microbatches
+        chunks = {i: batch[i].to(self.device, non_blocking=True).chunk(m) for i in self.data_args}
+        return self._execute([self._fixed[n] if d is None else chunks[d[1]][d[0]]
+                              for n, d in zip(self.ir.inputs, self._data)])
+
     def _run(self, args: list) -> float:
+        return self._gather(self._execute(args))
+
+    def _execute(self, args: list):
         # grad mode off by the C switch and the generated forward called directly: the no_grad object and
         # nn.Module.__call__ cost tens of microseconds per step when the caches are cold after a barrier
         grad_was = torch.is_grad_enabled()
@@ -258,7 +269,7 @@ class RankRuntime:
         finally:
             torch._C._set_grad_enabled(grad_was)
         ctx.read_events(self._stamps)
-        return self._gather(loss)
+        return loss
 
     def _gather(self, loss) -> float:
         """One all-gather per step carries every rank's loss sum and action times."""

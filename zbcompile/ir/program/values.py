@@ -36,10 +36,11 @@ from typing import NamedTuple
 from zbcompile.ir.names import Role, key_of, role_of
 
 __all__ = ["Role", "Value", "parse", "role_of", "key_of", "stage_value", "data_value", "acc_value", "handle",
-           "vocab_value", "reloaded_value", "python_name", "GRAD_LOSS", "LOSS", "VOCAB_OFFSET"]
+           "vocab_value", "reloaded_value", "python_name", "GRAD_LOSS", "LOSS", "OUTPUTS", "VOCAB_OFFSET"]
 
 GRAD_LOSS = "grad_loss"
 LOSS = "loss"
+OUTPUTS = "outputs"   # what a forward returning the model's outputs returns: every microbatch's out:<k>
 VOCAB_OFFSET = "vocab:offset"
 RELOADED = "re"   # the head of a reloaded value's name
 

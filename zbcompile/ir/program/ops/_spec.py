@@ -37,6 +37,7 @@ class OpKind(str, enum.Enum):
     SET_GRAD = "set_grad"
     ADD_LOSS = "add_loss"
     COPY_BUFFER = "copy_buffer"
+    KEEP_OUTPUTS = "keep_outputs"
     STAMP = "stamp"
     COLLECTIVE = "collective"
     WAIT_COLL = "wait_coll"

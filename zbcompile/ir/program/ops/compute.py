@@ -109,7 +109,7 @@ _SET_GRAD = OpSpec(OpKind.SET_GRAD, "accumulate a finished gradient into Paramet
                        "keeps allocated and zeroes in place)")
 
 
-# ---- ADD_LOSS, COPY_BUFFER ---------------------------------------------------------------------------------
+# ---- ADD_LOSS, KEEP_OUTPUTS, COPY_BUFFER -----------------------------------------------------------------------------
 def _loss_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
     return [(op.ins[0], op.outs[0])] if len(op.ins) == 1 else []   # one microbatch: returned as is
 
@@ -121,6 +121,10 @@ def _loss_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
 _ADD_LOSS = OpSpec(OpKind.ADD_LOSS, "sum the microbatch losses; outs = (loss,)", text="add_loss",
                    stream=Stream.COMPUTE, emit="call_op", runtime=("sum_losses",), aliases=_loss_aliases,
                    fresh=_loss_fresh, capture=SAFE)
+_KEEP_OUTPUTS = OpSpec(OpKind.KEEP_OUTPUTS, "hand the model's outputs back (every microbatch's out:<k>, microbatch "
+                       "by microbatch); outs = (outputs,)", text="keep_outputs", stream=Stream.COMPUTE,
+                       emit="call_op", runtime=("keep_outputs",), capture=SAFE,
+                       aliases=lambda op, graph_aliases: [(v, op.outs[0]) for v in op.ins])
 _COPY_BUFFER = OpSpec(OpKind.COPY_BUFFER, "copy a buffer's new value (an F output) into the live buffer",
                       text="copy_buffer", stream=Stream.COMPUTE, emit="call_op", runtime=("copy_buffer",),
                       capture=SAFE)
@@ -147,4 +151,4 @@ _STAMP = OpSpec(OpKind.STAMP, "record the time into a timing slot (action start 
                 fix="lower with capture_ready (RankProgram.event_timing=True: stamp_event records a device event, "
                     "replayed with the graph)")
 
-ROWS = (_RUN, _FREE, _ACCUM, _SUM, _SET_GRAD, _ADD_LOSS, _COPY_BUFFER, _STAMP)
+ROWS = (_RUN, _FREE, _ACCUM, _SUM, _SET_GRAD, _ADD_LOSS, _KEEP_OUTPUTS, _COPY_BUFFER, _STAMP)

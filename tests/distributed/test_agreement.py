@@ -1,0 +1,51 @@
+"""Ranks that disagree are refused on every rank with one error naming the first difference (zbcompile/agreement.py):
+a model of another depth or width, another schedule, other microbatches, split points or options, and another
+batch at step(). Two processes (gloo), one launch of tests/distributed/workers/agreement_worker.py; no case may
+hang (the launch's timeout would fail it) or abort inside gloo (the worker would die)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from support.launch import launch
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "agreement_worker.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch(WORKER, 2, tmp_path_factory.mktemp("agreement"))
+
+
+@pytest.mark.parametrize("case,names", [
+    ("layers", ["parameters, blocks.4.", "rank 0: none; rank 1: [32]"]),
+    ("width", ["parameters, ", "rank 0: [64, 32] float32; rank 1: [64, 48] float32"]),
+    ("schedule", ["options, schedule: rank 0: '1f1b'; rank 1: 'zb-h1'"]),
+    ("microbatches", ["options, microbatches: rank 0: 4; rank 1: 8"]),
+    ("split_points", ["options, split_points: rank 0: ('blocks.2',); rank 1: ('blocks.1',)"]),
+    ("vocab_parallel", ["options, vocab_parallel: rank 0: True; rank 1: False"]),
+])
+def test_ranks_that_built_different_things_refuse_on_every_rank(ranks, case, names):
+    for r, res in enumerate(ranks):
+        got = res[case]
+        assert "refused" in got, f"rank {r} {case}: {got}"
+        assert got["refused"].startswith(f"rank {r}: the pipeline's ranks compiled different things"), got
+        for name in names:
+            assert name in got["refused"], (name, got["refused"])
+
+
+def test_different_batches_are_refused_and_the_pipeline_trains_after(ranks):
+    """Another batch per rank, or the rows shuffled on one rank: DisagreementError naming the argument and the
+    ranks, on every rank; then the same batch trains, equal to eager. With check_batch=2 the second call is not
+    checked (it trains on what each rank was given) and the third is."""
+    for r, res in enumerate(ranks):
+        got = res["batch"]
+        for case in ("other", "shuffled", "every_2nd"):
+            assert "refused" in got[case], (r, case, got[case])
+            assert "step() was handed different batches: argument 0 on rank(s) [1]" in got[case]["refused"], got
+        assert abs(got["same"]["loss"] - got["same"]["want"]) <= 1e-5 * got["same"]["want"], got["same"]
+        assert got["unchecked"] == {"ran": True}, got["unchecked"]

@@ -1,0 +1,81 @@
+"""One rank of tests/distributed/test_agreement.py (torchrun environment): ranks that compile different things,
+or are handed different batches, each refused with DisagreementError on every rank, before a tensor moves. Rank
+r builds the variant `variant(r)` of each case; every case records the error each rank raised (or none), and
+the launch goes on to the next case on the same process group (a refusal leaves it usable)."""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import torch
+
+torch.set_num_threads(1)
+
+from support.launch import worker_main  # noqa: E402
+from support.models import gpt  # noqa: E402
+
+import zbcompile.api as zb  # noqa: E402
+from zbcompile.errors import DisagreementError  # noqa: E402
+
+M = 4
+
+
+def compile_gpt(layers=4, d=None, schedule="1f1b", microbatches=M, **options):
+    model, loss_fn, (x, y), _ = gpt(layers=layers, batch=2 * M)
+    if d is not None:   # another width: the same GPT with d wider
+        from zbcompile.examples.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab=64, seq=16, d=d, heads=2, layers=layers))
+    return zb.compile(model, schedule=schedule, microbatches=microbatches, loss_fn=loss_fn,
+                      example=((x[:2 * M // microbatches],), (y[:2 * M // microbatches],)), timeout=60, **options), x, y
+
+
+CASES = {
+    "layers": lambda r: compile_gpt(layers=4 if r == 0 else 6),
+    "width": lambda r: compile_gpt(d=32 if r == 0 else 48),
+    "schedule": lambda r: compile_gpt(schedule="1f1b" if r == 0 else "zb-h1"),
+    "microbatches": lambda r: compile_gpt(microbatches=4 if r == 0 else 8),
+    "split_points": lambda r: compile_gpt(split_points=["blocks.2"] if r == 0 else ["blocks.1"]),
+    "vocab_parallel": lambda r: compile_gpt(vocab_parallel=r == 0),
+}
+
+
+def refusal(fn) -> dict:
+    try:
+        fn()
+    except DisagreementError as e:
+        return dict(refused=str(e))
+    except Exception:
+        return dict(other=traceback.format_exc())
+    return dict(ran=True)
+
+
+def batches(rank: int) -> dict:
+    """One compile; a step on another batch per rank (refused), a step on rows shuffled on one rank (refused),
+    then the same batch everywhere (trains, equal to eager), then with check_batch=2 a different batch on the
+    second call is let through (unchecked) and on the third refused."""
+    pipe, x, y = compile_gpt()
+    ref = copy.deepcopy(gpt(layers=4, batch=2 * M).model)
+    out = {"other": refusal(lambda: pipe.step(x + rank, y)),
+           "shuffled": refusal(lambda: pipe.step(x.flip(0) if rank else x, y))}
+    loss = pipe.step(x, y)
+    want = sum(torch.nn.functional.cross_entropy(ref(a).flatten(0, 1), b.flatten()).item()
+               for a, b in zip(x.chunk(M), y.chunk(M))) / M
+    out["same"] = dict(loss=loss, want=want)
+    every, _, _ = compile_gpt(check_batch=2)
+    every.step(x, y)
+    out["unchecked"] = refusal(lambda: every.step(x + rank, y))   # the 2nd call: not checked
+    out["every_2nd"] = refusal(lambda: every.step(x + rank, y))   # the 3rd: checked
+    return out
+
+
+def run(rank: int, pp: int, out: str) -> dict:
+    results = {tag: refusal(lambda: case(rank)) for tag, case in CASES.items()}
+    results["batch"] = batches(rank)
+    return results
+
+
+if __name__ == "__main__":
+    worker_main(run)

@@ -1,0 +1,225 @@
+"""One rank of tests/distributed/test_training_loop_dist.py (torchrun environment): the training loops people
+write, each against eager single-process training of the same model, computed on every rank:
+
+    eval       a GPT with dropout under zbv: evaluate() and pipe(x) in eval mode, the refusals, a step after them
+    dtype/*    float64, bfloat16 and float16 GPTs under zbv: loss and gradients
+    autocast   compiled and stepped under torch.autocast(bfloat16)
+    scaler     float16 autocast with pipe.grad_scaler(): an overflowing step skipped everywhere, the scale halved
+    clip/*     clip_grad_norm_ (2 and inf) with a tied embedding and vocabulary shards, then AdamW
+    nan        a NaN in the batch: grads_finite() False on every rank, the step skipped, nothing changed
+    moe        transformers' Mixtral with its router load-balancing loss from every stage
+    titan      torchtitan's loss (.float() before cross_entropy) with vocab_parallel=True
+    cut/*      a CNN in one Sequential, three Linears, a few ops in one forward: 4 stages (zbv at pp=2, 1f1b at 4)
+
+Each case writes numbers (ours and eager's) or its error; the test asserts. Writes `<out>/rank<r>.json`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import traceback
+
+import torch
+
+torch.set_num_threads(1)
+
+from support.launch import worker_main  # noqa: E402
+from support.loops import CUT_CASES, eager_step, mixtral_moe, rel, shard_of, titan_loss  # noqa: E402
+from support.models import Case, gpt, mlp  # noqa: E402
+
+import zbcompile.api as zb  # noqa: E402
+from zbcompile.errors import UsageError  # noqa: E402
+
+
+def compile_case(case, schedule: str, m: int, dtype=None, **options):
+    model, loss_fn, (x, y), _ = case
+    if dtype is not None:
+        model = model.to(dtype)
+        x = x.to(dtype) if x.is_floating_point() else x
+    pipe = zb.compile(copy.deepcopy(model), schedule=schedule, microbatches=m, loss_fn=loss_fn,
+                      example=((x[:x.shape[0] // m],), (y[:y.shape[0] // m],)), **options)
+    return model, loss_fn, x, y, pipe
+
+
+def grad_err(pipe, ref) -> float:
+    """The worst relative gradient error over this rank's parameters (rows of a shard against its rows); inf for
+    a gradient present on one side only."""
+    refp, worst = dict(ref.named_parameters()), 0.0
+    for n, p in pipe.named_parameters():
+        if (p.grad is None) != (refp[n].grad is None):
+            return math.inf
+        if p.grad is not None:
+            worst = max(worst, rel(p.grad, shard_of(refp[n].grad, p.grad, pipe.rank)))
+    return worst
+
+
+def param_err(pipe, ref) -> float:
+    refp = dict(ref.named_parameters())
+    return max(rel(p.detach(), shard_of(refp[n].detach(), p, pipe.rank)) for n, p in pipe.named_parameters())
+
+
+def refused(fn, match: str) -> bool:
+    try:
+        fn()
+    except UsageError as e:
+        return match in str(e)
+    return False
+
+
+def eval_case(pp: int, m: int) -> dict:
+    model, loss_fn, x, y, pipe = compile_case(gpt(layers=2 * pp, dropout=0.3, batch=2 * m), "zbv", m)
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        want_out = ref(x)
+        want = sum(loss_fn(ref(a), b).item() for a, b in zip(x.chunk(m), y.chunk(m))) / m
+    got = pipe.eval().evaluate(x, y)
+    out = pipe(x)
+
+    def no_grad_step():
+        with torch.no_grad():
+            pipe.train().step(x, y)
+
+    refusals = [refused(lambda: pipe.eval().step(x, y), "eval mode"), refused(no_grad_step, "no_grad")]
+    step = pipe.train().step(x, y)
+    return dict(got=got, want=want, holds_outputs=out is not None,
+                out_err=None if out is None else rel(out, want_out), refusals=refusals, step=step,
+                graded=all(p.grad is not None for p in pipe.parameters()),
+                last_stage_ranks=sorted(pipe.schedule.stage_ranks()[-1]))
+
+
+def dtype_case(pp: int, m: int, dtype) -> dict:
+    model, loss_fn, x, y, pipe = compile_case(gpt(layers=2 * pp, batch=2 * m), "zbv", m, dtype=dtype)
+    ref = copy.deepcopy(model)
+    want = eager_step(ref, loss_fn, x, y, m)
+    got = pipe.step(x, y)
+    dtypes = sorted({str(p.grad.dtype) for p in pipe.parameters()})
+    return dict(got=got, want=want, grad_err=grad_err(pipe, ref), grad_dtypes=dtypes)
+
+
+def autocast_case(pp: int, m: int) -> dict:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model, loss_fn, x, y, pipe = compile_case(gpt(layers=2 * pp, batch=2 * m), "1f1b", m)
+        ref = copy.deepcopy(model)
+        want = eager_step(ref, loss_fn, x, y, m)
+        got = pipe.step(x, y)
+    outside = refused(lambda: pipe.step(x, y), "compiled under cpu: bfloat16")
+    return dict(got=got, want=want, grad_err=grad_err(pipe, ref), refused_outside=outside)
+
+
+def scaler_case(pp: int, m: int) -> dict:
+    """Steps on x, an overflowing batch, x; then an inf put into the last rank's gradients only."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        model, loss_fn, x, y, pipe = compile_case(mlp(layers=2 * pp, batch=2 * m), "1f1b", m)
+    ref = copy.deepcopy(model)
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(pipe.parameters(), lr=0.1)
+    scaler_ref, scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10), pipe.grad_scaler(init_scale=2.0 ** 10)
+    got, want = [], []
+    for xb in (x, x * 6e4, x):
+        with torch.autocast("cpu", dtype=torch.float16):
+            want.append(eager_step(ref, loss_fn, xb, y, m, scaler_ref))
+            got.append(pipe.step(xb, y, scaler=scaler))
+        for s, o, out in ((scaler_ref, opt_ref, want), (scaler, opt, got)):
+            s.step(o)
+            s.update()
+            o.zero_grad()
+            out.append(s.get_scale())
+    with torch.autocast("cpu", dtype=torch.float16):
+        pipe.step(x, y, scaler=scaler)
+    if pipe.rank == pipe.schedule.num_ranks - 1:
+        next(iter(pipe.parameters())).grad.view(-1)[0] = float("inf")
+    kept = [p.detach().clone() for p in pipe.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    stepped = not all(torch.equal(a, p) for a, p in zip(kept, pipe.parameters()))
+    return dict(got=got, want=want, param_err=param_err(pipe, ref), stepped_on_inf=stepped,
+                scale_after_inf=scaler.get_scale(), scale_before=got[-1])
+
+
+def clip_case(pp: int, m: int, norm_type: float) -> dict:
+    model, loss_fn, x, y, pipe = compile_case(gpt(layers=2 * pp, batch=2 * m), "zbv", m, dtype=torch.float64,
+                                              vocab_parallel=True)
+    ref = copy.deepcopy(model)
+    eager_step(ref, loss_fn, x, y, m)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type).item()
+    torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3).step()
+    pipe.step(x, y)
+    got = pipe.clip_grad_norm_(0.5, norm_type).item()
+    clipped = grad_err(pipe, ref)
+    torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=1e-3).step()
+    return dict(got=got, want=want, grad_err=clipped, param_err=param_err(pipe, ref))
+
+
+def nan_case(pp: int, m: int) -> dict:
+    model, loss_fn, x, y, pipe = compile_case(mlp(layers=2 * pp, batch=2 * m), "zbv", m)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    bad = x.clone()
+    bad[-1, 0] = float("nan")   # in the last microbatch only
+    pipe.step(bad, y)
+    finite = pipe.grads_finite()
+    norm = pipe.clip_grad_norm_(1.0).item()
+    if finite:
+        opt.step()
+    opt.zero_grad()
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, pipe.parameters()))
+    clean = math.isfinite(pipe.step(x, y)) and pipe.grads_finite()
+    return dict(finite=finite, norm_is_nan=math.isnan(norm), unchanged=unchanged, clean_after=clean)
+
+
+def moe_case(pp: int, m: int) -> dict:
+    case = mixtral_moe(layers=4, batch=2 * m)
+    model, loss_fn, x, y, pipe = compile_case(case, "zbv" if pp == 2 else "1f1b", m)
+    ref = copy.deepcopy(model)
+    want = eager_step(ref, loss_fn, x, y, m)
+    got = pipe.step(x, y)
+    routers = [n for n, p in pipe.named_parameters() if ".gate." in n and p.grad is not None]
+    return dict(got=got, want=want, grad_err=grad_err(pipe, ref), routers_graded=len(routers))
+
+
+def titan_case(pp: int, m: int) -> dict:
+    model, _, (x, y), _ = gpt(layers=2 * pp, batch=2 * m)
+    case = Case(model.double(), titan_loss, (x, y), 0)
+    model, loss_fn, x, y, pipe = compile_case(case, "zbv", m, vocab_parallel=True)
+    ref = copy.deepcopy(model)
+    want = eager_step(ref, loss_fn, x, y, m)
+    got = pipe.step(x, y)
+    return dict(got=got, want=want, grad_err=grad_err(pipe, ref))
+
+
+def cut_case(pp: int, m: int, name: str) -> dict:
+    model, loss_fn, x, y, pipe = compile_case(CUT_CASES[name](batch=2 * m), "zbv" if pp == 2 else "1f1b", m)
+    ref = copy.deepcopy(model)
+    want = eager_step(ref, loss_fn, x, y, m)
+    got = pipe.step(x, y)
+    return dict(got=got, want=want, grad_err=grad_err(pipe, ref), stages=len(pipe.staged.stages),
+                cuts=list(pipe.staged.meta["cuts"]["points"]))
+
+
+def run(rank: int, pp: int, out: str) -> dict:
+    m = 2 * pp
+    cases = {
+        "eval": lambda: eval_case(pp, m),
+        "dtype/float64": lambda: dtype_case(pp, m, torch.float64),
+        "dtype/bfloat16": lambda: dtype_case(pp, m, torch.bfloat16),
+        "dtype/float16": lambda: dtype_case(pp, m, torch.float16),
+        "autocast": lambda: autocast_case(pp, m),
+        "scaler": lambda: scaler_case(pp, m),
+        "clip/2": lambda: clip_case(pp, m, 2.0),
+        "clip/inf": lambda: clip_case(pp, m, math.inf),
+        "nan": lambda: nan_case(pp, m),
+        "moe": lambda: moe_case(pp, m),
+        "titan": lambda: titan_case(pp, m),
+        **{f"cut/{name}": (lambda name=name: cut_case(pp, m, name)) for name in CUT_CASES},
+    }
+    results = {}
+    for tag, case in cases.items():
+        try:
+            results[tag] = case()
+        except Exception:
+            results[tag] = dict(error=traceback.format_exc())
+    return results
+
+
+if __name__ == "__main__":
+    worker_main(run)

@@ -1,0 +1,151 @@
+"""Ranks that disagree are refused, on every rank, before they exchange a single tensor.
+
+    check_agreement(model, compiled, pg, rank)   at compile, before the first message between ranks
+    check_batch(batch, gather, rank, what)       on step() / evaluate(): the same batch on every rank
+
+Every rank of a pipeline compiles the same model with the same options and runs its own share of the SAME
+programs; a rank that built something else (another depth or width, another schedule, other microbatches or cuts,
+another torch) would otherwise train a wrong model silently, abort inside gloo, or hang until a timeout naming
+tensors instead of the cause. So compile all-gathers a fingerprint of what each rank built, in sections compared
+in this order (the first difference is the one named, as the cause the others follow from):
+
+    versions     zbcompile and torch
+    options      every option that shapes the programs (schedule, microbatches, chunks, split points, ...)
+    parameters   each parameter's name, shape, dtype and whether it is trained; then buffers
+    batch        each argument's microbatch shape and dtype, from `example`
+    split        the cuts
+    stages       a digest of each stage's F, B, W and BW graphs
+    programs     a digest of every rank's program (which every rank computes for all ranks)
+
+The batch handed to step() must be the whole batch, the same on every rank (each rank reads what its stages
+need); a DistributedSampler habit gives each rank other data. A checksum of each argument (its sum and a
+position-weighted sum, in float64) is all-gathered on the first step, and every `check_batch` steps if asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zbcompile.errors import DisagreementError
+
+__all__ = ["fingerprint", "check_agreement", "first_difference", "batch_checksum", "check_batch", "version"]
+
+# the options that shape what a rank builds (group, init_fn, loss_fn, example and timeout do not, or are
+# checked through what they produce: example through `batch`, loss_fn through `stages`)
+_SHAPING = ("schedule", "microbatches", "pp", "chunks", "split_points", "costs", "mem_limit", "vocab_parallel",
+            "offload", "backend", "cuda_graphs")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("zbcompile")
+    except PackageNotFoundError:   # run from a source tree that was never installed
+        return "unknown"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _tensor(t: torch.Tensor) -> str:
+    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def fingerprint(model: nn.Module, compiled) -> dict[str, dict[str, str]]:
+    """What this rank built, section by section (see the module docstring); plain strings, so that it pickles
+    small and compares exactly."""
+    options, staged = compiled.options, compiled.staged
+    option = {name: _option(getattr(options, name)) for name in _SHAPING}
+    params = {n: _tensor(p) + ("" if p.requires_grad else " frozen") for n, p in model.named_parameters()}
+    buffers = {n: _tensor(b) for n, b in model.named_buffers()}
+    from zbcompile.runtime.eager import data_specs
+
+    batch = {f"argument {i}": f"{list(shape)} {str(dtype).removeprefix('torch.')}"
+             for i, (shape, dtype) in data_specs(compiled.programs).items()}
+    cuts = {"split points": repr(tuple(staged.meta.get("cuts", {}).get("points", ())))}
+    stages = {f"stage {st.index}": _digest("".join(getattr(st, g).gm.code for g in ("f", "b", "w", "bw")))
+              for st in staged.stages}
+    programs = {f"rank {p.rank}": _digest(p.to_text()) for p in compiled.programs}
+    return {"versions": {"zbcompile": version(), "torch": torch.__version__}, "options": option,
+            "parameters": params, "buffers": buffers, "batch": batch, "split": cuts, "stages": stages,
+            "programs": programs}
+
+
+def _option(value) -> str:
+    name = getattr(value, "name", None)   # a Schedule object: its name and order
+    if name is not None and hasattr(value, "ranks"):
+        return f"{name} ({_digest(repr(value.ranks))})"
+    return repr(value)
+
+
+def first_difference(prints: Sequence[dict[str, dict[str, str]]]) -> str | None:
+    """The first entry, in section order, on which the ranks' fingerprints differ, as a sentence naming the
+    ranks on each side; None where they agree."""
+    for section in prints[0]:
+        keys = list(dict.fromkeys(k for p in prints for k in p.get(section, {})))
+        for key in keys:
+            values = [p.get(section, {}).get(key, "none") for p in prints]
+            if len(set(values)) > 1:
+                groups: dict[str, list[int]] = {}
+                for r, v in enumerate(values):
+                    groups.setdefault(v, []).append(r)
+                sides = "; ".join(f"{_ranks(rs)}: {v}" for v, rs in groups.items())
+                return f"{section}, {key}: {sides}"
+    return None
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
+
+
+def check_agreement(model: nn.Module, compiled, pg, rank: int) -> None:
+    """All-gather every rank's fingerprint over the pipeline group and raise DisagreementError on every rank
+    where they differ. Runs before any other message between the ranks, so a mismatch cannot hang or abort
+    anything first. A group that is no torch.distributed ProcessGroup (the tests' stand-ins) is not checked."""
+    if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup):
+        return
+    mine = fingerprint(model, compiled)
+    prints: list = [None] * pg.size()
+    dist.all_gather_object(prints, mine, group=pg)
+    diff = first_difference(prints)
+    if diff is not None:
+        raise DisagreementError(
+            f"rank {rank}: the pipeline's ranks compiled different things; the first difference is {diff}. Every "
+            "rank must compile the same model with the same options (and the same torch and zbcompile): check "
+            "what builds the model on each rank (seeds, config, command-line arguments)")
+
+
+def batch_checksum(batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per argument: its sum and a position-weighted sum (weights 1..2 along the flattened tensor), in float64;
+    the weighted sum tells apart a batch whose rows are shuffled."""
+    sums = []
+    for t in batch:
+        flat = t.detach().reshape(-1).to(torch.float64)
+        weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+        sums += [flat.sum(), (flat * weights).sum()]
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
+
+
+def check_batch(batch: Sequence[torch.Tensor], gather: Callable[[torch.Tensor], torch.Tensor], rank: int,
+                what: str) -> None:
+    """Raise DisagreementError on every rank where the ranks were handed different batches (gather: the
+    pipeline's all-gather of a float64 vector, RankRuntime.allgather)."""
+    rows = gather(batch_checksum(batch)).cpu()
+    for i in range(len(batch)):
+        sums = rows[:, 2 * i:2 * i + 2]
+        same = [bool(torch.equal(sums[r], sums[0]) or (sums[r].isnan().any() and sums[0].isnan().any()))
+                for r in range(rows.shape[0])]
+        if not all(same):
+            differ = [r for r, s in enumerate(same) if not s]
+            raise DisagreementError(
+                f"rank {rank}: {what}() was handed different batches: argument {i} on rank(s) {differ} differs from "
+                "rank 0's. Hand every rank the whole batch, the same one (each rank reads what its stages need): "
+                "no DistributedSampler over the pipeline's ranks, the same seed and data order everywhere")
