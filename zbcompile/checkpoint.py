@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from pathlib import Path
 from typing import Mapping
 
 import torch
@@ -38,9 +39,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from zbcompile import checkpoint_files as files
 from zbcompile.errors import CheckpointError
 
-__all__ = ["OPTIONS", "save", "load", "attach_share", "share_of", "check_state_dict"]
+__all__ = ["OPTIONS", "save", "load", "exists", "attach_share", "share_of", "check_state_dict"]
 
 # Torch's default optimizer state dict keeps hyperparameters per param-group *position*: every rank writes its
 # own group 0 (its own parameter list, lr, betas) under the same keys ("optim.param_groups.0.*"), DCP keeps
@@ -122,25 +124,63 @@ def _message(what: str, problems: list[str], fix: str) -> str:
 
 
 # ---- save / load ------------------------------------------------------------------------------------------
-def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         extra: Mapping[str, object] | None = None) -> None:
     """Write `module`'s state (a PipelineModule: this rank's share; call on every rank) and `optimizer`'s into
-    the directory `path` in DCP's format, keyed by the user's FQNs."""
+    the directory `path` in DCP's format, keyed by the user's FQNs, with a checksum of every item.
+
+    Crash-safe (zbcompile/checkpoint_files.py): the files go to a staging directory beside `path`, which
+    replaces `path` in one commit once every rank has written; a checkpoint already at `path` survives a crash
+    at any moment of the save. A failure (a peer killed mid-save, a full disk) raises CheckpointError on the
+    ranks that see it, saying that the previous checkpoint is intact. `extra`: JSON-able values committed with
+    the checkpoint (a training loop's step count, its data position), which `load` returns."""
     pg = getattr(module, "process_group", None)
-    with _single_process_is_meant():
-        state, _ = _state_dict(module, optimizer)
-        dcp.save(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
+    rank, ranks = _rank(pg)
+    path = Path(path)
+    stage = files.staging(path)
+    try:
+        if rank == 0:
+            files.recover(path)
+            files.clear(stage)
+        _exchange(pg, None)   # nobody writes before the stale staging directory is gone
+        with _single_process_is_meant():
+            state, _ = _state_dict(module, optimizer)
+            dcp.save(state, checkpoint_id=stage, process_group=pg, no_dist=not _distributed(pg))
+        sums = _exchange(pg, files.item_checksums(stage, rank, ranks))
+        if rank == 0:
+            files.write_manifest(stage, {k: v for part in sums for k, v in part.items()}, dict(extra or {}))
+            files.commit(stage, path)
+        _exchange(pg, None)   # every rank returns once the checkpoint is in place
+    except Exception as exc:
+        raise CheckpointError(
+            f"rank {rank}: saving the checkpoint {os.fspath(path)!r} failed ({type(exc).__name__}: "
+            f"{str(exc)[:300]}). The checkpoint that was there before this save, if any, is intact; the partial "
+            f"save is only in {os.fspath(stage)!r}, which the next save clears. After a peer failed the process "
+            "group is unusable: restart the job (it resumes from the checkpoint)") from exc
 
 
-def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load a checkpoint `save` wrote (at any pipeline layout, or from the plain model) into `module` (a
     PipelineModule on every rank, or a plain nn.Module in one process) and `optimizer`.
 
-    First every rank checks the checkpoint's keys and shapes against the model and this rank's optimizer, and
-    the ranks exchange what they found: a checkpoint of another model raises the same CheckpointError on every
-    rank, naming the first mismatches, before any tensor or optimizer state is touched."""
+    Nothing changes unless everything checks out, and every rank raises the same CheckpointError otherwise:
+    first that there is a checkpoint at `path`, then that its index is whole, then its keys and shapes against
+    the model and this rank's optimizer ("another model", naming the first mismatches), then the checksum of
+    every item (each rank re-reads a share of the files: "damaged", naming the file and the tensor). The data are
+    then read into copies, and only a complete read is handed to the model and the optimizer. Returns the
+    `extra` values saved with it ({} for none, or a checkpoint torch's DCP wrote)."""
     pg = getattr(module, "process_group", None)
+    rank, ranks = _rank(pg)
+    path = Path(path)
+    if rank == 0:
+        files.recover(path)
+    _exchange(pg, None)
+    _agree_or_raise(pg, [] if files.exists(path) else [f"no checkpoint at {os.fspath(path)!r} (no "
+                                                       f"{files.METADATA} there)"], path, "missing")
+    _agree_or_raise(pg, files.metadata_problems(path), path, "damaged")
     _check_checkpoint(path, module, optimizer, pg)
-    state, whole = _state_dict(module, optimizer)
+    _agree_or_raise(pg, files.data_problems(path, rank, ranks), path, "damaged")
+    state, whole = _state_dict(module, optimizer, copies=True)
     with _single_process_is_meant():
         dcp.load(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
     # row shards were read in place through their views: hand the module its whole tensors back
@@ -150,6 +190,38 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     else:
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=OPTIONS)
+    return files.extra(path)
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether a complete checkpoint is at `path` (or one a crash left mid-commit, which load puts back): what
+    a training loop asks before resuming from where it saves."""
+    path = Path(path)
+    return files.exists(path) or files.exists(files.previous(path))
+
+
+def _rank(pg) -> tuple[int, int]:
+    return (pg.rank(), pg.size()) if _distributed(pg) else (0, 1)
+
+
+def _exchange(pg, value) -> list:
+    """Every rank's `value` (an all-gather of picklable objects; also a barrier), [value] in one process."""
+    if not _distributed(pg):
+        return [value]
+    out: list = [None] * pg.size()
+    dist.all_gather_object(out, value, group=pg)
+    return out
+
+
+def _agree_or_raise(pg, problems: list[str], path: Path, kind: str) -> None:
+    """Every rank's problems combined; CheckpointError on every rank where there are any."""
+    found = list(dict.fromkeys(p for part in _exchange(pg, problems) for p in part))
+    if found:
+        more = f"\n  ... and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+        shown = "\n  ".join(found[:_SHOWN]) + more
+        fix = {"missing": "check the path (and that the save finished)",
+               "damaged": "load an earlier checkpoint; the model and the optimizer were not changed"}[kind]
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: {kind}, nothing was loaded:\n  {shown}\n{fix}")
 
 
 def _distributed(pg) -> bool:
@@ -165,12 +237,18 @@ def _single_process_is_meant():
         yield
 
 
-def _state_dict(module: nn.Module, optimizer) -> tuple[dict[str, dict], dict[tuple[str, str], torch.Tensor]]:
-    """What DCP reads and writes, and for each row-sharded entry (vocabulary parallelism) the tensor it views."""
+def _state_dict(module: nn.Module, optimizer, copies: bool = False):
+    """What DCP reads and writes, and for each row-sharded entry (vocabulary parallelism) the tensor it views;
+    with `copies`, of copies of every tensor (a load reads into them, leaving the live state alone)."""
     if optimizer is None:
-        return _row_shards({"model": get_model_state_dict(module, options=OPTIONS)}, module)
-    model_sd, optim_sd = get_state_dict(module, optimizer, options=OPTIONS)
-    return _row_shards({"model": model_sd, "optim": optim_sd}, module)
+        state = {"model": get_model_state_dict(module, options=OPTIONS)}
+    else:
+        model_sd, optim_sd = get_state_dict(module, optimizer, options=OPTIONS)
+        state = {"model": model_sd, "optim": optim_sd}
+    if copies:
+        state = {part: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+                 for part, entries in state.items()}
+    return _row_shards(state, module)
 
 
 # ---- vocabulary parallelism: each rank holds rows of the vocabulary parameters --------------------------------
@@ -235,7 +313,7 @@ def _checkpoint_problems(path, module: nn.Module, optimizer) -> list[str]:
     rank of this model would load, and parameters of `optimizer` without saved optimizer state."""
     try:
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except (OSError, ValueError) as exc:
+    except Exception as exc:   # OSError, or whatever unpickling a damaged index raises
         return [f"no checkpoint readable at {os.fspath(path)!r} ({type(exc).__name__}: {exc})"]
     saved = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
     mine = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}

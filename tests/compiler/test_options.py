@@ -50,6 +50,7 @@ BAD = [
     ("vocab_parallel", 1, "True or False"), ("offload", -5, "budget in bytes"), ("offload", "half", "auto"),
     ("offload", [100, 0], "one budget per rank"), ("offload", True, "budget"), ("backend", "tvm", "'inductor'"),
     ("cuda_graphs", 0, "cuda_graphs=0"), ("cuda_graphs", -1, "int n >= 1"), ("cuda_graphs", "yes", "False"),
+    ("check_batch", 0, "check_batch=0"), ("check_batch", "first", "int n >= 1"),
 ]
 
 

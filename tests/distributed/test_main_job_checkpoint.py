@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -50,3 +51,27 @@ def test_main_job_resumes_from_its_checkpoint_at_another_schedule(tmp_path):
     printed = 1e-4   # the job prints losses with 4 decimals
     assert all(abs(g - w) <= printed for g, w in zip(first + second, want)) and len(first + second) == 4, \
         (first, second, want)
+
+
+def test_a_job_whose_rank_dies_restarts_itself_and_ends_as_the_uninterrupted_one(tmp_path):
+    """torchrun --max-restarts with --save-every 2 --resume auto: rank 1 kills itself (SIGKILL) after step 3 of
+    the first attempt; rank 0 fails fast (the process group is unusable: it says so and exits 1), torchrun starts
+    both again, they resume from the checkpoint of step 2 and run steps 3-6 on the data stream where it stopped:
+    every step's loss equals the uninterrupted eager run's (float32, 1e-5)."""
+    metrics = tmp_path / "metrics.jsonl"
+    # --standalone: torchrun's own rendezvous on a free port (the restarted attempt registers with it again)
+    out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       "--max-restarts", "2", "--monitor-interval", "0.2", "-m", "zbcompile.examples.train_gpt", *JOB[:-2], "--steps", "6",
+                       "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--resume", "auto",
+                       "--kill-rank-at", "1:3", "--metrics", str(metrics)],
+                      timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
+    assert "the job must restart" in out.stderr, out.stderr[-3000:]
+    assert "resumed from" in out.stdout and "after step 2" in out.stdout, out.stdout[-2000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    restart = max(i for i, s in enumerate(steps) if s == 3)   # the second attempt's steps start at its last 3
+    assert steps[restart:] == [3, 4, 5, 6] and steps[:restart][:2] == [1, 2], steps
+    want = _uninterrupted(6)
+    for r in rows:
+        assert abs(r["loss"] - want[r["step"] - 1]) <= 1e-5 * want[r["step"] - 1], (r, want)

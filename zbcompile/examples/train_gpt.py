@@ -8,9 +8,13 @@ feeds each stage the slices it reads. Rank 0 prints one line per step: loss, tok
 rank measured, with a progress bar, then a summary table.
 
 `--save DIR` writes the model and AdamW state after the last step (zbcompile.checkpoint: the user's parameter
-names, any layout can load it) and the number of steps done; `--resume DIR` loads them before the first step
-and goes on with the next batch of the data stream, so a resumed run continues the uninterrupted one exactly,
-at any pp, schedule or split.
+names, any layout can load it, crash-safe) with the number of steps done, and every K steps with
+`--save-every K`; `--resume DIR` loads them before the first step and goes on with the next batch of the data
+stream, so a resumed run continues the uninterrupted one exactly, at any pp, schedule or split. `--resume auto`
+resumes from the --save directory where a checkpoint is there (else starts afresh), and --steps is then the
+job's total: under `torchrun --max-restarts N` a job whose rank died restarts from its newest complete
+checkpoint by itself and ends where the uninterrupted job would have.
+A failed step or save (a peer died) leaves the process group unusable: every rank says so and exits with 1.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,10 +36,10 @@ from tabulate import tabulate
 
 import zbcompile as zb
 from zbcompile import checkpoint
+from zbcompile.errors import CheckpointError, RuntimeFailure
 from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
 
 CORPUS = Path(__file__).with_name("corpus.txt")
-PROGRESS = "train_gpt.json"   # in a --save directory, beside the checkpoint: {"step": steps done}
 
 
 def corpus_tokens() -> torch.Tensor:
@@ -87,13 +93,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", type=Path, default=None, help="write the last step's timeline as a Chrome trace")
     p.add_argument("--save", type=Path, default=None, help="write a checkpoint into this directory at the end")
-    p.add_argument("--resume", type=Path, default=None, help="start from the checkpoint in this directory")
+    p.add_argument("--save-every", type=int, default=0, metavar="K", help="with --save: also every K steps")
+    p.add_argument("--resume", default=None, metavar="DIR|auto",
+                   help="start from the checkpoint in DIR and train --steps more; auto: from --save's directory "
+                        "where one is there, --steps in all")
+    p.add_argument("--metrics", type=Path, default=None, help="rank 0 appends a JSON line per step (step, loss)")
+    p.add_argument("--kill-rank-at", default=None, metavar="RANK:STEP",
+                   help="to try restarts: that rank kills itself (SIGKILL) after that step, in a job's first "
+                        "attempt only (torchrun's TORCHELASTIC_RESTART_COUNT=0)")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="shard the embedding and the output layer over every rank (vocabulary parallelism)")
     p.add_argument("--offload", default=None, metavar="BYTES|auto",
                    help="activation offload: a per-rank device-memory budget in bytes, or 'auto'")
     p.add_argument("--memory", action="store_true", help="print every rank's memory plan before training")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.resume == "auto" or args.save_every) and args.save is None:
+        p.error("--resume auto and --save-every need --save DIR (where the checkpoints go)")
+    return args
 
 
 def _budget(text: str | None):
@@ -119,10 +135,9 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl")
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    _init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     cfg = GPTConfig(vocab=256, seq=args.seq, d=args.dim, heads=args.heads, layers=args.layers)
@@ -148,13 +163,53 @@ def main(argv=None) -> int:
         say("offload: " + ", ".join(f"rank {r.rank} moves {r.offloaded_bytes / 2**20:.2f} MiB per step, peak "
                                     f"{r.peak_before / 2**20:.2f} -> {r.peak_after / 2**20:.2f} MiB"
                                     for r in model.offload_report))
-    done = resume(args.resume, model, opt) if args.resume else 0
+    where = args.save if args.resume == "auto" else args.resume
+    try:
+        found = where and (args.resume != "auto" or checkpoint.exists(where))
+        done = resume(Path(where), model, opt) if found else 0
+    except CheckpointError as e:   # every rank found the same (no checkpoint there, another model, damaged)
+        if rank == 0:
+            print(f"zbcompile: {e}", file=sys.stderr)
+        return 2
+    if done:
+        say(f"resumed from {where} after step {done}")
+    try:
+        _train(args, model, opt, data, x, y, say, rank, world, batch, done)
+    except (RuntimeFailure, CheckpointError) as e:
+        # a peer died or stalled: the process group cannot be used again, so end this process now (a clean
+        # teardown would wait on the dead peer); torchrun --max-restarts starts the job again
+        print(f"rank {rank}: {e}\nzbcompile: the process group is unusable after this failure; the job must "
+              "restart (torchrun --max-restarts N with --save DIR --resume auto resumes from the newest complete "
+              "checkpoint)", file=sys.stderr, flush=True)
+        os._exit(1)
+    dist.barrier()  # tear the groups down together: a rank closing its sockets under a busy peer is a race
+    dist.destroy_process_group()
+    return 0
+
+
+def _init_process_group(backend: str) -> None:
+    """torchrun's process group, in a store namespace of this attempt's own. A restarted attempt can otherwise
+    read the addresses the killed attempt's ranks published under the same keys (torchrun's agent keeps its
+    store), and gloo then waits on a dead address. Set-up gives up after a minute, and torchrun tries again."""
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    setup = timedelta(seconds=60)
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"   # torchrun's agent hosts the store
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
+                          timeout=setup, multi_tenant=not agent)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"zbcompile/attempt{attempt}", store), rank=rank,
+                            world_size=world, timeout=setup)
+
+
+def _train(args, model, opt, data, x, y, say, rank: int, world: int, batch: int, done: int) -> None:
+    """Train args.steps steps after the `done` ones (saving as asked), then print the summary."""
     for _ in range(done):   # the batches the saved run trained on; x, y become the next one
         x, y = next(data)
-    if done:
-        say(f"resumed from {args.resume} after step {done}")
+    kill = tuple(map(int, args.kill_rank_at.split(":"))) if args.kill_rank_at else None
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     rows = []
-    total = done + args.steps
+    total = args.steps if args.resume == "auto" else done + args.steps   # auto: a restart finishes the same job
     for step in range(done + 1, total + 1):
         start = time.perf_counter()
         loss = model.step(x, y)
@@ -164,20 +219,22 @@ def main(argv=None) -> int:
         rows.append((loss, batch * args.seq / seconds, bubbles))
         say(f"{progress(step, total)} loss {loss:.4f}  {batch * args.seq / seconds:8.0f} tok/s  bubble "
             + " ".join(f"r{r}={b:.0%}" for r, b in enumerate(bubbles)) + note, flush=True)
+        if args.metrics and rank == 0:
+            with open(args.metrics, "a") as fh:
+                fh.write(json.dumps({"step": step, "loss": loss}) + "\n")
         x, y = next(data)
         if args.eval_every and step % args.eval_every == 0:
             say(f"{'':>{len(progress(step, total))}} eval loss {model.eval().evaluate(x, y):.4f}", flush=True)
             model.train()
+        if args.save and (step == total or (args.save_every and step % args.save_every == 0)):
+            checkpoint.save(args.save, model, opt, extra={"step": step})
+            say(f"saved the model and optimizer after step {step} to {args.save}", flush=True)
+        if kill and first_attempt and (rank, step) == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
     if args.trace:
         model.chrome_trace(args.trace)
         say(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
-    if args.save:
-        save(args.save, model, opt, total, rank)
-        say(f"saved the model and optimizer after step {total} to {args.save}")
     _summary(say, rows, world)
-    dist.barrier()  # tear the groups down together: a rank closing its sockets under a busy peer is a race
-    dist.destroy_process_group()
-    return 0
 
 
 def _optimizer_step(model, opt, clip: float | None) -> str:
@@ -198,16 +255,10 @@ def _optimizer_step(model, opt, clip: float | None) -> str:
     return note
 
 
-def save(path: Path, model, opt, steps: int, rank: int) -> None:
-    checkpoint.save(path, model, opt)
-    if rank == 0:
-        (path / PROGRESS).write_text(json.dumps({"step": steps}))
-
-
 def resume(path: Path, model, opt) -> int:
-    """Load the checkpoint at `path` into `model` and `opt`; returns the steps the saved run had done."""
-    checkpoint.load(path, model, opt)
-    return json.loads((path / PROGRESS).read_text())["step"]
+    """Load the checkpoint at `path` into `model` and `opt`; returns the steps the saved run had done (saved
+    with the checkpoint, committed in the same step)."""
+    return int(checkpoint.load(path, model, opt).get("step", 0))
 
 
 def _summary(say, rows, world: int) -> None:
