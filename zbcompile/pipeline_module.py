@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from zbcompile import agreement, grads
 from zbcompile.compiler import Compiled
-from zbcompile.errors import UsageError
+from zbcompile.errors import RuntimeFailure, UsageError
 from zbcompile.grads import PipelineGradScaler
 from zbcompile.split import autocast_state
 from zbcompile.ir.schedule import Schedule
@@ -24,6 +24,26 @@ from zbcompile.passes.lower import emit_fx
 from zbcompile.runtime import RankRuntime, StepTimings, abi
 
 __all__ = ["PipelineModule"]
+
+
+_RESTART = ("The pipeline's process groups cannot be used after this (a peer is dead or stalled, messages may be "
+            "half-delivered): end this process on every rank and restart the job (torchrun --max-restarts N), "
+            "resuming from the last checkpoint (zbcompile.checkpoint.load)")
+
+
+def _unusable_after_a_failure(method):
+    """A RuntimeFailure leaves the pipeline's process groups unusable: say so, and refuse every later call at
+    once instead of waiting on a dead peer again."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self._failure is not None:
+            raise RuntimeFailure(f"rank {self.rank}: this pipeline failed earlier ({self._failure}). {_RESTART}")
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeFailure as e:
+            self._failure = str(e).splitlines()[0][:300]
+            raise RuntimeFailure(f"{e}\n{_RESTART}") from e
+    return call
 
 
 class PipelineModule(nn.Module):
@@ -60,6 +80,7 @@ class PipelineModule(nn.Module):
         # asked for, one per mode)
         self._runtime_for = runtime_for
         self._forward: dict[tuple[bool, bool], RankRuntime] = {}
+        self._failure: str | None = None   # the RuntimeFailure after which nothing more may run
         self._calls: dict[str, int] = {}   # step / evaluate / forward calls past the batch check (check_batch)
         self.offload_report = compiled.offload   # per rank, what activation offload chose (compile's offload=)
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
@@ -81,6 +102,7 @@ class PipelineModule(nn.Module):
         return from_staged(model, staged, schedule, **options)
 
     # ---- training ------------------------------------------------------------------------------
+    @_unusable_after_a_failure
     def step(self, *batch: torch.Tensor, scaler: PipelineGradScaler | None = None) -> float:
         """One training step on the whole batch (model inputs, then loss targets; split on dim 0 into
         microbatches). Returns the batch's mean loss, the same value on every rank. scaler: a grad_scaler() of
@@ -92,6 +114,7 @@ class PipelineModule(nn.Module):
         self._check_same_batch(batch, "step")
         return self.runtime.step_batch(batch)
 
+    @_unusable_after_a_failure
     def forward(self, *inputs: torch.Tensor):
         """The model's outputs for a whole batch of model inputs (no targets), from a forward-only step in the
         module's mode (eval(): dropout off, BatchNorm on its running statistics), as `model(*inputs)` under
@@ -107,6 +130,7 @@ class PipelineModule(nn.Module):
         return None if flat is None else _rebuild(flat, self.staged.meta["outputs"].outputs,
                                                   self.schedule.num_microbatches)
 
+    @_unusable_after_a_failure
     def evaluate(self, *batch: torch.Tensor) -> float:
         """The batch's mean loss from a forward-only step (model inputs, then loss targets, as step() takes them):
         no backward, no gradients written, nothing kept for a backward. It runs in the module's mode: after
@@ -200,6 +224,7 @@ class PipelineModule(nn.Module):
     def _counted_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self._counted if p.grad is not None]
 
+    @_unusable_after_a_failure
     def get_total_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """The norm of all the model's gradients over the whole pipeline (torch.nn.utils.get_total_norm's
         semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
@@ -217,6 +242,7 @@ class PipelineModule(nn.Module):
         grads.clip_grads(self.parameters(), max_norm, total, foreach)
         return total
 
+    @_unusable_after_a_failure
     def grads_finite(self) -> bool:
         """False when any gradient on any rank holds an inf or a NaN (then skip the optimizer step: every rank
         gets the same answer). Call it on every rank."""

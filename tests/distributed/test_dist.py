@@ -119,8 +119,11 @@ def test_training_loop_matches_eager(run):
 
 def test_dead_rank_makes_others_fail_fast(run):
     """Every other rank raises RuntimeFailure instead of hanging (a hang ends the launch at its timeout, failing
-    the test); how long that took is printed with a failure, not asserted (timings belong to benchmarks)."""
+    the test), saying that the job must restart, and refuses a retry at once; how long that took is printed with
+    a failure, not asserted (timings belong to benchmarks)."""
     pp, results = run
     for r in range(pp - 1):
         die = results[r]["die"]
         assert die["raised"], die
+        assert "restart the job" in die["message"], die["message"]
+        assert "this pipeline failed earlier" in die.get("again", ""), die

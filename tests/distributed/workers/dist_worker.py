@@ -220,7 +220,11 @@ def die_mid_step(pp, results, timeout, victim):
         pipe.step(x, y)
         results["die"] = dict(raised=False, seconds=time.perf_counter() - t0)
     except RuntimeFailure as e:
-        results["die"] = dict(raised=True, seconds=time.perf_counter() - t0, message=str(e)[:500])
+        results["die"] = dict(raised=True, seconds=time.perf_counter() - t0, message=str(e)[-600:])
+        try:   # a retry is refused at once: the groups are unusable, the error says to restart
+            pipe.step(x, y)
+        except RuntimeFailure as again:
+            results["die"]["again"] = str(again)
     except Exception as e:
         results["die"] = dict(raised=False, other=repr(e)[:500], seconds=time.perf_counter() - t0)
 
