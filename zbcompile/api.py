@@ -25,8 +25,9 @@ from torch import nn
 
 from zbcompile.agreement import check_agreement
 from zbcompile.compiler import Compiled, compile_programs, compile_staged
+from zbcompile.data_parallel import Replicas
 from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, resolve_group,
-                                   shard_vocab_params, sync_copies)
+                                   shard_vocab_params, split_mesh, sync_copies)
 from zbcompile.errors import UsageError
 from zbcompile.ir.program.values import VOCAB_OFFSET
 from zbcompile.ir.schedule import Schedule
@@ -61,33 +62,35 @@ def _decorate(cls: type[nn.Module], *, options: CompileOptions):
 
 def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
     """split -> schedule -> lower for every rank, then this rank's share and runtime, under `options`."""
-    resolved = _resolve(options)
+    resolved, dp = _resolve(options)
     compiled = compile_programs(model, options, resolved[2], device=device_for(model, resolved[0]))
-    return place(model, compiled, resolved)
+    return place(model, compiled, resolved, dp)
 
 
 def from_staged(model: nn.Module, staged: StagedModel, schedule: Schedule, **options) -> PipelineModule:
     """compile_with for an already split model: `options` as compile's, without loss_fn / example."""
     checked = CompileOptions.from_kwargs((), schedule=schedule, microbatches=schedule.num_microbatches, **options)
-    resolved = _resolve(checked)
+    resolved, dp = _resolve(checked)
     compiled = compile_staged(staged, schedule, checked, device=device_for(model, resolved[0]))
-    return place(model, compiled, resolved)
+    return place(model, compiled, resolved, dp)
 
 
 def _resolve(options: CompileOptions):
-    """(group, rank, size) of the pipeline's process group, after refusing what needs no tracing to refuse:
-    capture where there is no CUDA, a pp the group does not have."""
+    """((group, rank, size) of the pipeline's process group, the data-parallel Replicas or None), after refusing
+    what needs no tracing to refuse: capture where there is no CUDA, a pp the group does not have, a bad mesh."""
     if options.capture:
         graphs.capture_api(None)
-    resolved = resolve_group(options.group, options.timeout)
+    pipeline, replicas = split_mesh(options.group)
+    resolved = resolve_group(pipeline, options.timeout)
     world = resolved[2]
     if options.pp is not None and options.pp != world:
         raise UsageError(f"pp={options.pp} but the process group has {world} ranks; launch with "
                          f"`torchrun --nproc-per-node {options.pp}` (or pass a group of {options.pp} ranks)")
-    return resolved
+    dp = Replicas(replicas, options.timeout) if replicas is not None and replicas.size() > 1 else None
+    return resolved, dp
 
 
-def place(model: nn.Module, compiled: Compiled, resolved) -> PipelineModule:
+def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = None) -> PipelineModule:
     """This rank's PipelineModule: the parameters and buffers its stages use kept (and initialized where the
     model is on the meta device), copies on several ranks made equal, vocabulary rows cut, the runtime built;
     first of all, every rank's fingerprint of what it built compared (zbcompile/agreement.py)."""
@@ -97,6 +100,8 @@ def place(model: nn.Module, compiled: Compiled, resolved) -> PipelineModule:
         raise UsageError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
                          f"has {world}")
     check_agreement(model, compiled, pg, rank)   # before the first message: ranks that built other things refuse
+    if dp is not None:
+        check_agreement(model, compiled, dp.group, dp.rank)
     device = device_for(model, pg)
     mine = compiled.stages_of(rank)
     vocab = staged.vocab.params if staged.vocab is not None else ()
@@ -111,6 +116,8 @@ def place(model: nn.Module, compiled: Compiled, resolved) -> PipelineModule:
         constants[VOCAB_OFFSET] = torch.tensor(rank * staged.vocab.rows, device=device)
     params = {n: model.get_parameter(n) for n in owned_params}
     buffers = {n: model.get_buffer(n) for n in owned_buffers}
+    if dp is not None:   # replicas start from replica 0's values, as DDP does
+        dp.broadcast_state([*params.values(), *buffers.values()])
     channels = p2p_channels(pg, options.timeout)
     collectives = collective_group(pg, options.timeout) if staged.vocab is not None else None
 
@@ -125,4 +132,5 @@ def place(model: nn.Module, compiled: Compiled, resolved) -> PipelineModule:
     runtime = runtime_for(compiled.programs, cuda_graphs=options.capture,
                           warmup=options.cuda_graphs or WARMUP_STEPS,
                           graph_api=graphs.capture_api(device) if options.capture else None)
-    return PipelineModule(model, compiled, runtime, rank, owned_params, owned_buffers, pg, runtime_for=runtime_for)
+    return PipelineModule(model, compiled, runtime, rank, owned_params, owned_buffers, pg, runtime_for=runtime_for,
+                          dp=dp)

@@ -138,6 +138,10 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     rank, ranks = _rank(pg)
     path = Path(path)
     stage = files.staging(path)
+    dp = getattr(module, "_dp", None)   # data-parallel replicas hold the same state: replica 0 writes it
+    if dp is not None and dp.rank != 0:
+        dp.barrier("waiting for replica 0 to save the checkpoint")
+        return
     try:
         if rank == 0:
             files.recover(path)
@@ -151,6 +155,8 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
             files.write_manifest(stage, {k: v for part in sums for k, v in part.items()}, dict(extra or {}))
             files.commit(stage, path)
         _exchange(pg, None)   # every rank returns once the checkpoint is in place
+        if dp is not None:
+            dp.barrier("telling the replicas the checkpoint is saved")
     except Exception as exc:
         raise CheckpointError(
             f"rank {rank}: saving the checkpoint {os.fspath(path)!r} failed ({type(exc).__name__}: "
@@ -172,9 +178,12 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     pg = getattr(module, "process_group", None)
     rank, ranks = _rank(pg)
     path = Path(path)
-    if rank == 0:
+    dp = getattr(module, "_dp", None)
+    if rank == 0 and (dp is None or dp.rank == 0):   # one rank of the whole job puts a crashed commit right
         files.recover(path)
     _exchange(pg, None)
+    if dp is not None:
+        dp.barrier("waiting for the checkpoint to be recovered")
     _agree_or_raise(pg, [] if files.exists(path) else [f"no checkpoint at {os.fspath(path)!r} (no "
                                                        f"{files.METADATA} there)"], path, "missing")
     _agree_or_raise(pg, files.metadata_problems(path), path, "damaged")

@@ -1,5 +1,6 @@
 """Process groups and parameters across the pipeline's ranks: everything `compile` needs from torch.distributed.
 
+    split_mesh         a 2-D ("dp", "pp") DeviceMesh as its pipeline dimension and its data-parallel group
     resolve_group      the pipeline's ProcessGroup (a group, a 1-D DeviceMesh, or torchrun's environment)
     p2p_channels       one extra group per P2P direction (NCCL streams; gloo's I/O threads tuned on creation)
     holders            per parameter / buffer, the ranks whose stages use it ("which ranks hold X", once)
@@ -27,7 +28,7 @@ from zbcompile.ir.stages import StagedModel
 from zbcompile.runtime.host import process_threads, tune_io_threads
 from zbcompile.runtime.vocab_rows import shard_vocab_params
 
-__all__ = ["resolve_group", "p2p_channels", "collective_group", "holders", "device_for", "keep_only",
+__all__ = ["split_mesh", "resolve_group", "p2p_channels", "collective_group", "holders", "device_for", "keep_only",
            "sync_copies", "shard_vocab_params", "is_meta", "to_device"]
 
 
@@ -41,11 +42,33 @@ def holders(sched: Schedule, staged: StagedModel) -> dict[str, tuple[int, ...]]:
     return {n: tuple(sorted(r)) for n, r in sorted(found.items())}
 
 
+def split_mesh(group):
+    """(the pipeline's group as resolve_group takes it, the data-parallel ProcessGroup or None) of compile's
+    `group`: a 2-D DeviceMesh whose dimensions are named "dp" and "pp" (in either order) gives its "pp" dimension
+    and the group of its "dp" dimension; anything else is the pipeline's group alone."""
+    if not _is_mesh(group) or group.ndim == 1:
+        return group, None
+    names = tuple(group.mesh_dim_names or ())
+    if group.ndim > 2:
+        raise UsageError(f"a {group.ndim}-D DeviceMesh {names or ''} was given; zbcompile takes a 2-D mesh whose "
+                         "dimensions are named 'dp' and 'pp' (data x pipeline parallel), or its pipeline "
+                         "dimension alone, mesh['pp']")
+    if sorted(names) != ["dp", "pp"]:
+        raise UsageError(f"a 2-D DeviceMesh needs dimensions named 'dp' and 'pp', got {names or 'no names'}: "
+                         "init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp'))")
+    return group["pp"], group.get_group("dp")
+
+
+def _is_mesh(group) -> bool:
+    return group is not None and hasattr(group, "get_group") and hasattr(group, "mesh")
+
+
 def resolve_group(group, timeout: float):
     """(ProcessGroup or None, pipeline rank, pipeline size)."""
-    if group is not None and hasattr(group, "get_group") and hasattr(group, "mesh"):
+    if _is_mesh(group):
         if group.ndim != 1:
-            raise UsageError(f"a {group.ndim}-D DeviceMesh was given; pass its pipeline dimension, mesh['pp']")
+            raise UsageError(f"a {group.ndim}-D DeviceMesh was given; pass its pipeline dimension, mesh['pp'], or a "
+                             "2-D mesh whose dimensions are named 'dp' and 'pp'")
         group = group.get_group()
     if group is None:
         if not dist.is_initialized():

@@ -47,7 +47,9 @@ class CompileOptions:
         SplitPoints, or `pipe_split:<k>`). Default: the model's `pipe_split()` markers if it has any, else cuts
         balanced per rank for the schedule's placement.
     group: a ProcessGroup, a 1-D DeviceMesh (or a named dimension of one, `mesh["pp"]`), or None for the
-        default group (initialized from the torchrun environment when needed: gloo on CPU, NCCL on CUDA).
+        default group (initialized from the torchrun environment when needed: gloo on CPU, NCCL on CUDA). A 2-D
+        DeviceMesh with dimensions named "dp" and "pp" runs one pipeline per dp replica, each on its share of
+        the global batch, gradients averaged over dp (zbcompile/data_parallel.py).
     costs / mem_limit: read by zb-auto (and zbv / v-zb, which polish their order for uneven costs).
     init_fn: for a model built on the meta device. Each rank gives real storage (on its device) only to the
         parameters and buffers its own stages use, then calls `init_fn(module)` on every module that directly

@@ -1,6 +1,7 @@
 """PipelineModule: this rank's share of a pipeline-parallel model and its compiled step, as an nn.Module.
 
-`zbcompile.compile` returns one; `step(*batch)` trains on a whole batch, the state-dict methods see the user's
+`zbcompile.compile` returns one; `step(*batch)` trains on a whole batch, `evaluate(*batch)` and `pipe(*inputs)`
+run a forward-only step for the loss or the model's outputs, the state-dict methods see the user's
 keys (zbcompile/checkpoint.py), and the inspection methods read the compiled programs (memory plan, the
 generated code of any rank, the last step's timeline).
 """
@@ -59,7 +60,8 @@ class PipelineModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, compiled: Compiled, runtime: RankRuntime, rank: int,
-                 owned: tuple[str, ...], owned_buffers: tuple[str, ...] = (), group=None, *, runtime_for=None):
+                 owned: tuple[str, ...], owned_buffers: tuple[str, ...] = (), group=None, *, runtime_for=None,
+                 dp=None):
         from zbcompile.checkpoint import attach_share
 
         super().__init__()
@@ -81,6 +83,7 @@ class PipelineModule(nn.Module):
         self._runtime_for = runtime_for
         self._forward: dict[tuple[bool, bool], RankRuntime] = {}
         self._failure: str | None = None   # the RuntimeFailure after which nothing more may run
+        self._dp = dp   # zbcompile.data_parallel.Replicas: this rank's data-parallel group, or None
         self._calls: dict[str, int] = {}   # step / evaluate / forward calls past the batch check (check_batch)
         self.offload_report = compiled.offload   # per rank, what activation offload chose (compile's offload=)
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
@@ -110,9 +113,14 @@ class PipelineModule(nn.Module):
         scaled)."""
         self._check_step_context()
         self._seed(scaler)
-        self._check_batch(batch, "step")
+        local = self._share(batch, "step")
+        self._check_batch(local, "step")
         self._check_same_batch(batch, "step")
-        return self.runtime.step_batch(batch)
+        loss = self.runtime.step_batch(local)
+        if self._dp is None:
+            return loss
+        self._dp.average_grads(list(self.parameters()))
+        return self._dp.mean(loss, self.runtime.device)
 
     @_unusable_after_a_failure
     def forward(self, *inputs: torch.Tensor):
@@ -122,13 +130,21 @@ class PipelineModule(nn.Module):
         leaf, e.g. an auxiliary loss, one value per microbatch). Returned on the rank that runs the loss stage,
         None on the others (as torch.distributed.pipelining's eval). Call it on every rank; `pipe(*inputs)`
         calls it."""
-        self._check_batch(inputs, "forward", targets=False)
+        local = self._share(inputs, "forward")
+        self._check_batch(local, "forward", targets=False)
         runtime = self._forward.get((self.training, True)) or self._forward_runtime(self.training, outputs=True)
         self._check_same_batch(inputs, "forward")
         with torch.inference_mode(False):
-            flat = runtime.run_batch(inputs)
-        return None if flat is None else _rebuild(flat, self.staged.meta["outputs"].outputs,
-                                                  self.schedule.num_microbatches)
+            flat = runtime.run_batch(local)
+        if flat is None:
+            return None
+        outputs = _rebuild(flat, self.staged.meta["outputs"].outputs, self.schedule.num_microbatches)
+        if self._dp is None:
+            return outputs
+        leaves, spec = torch.utils._pytree.tree_flatten(outputs)
+        tensors = iter(self._dp.gather([t for t in leaves if isinstance(t, torch.Tensor)]))
+        return torch.utils._pytree.tree_unflatten([next(tensors) if isinstance(t, torch.Tensor) else t
+                                                   for t in leaves], spec)
 
     @_unusable_after_a_failure
     def evaluate(self, *batch: torch.Tensor) -> float:
@@ -137,11 +153,17 @@ class PipelineModule(nn.Module):
         eval(), dropout is off and BatchNorm uses (and keeps) its running statistics; in train mode it is the
         forward of a training step (what `with torch.no_grad(): loss_fn(model(x), y)` does). The forward-only
         programs are lowered from the same split when first asked for. Call it on every rank."""
-        self._check_batch(batch, "evaluate")
+        local = self._share(batch, "evaluate")
+        self._check_batch(local, "evaluate")
         runtime = self._forward.get((self.training, False)) or self._forward_runtime(self.training)
         self._check_same_batch(batch, "evaluate")
         with torch.inference_mode(False):   # the step's buffers must stay usable outside inference_mode too
-            return runtime.step_batch(batch)
+            loss = runtime.step_batch(local)
+            return loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
+
+    def _share(self, batch: Sequence[torch.Tensor], what: str) -> Sequence[torch.Tensor]:
+        """This data-parallel replica's rows of the global batch (the batch itself without data parallelism)."""
+        return batch if self._dp is None else self._dp.share(batch, self.schedule.num_microbatches, what)
 
     def _forward_runtime(self, training: bool, outputs: bool = False) -> RankRuntime:
         from zbcompile.compiler import compile_forward
@@ -181,6 +203,8 @@ class PipelineModule(nn.Module):
         if every is not False and (calls == 0 or (every is not True and calls % every == 0)):
             with torch.inference_mode(False):
                 agreement.check_batch(batch, self._gather, self.rank, what)
+                if self._dp is not None:   # the global batch: the same on every replica too
+                    agreement.check_batch(batch, self._dp.allgather, self.rank, what)
         self._calls[what] = calls + 1
 
     def _check_step_context(self) -> None:

@@ -1,0 +1,58 @@
+"""Pipeline x data parallel on a 2-D DeviceMesh (zbcompile/data_parallel.py): four processes (gloo) as dp=2 x
+pp=2, one launch of tests/distributed/workers/dp_worker.py, every case against eager single-process training on
+the global batch (float64)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from support.launch import launch
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "dp_worker.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch(WORKER, 4, tmp_path_factory.mktemp("dp"))
+
+
+def _case(ranks, tag):
+    for r, res in enumerate(ranks):
+        assert "error" not in res[tag], f"rank {r} {tag}:\n{res[tag]['error']}"
+        yield r, res[tag]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv", "interleaved-1f1b", "1f1b-vocab"])
+def test_replicated_data_parallel_trains_equal_to_eager(ranks, schedule):
+    """Three AdamW steps: the global mean loss of each, every gradient (averaged over the replicas) and the
+    parameters after the last step equal eager's on the global batch, on every rank of both replicas."""
+    for r, got in _case(ranks, f"train/{schedule}"):
+        for a, b in zip(got["got"], got["want"], strict=True):
+            assert abs(a - b) <= 1e-9 * abs(b), (r, got)
+        assert got["grad_err"] <= 1e-9 and got["param_err"] <= 1e-9, (r, got)
+
+
+def test_evaluate_and_outputs_cover_the_global_batch(ranks):
+    holders = []
+    for r, got in _case(ranks, "eval"):
+        assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], (r, got)
+        if got["holds"]:
+            holders.append(r)
+            assert got["out_err"] <= 1e-9, (r, got)
+    assert len(holders) == 2, holders   # the last stage's rank of each replica, both with the whole batch
+
+
+def test_a_checkpoint_saved_at_dp2_pp2_loads_into_the_plain_model(ranks):
+    got = dict(_case(ranks, "checkpoint"))[0]
+    assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], got
+
+
+def test_bad_meshes_and_batches_are_refused(ranks):
+    for r, got in _case(ranks, "errors"):
+        assert "dimensions named 'dp' and 'pp'" in got["no_pp"], got
+        assert "3-D DeviceMesh" in got["three_d"], got
+        assert "do not split into dp=2 replicas x 4 microbatches" in got["rows"], got

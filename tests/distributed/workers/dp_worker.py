@@ -1,0 +1,140 @@
+"""One rank of tests/distributed/test_data_parallel.py: four processes as a (dp=2, pp=2) DeviceMesh.
+
+    train/<schedule>   a float64 GPT compiled with group=mesh, 3 AdamW steps on global batches: each step's loss,
+                       every gradient (this rank's share, against eager's on the global batch) and the parameters
+                       after the last step, next to eager single-process training on the same global batches
+    eval               evaluate() and pipe(x) on the global batch, against eager in eval mode
+    checkpoint         saved at pp=2 x dp=2 (replica 0 writes), loaded into the plain model in one process (rank
+                       0): its next step equals the uninterrupted run's
+    errors             a mesh without "pp", a 3-D mesh, a batch that does not split into dp x microbatches
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import torch
+
+torch.set_num_threads(1)
+
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+from support.launch import worker_main  # noqa: E402
+from support.loops import rel, shard_of  # noqa: E402
+from support.models import eager_accumulated, gpt  # noqa: E402
+
+import zbcompile.api as zb  # noqa: E402
+from zbcompile import checkpoint  # noqa: E402
+from zbcompile.errors import UsageError  # noqa: E402
+
+DP, PP, M, STEPS = 2, 2, 4, 3
+
+
+def batches(k: int):
+    g = torch.Generator().manual_seed(100 + k)
+    return torch.randint(0, 64, (2 * DP * M, 8), generator=g), torch.randint(0, 64, (2 * DP * M, 8), generator=g)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def compile_on(mesh, schedule: str, **options):
+    model, loss_fn, (x, y), _ = gpt(layers=4, batch=2)
+    model = model.double()
+    pipe = zb.compile(copy.deepcopy(model), schedule=schedule, microbatches=M, loss_fn=loss_fn,
+                      example=((x[:2],), (y[:2],)), group=mesh, timeout=120, **options)
+    return model, loss_fn, pipe
+
+
+def train_case(mesh, schedule: str, **options) -> dict:
+    model, loss_fn, pipe = compile_on(mesh, schedule, **options)
+    ref, opt = copy.deepcopy(model), adamw(pipe.parameters())
+    opt_ref = adamw(ref.parameters())
+    refp = dict(ref.named_parameters())
+    got, want, grad_errs = [], [], []
+    for k in range(STEPS):
+        x, y = batches(k)
+        want.append(eager_accumulated(ref, loss_fn, x, y, DP * M))
+        got.append(pipe.step(x, y))
+        grad_errs.append(max(rel(p.grad, shard_of(refp[n].grad, p.grad, pipe.rank))
+                             for n, p in pipe.named_parameters()))
+        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+    param_err = max(rel(p.detach(), shard_of(refp[n].detach(), p, pipe.rank)) for n, p in pipe.named_parameters())
+    return dict(got=got, want=want, grad_err=max(grad_errs), param_err=param_err)
+
+
+def eval_case(mesh) -> dict:
+    model, loss_fn, pipe = compile_on(mesh, "zbv")
+    x, y = batches(0)
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        want_out = ref(x)
+        want = sum(loss_fn(ref(a), b).item() for a, b in zip(x.chunk(DP * M), y.chunk(DP * M))) / (DP * M)
+    got = pipe.eval().evaluate(x, y)
+    out = pipe(x)
+    return dict(got=got, want=want, out_err=None if out is None else rel(out, want_out),
+                holds=out is not None)
+
+
+def checkpoint_case(mesh, where: str) -> dict:
+    """Two steps at pp=2 x dp=2 (zb-h1), save; rank 0 loads into the plain model and takes the third step."""
+    model, loss_fn, pipe = compile_on(mesh, "zb-h1")
+    opt = adamw(pipe.parameters())
+    ref = copy.deepcopy(model)
+    opt_ref = adamw(ref.parameters())
+    for k in range(2):
+        pipe.step(*batches(k))
+        opt.step(), opt.zero_grad()
+        eager_accumulated(ref, loss_fn, *batches(k), DP * M)
+        opt_ref.step(), opt_ref.zero_grad()
+    checkpoint.save(where, pipe, opt)
+    dist.barrier()
+    want = eager_accumulated(ref, loss_fn, *batches(2), DP * M)
+    if dist.get_rank() != 0:
+        return dict(want=want)
+    plain = copy.deepcopy(model)
+    plain_opt = adamw(plain.parameters())
+    checkpoint.load(where, plain, plain_opt)
+    return dict(want=want, got=eager_accumulated(plain, loss_fn, *batches(2), DP * M))
+
+
+def errors_case(mesh) -> dict:
+    out = {}
+    for tag, bad in (("no_pp", lambda: init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "tp"))),
+                     ("three_d", lambda: init_device_mesh("cpu", (1, DP, PP), mesh_dim_names=("x", "dp", "pp")))):
+        try:
+            compile_on(bad(), "1f1b")
+            out[tag] = "compiled"
+        except UsageError as e:
+            out[tag] = str(e)
+    _, _, pipe = compile_on(mesh, "1f1b")
+    x, y = batches(0)
+    try:
+        pipe.step(x[:-2], y[:-2])
+        out["rows"] = "stepped"
+    except UsageError as e:
+        out["rows"] = str(e)
+    return out
+
+
+def run(rank: int, pp: int, out: str) -> dict:
+    mesh = init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "pp"))
+    cases = {f"train/{s}": (lambda s=s: train_case(mesh, s)) for s in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b")}
+    cases["train/1f1b-vocab"] = lambda: train_case(mesh, "1f1b", vocab_parallel=True)
+    cases["eval"] = lambda: eval_case(mesh)
+    cases["checkpoint"] = lambda: checkpoint_case(mesh, f"{out}/ckpt")
+    cases["errors"] = lambda: errors_case(mesh)
+    results = {}
+    for tag, case in cases.items():
+        try:
+            results[tag] = case()
+        except Exception:
+            results[tag] = dict(error=traceback.format_exc())
+    return results
+
+
+if __name__ == "__main__":
+    worker_main(run)

@@ -1,0 +1,113 @@
+"""Replicated data parallelism across pipelines: `zb.compile(..., group=mesh)` with a 2-D DeviceMesh whose
+dimensions are named "dp" and "pp".
+
+    mesh = init_device_mesh("cuda", (dp, pp), mesh_dim_names=("dp", "pp"))
+    pipe = zb.compile(model, schedule="zbv", microbatches=8, loss_fn=loss_fn, example=(x_mb, y_mb), group=mesh)
+    loss = pipe.step(x, y)        # the global batch, on every rank; the global mean loss
+
+Every dp replica is one pipeline running the same programs (compiled once per rank, as without dp) on its share
+of the global batch: rows [d * B/dp, (d + 1) * B/dp) for replica d, in `microbatches` microbatches. The ranks that
+hold the same pipeline rank in every replica form a "dp" group; through it
+
+- at `place`: the replicas' fingerprints are compared (zbcompile/agreement.py) and every parameter and buffer is
+  broadcast from replica 0 (DDP's start), so replicas that initialized differently start equal;
+- after each step: every gradient of the rank is averaged over the replicas, one all-reduce per dtype (DDP
+  semantics: what a step adds to `.grad` is averaged; what `.grad` held before is the same on every replica, so
+  averaging it leaves it as it was), and the loss returned is the global mean;
+- `evaluate` averages the loss and `pipe(x)` gathers the replicas' outputs in batch order.
+
+The reductions run after the pipeline's last W, exposed, as a step without overlap would; placing each one
+right after the op that finishes its gradient (#28) is not built yet, nor sharded data parallelism. Buffers
+(BatchNorm's running statistics) are updated per replica from its own share, as DDP with broadcast_buffers=False.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zbcompile.errors import RuntimeFailure, UsageError
+
+__all__ = ["Replicas"]
+
+
+class Replicas:
+    """This rank's data-parallel group: the same pipeline rank in every replica."""
+
+    def __init__(self, group, timeout: float) -> None:
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+        self.timeout = timedelta(seconds=timeout)
+
+    def share(self, batch: Sequence[torch.Tensor], microbatches: int, what: str) -> tuple[torch.Tensor, ...]:
+        """This replica's rows of the global batch; UsageError where a batch does not split into dp x m."""
+        n = self.size * microbatches
+        for i, t in enumerate(batch):
+            rows = t.shape[0] if t.dim() else 0
+            if rows % n or not rows:
+                raise UsageError(f"{what}(): batch argument {i} has {rows} rows, which do not split into dp={self.size} "
+                                 f"replicas x {microbatches} microbatches; hand every rank the global batch, a "
+                                 f"multiple of {n} rows")
+        return tuple(t.chunk(self.size)[self.rank] for t in batch)
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as e:
+            raise RuntimeFailure(f"dp rank {self.rank}: {what} over the data-parallel group failed: {e}") from e
+        if ok is False:
+            raise RuntimeFailure(f"dp rank {self.rank}: {what} over the data-parallel group did not finish within "
+                                 f"{self.timeout.total_seconds()} s")
+
+    def broadcast_state(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Replica 0's values of `tensors` (this rank's parameters and buffers) on every replica."""
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            works = [dist.broadcast(t.detach(), src, group=self.group, async_op=True) for t in tensors]
+        for w in works:
+            self._wait(w, "broadcasting replica 0's parameters")
+
+    def average_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Every gradient averaged over the replicas: one flat all-reduce per dtype."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._wait(dist.all_reduce(flat, group=self.group, async_op=True), "averaging the gradients")
+            flat /= self.size
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+
+    def mean(self, value: float, device: torch.device) -> float:
+        """The mean of `value` over the replicas (the global batch's loss: replicas hold equal shares)."""
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        self._wait(dist.all_reduce(t, group=self.group, async_op=True), "averaging the loss")
+        return float(t.item()) / self.size
+
+    def allgather(self, values: torch.Tensor) -> torch.Tensor:
+        """Every replica's `values` (a small 1-d tensor) stacked in replica order (agreement.check_batch)."""
+        if dist.get_backend(self.group) == "nccl":   # NCCL gathers device tensors only
+            values = values.to(torch.device("cuda", torch.cuda.current_device()))
+        parts = [torch.empty_like(values) for _ in range(self.size)]
+        self._wait(dist.all_gather(parts, values, group=self.group, async_op=True), "comparing the batches")
+        return torch.stack(parts)
+
+    def barrier(self, what: str) -> None:
+        """Wait for every replica (a one-element all-reduce: a barrier that works on every backend)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else None
+        self._wait(dist.all_reduce(torch.zeros(1, device=device), group=self.group, async_op=True), what)
+
+    def gather(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor's replicas concatenated on dim 0 in replica order (the model's outputs, in batch order)."""
+        out = []
+        for t in tensors:
+            parts = [torch.empty_like(t) for _ in range(self.size)]
+            self._wait(dist.all_gather(parts, t.contiguous(), group=self.group, async_op=True),
+                       "gathering the outputs")
+            out.append(torch.cat(parts))
+        return out
