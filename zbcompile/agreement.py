@@ -1,6 +1,6 @@
 """Ranks that disagree are refused, on every rank, before they exchange a single tensor.
 
-    check_agreement(model, compiled, pg, rank)   at compile, before the first message between ranks
+    check_agreement(model, compiled, (pg, rank), ...)   at compile, before the first message between ranks
     check_batch(batch, gather, rank, what)       on step() / evaluate(): the same batch on every rank
 
 Every rank of a pipeline compiles the same model with the same options and runs its own share of the SAME
@@ -106,21 +106,23 @@ def _ranks(rs: list[int]) -> str:
     return f"rank {rs[0]}" if len(rs) == 1 else "ranks " + ", ".join(map(str, rs))
 
 
-def check_agreement(model: nn.Module, compiled, pg, rank: int) -> None:
-    """All-gather every rank's fingerprint over the pipeline group and raise DisagreementError on every rank
-    where they differ. Runs before any other message between the ranks, so a mismatch cannot hang or abort
-    anything first. A group that is no torch.distributed ProcessGroup (the tests' stand-ins) is not checked."""
-    if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup):
-        return
-    mine = fingerprint(model, compiled)
-    prints: list = [None] * pg.size()
-    dist.all_gather_object(prints, mine, group=pg)
-    diff = first_difference(prints)
-    if diff is not None:
-        raise DisagreementError(
-            f"rank {rank}: the pipeline's ranks compiled different things; the first difference is {diff}. Every "
-            "rank must compile the same model with the same options (and the same torch and zbcompile): check "
-            "what builds the model on each rank (seeds, config, command-line arguments)")
+def check_agreement(model: nn.Module, compiled, *groups: tuple[object, int]) -> None:
+    """All-gather this rank's fingerprint over each (group, rank in it) of `groups` (the pipeline's, then the
+    data-parallel one) and raise DisagreementError on every rank where they differ. Runs before any other
+    message between the ranks, so a mismatch cannot hang or abort anything first. A group that is no
+    torch.distributed ProcessGroup (the tests' stand-ins) is not checked."""
+    groups = tuple((pg, rank) for pg, rank in groups
+                   if pg is not None and pg.size() > 1 and isinstance(pg, dist.ProcessGroup))
+    mine = fingerprint(model, compiled) if groups else None   # made once, compared in every group
+    for pg, rank in groups:
+        prints: list = [None] * pg.size()
+        dist.all_gather_object(prints, mine, group=pg)
+        diff = first_difference(prints)
+        if diff is not None:
+            raise DisagreementError(
+                f"rank {rank}: the pipeline's ranks compiled different things; the first difference is {diff}. "
+                "Every rank must compile the same model with the same options (and the same torch and "
+                "zbcompile): check what builds the model on each rank (seeds, config, command-line arguments)")
 
 
 def batch_checksum(batch: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -99,9 +99,8 @@ def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = 
     if schedule.num_ranks != world:
         raise UsageError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
                          f"has {world}")
-    check_agreement(model, compiled, pg, rank)   # before the first message: ranks that built other things refuse
-    if dp is not None:
-        check_agreement(model, compiled, dp.group, dp.rank)
+    # before the first message: ranks (and replicas) that built other things refuse
+    check_agreement(model, compiled, (pg, rank), *([(dp.group, dp.rank)] if dp is not None else []))
     device = device_for(model, pg)
     mine = compiled.stages_of(rank)
     vocab = staged.vocab.params if staged.vocab is not None else ()

@@ -117,10 +117,14 @@ def _mismatches(got: Mapping[str, tuple], want: Mapping[str, tuple], *, strict: 
 
 
 def _message(what: str, problems: list[str], fix: str) -> str:
-    shown = "\n  ".join(problems[:_SHOWN])
+    return (f"{what} does not fit this model, nothing was loaded; {len(problems)} mismatch(es):\n  "
+            f"{_listing(problems)}\nIt comes from another model or another configuration of it: {fix}.")
+
+
+def _listing(problems: list[str]) -> str:
+    """The first _SHOWN problems, one per line, and how many more there are."""
     more = f"\n  ... and {len(problems) - _SHOWN} more" if len(problems) > _SHOWN else ""
-    return (f"{what} does not fit this model, nothing was loaded; {len(problems)} mismatch(es):\n  {shown}{more}\n"
-            f"It comes from another model or another configuration of it: {fix}.")
+    return "\n  ".join(problems[:_SHOWN]) + more
 
 
 # ---- save / load ------------------------------------------------------------------------------------------
@@ -222,15 +226,20 @@ def _exchange(pg, value) -> list:
     return out
 
 
+def _everyones(pg, problems: list[str]) -> list[str]:
+    """Every rank's problems, combined in rank order: each rank then raises the same error, or none does (no
+    rank is left waiting on one that raised)."""
+    return list(dict.fromkeys(p for part in _exchange(pg, problems) for p in part))
+
+
 def _agree_or_raise(pg, problems: list[str], path: Path, kind: str) -> None:
-    """Every rank's problems combined; CheckpointError on every rank where there are any."""
-    found = list(dict.fromkeys(p for part in _exchange(pg, problems) for p in part))
+    """CheckpointError on every rank where any rank found a problem."""
+    found = _everyones(pg, problems)
     if found:
-        more = f"\n  ... and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
-        shown = "\n  ".join(found[:_SHOWN]) + more
         fix = {"missing": "check the path (and that the save finished)",
                "damaged": "load an earlier checkpoint; the model and the optimizer were not changed"}[kind]
-        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: {kind}, nothing was loaded:\n  {shown}\n{fix}")
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: {kind}, nothing was loaded:\n  {_listing(found)}\n"
+                              f"{fix}")
 
 
 def _distributed(pg) -> bool:
@@ -306,11 +315,7 @@ def _vocab_names(module: nn.Module, vocab) -> set[str]:
 
 
 def _check_checkpoint(path, module: nn.Module, optimizer, pg) -> None:
-    problems = _checkpoint_problems(path, module, optimizer)
-    if _distributed(pg):   # every rank raises, with every rank's findings, or none does (no rank left waiting)
-        found: list = [None] * pg.size()
-        dist.all_gather_object(found, problems, group=pg)
-        problems = list(dict.fromkeys(p for rank_problems in found for p in rank_problems))
+    problems = _everyones(pg, _checkpoint_problems(path, module, optimizer))
     if problems:
         raise CheckpointError(_message(f"checkpoint {os.fspath(path)!r}", problems,
                                        "load it into the model (and optimizer) it was saved from"))

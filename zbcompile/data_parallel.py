@@ -91,16 +91,20 @@ class Replicas:
 
     def allgather(self, values: torch.Tensor) -> torch.Tensor:
         """Every replica's `values` (a small 1-d tensor) stacked in replica order (agreement.check_batch)."""
-        if dist.get_backend(self.group) == "nccl":   # NCCL gathers device tensors only
-            values = values.to(torch.device("cuda", torch.cuda.current_device()))
+        values = values.to(self._device(values.device))
         parts = [torch.empty_like(values) for _ in range(self.size)]
         self._wait(dist.all_gather(parts, values, group=self.group, async_op=True), "comparing the batches")
         return torch.stack(parts)
 
     def barrier(self, what: str) -> None:
         """Wait for every replica (a one-element all-reduce: a barrier that works on every backend)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else None
-        self._wait(dist.all_reduce(torch.zeros(1, device=device), group=self.group, async_op=True), what)
+        self._wait(dist.all_reduce(torch.zeros(1, device=self._device()), group=self.group, async_op=True), what)
+
+    def _device(self, default: torch.device | str = "cpu") -> torch.device:
+        """Where this group's collectives take their tensors: the current CUDA device on NCCL."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(default)
 
     def gather(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each tensor's replicas concatenated on dim 0 in replica order (the model's outputs, in batch order)."""

@@ -131,6 +131,20 @@ def _text(data: bytes) -> str:
     return data.decode(errors="replace").replace("\r\n", "\n").replace("\r", "\n")
 
 
+def run_cases(cases) -> dict:
+    """A worker's cases ({tag: no-argument callable}) run in order: each one's result, or its traceback as
+    {"error": ...}, so that one failing case neither hides the others nor leaves the launch's peers waiting."""
+    import traceback
+
+    results = {}
+    for tag, case in cases.items():
+        try:
+            results[tag] = case()
+        except Exception:
+            results[tag] = dict(error=traceback.format_exc())
+    return results
+
+
 def worker_main(run) -> None:
     """A worker's entry point, the other end of `launch`: `run(rank, pp, out)` under the torchrun environment,
     its results written as `<out>/rank<r>.json`; the process then ends without tearing down process groups."""

@@ -207,11 +207,7 @@ class RankRuntime:
         """Run this rank's program on the whole batch (flat user arguments, already checked against the traced
         microbatch shapes, split on dim 0 into num_microbatches); returns the batch's mean loss."""
         if self._staged is None:
-            m = self.ir.microbatches
-            data: list = [None] * len(batch)
-            for i in self.data_args:   # only what this rank's stages read: a last stage needs no inputs
-                data[i] = batch[i].to(self.device, non_blocking=True).chunk(m)   # m views in one C++ call
-            return self.step(data)
+            return self.step(self._microbatches(batch))
         bufs, args = self._staged
         for i, buf in bufs:   # one copy per argument; the microbatch views were cut when the buffers were made
             buf.copy_(batch[i])
@@ -230,16 +226,25 @@ class RankRuntime:
         if self.captured is not None:
             raise CaptureError("a captured step reads the batch from its static input buffers: call step_batch "
                                "(PipelineModule.step), which copies the batch into them")
-        return self._run([self._fixed[n] if d is None else data[d[1]][d[0]]
-                          for n, d in zip(self.ir.inputs, self._data)])
+        return self._run(self._arguments(data))
 
     def run_batch(self, batch: Sequence[torch.Tensor]):
         """Run this rank's program on the whole batch and return what the program returns, without the loss's
         all-gather: a forward returning the model's outputs (`outputs`: every microbatch's out:<k>) or None."""
+        return self._execute(self._arguments(self._microbatches(batch)))
+
+    def _microbatches(self, batch: Sequence[torch.Tensor]) -> list:
+        """Per flat argument this rank reads, its microbatches on this rank's device (None for the others: a last
+        stage needs no inputs)."""
         m = self.ir.microbatches
-        chunks = {i: batch[i].to(self.device, non_blocking=True).chunk(m) for i in self.data_args}
-        return self._execute([self._fixed[n] if d is None else chunks[d[1]][d[0]]
-                              for n, d in zip(self.ir.inputs, self._data)])
+        data: list = [None] * len(batch)
+        for i in self.data_args:
+            data[i] = batch[i].to(self.device, non_blocking=True).chunk(m)   # m views in one C++ call
+        return data
+
+    def _arguments(self, data) -> list:
+        """The program's arguments: the fixed inputs, and microbatch mb of argument i where it reads data."""
+        return [self._fixed[n] if d is None else data[d[1]][d[0]] for n, d in zip(self.ir.inputs, self._data)]
 
     def _run(self, args: list) -> float:
         return self._gather(self._execute(args))

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import copy
-import traceback
 
 import torch
 
@@ -21,7 +20,7 @@ torch.set_num_threads(1)
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from support.launch import worker_main  # noqa: E402
+from support.launch import run_cases, worker_main  # noqa: E402
 from support.loops import rel, shard_of  # noqa: E402
 from support.models import eager_accumulated, gpt  # noqa: E402
 
@@ -127,13 +126,7 @@ def run(rank: int, pp: int, out: str) -> dict:
     cases["eval"] = lambda: eval_case(mesh)
     cases["checkpoint"] = lambda: checkpoint_case(mesh, f"{out}/ckpt")
     cases["errors"] = lambda: errors_case(mesh)
-    results = {}
-    for tag, case in cases.items():
-        try:
-            results[tag] = case()
-        except Exception:
-            results[tag] = dict(error=traceback.format_exc())
-    return results
+    return run_cases(cases)
 
 
 if __name__ == "__main__":

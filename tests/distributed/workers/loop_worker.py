@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import copy
 import math
-import traceback
 
 import torch
 
 torch.set_num_threads(1)
 
-from support.launch import worker_main  # noqa: E402
+from support.launch import run_cases, worker_main  # noqa: E402
 from support.loops import CUT_CASES, eager_step, mixtral_moe, rel, shard_of, titan_loss  # noqa: E402
 from support.models import Case, gpt, mlp  # noqa: E402
 
@@ -212,13 +211,7 @@ def run(rank: int, pp: int, out: str) -> dict:
         "titan": lambda: titan_case(pp, m),
         **{f"cut/{name}": (lambda name=name: cut_case(pp, m, name)) for name in CUT_CASES},
     }
-    results = {}
-    for tag, case in cases.items():
-        try:
-            results[tag] = case()
-        except Exception:
-            results[tag] = dict(error=traceback.format_exc())
-    return results
+    return run_cases(cases)
 
 
 if __name__ == "__main__":
