@@ -63,7 +63,8 @@ def _decorate(cls: type[nn.Module], *, options: CompileOptions):
 def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
     """split -> schedule -> lower for every rank, then this rank's share and runtime, under `options`."""
     resolved, dp = _resolve(options)
-    compiled = compile_programs(model, options, resolved[2], device=device_for(model, resolved[0]))
+    compiled = compile_programs(model, options, resolved[2], device=device_for(model, resolved[0]),
+                                replicas=dp.size if dp is not None else 1)
     return place(model, compiled, resolved, dp)
 
 
@@ -71,7 +72,8 @@ def from_staged(model: nn.Module, staged: StagedModel, schedule: Schedule, **opt
     """compile_with for an already split model: `options` as compile's, without loss_fn / example."""
     checked = CompileOptions.from_kwargs((), schedule=schedule, microbatches=schedule.num_microbatches, **options)
     resolved, dp = _resolve(checked)
-    compiled = compile_staged(staged, schedule, checked, device=device_for(model, resolved[0]))
+    compiled = compile_staged(staged, schedule, checked, device=device_for(model, resolved[0]),
+                              replicas=dp.size if dp is not None else 1)
     return place(model, compiled, resolved, dp)
 
 
@@ -99,6 +101,10 @@ def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = 
     if schedule.num_ranks != world:
         raise UsageError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
                          f"has {world}")
+    replicas = dp.size if dp is not None else 1
+    if compiled.replicas != replicas:   # else the gradients would go unaveraged, or be divided wrongly
+        raise UsageError(f"the programs were compiled for {compiled.replicas} data-parallel replica(s) but the mesh "
+                         f"has {replicas}; compile with the mesh you place on (compile_programs(..., replicas=))")
     # before the first message: ranks (and replicas) that built other things refuse
     check_agreement(model, compiled, (pg, rank), *([(dp.group, dp.rank)] if dp is not None else []))
     device = device_for(model, pg)
@@ -126,6 +132,7 @@ def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = 
         return RankRuntime(programs[rank], emit_fx(programs[rank], abi), pg=pg, device=device, params=params,
                            buffers=buffers, timeout=options.timeout, channels=channels, peers=programs,
                            constants=constants, collectives=collectives,
+                           replicas=dp.group if dp is not None else None,
                            profiled=lambda: emit_fx(programs[rank], abi, profile=True), **graphs)
 
     runtime = runtime_for(compiled.programs, cuda_graphs=options.capture,

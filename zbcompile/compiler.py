@@ -56,6 +56,7 @@ class Compiled:
     schedule: Schedule
     programs: tuple[RankProgram, ...]
     offload: tuple | None = None   # per rank, an offload_plan.RankOffload (None: no offload asked for)
+    replicas: int = 1              # data-parallel replicas the programs average their gradients over
 
     def stages_of(self, rank: int) -> list:
         """The model stages `rank` runs, in the schedule's stage order (a model stage once per placement)."""
@@ -76,9 +77,10 @@ class Compiled:
 
 def compile_programs(model: nn.Module, options: CompileOptions, num_ranks: int, *,
                      device: torch.device | str | None = None, time_model: str | None = None,
-                     lint_capture: bool = True) -> Compiled:
-    """Trace, split, schedule and lower `model` for `num_ranks` pipeline ranks. `device`: where the ranks run
-    (a model on the meta device is traced with the example moved there; None: as given). time_model: the offload planner's device model (h100, a100,
+                     lint_capture: bool = True, replicas: int = 1) -> Compiled:
+    """Trace, split, schedule and lower `model` for `num_ranks` pipeline ranks, each pipeline one of `replicas`
+    data-parallel replicas (more than one: the programs average the gradients over them). `device`: where the
+    ranks run (a model on the meta device is traced with the example moved there; None: as given). time_model: the offload planner's device model (h100, a100,
     cpu; default by the device's type). lint_capture: with cuda_graphs, raise CaptureError for programs that
     cannot be captured (inspect --capture-check lists the problems instead)."""
     with _phase("schedule", f"{options.schedule if isinstance(options.schedule, str) else options.schedule.name}, "
@@ -88,18 +90,19 @@ def compile_programs(model: nn.Module, options: CompileOptions, num_ranks: int, 
         staged = split_for(model, options.loss_fn, options.example, schedule, split_points=options.split_points,
                            device=device)
     return compile_staged(staged, schedule, options, device=device, time_model=time_model,
-                          lint_capture=lint_capture)
+                          lint_capture=lint_capture, replicas=replicas)
 
 
 def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOptions, *,
                    device: torch.device | str | None = None, time_model: str | None = None,
-                   offload_choices: Sequence | None = None, lint_capture: bool = True) -> Compiled:
+                   offload_choices: Sequence | None = None, lint_capture: bool = True,
+                   replicas: int = 1) -> Compiled:
     """compile_programs from an already split model (split once, try several schedules or options).
     offload_choices: one passes.lower.OffloadChoice per rank (or None), taken as they are instead of planning
     options.offload (the tests and benchmarks that try given choices)."""
     check_fits(staged, schedule)
     with _phase("lower", f"{schedule.name}, {schedule.num_ranks} ranks"):
-        programs = lower(schedule, staged, options)
+        programs = lower(schedule, staged, options, replicas)
     report = None
     if offload_choices is not None:
         programs = _with_offload(programs, offload_choices)
@@ -112,7 +115,7 @@ def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOpti
 
         check_capture(programs)
     _warn_mirrored_buffer_updates(staged, schedule)
-    return Compiled(options, staged, schedule, programs, report)
+    return Compiled(options, staged, schedule, programs, report, replicas)
 
 
 def compile_forward(compiled: Compiled, training: bool, outputs: bool = False) -> tuple[RankProgram, ...]:
@@ -188,11 +191,14 @@ def check_fits(staged: StagedModel, schedule: Schedule) -> None:
                          "(passes.schedules.vocab.insert_vocab adds the vocabulary actions to a schedule)")
 
 
-def lower(schedule: Schedule, staged: StagedModel, options: CompileOptions) -> tuple[RankProgram, ...]:
-    """Every rank's finished program: passes.lower.pipeline's pass list for the options."""
-    from zbcompile.passes.lower import Lowering, lower_all
+def lower(schedule: Schedule, staged: StagedModel, options: CompileOptions,
+          replicas: int = 1) -> tuple[RankProgram, ...]:
+    """Every rank's finished program: passes.lower.pipeline's pass list for the options (with `replicas` > 1,
+    the gradients' data-parallel reductions placed as options.dp_bucket_mb / dp_overlap say)."""
+    from zbcompile.passes.lower import DataParallel, Lowering, lower_all
 
-    return lower_all(schedule, staged, Lowering(capture=options.capture, backend=options.backend))
+    dp = DataParallel(options.dp_bucket_mb, options.dp_overlap) if replicas > 1 else None
+    return lower_all(schedule, staged, Lowering(capture=options.capture, backend=options.backend, dp=dp))
 
 
 def _offload(programs, budget, time_model: str):

@@ -11,14 +11,16 @@ hold the same pipeline rank in every replica form a "dp" group; through it
 
 - at `place`: the replicas' fingerprints are compared (zbcompile/agreement.py) and every parameter and buffer is
   broadcast from replica 0 (DDP's start), so replicas that initialized differently start equal;
-- after each step: every gradient of the rank is averaged over the replicas, one all-reduce per dtype (DDP
-  semantics: what a step adds to `.grad` is averaged; what `.grad` held before is the same on every replica, so
-  averaging it leaves it as it was), and the loss returned is the global mean;
+- in each step: the program itself averages every gradient over the replicas (DDP semantics: what a step adds
+  to `.grad` is averaged). The lowering (passes/lower/dp_reduce.py) buckets the gradients that become final
+  together and posts each bucket's all-reduce right after the op that finishes them, so it overlaps the rest of
+  the step's B and W work; the waits come at the end, where the optimizer needs the gradients. The loss
+  returned is the global mean;
 - `evaluate` averages the loss and `pipe(x)` gathers the replicas' outputs in batch order.
 
-The reductions run after the pipeline's last W, exposed, as a step without overlap would; placing each one
-right after the op that finishes its gradient (#28) is not built yet, nor sharded data parallelism. Buffers
-(BatchNorm's running statistics) are updated per replica from its own share, as DDP with broadcast_buffers=False.
+With dp_batch="local" each replica is handed its own rows instead (the batch check then compares only the
+ranks of one pipeline). Buffers (BatchNorm's running statistics) are updated per replica from its own share, as
+DDP with broadcast_buffers=False. Sharded data parallelism (ZeRO / FSDP) is not built yet.
 """
 
 from __future__ import annotations
@@ -69,19 +71,6 @@ class Replicas:
             works = [dist.broadcast(t.detach(), src, group=self.group, async_op=True) for t in tensors]
         for w in works:
             self._wait(w, "broadcasting replica 0's parameters")
-
-    def average_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Every gradient averaged over the replicas: one flat all-reduce per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self._wait(dist.all_reduce(flat, group=self.group, async_op=True), "averaging the gradients")
-            flat /= self.size
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
 
     def mean(self, value: float, device: torch.device) -> float:
         """The mean of `value` over the replicas (the global batch's loss: replicas hold equal shares)."""

@@ -76,6 +76,15 @@ class CompileOptions:
         what blocks it). .grad stays one persistent tensor per parameter, added into like backward() does;
         parameters must be updated in place. Needs a CUDA device: CaptureError otherwise, never a silent eager
         fallback. Normal form: False, or the number of warm-up steps.
+    dp_bucket_mb: with a "dp" mesh dimension, at most this many MiB of gradients in one all-reduce over the
+        replicas (0: one per gradient). The gradients that become final together (a stage's, after its last W) are
+        bucketed, and each bucket's all-reduce is posted right there, overlapping the rest of the step
+        (passes/lower/dp_reduce.py).
+    dp_overlap: False posts every data-parallel all-reduce at the end of the step instead (no overlap; for
+        comparison).
+    dp_batch: "global" (step / evaluate / forward take the global batch on every rank, each replica using its
+        share) or "local" (each replica is handed its own rows, as with DDP; the loss returned is still the global
+        mean, and the outputs of forward are the replica's own).
     check_batch: whether step() / evaluate() check that every rank was handed the same batch (a checksum per
         argument, all-gathered; DisagreementError on every rank otherwise): True on the first call only, an
         int n on the first and every n-th call, False never. compile always checks that every rank built the
@@ -99,6 +108,9 @@ class CompileOptions:
     backend: str | None = None
     cuda_graphs: bool | int = False
     check_batch: bool | int = True
+    dp_bucket_mb: float = 25.0
+    dp_overlap: bool = True
+    dp_batch: str = "global"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -227,6 +239,19 @@ def _check_batch(value):
                      "every n-th), or False (never)")
 
 
+def _bucket_mb(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 and math.isfinite(value)):
+        raise UsageError(f"dp_bucket_mb={value!r}: give a number of MiB >= 0 (0: one all-reduce per gradient)")
+    return value
+
+
+def _dp_batch(value):
+    if value not in ("global", "local"):
+        raise UsageError(f"dp_batch={value!r}: give \"global\" (every rank is handed the global batch) or \"local\" "
+                         "(each data-parallel replica is handed its own rows)")
+    return value
+
+
 # what compile needs to trace a model (compile_staged / from_staged take a model already split: neither)
 _REQUIRED = ("schedule", "microbatches", "loss_fn", "example")
 
@@ -246,4 +271,7 @@ _CHECKS = {
     "backend": _backend,
     "cuda_graphs": _cuda_graphs,
     "check_batch": _check_batch,
+    "dp_bucket_mb": _bucket_mb,
+    "dp_overlap": _flag("dp_overlap"),
+    "dp_batch": _dp_batch,
 }

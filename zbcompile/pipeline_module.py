@@ -116,11 +116,8 @@ class PipelineModule(nn.Module):
         local = self._share(batch, "step")
         self._check_batch(local, "step")
         self._check_same_batch(batch, "step")
-        loss = self.runtime.step_batch(local)
-        if self._dp is None:
-            return loss
-        self._dp.average_grads(list(self.parameters()))
-        return self._dp.mean(loss, self.runtime.device)
+        loss = self.runtime.step_batch(local)   # with dp, the program averaged the gradients over the replicas
+        return loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
 
     @_unusable_after_a_failure
     def forward(self, *inputs: torch.Tensor):
@@ -139,7 +136,7 @@ class PipelineModule(nn.Module):
         if flat is None:
             return None
         outputs = _rebuild(flat, self.staged.meta["outputs"].outputs, self.schedule.num_microbatches)
-        if self._dp is None:
+        if self._dp is None or self._local_batches:   # dp_batch="local": the replica's own rows, as DDP's
             return outputs
         leaves, spec = torch.utils._pytree.tree_flatten(outputs)
         tensors = iter(self._dp.gather([t for t in leaves if isinstance(t, torch.Tensor)]))
@@ -161,9 +158,17 @@ class PipelineModule(nn.Module):
             loss = runtime.step_batch(local)
             return loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
 
+    @property
+    def _local_batches(self) -> bool:
+        """Whether each data-parallel replica is handed its own rows (options.dp_batch="local")."""
+        return self.compiled.options.dp_batch == "local"
+
     def _share(self, batch: Sequence[torch.Tensor], what: str) -> Sequence[torch.Tensor]:
-        """This data-parallel replica's rows of the global batch (the batch itself without data parallelism)."""
-        return batch if self._dp is None else self._dp.share(batch, self.schedule.num_microbatches, what)
+        """This data-parallel replica's rows of the global batch (the batch itself without data parallelism, or
+        where each replica is handed its own rows)."""
+        if self._dp is None or self._local_batches:
+            return batch
+        return self._dp.share(batch, self.schedule.num_microbatches, what)
 
     def _forward_runtime(self, training: bool, outputs: bool = False) -> RankRuntime:
         from zbcompile.compiler import compile_forward
@@ -203,7 +208,7 @@ class PipelineModule(nn.Module):
         if every is not False and (calls == 0 or (every is not True and calls % every == 0)):
             with torch.inference_mode(False):
                 agreement.check_batch(batch, self._gather, self.rank, what)
-                if self._dp is not None:   # the global batch: the same on every replica too
+                if self._dp is not None and not self._local_batches:   # the global batch: the same on every replica
                     agreement.check_batch(batch, self._dp.allgather, self.rank, what)
         self._calls[what] = calls + 1
 

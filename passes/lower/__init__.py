@@ -9,6 +9,8 @@ pass is either cross-rank (it reads every rank's program: messages must agree on
     insert_p2p           receives posted early / waited late, batched sends, deterministic tags   (cross-rank)
     accumulate_grads     per-microbatch parameter grads -> one sum -> Parameter.grad               (per rank)
     reduce_shared_grads  sum grads of parameters several ranks hold (tied weights, DualPipe)       (cross-rank)
+    reduce_over_replicas with data parallelism (`Lowering.dp`): each bucket of final gradients     (per rank)
+                         averaged over the replicas, posted where it is final, waited at the end
     insert_frees         explicit frees of activation memory after its last use                   (per rank)
     insert_stamps        per-action start / end timing points                                     (per rank)
     order_p2p_by_pair    receives from each peer re-posted in that peer's send order (NCCL)       (cross-rank)
@@ -59,6 +61,7 @@ from zbcompile.passes.lower.buffers import static_input_buffers, static_recv_buf
 from zbcompile.passes.lower.capture import capture_ready
 from zbcompile.passes.lower.compiled import BACKENDS, check_backend, compile_graphs
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
+from zbcompile.passes.lower.dp_reduce import DataParallel, reduce_over_replicas
 from zbcompile.passes.lower.emit import emit_fx
 from zbcompile.passes.lower.frees import insert_frees, insert_stamps
 from zbcompile.passes.lower.offload import OffloadChoice, insert_offload
@@ -77,7 +80,8 @@ __all__ = ["LOWERING", "FINISHING", "CAPTURE_FINISHING", "Lowering", "pipeline",
            "run_passes", "each",
            "emit_fx", "build_compute",
            "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD",
-           "OffloadChoice", "insert_offload", "offload_programs", "compile_graphs", "BACKENDS"]
+           "OffloadChoice", "insert_offload", "offload_programs", "compile_graphs", "BACKENDS", "DataParallel",
+           "reduce_over_replicas"]
 
 Programs = tuple[RankProgram, ...]
 Pass = Callable[[Programs], Programs]
@@ -145,6 +149,8 @@ class Lowering:
         run the aten graphs; anything else raises UsageError before any lowering.
     offload: activation offload (passes/lower/offload.py) after the finishing passes: one OffloadChoice for
         every rank, or one per rank (None: none on that rank); None offloads nothing.
+    dp: with data-parallel replicas, how their gradient reductions are bucketed and placed
+        (passes/lower/dp_reduce.py); None (a single replica) adds no op, so the programs are as without dp.
     """
 
     recv_lookahead: int = RECV_LOOKAHEAD
@@ -152,6 +158,7 @@ class Lowering:
     capture: bool = False
     backend: str | None = None
     offload: Sequence[OffloadChoice | None] | OffloadChoice | None = None
+    dp: DataParallel | None = None
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
@@ -166,6 +173,8 @@ def pipeline(lowering: Lowering, schedule: Schedule, staged: StagedModel, *, pas
         finishing = CAPTURE_FINISHING if lowering.capture else FINISHING
     bound = [functools.partial(p, lookahead=lowering.recv_lookahead) if p is insert_p2p else p for p in passes
              if lowering.pair_order or p is not order_p2p_by_pair]
+    if lowering.dp is not None and reduce_shared_grads in bound:
+        bound.insert(bound.index(reduce_shared_grads) + 1, reduce_over_replicas(lowering.dp))
     before = [insert_collectives(schedule, staged.vocab)] if schedule.vocab_shards else []
     after = [each(compile_graphs(lowering.backend))] if lowering.backend is not None else []
     if lowering.offload is not None:

@@ -192,6 +192,19 @@ class Emitter:
         if op.outs:
             self.env[op.outs[0]] = node
 
+    def dp_reduce(self, i: int, op: Op) -> None:
+        """dp_reduce(ctx, bucket, what, *grads): the bucket copied and its all-reduce posted; a handle."""
+        what = f"bucket {op.args.bucket} ({op.note})"
+        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, op.args.bucket, what, *self.values(op.ins)),
+                                         op.outs[0])
+
+    def wait_dp(self, i: int, op: Op) -> None:
+        """wait_dp(ctx, handle): the averaged gradients, one view of the bucket each."""
+        node = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]], *self.untimed), f"{op.ins[0]}_avg")
+        for k, v in enumerate(op.outs):
+            if v in self.used:
+                self.env[v] = self.call(operator.getitem, (node, k), v)
+
     def offload(self, i: int, op: Op) -> None:
         """offload(ctx, slot, *tensors): the copy of their storage into host slot `slot`; a handle that holds
         the tensors until wait_offload (the program itself frees their names right after, as after a send)."""
@@ -261,6 +274,7 @@ _RANGES = {
     OpKind.WAIT_RECV: lambda op: "zb:wait_recv",
     OpKind.WAIT_SEND: lambda op: "zb:wait_send",
     OpKind.WAIT_COLL: lambda op: "zb:wait_collective",
+    OpKind.WAIT_DP: lambda op: "zb:wait_dp",
 }
 
 

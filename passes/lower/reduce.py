@@ -28,7 +28,7 @@ from zbcompile.ir.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, Se
 from zbcompile.ir.program.values import Role, handle, key_of, parse, role_of
 from zbcompile.ir.schedule import KIND_SPECS
 
-__all__ = ["reduce_shared_grads", "grad_holders"]
+__all__ = ["reduce_shared_grads", "grad_holders", "grad_types"]
 
 
 def grad_holders(programs: Sequence[RankProgram]) -> dict[str, tuple[int, ...]]:
@@ -48,7 +48,7 @@ def reduce_shared_grads(programs: Sequence[RankProgram]) -> tuple[RankProgram, .
     holders = grad_holders(programs)
     base = TagSpace.of(programs).end
     tags = {fqn: base + i for i, fqn in enumerate(holders)}
-    types = _grad_types(programs)
+    types = grad_types(programs)
     return tuple(_reduce(p, holders, tags, types) for p in programs)
 
 
@@ -86,7 +86,7 @@ def _reduce(program: RankProgram, holders, tags, types) -> RankProgram:
     return program.replace(ops=tuple(ops + tail_recv + tail_sum + tail_send))
 
 
-def _grad_types(programs: Sequence[RankProgram]) -> dict[str, TensorType]:
+def grad_types(programs: Sequence[RankProgram]) -> dict[str, TensorType]:
     """Parameter fqn -> its gradient's type, as the graphs' grad:param outputs declare it."""
     out: dict[str, TensorType] = {}
     for p in programs:

@@ -20,7 +20,8 @@ models a single process group) and this check proves, per schedule, that the eve
            a waited message, collective or copy -> the next compute op after the wait
 
 A copy involves no other rank, so it cannot close a cycle by itself; it is modelled so that a wait for it
-orders the compute behind it like any other wait.
+orders the compute behind it like any other wait. A data-parallel reduction (Sync.REPLICAS) is modelled the same
+way on the rank's data-parallel stream: its peers are this rank's replicas, which run this same program.
 
 A cycle is reported as the chain of ops that wait on one another.
 """
@@ -75,8 +76,8 @@ def _edges(programs: Sequence[RankProgram], channel: str) -> dict[Node, set[Node
                 _enqueue(deps, node, "coll", last_on_stream, last_compute)
             elif sync is Sync.JOIN:
                 waited += handles[op.ins[0]]
-            elif sync is Sync.NONE and stream is Stream.COPY:
-                waited += _copy(deps, handles, last_on_stream, last_compute, r, i, op)
+            elif (sync is Sync.NONE and stream is Stream.COPY) or sync is Sync.REPLICAS:
+                waited += _copy(deps, handles, last_on_stream, last_compute, r, i, op, stream.value)
             elif sync is not Sync.NONE or stream not in (Stream.COMPUTE, Stream.HOST):
                 raise LoweringError(f"rank {r} op {i} ({op}): the stream check does not model {sync.value} ops "
                                     f"on the {stream.value} stream yet; add their rule to streams._edges")
@@ -100,14 +101,15 @@ def _enqueue(deps: dict[Node, set[Node]], node: Node, stream, last_on_stream: di
 
 
 def _copy(deps: dict[Node, set[Node]], handles: dict[str, list], last_on_stream: dict, last_compute: Node | None,
-          r: int, i: int, op) -> list[Node]:
-    """A copy-stream op: one that reads the handle of an earlier copy waits for it (returned, for the next
-    compute op to wait on); any other posts a copy behind the last compute and the rank's previous copy."""
+          r: int, i: int, op, stream: str) -> list[Node]:
+    """An op on one of the rank's own streams (copy, dp): one that reads the handle of an earlier op there waits
+    for it (returned, for the next compute op to wait on); any other posts work behind the last compute and the
+    stream's previous work."""
     copies = [n for v in op.ins for n in handles.get(v, ()) if n[0] == "x"]
     if copies:
         return copies
     node = ("x", r, i)
-    _enqueue(deps, node, "copy", last_on_stream, last_compute)
+    _enqueue(deps, node, stream, last_on_stream, last_compute)
     for h in op.outs:
         handles[h] = [node]
     return []

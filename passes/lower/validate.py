@@ -7,8 +7,9 @@ Checks, over all ranks at once:
 3. the programs cannot deadlock, running them under the strictest P2P model (a wait on a receive needs
    the peer to have posted the send; a wait on a send needs the peer to have posted the receive; a wait on
    a collective needs every rank to have posted it; posting never blocks; host copies (offload / reload,
-   Sync.NONE) never block: they involve no other rank). A stuck state is reported as the ops each rank is
-   blocked on.
+   Sync.NONE) never block: they involve no other rank, nor do data-parallel reductions (Sync.REPLICAS: every
+   replica runs this same program, so the replicas of a rank reach each reduction's wait having posted it, as
+   this rank did). A stuck state is reported as the ops each rank is blocked on.
 
 `check_pair_order` adds the rule NCCL needs, which ignores tags: for every ordered pair (a -> b), rank b
 posts its receives from a in the order rank a posts its sends to b (each batch in its listed order).
@@ -123,7 +124,7 @@ def _simulate(programs, sends, recvs) -> None:
                 elif sync is Sync.JOIN:
                     if joined.get(collective[(r, op.ins[0])], 0) < len(programs):
                         break
-                elif sync is not Sync.NONE:
+                elif sync not in (Sync.NONE, Sync.REPLICAS):
                     raise LoweringError(f"rank {r} op {pos[r]} ({op}): the deadlock check does not model "
                                         f"{sync.value} ops yet; add their rule to validate._simulate")
                 pos[r] += 1

@@ -26,14 +26,18 @@ def _case(ranks, tag):
         yield r, res[tag]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv", "interleaved-1f1b", "1f1b-vocab"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv", "interleaved-1f1b", "1f1b-vocab", "zbv-end",
+                                      "zb-h1-bucket0", "zbv-local", "dualpipev", "zbv-float32"])
 def test_replicated_data_parallel_trains_equal_to_eager(ranks, schedule):
-    """Three AdamW steps: the global mean loss of each, every gradient (averaged over the replicas) and the
-    parameters after the last step equal eager's on the global batch, on every rank of both replicas."""
+    """Three AdamW steps: the global mean loss of each, every gradient (averaged over the replicas by the
+    program's placed reductions) and the parameters after the last step equal eager's on the global batch, on
+    every rank of both replicas: float64 to 1e-9, float32 to 1e-5. The variants: reductions at the end of the
+    step, one all-reduce per gradient, each replica handed its own rows, DualPipeV's mirrored stages."""
+    tol = 1e-5 if schedule.endswith("float32") else 1e-9
     for r, got in _case(ranks, f"train/{schedule}"):
         for a, b in zip(got["got"], got["want"], strict=True):
-            assert abs(a - b) <= 1e-9 * abs(b), (r, got)
-        assert got["grad_err"] <= 1e-9 and got["param_err"] <= 1e-9, (r, got)
+            assert abs(a - b) <= tol * abs(b), (r, got)
+        assert got["grad_err"] <= tol and got["param_err"] <= tol, (r, got)
 
 
 def test_evaluate_and_outputs_cover_the_global_batch(ranks):
@@ -46,9 +50,11 @@ def test_evaluate_and_outputs_cover_the_global_batch(ranks):
     assert len(holders) == 2, holders   # the last stage's rank of each replica, both with the whole batch
 
 
-def test_a_checkpoint_saved_at_dp2_pp2_loads_into_the_plain_model(ranks):
-    got = dict(_case(ranks, "checkpoint"))[0]
-    assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], got
+def test_a_checkpoint_saved_at_dp2_pp2_loads_at_pp4_and_into_the_plain_model(ranks):
+    for r, got in _case(ranks, "checkpoint"):
+        assert abs(got["got_pp4"] - got["want"]) <= 1e-9 * got["want"], (r, got)
+        if r == 0:
+            assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], got
 
 
 def test_bad_meshes_and_batches_are_refused(ranks):

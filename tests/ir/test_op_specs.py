@@ -17,7 +17,7 @@ from zbcompile.passes.lower.emit import Emitter
 from zbcompile.passes.schedules import GENERATORS, generate
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program import ops
-from zbcompile.ir.program.ops import (Coll, CollArgs, FAMILIES, SAFE, SPECS, AccumArgs, AccumMode, HostArgs, Message,
+from zbcompile.ir.program.ops import (Coll, CollArgs, DPArgs, FAMILIES, SAFE, SPECS, AccumArgs, AccumMode, HostArgs, Message,
                                       Op, OpKind, RecvArgs, RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync,
                                       TensorType, View, ViewArgs)
 from zbcompile.runtime import abi
@@ -49,6 +49,9 @@ SAMPLES = {
     OpKind.COLLECTIVE: Op(OpKind.COLLECTIVE, ("v.mb1.vocab:dx",), ("h:c3",), CollArgs(Coll.REDUCE, 1, 3, _T),
                           note="microbatch 1"),
     OpKind.WAIT_COLL: Op(OpKind.WAIT_COLL, ("h:c3",), ("v.mb1.vocab:gx",)),
+    OpKind.DP_REDUCE: Op(OpKind.DP_REDUCE, ("acc3.grad:param:w", "sum.grad:param:b"), ("h:dp2",), DPArgs(2),
+                         note="2 gradients, 96 bytes"),
+    OpKind.WAIT_DP: Op(OpKind.WAIT_DP, ("h:dp2",), ("dp.grad:param:w", "dp.grad:param:b")),
     # one storage of 96 bytes holding two saved views, copied out and back as bytes
     OpKind.OFFLOAD: Op(OpKind.OFFLOAD, ("s0.mb1.saved:3", "s0.mb1.saved:4"), ("h:off.s0.mb1.saved:3",),
                        HostArgs(2, TensorType((96,), torch.uint8)), note="for 0B1"),

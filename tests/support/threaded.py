@@ -16,7 +16,7 @@ from zbcompile.runtime.loopback import LoopbackWorld, rank_runtime
 
 def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
                  staged_inputs: bool = True, offload=None, device: str = "cpu", measure: bool | str = False,
-                 backend: str | None = None, capture: bool = False):
+                 backend: str | None = None, capture: bool = False, replicas: int = 1):
     """One step on `batch` (inputs then targets), then one on each batch of `then`, gradients accumulating;
     returns (last losses per rank, models per rank, runtimes). `patch(rank, program)` may instrument a rank's
     GraphModule before it runs. staged_inputs=False makes the runtime cut every batch into fresh microbatch
@@ -25,12 +25,14 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
     device: where every rank runs (the model and batch must be there already). measure: each rank's last step
     is measured (RankRuntime.measure_step; measure="tracker": by the storage tracker on any device), kept as
     `runtime.measured`. backend: compile's (the stage graphs' compiler). capture: lowered for CUDA-graph capture
-    (CAPTURE_FINISHING), run eagerly. The programs are the compiler's (zbcompile.compiler.compile_staged)."""
+    (CAPTURE_FINISHING), run eagerly. replicas: lowered for that many data-parallel replicas and run as the only
+    one (its reductions average over itself). The programs are the compiler's (zbcompile.compiler.compile_staged)."""
     pp = schedule.num_ranks
     options = CompileOptions(schedule=schedule, microbatches=schedule.num_microbatches, backend=backend,
                              cuda_graphs=capture)
     choices = None if offload is None else (offload,) * pp if isinstance(offload, OffloadChoice) else offload
-    programs = compile_staged(staged, schedule, options, offload_choices=choices, lint_capture=False).programs
+    programs = compile_staged(staged, schedule, options, offload_choices=choices, lint_capture=False,
+                              replicas=replicas).programs
     if not staged_inputs:
         programs = tuple(p.replace(staged_inputs=False) for p in programs)
     models = [None] * pp

@@ -26,7 +26,7 @@ from torch import fx
 from zbcompile.errors import RuntimeFailure, ZBCompileWarning
 
 __all__ = ["StepContext", "stamp_event", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective",
-           "wait_collective", "wait", "offload", "wait_offload", "reload", "wait_reload", "free", "set_grad",
+           "wait_collective", "dp_reduce", "wait_dp", "wait", "offload", "wait_offload", "reload", "wait_reload", "free", "set_grad",
            "copy_buffer", "accumulate_", "sum_losses", "keep_outputs", "sum_in_order"]
 
 
@@ -45,6 +45,8 @@ class StepContext:
     bufs: the static receive buffers, by slot (see passes/lower/buffers.py).
     coll_pg: the group the vocabulary layers' collectives run on (all ranks): a group of their own, so that on a
     device they never queue behind P2P on a communicator's stream.
+    dp_pg / dp_size: the data-parallel group (this rank in every replica) the gradient buckets are averaged over
+    (passes/lower/dp_reduce.py), and its size; None / 1 without data parallelism.
     host: the host pool of offloaded activations, by slot (RankProgram.host_buffers, passes/lower/offload.py):
     flat bytes, one device storage each, made once and pinned on CUDA so that copies run asynchronously.
     copy_stream: the rank's one stream for offload / reload copies on CUDA (they queue on it in program order);
@@ -54,12 +56,14 @@ class StepContext:
     """
 
     __slots__ = ("pg", "rank", "ranks", "device", "timeout", "row", "t", "send_pg", "recv_pg", "bufs", "coll_pg",
-                 "host", "copy_stream", "_specs", "events", "_start", "_t0")
+                 "dp_pg", "dp_size", "host", "copy_stream", "_specs", "events", "_start", "_t0")
 
     def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
                  ranks: int = 1, channels: tuple | None = None, buffers: Sequence = (), collectives=None,
-                 host_buffers: Sequence = (), event_timing: bool = False):
+                 host_buffers: Sequence = (), event_timing: bool = False, replicas=None):
         self.pg = pg
+        self.dp_pg = replicas
+        self.dp_size = replicas.size() if replicas is not None else 1
         self.ranks = ranks
         self.coll_pg = collectives if collectives is not None else pg
         self.rank = rank
@@ -239,6 +243,33 @@ def wait_collective(ctx: StepContext, handle, timed: bool = True) -> torch.Tenso
     if work is not None:
         wait(ctx, work, "joining the collective of", what, None, timed)
     return buf
+
+
+# ---- data-parallel gradient buckets (passes/lower/dp_reduce.py) --------------------------------------------
+@fx.node.has_side_effect
+def dp_reduce(ctx: StepContext, bucket: int, what: str, *grads: torch.Tensor):
+    """Copy `grads` into one fresh flat tensor and post its sum over the replicas (on NCCL, on the group's own
+    stream after the compute so far); a handle for wait_dp. The copy lets the program drop the gradients."""
+    flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+    shapes = tuple(g.shape for g in grads)   # not the tensors: the program frees them once they are copied
+    pg = ctx.dp_pg
+    if pg is None:   # one replica (a program lowered for dp run without it): the average is the gradient
+        return flat, None, shapes, what
+    try:
+        work = pg.allreduce([flat])
+    except Exception as e:
+        raise RuntimeFailure(f"rank {ctx.rank}: posting the data-parallel all-reduce of {what} failed: {e}") from e
+    return flat, work, shapes, what
+
+
+@fx.node.has_side_effect
+def wait_dp(ctx: StepContext, handle, timed: bool = True) -> tuple[torch.Tensor, ...]:
+    """Wait for a bucket's all-reduce; the averaged gradients, one view of the flat bucket each."""
+    flat, work, shapes, what = handle
+    if work is not None:
+        wait(ctx, work, "averaging over the data-parallel replicas", what, None, timed)
+        flat.div_(ctx.dp_size)
+    return tuple(part.view(shape) for part, shape in zip(flat.split([s.numel() for s in shapes]), shapes))
 
 
 def wait(ctx: StepContext, work, doing: str, what: str, peer, timed: bool = True) -> None:

@@ -65,7 +65,8 @@ class RankRuntime:
     pg: the pipeline's ProcessGroup (pipeline rank = its group rank); None runs a one-rank pipeline.
     channels: (up, down) groups over the same ranks for P2P, one per direction (see abi.StepContext).
     constants: fixed program inputs besides params and buffers (vocab:offset); collectives: the group the
-    vocabulary layers' collectives run on (default: pg).
+    vocabulary layers' collectives run on (default: pg); replicas: the data-parallel group the program's gradient
+    buckets are averaged over (None: one replica).
     cuda_graphs: run the step as one captured CUDA graph after `warmup` eager steps (runtime/graphs.py); the
     program must be lowered for capture (passes.lower.CAPTURE_FINISHING). graph_api: the capture API (default:
     graphs.capture_api(device), torch.cuda's; tests pass a stand-in).
@@ -77,7 +78,7 @@ class RankRuntime:
                  params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
                  peers: Sequence[RankProgram], timeout: float = 60.0, channels: tuple | None = None,
                  constants: Mapping[str, torch.Tensor] | None = None, collectives=None,
-                 cuda_graphs: bool = False, graph_api=None, warmup: int = 2, profiled=None):
+                 cuda_graphs: bool = False, graph_api=None, warmup: int = 2, profiled=None, replicas=None):
         self.ir = ir
         self.program = program
         # profiled() -> the program with a torch.profiler range per action (emit_fx's profile), made on the first
@@ -103,7 +104,7 @@ class RankRuntime:
         # as many slots as the busiest rank has: every rank's gathered row has the same length
         self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
                                channels=channels, buffers=ir.buffers, collectives=collectives,
-                               host_buffers=ir.host_buffers, event_timing=ir.event_timing)
+                               host_buffers=ir.host_buffers, event_timing=ir.event_timing, replicas=replicas)
         # the seed gradient 1 / m, in the loss's dtype (a float64 or bfloat16 model's backward takes no float32 seed)
         self.grad_loss = torch.full((), 1.0 / m, dtype=seed_dtype(ir), device=device)
         self._fixed = {}

@@ -2,10 +2,13 @@
 
     train/<schedule>   a float64 GPT compiled with group=mesh, 3 AdamW steps on global batches: each step's loss,
                        every gradient (this rank's share, against eager's on the global batch) and the parameters
-                       after the last step, next to eager single-process training on the same global batches
+                       after the last step, next to eager single-process training on the same global batches;
+                       variants: the reductions at the end of the step (dp_overlap=False), one all-reduce per
+                       gradient (dp_bucket_mb=0), float32, each replica handed its own rows (dp_batch="local"),
+                       DualPipeV's mirrored stages
     eval               evaluate() and pipe(x) on the global batch, against eager in eval mode
-    checkpoint         saved at pp=2 x dp=2 (replica 0 writes), loaded into the plain model in one process (rank
-                       0): its next step equals the uninterrupted run's
+    checkpoint         saved at pp=2 x dp=2 (replica 0 writes), loaded at pp=4 x dp=1 on all four processes and
+                       into the plain model in one process (rank 0): the next step equals the uninterrupted run's
     errors             a mesh without "pp", a 3-D mesh, a batch that does not split into dp x microbatches
 """
 
@@ -40,24 +43,26 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
-def compile_on(mesh, schedule: str, **options):
+def compile_on(mesh, schedule: str, dtype=torch.float64, **options):
     model, loss_fn, (x, y), _ = gpt(layers=4, batch=2)
-    model = model.double()
+    model = model.to(dtype)
     pipe = zb.compile(copy.deepcopy(model), schedule=schedule, microbatches=M, loss_fn=loss_fn,
                       example=((x[:2],), (y[:2],)), group=mesh, timeout=120, **options)
     return model, loss_fn, pipe
 
 
-def train_case(mesh, schedule: str, **options) -> dict:
-    model, loss_fn, pipe = compile_on(mesh, schedule, **options)
+def train_case(mesh, schedule: str, local: bool = False, **options) -> dict:
+    """local: each replica is handed its own rows of the global batch (dp_batch="local")."""
+    model, loss_fn, pipe = compile_on(mesh, schedule, **options, **({"dp_batch": "local"} if local else {}))
     ref, opt = copy.deepcopy(model), adamw(pipe.parameters())
     opt_ref = adamw(ref.parameters())
     refp = dict(ref.named_parameters())
     got, want, grad_errs = [], [], []
+    replica = mesh.get_local_rank("dp")
     for k in range(STEPS):
         x, y = batches(k)
         want.append(eager_accumulated(ref, loss_fn, x, y, DP * M))
-        got.append(pipe.step(x, y))
+        got.append(pipe.step(x.chunk(DP)[replica], y.chunk(DP)[replica]) if local else pipe.step(x, y))
         grad_errs.append(max(rel(p.grad, shard_of(refp[n].grad, p.grad, pipe.rank))
                              for n, p in pipe.named_parameters()))
         opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
@@ -79,7 +84,8 @@ def eval_case(mesh) -> dict:
 
 
 def checkpoint_case(mesh, where: str) -> dict:
-    """Two steps at pp=2 x dp=2 (zb-h1), save; rank 0 loads into the plain model and takes the third step."""
+    """Two steps at pp=2 x dp=2 (zb-h1), save; every rank loads it at pp=4 x dp=1 and rank 0 into the plain
+    model, and each takes the third step."""
     model, loss_fn, pipe = compile_on(mesh, "zb-h1")
     opt = adamw(pipe.parameters())
     ref = copy.deepcopy(model)
@@ -92,12 +98,18 @@ def checkpoint_case(mesh, where: str) -> dict:
     checkpoint.save(where, pipe, opt)
     dist.barrier()
     want = eager_accumulated(ref, loss_fn, *batches(2), DP * M)
-    if dist.get_rank() != 0:
-        return dict(want=want)
-    plain = copy.deepcopy(model)
-    plain_opt = adamw(plain.parameters())
-    checkpoint.load(where, plain, plain_opt)
-    return dict(want=want, got=eager_accumulated(plain, loss_fn, *batches(2), DP * M))
+    pp4 = zb.compile(copy.deepcopy(model), schedule="zbv", microbatches=2 * DP * M, loss_fn=loss_fn,
+                     example=(batches(0)[0][:1], batches(0)[1][:1]), timeout=120)
+    opt4 = adamw(pp4.parameters())
+    checkpoint.load(where, pp4, opt4)
+    got_pp4 = pp4.step(*batches(2))
+    out = dict(want=want, got_pp4=got_pp4)
+    if dist.get_rank() == 0:
+        plain = copy.deepcopy(model)
+        plain_opt = adamw(plain.parameters())
+        checkpoint.load(where, plain, plain_opt)
+        out["got"] = eager_accumulated(plain, loss_fn, *batches(2), DP * M)
+    return out
 
 
 def errors_case(mesh) -> dict:
@@ -123,6 +135,11 @@ def run(rank: int, pp: int, out: str) -> dict:
     mesh = init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "pp"))
     cases = {f"train/{s}": (lambda s=s: train_case(mesh, s)) for s in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b")}
     cases["train/1f1b-vocab"] = lambda: train_case(mesh, "1f1b", vocab_parallel=True)
+    cases["train/zbv-end"] = lambda: train_case(mesh, "zbv", dp_overlap=False)
+    cases["train/zb-h1-bucket0"] = lambda: train_case(mesh, "zb-h1", dp_bucket_mb=0)
+    cases["train/zbv-local"] = lambda: train_case(mesh, "zbv", local=True)
+    cases["train/dualpipev"] = lambda: train_case(mesh, "dualpipev")
+    cases["train/zbv-float32"] = lambda: train_case(mesh, "zbv", dtype=torch.float32)
     cases["eval"] = lambda: eval_case(mesh)
     cases["checkpoint"] = lambda: checkpoint_case(mesh, f"{out}/ckpt")
     cases["errors"] = lambda: errors_case(mesh)

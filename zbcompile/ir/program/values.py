@@ -15,6 +15,7 @@ boundary (the receiver's receive defines the same name the sender's compute defi
     acc{k}.grad:param:{fqn}     the k-th running sum of a parameter's gradient on this rank
     r{q}.grad:param:{fqn}       rank q's sum of a shared parameter's gradient, received
     sum.grad:param:{fqn}        the total of a shared parameter's gradient over its holders
+    dp.grad:param:{fqn}         a parameter's gradient averaged over the data-parallel replicas
     loss                        the sum of this rank's microbatch losses (the program's output)
     re.s{stage}.mb{mb}.{local}  an offloaded stage value brought back from the host pool (passes/lower/offload.py):
                                 a new name, since values are defined once; parses to the original's role, stage
@@ -47,7 +48,7 @@ RELOADED = "re"   # the head of a reloaded value's name
 
 class Value(NamedTuple):
     """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "vocab" (v.mb{mb}.local), "data", "state"
-    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "reload" (re.s{s}.mb{mb}.local,
+    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "dp", "reload" (re.s{s}.mb{mb}.local,
     re.re.s{s}...), "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are -1 where
     the scope has none (index: data argument, accumulation step, source rank or how many times a
     reloaded value was reloaded)."""
@@ -103,8 +104,8 @@ def _parse(vid: str) -> Value:
     for scope, prefix in (("acc", "acc"), ("copy", "r")):
         if dot and head.startswith(prefix) and head[len(prefix):].isdigit():
             return Value(scope, role_of(rest), rest, index=int(head[len(prefix):]))
-    if dot and head == "sum":
-        return Value("sum", role_of(rest), rest)
+    if dot and head in ("sum", "dp"):
+        return Value(head, role_of(rest), rest)
     role = role_of(vid)
     if role in (Role.PARAM, Role.BUFFER):
         return Value("state", role, vid)

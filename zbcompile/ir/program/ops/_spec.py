@@ -41,6 +41,8 @@ class OpKind(str, enum.Enum):
     STAMP = "stamp"
     COLLECTIVE = "collective"
     WAIT_COLL = "wait_coll"
+    DP_REDUCE = "dp_reduce"
+    WAIT_DP = "wait_dp"
     OFFLOAD = "offload"
     WAIT_OFFLOAD = "wait_offload"
     RELOAD = "reload"
@@ -55,6 +57,9 @@ class Sync(str, enum.Enum):
     WAIT = "wait"              # blocks until the messages of a handle are matched by the peer
     COLLECTIVE = "collective"  # posts a collective on the all-ranks group (returns a handle; never blocks)
     JOIN = "join"              # blocks until every rank of the group has posted the collective of a handle
+    REPLICAS = "replicas"      # a collective over the data-parallel group (this rank in every replica), posted
+                               # or joined: the replicas run this same program, so it involves no other
+                               # pipeline rank and the pipeline's checks treat it as local
 
 
 class Stream(str, enum.Enum):
@@ -63,6 +68,7 @@ class Stream(str, enum.Enum):
     COMPUTE = "compute"   # the compute stream
     COMM = "comm"         # a communicator's stream (P2P posts and their waits)
     COPY = "copy"         # the rank's copy stream (offload / reload between device and host pool)
+    DP = "dp"             # the data-parallel group's stream (gradient reductions over the replicas)
     HOST = "host"         # host only: enqueues nothing on any stream (timing stamps)
 
 

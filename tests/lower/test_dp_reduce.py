@@ -1,0 +1,143 @@
+"""Data-parallel gradient reductions placed by the lowering (passes/lower/dp_reduce.py), read off the programs.
+
+Every gradient a rank hands to .grad is averaged over the replicas exactly once; each bucket's all-reduce is
+posted before any compute op that follows its gradients' last update (so it overlaps the rest of the step), and
+waited only after the rank's last compute op; buckets hold one dtype and respect the size cap; dp_overlap=False
+posts them all at the end. A program lowered for dp runs as a single replica with the gradients of the program
+without dp, and the memory plan counts the buckets as a run measures them. Across processes, equality with
+eager training is tests/distributed/test_data_parallel.py's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from support.models import gpt
+from support.threaded import run_threaded
+from zbcompile.compiler import split_for
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import OpKind
+from zbcompile.ir.program.values import parse
+from zbcompile.options import CompileOptions
+from zbcompile.passes.analysis.memory import memory_plan
+from zbcompile.passes.lower import LOWERING, DataParallel, lower_all
+from zbcompile.passes.schedules import generate
+
+torch.set_num_threads(1)
+
+CASES = [("1f1b", 2), ("zb-h1", 2), ("zbv", 2), ("interleaved-1f1b", 2), ("dualpipev", 2), ("zbv", 4),
+         ("1f1b-vocab", 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered(name: str, pp: int, dp: DataParallel | None):
+    vocab = name.endswith("-vocab")
+    sched = generate(name.removesuffix("-vocab"), pp, 2 * pp, vocab=vocab)
+    case = gpt(layers=4, batch=1)
+    return lower_all(sched, split_for(case.model, case.loss_fn, case.example, sched), dp=dp, check_each_pass=True)
+
+
+def _runs(program: RankProgram) -> list[int]:
+    return [i for i, op in enumerate(program.ops) if op.kind is OpKind.RUN]
+
+
+@pytest.mark.parametrize("name,pp", CASES, ids=[f"{n}-pp{p}" for n, p in CASES])
+def test_every_gradient_is_averaged_once_where_it_is_final(name, pp):
+    plain = _lowered(name, pp, None)
+    placed = _lowered(name, pp, DataParallel(bucket_mb=0.01))
+    for before, after in zip(plain, placed):
+        assert "reduce_over_replicas" in after.passes and "reduce_over_replicas" not in before.passes
+        want = sorted(op.ins[0] for op in before.of_kind(OpKind.SET_GRAD))
+        set_grads = after.of_kind(OpKind.SET_GRAD)
+        # the same parameters get a gradient, each from its averaged value
+        assert sorted(op.ins[0] for op in set_grads) == want
+        assert all(parse(op.ins[1]).scope == "dp" for op in set_grads)
+        defined = {v: i for i, op in enumerate(after.ops) for v in op.outs}
+        posts = [(i, op) for i, op in enumerate(after.ops) if op.kind is OpKind.DP_REDUCE]
+        reduced = [v for _, op in posts for v in op.ins]
+        assert len(reduced) == len(set(reduced)) == len(want), "each gradient in exactly one bucket"
+        assert [op.args.bucket for _, op in posts] == list(range(len(posts)))
+        runs = _runs(after)
+        for i, op in posts:
+            # posted before the next compute op after its gradients' last update
+            last_update = max(defined[v] for v in op.ins)
+            assert not [j for j in runs if last_update < j < i], (after.rank, str(op))
+        waits = [i for i, op in enumerate(after.ops) if op.kind is OpKind.WAIT_DP]
+        assert len(waits) == len(posts) and min(waits) > runs[-1], "waited only after the last compute op"
+
+
+def test_a_rank_with_two_stages_posts_the_first_stages_reductions_before_its_last_compute():
+    """zbv: each rank's first-finished stage's gradients are reduced while its other stage still computes."""
+    for program in _lowered("zbv", 2, DataParallel(bucket_mb=0.01)):
+        first_post = min(i for i, op in enumerate(program.ops) if op.kind is OpKind.DP_REDUCE)
+        assert first_post < _runs(program)[-1]
+
+
+def test_buckets_respect_the_cap_and_overlap_false_posts_at_the_end():
+    cap = DataParallel(bucket_mb=8192 / 2**20)
+    for program in _lowered("zb-h1", 2, cap):
+        for op in program.of_kind(OpKind.DP_REDUCE):
+            sizes = [_grad_bytes(program, v) for v in op.ins]
+            assert len(op.ins) == 1 or sum(sizes) <= cap.bucket_bytes, str(op)
+    for program in _lowered("zb-h1", 2, DataParallel(overlap=False)):
+        posts = [i for i, op in enumerate(program.ops) if op.kind is OpKind.DP_REDUCE]
+        assert posts and min(posts) > _runs(program)[-1]
+
+
+def _grad_bytes(program: RankProgram, value: str) -> int:
+    fqn = parse(value).key
+    for g in program.graphs.values():
+        for name, t in zip(g.outputs, g.types):
+            if t is not None and name.endswith(f"grad:param:{fqn}"):
+                return t.nbytes
+    raise AssertionError(value)
+
+
+def test_without_replicas_the_pass_list_is_unchanged():
+    assert "reduce_over_replicas" not in [p.__name__ for p in LOWERING]
+    assert all("reduce_over_replicas" not in p.passes for p in _lowered("zbv", 2, None))
+
+
+def test_a_dp_program_prints_and_parses_back():
+    program = _lowered("zbv", 2, DataParallel(bucket_mb=0.01))[1]
+    text = program.to_text()
+    assert "dp_reduce(" in text and "wait_dp(h:dp0)" in text
+    assert RankProgram.from_text(text).to_text() == text
+
+
+@pytest.mark.parametrize("name", ["zbv", "1f1b"])
+def test_a_dp_program_as_one_replica_gives_the_plain_gradients_and_the_planned_memory(name):
+    """Run as the only replica, the reductions copy into buckets and hand back views: the gradients are bitwise
+    those of the program without dp, and the memory plan's peak is within 10% of the measured one."""
+    case = gpt(layers=4, batch=4)
+    sched = generate(name, 2, 4)
+    staged = split_for(case.model, case.loss_fn, case.example, sched)   # the example: one microbatch
+    batch = tuple(torch.cat([t] * 4) for t in case.example)
+    _, plain, _ = run_threaded(case.model, staged, sched, batch)
+    _, averaged, runtimes = run_threaded(case.model, staged, sched, batch, then=(batch,), replicas=2,
+                                         measure="tracker")
+    for a, b in zip(plain, averaged):
+        ga = {n: p.grad for n, p in a.named_parameters() if p.grad is not None}
+        gb = {n: p.grad / 2 for n, p in b.named_parameters() if p.grad is not None}   # two steps accumulated
+        assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+    options = CompileOptions(schedule=sched, microbatches=4)
+    from zbcompile.compiler import compile_staged
+
+    plan = memory_plan(compile_staged(staged, sched, options, replicas=2).programs)
+    for r, rt in enumerate(runtimes):
+        planned, measured = plan[r].peak_dynamic_bytes, rt.measured.peak
+        assert abs(planned - measured) <= 0.10 * measured, (r, planned, measured, plan.table())
+
+
+def test_buckets_split_by_dtype_and_at_the_cap():
+    from zbcompile.ir.program.ops import Op, SetGradArgs, TensorType
+    from zbcompile.passes.lower.dp_reduce import _buckets
+
+    types = {"a": TensorType((100,), torch.float32), "b": TensorType((100,), torch.bfloat16),
+             "c": TensorType((100,), torch.float32), "d": TensorType((300,), torch.float32)}
+    ops = [Op(OpKind.SET_GRAD, (f"param:{n}", f"acc1.grad:param:{n}"), args=SetGradArgs(True)) for n in "abcd"]
+    got = [[parse(op.ins[0]).key for op in b] for b in _buckets(0, ops, types, cap=800)]
+    assert got == [["a", "c"], ["d"], ["b"]]   # float32 a + c = 800 bytes; d alone exceeds the cap
