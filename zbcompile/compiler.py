@@ -197,7 +197,9 @@ def lower(schedule: Schedule, staged: StagedModel, options: CompileOptions,
     the gradients' data-parallel reductions placed as options.dp_bucket_mb / dp_overlap say)."""
     from zbcompile.passes.lower import DataParallel, Lowering, lower_all
 
-    dp = DataParallel(options.dp_bucket_mb, options.dp_overlap) if replicas > 1 else None
+    # activation offload pairs each F's saved tensors with one W: the W's stay whole there
+    dp = (DataParallel(options.dp_bucket_mb, options.dp_overlap, 1 if options.offload else options.dp_w_pieces)
+          if replicas > 1 else None)
     return lower_all(schedule, staged, Lowering(capture=options.capture, backend=options.backend, dp=dp))
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from zbcompile.errors import ZBCompileError
 
-__all__ = ["add_arguments", "run", "load_factory"]
+__all__ = ["add_arguments", "run", "load_factory", "dp_table"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of every rank's capture-ready program in threads of this process, on the example repeated into a batch, and check "
                              "that from step 2 on each step touches the same static memory and posts the same "
                              "messages, and that nothing it allocates outlives it (runtime/replay_check.py)")
+    parser.add_argument("--dp", type=int, default=1, metavar="N",
+                        help="lower for N data-parallel replicas: shows where each gradient bucket's all-reduce is "
+                             "posted and how much of the step's compute is left to hide it")
+    parser.add_argument("--dp-bucket-mb", type=float, default=None, metavar="MIB",
+                        help="with --dp: at most this many MiB per all-reduce (compile's dp_bucket_mb)")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="shard the embedding and the output layer over every rank (vocabulary parallelism): "
                              "shows the vocabulary passes, their S / T / IF / IB actions and the collectives")
@@ -88,12 +93,17 @@ def run(args: argparse.Namespace) -> int:
                              loss_fn=loss_fn, example=example, chunks=args.chunks,
                              split_points=args.split_points.split(",") if args.split_points else None,
                              vocab_parallel=getattr(args, "vocab_parallel", False), cuda_graphs=capture,
-                             offload=_offload_budget(args))
+                             offload=_offload_budget(args),
+                             **({} if getattr(args, "dp_bucket_mb", None) is None else
+                                {"dp_bucket_mb": args.dp_bucket_mb}))
+    replicas = getattr(args, "dp", 1)
+    if replicas < 1:
+        raise ZBCompileError(f"inspect: --dp {replicas}: give the number of data-parallel replicas (>= 1)")
     if options.offload is not None:
         print(f"# activation offload for {args.offload} (time model: {args.device})")
     # the programs zb.compile would make; capture problems are printed per rank below, not raised
     compiled = compile_programs(model, options, args.pp, time_model=getattr(args, "device", None),
-                                lint_capture=False)
+                                lint_capture=False, replicas=replicas)
     schedule, staged, programs = compiled.schedule, compiled.staged, compiled.programs
     if compiled.offload is not None:
         _offload_table(compiled.offload)
@@ -111,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
         print()
     print(schedule.to_text())
     ranks = range(args.pp) if args.rank is None else [args.rank]
+    if replicas > 1:
+        print(dp_table(programs, ranks))
+        print()
     for r in ranks:
         stages = [s for s, owner in enumerate(schedule.placement) if owner == r]
         print(f"# ---- rank {r}: stages {stages} " + "-" * 40)
@@ -118,6 +131,26 @@ def run(args: argparse.Namespace) -> int:
     if args.svg:
         _draw(schedule, args.svg)
     return 0
+
+
+def dp_table(programs, ranks) -> str:
+    """Per rank and data-parallel bucket: what it reduces, the action after which it is posted, and the compute
+    actions of the step still to run then (what hides the all-reduce; 0: exposed at the end of the step)."""
+    from tabulate import tabulate
+
+    from zbcompile.ir.program.ops import OpKind
+
+    rows = []
+    for r in ranks:
+        runs = [i for i, op in enumerate(programs[r].ops) if op.kind is OpKind.RUN]
+        for i, op in enumerate(programs[r].ops):
+            if op.kind is OpKind.DP_REDUCE:
+                before = [j for j in runs if j < i]
+                after = len(runs) - len(before)
+                rows.append([r, op.args.bucket, op.note, str(programs[r].ops[before[-1]].action) if before else "-",
+                             after])
+    return ("# data-parallel all-reduces (passes/lower/dp_reduce.py)\n"
+            + tabulate(rows, headers=["rank", "bucket", "gradients", "posted after", "actions left to hide it"]))
 
 
 def _capture_check(args: argparse.Namespace, programs) -> bool:

@@ -82,6 +82,9 @@ class CompileOptions:
         (passes/lower/dp_reduce.py).
     dp_overlap: False posts every data-parallel all-reduce at the end of the step instead (no overlap; for
         comparison).
+    dp_w_pieces: with dp_overlap, each W of the cooldown is deferred past the cooldown's B's and split into this
+        many groups of its parameters' gradients, so that each group's all-reduce overlaps the rest of the tail
+        (passes/lower/dp_reduce.py: finish_grads_in_groups); 1 keeps the W's whole and in place.
     dp_batch: "global" (step / evaluate / forward take the global batch on every rank, each replica using its
         share) or "local" (each replica is handed its own rows, as with DDP; the loss returned is still the global
         mean, and the outputs of forward are the replica's own).
@@ -110,6 +113,7 @@ class CompileOptions:
     check_batch: bool | int = True
     dp_bucket_mb: float = 25.0
     dp_overlap: bool = True
+    dp_w_pieces: int = 4
     dp_batch: str = "global"
 
     def __post_init__(self) -> None:
@@ -273,5 +277,6 @@ _CHECKS = {
     "check_batch": _check_batch,
     "dp_bucket_mb": _bucket_mb,
     "dp_overlap": _flag("dp_overlap"),
+    "dp_w_pieces": _positive_int("dp_w_pieces", none_ok=False),
     "dp_batch": _dp_batch,
 }

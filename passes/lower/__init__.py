@@ -9,6 +9,7 @@ pass is either cross-rank (it reads every rank's program: messages must agree on
     insert_p2p           receives posted early / waited late, batched sends, deterministic tags   (cross-rank)
     accumulate_grads     per-microbatch parameter grads -> one sum -> Parameter.grad               (per rank)
     reduce_shared_grads  sum grads of parameters several ranks hold (tied weights, DualPipe)       (cross-rank)
+    (with dp, first: finish_grads_in_groups: the cooldown's W's deferred and split into gradient groups)
     reduce_over_replicas with data parallelism (`Lowering.dp`): each bucket of final gradients     (per rank)
                          averaged over the replicas, posted where it is final, waited at the end
     insert_frees         explicit frees of activation memory after its last use                   (per rank)
@@ -61,7 +62,7 @@ from zbcompile.passes.lower.buffers import static_input_buffers, static_recv_buf
 from zbcompile.passes.lower.capture import capture_ready
 from zbcompile.passes.lower.compiled import BACKENDS, check_backend, compile_graphs
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
-from zbcompile.passes.lower.dp_reduce import DataParallel, reduce_over_replicas
+from zbcompile.passes.lower.dp_reduce import DataParallel, finish_grads_in_groups, reduce_over_replicas
 from zbcompile.passes.lower.emit import emit_fx
 from zbcompile.passes.lower.frees import insert_frees, insert_stamps
 from zbcompile.passes.lower.offload import OffloadChoice, insert_offload
@@ -175,6 +176,10 @@ def pipeline(lowering: Lowering, schedule: Schedule, staged: StagedModel, *, pas
              if lowering.pair_order or p is not order_p2p_by_pair]
     if lowering.dp is not None and reduce_shared_grads in bound:
         bound.insert(bound.index(reduce_shared_grads) + 1, reduce_over_replicas(lowering.dp))
+        if lowering.dp.overlap and lowering.dp.w_pieces > 1 and lowering.offload is None and bound:
+            # first: the p2p pass posts receives by the final order of the compute (offload reads each action's
+            # one W, so the split W's are left out there)
+            bound.insert(0, each(finish_grads_in_groups(lowering.dp)))
     before = [insert_collectives(schedule, staged.vocab)] if schedule.vocab_shards else []
     after = [each(compile_graphs(lowering.backend))] if lowering.backend is not None else []
     if lowering.offload is not None:

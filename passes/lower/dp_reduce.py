@@ -45,10 +45,13 @@ class DataParallel:
 
     bucket_mb: at most this many MiB of gradients in one all-reduce (0: one all-reduce per gradient).
     overlap: post each bucket right after its gradients are final (True) or all at the end of the step (False).
+    w_pieces: with overlap, the cooldown's W's are deferred and each split into this many gradient groups
+        (finish_grads_in_groups), so that the groups' reductions overlap the rest of the tail; 1 leaves them.
     """
 
     bucket_mb: float = DEFAULT_BUCKET_MB
     overlap: bool = True
+    w_pieces: int = 4
 
     @property
     def bucket_bytes(self) -> int:
@@ -121,3 +124,114 @@ def _buckets(rank: int, finished: list[Op], types: dict[str, TensorType], cap: i
             size += nbytes
         out.append(current)
     return out
+
+
+# ---- finishing gradients one group at a time ---------------------------------------------------------------
+def finish_grads_in_groups(choice: DataParallel):
+    """The per-rank pass (named finish_grads_in_groups) that gives the reductions compute to hide behind.
+
+    In a pipeline step every parameter's gradient becomes final in the cooldown, at its stage's last W, and
+    a W computes all of its stage's weight gradients at once: left as it is, the reduction of the stage that
+    finishes last has nothing left to overlap. The pass, on each rank,
+
+    1. defers every W of the cooldown (after the rank's last F) past the cooldown's other actions: a W sends
+       nothing and no one waits for it, so the B's that others wait for only come earlier;
+    2. splits each deferred W into `choice.w_pieces` graphs over disjoint groups of its parameters (contiguous,
+       of about equal bytes; a graph with fewer gradients, or with an in-place op, stays whole), and runs them
+       stage by stage, group by group: each group's gradients are final, and their all-reduce posted, while
+       the rest of the tail still computes. Only the last group of the last stage is left exposed.
+
+        0B6 0W6 0B7 0W7    ->    0B6 0B7  0W6[a] 0W7[a]  (all-reduce a)  0W6[b] 0W7[b]  (all-reduce b)
+
+    The pieces are graphs `<key>_p<g>` in the graph table; each keeps only the inputs its outputs need.
+    """
+    def finish(program: RankProgram) -> RankProgram:
+        return _finish(program, choice.w_pieces)
+    finish.__name__ = "finish_grads_in_groups"
+    return finish
+
+
+def _finish(program: RankProgram, pieces: int) -> RankProgram:
+    from zbcompile.ir.schedule import KIND_SPECS, Kind
+
+    ops = list(program.ops)
+    runs = [i for i, op in enumerate(ops) if op.kind is OpKind.RUN]
+    forwards = [i for i in runs if ops[i].action.kind is Kind.F]
+    start = forwards[-1] + 1 if forwards else 0
+    tail = [i for i in runs if i >= start and ops[i].action.kind is Kind.W
+            and not KIND_SPECS[ops[i].action.kind].sharded]
+    if not tail:
+        return program
+    kept = [i for i in runs if i >= start and i not in set(tail)]
+    at = (kept[-1] if kept else start - 1) + 1   # right after the cooldown's last other action
+    graphs = dict(program.graphs)
+    # the stage with the most gradient bytes first: the one finishing last leaves its last group exposed
+    stages = sorted(dict.fromkeys(ops[i].args.graph for i in tail), key=lambda k: -_grad_bytes(graphs[k]))
+    moved: list[Op] = []
+    for key in stages:
+        split = _split_graph(graphs[key], pieces)
+        mine = [ops[i] for i in tail if ops[i].args.graph == key]
+        if split is None:
+            moved += mine
+            continue
+        for g, (piece, picked_in, picked_out) in enumerate(split):
+            graphs[f"{key}_p{g}"] = piece
+            moved += [op._replace(ins=tuple(op.ins[k] for k in picked_in), outs=tuple(op.outs[k] for k in picked_out),
+                                  args=op.args._replace(graph=f"{key}_p{g}"),
+                                  note=f"gradient group {g + 1} of {len(split)}") for op in mine]
+    gone = set(tail)
+    new = ([op for i, op in enumerate(ops[:at]) if i not in gone] + moved
+           + [op for i, op in enumerate(ops[at:], at) if i not in gone])
+    return program.replace(ops=tuple(new), graphs=graphs)
+
+
+def _grad_bytes(g) -> int:
+    return sum(t.nbytes for t in g.types if t is not None) if g.types else 0
+
+
+def _split_graph(g, pieces: int):
+    """[(piece graph, the original input positions it reads, the original output positions it returns)] for
+    `pieces` contiguous groups of g's outputs of about equal bytes; None where g should stay whole."""
+    from torch import fx
+
+    if pieces < 2 or len(g.outputs) < 2 or g.gm is None or any(n.is_impure() for n in g.gm.graph.nodes
+                                                                 if n.op == "call_function"):
+        return None
+    sizes = [t.nbytes if t is not None else 0 for t in (g.types or (None,) * len(g.outputs))]
+    groups = _contiguous_groups(sizes, min(pieces, len(g.outputs)))
+    out = []
+    for keep in groups:
+        graph = fx.Graph()
+        results = graph.graph_copy(g.gm.graph, {})
+        graph.output(tuple(results[k] for k in keep))
+        graph.eliminate_dead_code()
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        used = [k for k, ph in enumerate(placeholders) if ph.users]
+        for ph in placeholders:
+            if not ph.users:
+                graph.erase_node(ph)
+        graph.lint()
+        gm = fx.GraphModule(g.gm, graph, class_name=type(g.gm).__name__ + "Piece")
+        piece = dataclasses.replace(g, gm=gm, inputs=tuple(g.inputs[k] for k in used),
+                                    outputs=tuple(g.outputs[k] for k in keep),
+                                    types=tuple(g.types[k] for k in keep) if g.types else ())
+        out.append((piece, used, keep))
+    return out
+
+
+def _contiguous_groups(sizes: list[int], n: int) -> list[list[int]]:
+    """Positions 0..len(sizes)-1 cut into n (<= len(sizes)) non-empty contiguous groups of about equal size."""
+    total = sum(sizes)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    acc = 0
+    for k, size in enumerate(sizes):
+        current.append(k)
+        acc += size
+        left, need = len(sizes) - k - 1, n - len(groups) - 1   # positions still to place, groups still to open
+        if need and (left == need or (total and acc >= total * (len(groups) + 1) / n)):
+            groups.append(current)
+            current = []
+    if current:
+        groups.append(current)
+    return groups

@@ -141,3 +141,42 @@ def test_buckets_split_by_dtype_and_at_the_cap():
     ops = [Op(OpKind.SET_GRAD, (f"param:{n}", f"acc1.grad:param:{n}"), args=SetGradArgs(True)) for n in "abcd"]
     got = [[parse(op.ins[0]).key for op in b] for b in _buckets(0, ops, types, cap=800)]
     assert got == [["a", "c"], ["d"], ["b"]]   # float32 a + c = 800 bytes; d alone exceeds the cap
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zbv", "dualpipev"])
+def test_the_cooldowns_ws_are_deferred_and_finish_in_groups(name):
+    """finish_grads_in_groups: every W after a rank's last F runs after the cooldown's other actions, split into
+    pieces whose gradients together are the W's (each once); so most of the gradient bytes are reduced while
+    the tail still computes, and what is posted after the last compute op is at most half of them."""
+    plain, placed = _lowered(name, 2, None), _lowered(name, 2, DataParallel(bucket_mb=0))
+    for before, after in zip(plain, placed):
+        assert after.passes[0] == "finish_grads_in_groups"
+        runs = after.run_ops()
+        last_f = max(k for k, op in enumerate(runs) if op.action.kind.name == "F")
+        cooldown = runs[last_f + 1:]
+        kinds = [op.action.kind.name for op in cooldown]
+        assert "W" in kinds and kinds == sorted(kinds, key=lambda k: k == "W"), kinds   # the W's last
+        split = [op for op in cooldown if "_p" in op.args.graph]
+        whole = [op for op in cooldown if op.action.kind.name == "W" and "_p" not in op.args.graph]
+        assert all(len(op.outs) == 1 for op in whole), "a W of several gradients was left whole"
+        original = {str(op.action): op for op in before.run_ops() if op.action.kind.name == "W"}
+        for action in {str(op.action) for op in split}:
+            pieces = [op for op in split if str(op.action) == action]
+            assert 2 <= len(pieces) <= 4
+            grads = [parse(v).local for op in pieces for v in op.outs]
+            want = [parse(v).local for v in original[action].outs]
+            assert sorted(grads) == sorted(want) and len(grads) == len(set(grads))
+        total = sum(_grad_bytes(after, v) for op in after.of_kind(OpKind.DP_REDUCE) for v in op.ins)
+        last_run = max(i for i, op in enumerate(after.ops) if op.kind is OpKind.RUN)
+        exposed = sum(_grad_bytes(after, v) for i, op in enumerate(after.ops)
+                      if op.kind is OpKind.DP_REDUCE and i > last_run for v in op.ins)
+        assert exposed <= 0.5 * total, (after.rank, exposed, total)
+
+
+def test_pieces_are_cut_into_groups_of_about_equal_bytes():
+    from zbcompile.passes.lower.dp_reduce import _contiguous_groups
+
+    assert _contiguous_groups([4, 4, 4, 4], 4) == [[0], [1], [2], [3]]
+    assert _contiguous_groups([10, 1, 1, 1, 1, 10], 2) == [[0, 1, 2], [3, 4, 5]]
+    assert _contiguous_groups([1, 1, 100], 3) == [[0], [1], [2]]   # every group gets one
+    assert _contiguous_groups([5, 5], 4)[:2] == [[0], [1]]
