@@ -6,7 +6,7 @@
     python benchmarks/bench_dp.py --schedules zbv,zb-h1 --rounds 5 --json out.json
 
 Configurations, each in 4 fresh processes on one 2-D DeviceMesh (dims "dp", "pp"), the same GPT and batch:
-  ours-placed  zb.compile(group=mesh): the cooldown's W's deferred and split into 4 gradient groups, each
+  ours-placed  zb.compile(group=mesh): each rank's trailing W's split into 4 gradient groups, each
                group's all-reduce posted right after the op that finishes it (passes/lower/dp_reduce.py),
                waited at the end of the step
   ours-whole   the same placement with the W's left whole and in place (dp_w_pieces=1)

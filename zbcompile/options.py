@@ -82,9 +82,9 @@ class CompileOptions:
         (passes/lower/dp_reduce.py).
     dp_overlap: False posts every data-parallel all-reduce at the end of the step instead (no overlap; for
         comparison).
-    dp_w_pieces: with dp_overlap, each W of the cooldown is deferred past the cooldown's B's and split into this
-        many groups of its parameters' gradients, so that each group's all-reduce overlaps the rest of the tail
-        (passes/lower/dp_reduce.py: finish_grads_in_groups); 1 keeps the W's whole and in place.
+    dp_w_pieces: with dp_overlap, each of a rank's trailing W's (the run of W's that ends its step) is split
+        into this many groups of its parameters' gradients, run stage by stage, so that each group's all-reduce
+        overlaps the rest of the tail (passes/lower/dp_reduce.py: finish_grads_in_groups); 1 keeps them whole.
     dp_batch: "global" (step / evaluate / forward take the global batch on every rank, each replica using its
         share) or "local" (each replica is handed its own rows, as with DDP; the loss returned is still the global
         mean, and the outputs of forward are the replica's own).

@@ -283,6 +283,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--csv", metavar="FILE", help="write torch's compute-only CSV")
     parser.add_argument("--svg", metavar="FILE", help="write the timeline as SVG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    dp = parser.add_argument_group("data parallelism across pipelines")
+    dp.add_argument("--dp-comm", type=_non_negative_float, metavar="T",
+                    help="time to all-reduce one 1F1B stage's gradients over the replicas (cost units): prints the "
+                         "step with the reductions at the end, placed where each stage's gradients are final, and "
+                         "with the cooldown's W's in gradient groups (zbcompile/plan_dp.py)")
+    dp.add_argument("--dp-pieces", type=_positive_int, default=4, metavar="K",
+                    help="gradient groups per deferred W for --dp-comm (compile's dp_w_pieces; default 4)")
     vocab = parser.add_argument_group("vocabulary parallelism")
     vocab.add_argument("--vocab-parallel", action="store_true",
                        help="compare the schedule(s) with the output layer on the last stage and sharded over "
@@ -301,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
     memory = MemoryModel(args.b_frees, args.act_bytes)
     if args.vocab_parallel:
         return _run_vocab(args, memory)
+    if args.dp_comm is not None:
+        return _run_dp(args)
     if args.compare:
         return _run_compare(args, memory)
     if args.load:
@@ -365,6 +374,32 @@ def _write_files(args: argparse.Namespace, result: SimResult) -> list[str]:
         written.append(f"wrote {path}")
     return written
 
+
+
+def _run_dp(args: argparse.Namespace) -> int:
+    from zbcompile.plan_dp import dp_row, dp_table
+
+    if args.load:
+        raise ScheduleError("--dp-comm generates the schedules it times; use --schedule NAME or --compare")
+    _require(args, "--dp-comm")
+    names = schedule_names() if args.compare else [args.schedule]
+    rows = []
+    for name in names:
+        try:
+            schedule = build_schedule(name, args.pp, args.microbatches, chunks=args.chunks, costs=args.costs)
+        except ScheduleError:
+            if not args.compare:
+                raise
+            continue
+        rows.append(dp_row(schedule, args.costs, args.dp_comm, args.dp_pieces))
+    if args.json:
+        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": str(args.costs),
+                          "dp_comm": args.dp_comm, "pieces": args.dp_pieces,
+                          "schedules": [r.__dict__ for r in rows]}, indent=2))
+        return 0
+    print(f"p={args.pp}, m={args.microbatches}, costs {args.costs}")
+    print(dp_table(rows, args.dp_comm, args.dp_pieces))
+    return 0
 
 
 def _run_vocab(args: argparse.Namespace, memory: MemoryModel) -> int:

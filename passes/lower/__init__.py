@@ -9,7 +9,7 @@ pass is either cross-rank (it reads every rank's program: messages must agree on
     insert_p2p           receives posted early / waited late, batched sends, deterministic tags   (cross-rank)
     accumulate_grads     per-microbatch parameter grads -> one sum -> Parameter.grad               (per rank)
     reduce_shared_grads  sum grads of parameters several ranks hold (tied weights, DualPipe)       (cross-rank)
-    (with dp, first: finish_grads_in_groups: the cooldown's W's deferred and split into gradient groups)
+    (with dp, first: finish_grads_in_groups: each rank's trailing W's split into gradient groups)
     reduce_over_replicas with data parallelism (`Lowering.dp`): each bucket of final gradients     (per rank)
                          averaged over the replicas, posted where it is final, waited at the end
     insert_frees         explicit frees of activation memory after its last use                   (per rank)

@@ -45,7 +45,7 @@ class DataParallel:
 
     bucket_mb: at most this many MiB of gradients in one all-reduce (0: one all-reduce per gradient).
     overlap: post each bucket right after its gradients are final (True) or all at the end of the step (False).
-    w_pieces: with overlap, the cooldown's W's are deferred and each split into this many gradient groups
+    w_pieces: with overlap, each rank's trailing W's are each split into this many gradient groups
         (finish_grads_in_groups), so that the groups' reductions overlap the rest of the tail; 1 leaves them.
     """
 
@@ -132,16 +132,18 @@ def finish_grads_in_groups(choice: DataParallel):
 
     In a pipeline step every parameter's gradient becomes final in the cooldown, at its stage's last W, and
     a W computes all of its stage's weight gradients at once: left as it is, the reduction of the stage that
-    finishes last has nothing left to overlap. The pass, on each rank,
+    finishes last has nothing left to overlap. The pass takes each rank's trailing W's (the run of W's that
+    ends its step; the W's before them fill waits the schedule placed them in, and stay) and
 
-    1. defers every W of the cooldown (after the rank's last F) past the cooldown's other actions: a W sends
-       nothing and no one waits for it, so the B's that others wait for only come earlier;
-    2. splits each deferred W into `choice.w_pieces` graphs over disjoint groups of its parameters (contiguous,
-       of about equal bytes; a graph with fewer gradients, or with an in-place op, stays whole), and runs them
-       stage by stage, group by group: each group's gradients are final, and their all-reduce posted, while
-       the rest of the tail still computes. Only the last group of the last stage is left exposed.
+    1. splits each into `choice.w_pieces` graphs over disjoint groups of its parameters (contiguous, of about
+       equal bytes; a graph with fewer gradients, or with an in-place op, stays whole);
+    2. runs them stage by stage (the stage with the most gradient bytes first), group by group: each group's
+       gradients are final, and their all-reduce posted, while the rest of the tail still computes. Only the
+       last group of the last stage is left exposed.
 
-        0B6 0W6 0B7 0W7    ->    0B6 0B7  0W6[a] 0W7[a]  (all-reduce a)  0W6[b] 0W7[b]  (all-reduce b)
+        1B7 1W6 1W7    ->    1B7  1W6[a] 1W7[a]  (all-reduce a)  1W6[b] 1W7[b]  (all-reduce b) ...
+
+    W's depend on nothing but their own B, so any order of the trailing ones is valid; nothing waits on them.
 
     The pieces are graphs `<key>_p<g>` in the graph table; each keeps only the inputs its outputs need.
     """
@@ -156,14 +158,13 @@ def _finish(program: RankProgram, pieces: int) -> RankProgram:
 
     ops = list(program.ops)
     runs = [i for i, op in enumerate(ops) if op.kind is OpKind.RUN]
-    forwards = [i for i in runs if ops[i].action.kind is Kind.F]
-    start = forwards[-1] + 1 if forwards else 0
-    tail = [i for i in runs if i >= start and ops[i].action.kind is Kind.W
-            and not KIND_SPECS[ops[i].action.kind].sharded]
+    tail: list[int] = []   # the rank's trailing W's
+    for i in reversed(runs):
+        if ops[i].action.kind is not Kind.W or KIND_SPECS[ops[i].action.kind].sharded:
+            break
+        tail.insert(0, i)
     if not tail:
         return program
-    kept = [i for i in runs if i >= start and i not in set(tail)]
-    at = (kept[-1] if kept else start - 1) + 1   # right after the cooldown's last other action
     graphs = dict(program.graphs)
     # the stage with the most gradient bytes first: the one finishing last leaves its last group exposed
     stages = sorted(dict.fromkeys(ops[i].args.graph for i in tail), key=lambda k: -_grad_bytes(graphs[k]))
@@ -180,9 +181,9 @@ def _finish(program: RankProgram, pieces: int) -> RankProgram:
                                   args=op.args._replace(graph=f"{key}_p{g}"),
                                   note=f"gradient group {g + 1} of {len(split)}") for op in mine]
     gone = set(tail)
-    new = ([op for i, op in enumerate(ops[:at]) if i not in gone] + moved
-           + [op for i, op in enumerate(ops[at:], at) if i not in gone])
-    return program.replace(ops=tuple(new), graphs=graphs)
+    new = [op for i, op in enumerate(ops) if i not in gone]
+    at = tail[0] - sum(1 for i in gone if i < tail[0])
+    return program.replace(ops=tuple(new[:at] + moved + new[at:]), graphs=graphs)
 
 
 def _grad_bytes(g) -> int:
