@@ -78,6 +78,13 @@ class Replicas:
         self._wait(dist.all_reduce(t, group=self.group, async_op=True), "averaging the loss")
         return float(t.item()) / self.size
 
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every replica (the inf / NaN check: a replica that skips its optimizer step
+        alone would drift away from the others)."""
+        t = torch.tensor([0.0 if flag else 1.0], device=self._device())
+        self._wait(dist.all_reduce(t, group=self.group, async_op=True), "comparing the inf / NaN checks")
+        return t.item() == 0.0
+
     def allgather(self, values: torch.Tensor) -> torch.Tensor:
         """Every replica's `values` (a small 1-d tensor) stacked in replica order (agreement.check_batch)."""
         values = values.to(self._device(values.device))

@@ -274,8 +274,9 @@ class PipelineModule(nn.Module):
     @_unusable_after_a_failure
     def grads_finite(self) -> bool:
         """False when any gradient on any rank holds an inf or a NaN (then skip the optimizer step: every rank
-        gets the same answer). Call it on every rank."""
-        return grads.grads_finite(self._counted_grads(), self._gather, self.runtime.device)
+        gets the same answer, over the data-parallel replicas too). Call it on every rank."""
+        finite = grads.grads_finite(self._counted_grads(), self._gather, self.runtime.device)
+        return finite if self._dp is None else self._dp.all_true(finite)
 
     def grad_scaler(self, **kwargs) -> PipelineGradScaler:
         """A torch.amp.GradScaler (`kwargs`: init_scale, growth_factor, ...) whose inf checks cover the whole

@@ -175,9 +175,11 @@ def _finish(program: RankProgram, pieces: int) -> RankProgram:
         if split is None:
             moved += mine
             continue
-        for g, (piece, picked_in, picked_out) in enumerate(split):
+        whole = graphs[key]
+        for g, (piece, ins, outs) in enumerate(split):
             graphs[f"{key}_p{g}"] = piece
-            moved += [op._replace(ins=tuple(op.ins[k] for k in picked_in), outs=tuple(op.outs[k] for k in picked_out),
+            moved += [op._replace(ins=_globals(op.ins, whole.inputs, ins, op), outs=_globals(op.outs, whole.outputs,
+                                                                                           outs, op),
                                   args=op.args._replace(graph=f"{key}_p{g}"),
                                   note=f"gradient group {g + 1} of {len(split)}") for op in mine]
     gone = set(tail)
@@ -186,42 +188,98 @@ def _finish(program: RankProgram, pieces: int) -> RankProgram:
     return program.replace(ops=tuple(new[:at] + moved + new[at:]), graphs=graphs)
 
 
+def _globals(values, names, wanted, op) -> tuple[str, ...]:
+    """The program's values for a piece's local `wanted` names: the W's own where the whole graph has the name,
+    else a value between the pieces of this W (stage, microbatch of the W)."""
+    from zbcompile.ir.program.values import stage_value
+
+    of = dict(zip(names, values))
+    action = op.action
+    return tuple(of[n] if n in of else stage_value(action.stage, action.microbatch, n) for n in wanted)
+
+
 def _grad_bytes(g) -> int:
     return sum(t.nbytes for t in g.types if t is not None) if g.types else 0
 
 
 def _split_graph(g, pieces: int):
-    """[(piece graph, the original input positions it reads, the original output positions it returns)] for
-    `pieces` contiguous groups of g's outputs of about equal bytes; None where g should stay whole."""
+    """[(piece graph, its input names, its output names)]: g cut into up to `pieces` graphs run one after the
+    other, each returning a group of g's outputs (contiguous in the order g computes them, of about equal
+    bytes). Every node is computed once, in the first piece that needs it; a later piece that needs it too
+    takes it as an input `wsaved:split_<node>` the earlier piece returns. None where g stays whole (fewer than
+    two outputs, an in-place op)."""
     from torch import fx
 
-    if pieces < 2 or len(g.outputs) < 2 or g.gm is None or any(n.is_impure() for n in g.gm.graph.nodes
-                                                                 if n.op == "call_function"):
+    graph = g.gm.graph if g.gm is not None else None
+    if pieces < 2 or len(g.outputs) < 2 or graph is None or any(
+            n.is_impure() for n in graph.nodes if n.op == "call_function"):
         return None
-    sizes = [t.nbytes if t is not None else 0 for t in (g.types or (None,) * len(g.outputs))]
-    groups = _contiguous_groups(sizes, min(pieces, len(g.outputs)))
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    outs = list(graph.output_node().args[0])
+    order = sorted(range(len(outs)), key=lambda j: pos.get(outs[j], -1))   # outputs in the order g makes them
+    sizes = [g.types[j].nbytes if g.types and g.types[j] is not None else 0 for j in order]
+    groups = [sorted(order[k] for k in chunk) for chunk in _groups(sizes, pieces)]
+    if len(groups) < 2:
+        return None
+    owner: dict = {}
+    for k, group in enumerate(groups):
+        for j in group:
+            for n in _computed_ancestors(outs[j]):
+                owner.setdefault(n, k)
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    local = dict(zip(placeholders, g.inputs))
+    later = {k: [n for n in nodes if owner.get(n, -1) < k and any(owner.get(u, -1) >= k for u in n.users)
+                 and n.op == "call_function"] for k in range(len(groups))}
     out = []
-    for keep in groups:
-        graph = fx.Graph()
-        results = graph.graph_copy(g.gm.graph, {})
-        graph.output(tuple(results[k] for k in keep))
-        graph.eliminate_dead_code()
-        placeholders = list(graph.find_nodes(op="placeholder"))
-        used = [k for k, ph in enumerate(placeholders) if ph.users]
+    for k, group in enumerate(groups):
+        new, env, ins = fx.Graph(), {}, []
+        mine = [n for n in nodes if owner.get(n) == k]
+        needed = {x for n in mine for x in n.all_input_nodes} | {outs[j] for j in group}
         for ph in placeholders:
-            if not ph.users:
-                graph.erase_node(ph)
-        graph.lint()
-        gm = fx.GraphModule(g.gm, graph, class_name=type(g.gm).__name__ + "Piece")
-        piece = dataclasses.replace(g, gm=gm, inputs=tuple(g.inputs[k] for k in used),
-                                    outputs=tuple(g.outputs[k] for k in keep),
-                                    types=tuple(g.types[k] for k in keep) if g.types else ())
-        out.append((piece, used, keep))
+            if ph in needed:
+                env[ph] = new.node_copy(ph)
+                ins.append(local[ph])
+        for n in later[k]:   # computed by an earlier piece
+            if n in needed:
+                env[n] = new.placeholder(f"split_{n.name}")
+                env[n].meta = dict(n.meta)
+                ins.append(f"wsaved:split_{n.name}")
+        for n in mine:
+            for x in n.all_input_nodes:
+                if x not in env:   # a get_attr (a constant of the graph)
+                    env[x] = new.node_copy(x)
+            env[n] = new.node_copy(n, lambda x: env[x])
+        passed = [n for n in later.get(k + 1, []) + sum((later[q] for q in range(k + 2, len(groups))), [])
+                  if owner.get(n) == k]
+        passed = list(dict.fromkeys(passed))
+        new.output(tuple(env[outs[j]] for j in group) + tuple(env[n] for n in passed))
+        new.lint()
+        gm = fx.GraphModule(g.gm, new, class_name=type(g.gm).__name__ + "Piece")
+        names = tuple(g.outputs[j] for j in group) + tuple(f"wsaved:split_{n.name}" for n in passed)
+        types = tuple(g.types[j] for j in group) + (None,) * len(passed) if g.types else ()
+        out.append((dataclasses.replace(g, gm=gm, inputs=tuple(ins), outputs=names, types=types),
+                    tuple(ins), names))
     return out
 
 
-def _contiguous_groups(sizes: list[int], n: int) -> list[list[int]]:
-    """Positions 0..len(sizes)-1 cut into n (<= len(sizes)) non-empty contiguous groups of about equal size."""
+def _computed_ancestors(node) -> set:
+    """The call_function nodes `node` is computed from (itself included)."""
+    from torch import fx
+
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n.op != "call_function" or n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _groups(sizes: list[int], n: int) -> list[list[int]]:
+    """Positions 0..len(sizes)-1 in at most n non-empty contiguous groups, each closing once it holds its share
+    of the bytes."""
     total = sum(sizes)
     groups: list[list[int]] = []
     current: list[int] = []
@@ -230,7 +288,7 @@ def _contiguous_groups(sizes: list[int], n: int) -> list[list[int]]:
         current.append(k)
         acc += size
         left, need = len(sizes) - k - 1, n - len(groups) - 1   # positions still to place, groups still to open
-        if need and (left == need or (total and acc >= total * (len(groups) + 1) / n)):
+        if need and left and (left == need or (total and acc >= total * (len(groups) + 1) / n)):
             groups.append(current)
             current = []
     if current:

@@ -50,6 +50,16 @@ def test_evaluate_and_outputs_cover_the_global_batch(ranks):
     assert len(holders) == 2, holders   # the last stage's rank of each replica, both with the whole batch
 
 
+def test_gradient_norms_and_the_finite_check_cover_both_axes(ranks):
+    for r, got in _case(ranks, "clip"):
+        assert got["clean"], (r, got)
+        for norm in ("2.0", "inf"):
+            a, b = got[norm]
+            assert abs(a - b) <= 1e-9 * b, (r, norm, got)
+        assert got["clipped"][1] <= 1e-9, (r, got)
+        assert got["finite_after_nan"] is False, (r, got)
+
+
 def test_a_checkpoint_saved_at_dp2_pp2_loads_at_pp4_and_into_the_plain_model(ranks):
     for r, got in _case(ranks, "checkpoint"):
         assert abs(got["got_pp4"] - got["want"]) <= 1e-9 * got["want"], (r, got)
@@ -62,3 +72,14 @@ def test_bad_meshes_and_batches_are_refused(ranks):
         assert "dimensions named 'dp' and 'pp'" in got["no_pp"], got
         assert "3-D DeviceMesh" in got["three_d"], got
         assert "do not split into dp=2 replicas x 4 microbatches" in got["rows"], got
+
+
+def test_a_replica_that_dies_makes_the_others_fail_instead_of_hanging(ranks):
+    """Rank 3 exits inside its trailing W: its replica peer (rank 1) raises at the wait for its bucket's
+    all-reduce, naming it, and the others raise too (the launch's timeout would fail the test on a hang)."""
+    assert ranks[3]["die"] == {"victim": True}
+    for r in range(3):
+        die = ranks[r]["die"]
+        assert die.get("raised"), (r, die)
+        assert "restart the job" in die["message"], (r, die)
+    assert "data-parallel" in ranks[1]["die"]["message"], ranks[1]["die"]

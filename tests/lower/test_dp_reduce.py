@@ -108,7 +108,7 @@ def test_a_dp_program_prints_and_parses_back():
     assert RankProgram.from_text(text).to_text() == text
 
 
-@pytest.mark.parametrize("name", ["zbv", "1f1b"])
+@pytest.mark.parametrize("name", ["zbv", "zb-h1"])
 def test_a_dp_program_as_one_replica_gives_the_plain_gradients_and_the_planned_memory(name):
     """Run as the only replica, the reductions copy into buckets and hand back views: the gradients are bitwise
     those of the program without dp, and the memory plan's peak is within 10% of the measured one."""
@@ -162,7 +162,7 @@ def test_the_trailing_ws_finish_in_groups(name):
             pieces = [op for op in tail if str(op.action) == action]
             if len(original.outs) >= 2:
                 assert 2 <= len(pieces) <= 4 and all("_p" in op.args.graph for op in pieces)
-            grads = [parse(v).local for op in pieces for v in op.outs]
+            grads = [parse(v).local for op in pieces for v in op.outs if parse(v).local.startswith("grad:param:")]
             assert sorted(grads) == sorted(parse(v).local for v in original.outs) and len(grads) == len(set(grads))
         total = sum(_grad_bytes(after, v) for op in after.of_kind(OpKind.DP_REDUCE) for v in op.ins)
         last_run = max(i for i, op in enumerate(after.ops) if op.kind is OpKind.RUN)
@@ -172,9 +172,24 @@ def test_the_trailing_ws_finish_in_groups(name):
 
 
 def test_pieces_are_cut_into_groups_of_about_equal_bytes():
-    from zbcompile.passes.lower.dp_reduce import _contiguous_groups
+    from zbcompile.passes.lower.dp_reduce import _groups
 
-    assert _contiguous_groups([4, 4, 4, 4], 4) == [[0], [1], [2], [3]]
-    assert _contiguous_groups([10, 1, 1, 1, 1, 10], 2) == [[0, 1, 2], [3, 4, 5]]
-    assert _contiguous_groups([1, 1, 100], 3) == [[0], [1], [2]]   # every group gets one
-    assert _contiguous_groups([5, 5], 4)[:2] == [[0], [1]]
+    assert _groups([4, 4, 4, 4], 4) == [[0], [1], [2], [3]]
+    assert _groups([10, 1, 1, 1, 1, 10], 2) == [[0, 1, 2], [3, 4, 5]]
+    assert _groups([1, 1, 100], 3) == [[0], [1], [2]]   # every group gets one
+    assert _groups([5, 5], 4) == [[0], [1]]
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_pieces_recompute_nothing(name):
+    """The pieces of a split W compute each node of the W once: their call counts add up to the W's, and a
+    later piece reads what an earlier one computed as a wsaved: value."""
+    count = lambda gm: sum(1 for n in gm.graph.nodes if n.op == "call_function")   # noqa: E731
+    split = 0
+    for program in _lowered(name, 2, DataParallel()):
+        bases = {k.rsplit("_p", 1)[0] for k in program.graphs if "_p" in k and not k.endswith("_acc")}
+        split += len(bases)
+        for base in bases:
+            pieces = [p for k, p in program.graphs.items() if k.startswith(base + "_p") and not k.endswith("_acc")]
+            assert sum(count(p.gm) for p in pieces) == count(program.graphs[base].gm), base
+    assert split == 2   # each rank's one stage

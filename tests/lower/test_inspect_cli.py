@@ -65,3 +65,19 @@ def test_inspect_vocab_parallel_shows_the_passes_and_the_collectives():
     for what in ("broadcast root 1", "all_gather root -1", "reduce root 1", "reduce root 0", "broadcast root 0"):
         assert what in text, what
     assert "wait_coll(" in text
+
+
+def test_inspect_dp_shows_where_each_reduction_lands():
+    out = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zbv",
+               "--microbatches", "4", "--dp", "2", "--ops", "--rank", "1")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "data-parallel all-reduces" in text and "actions left to hide it" in text
+    table = text[text.index("data-parallel all-reduces"):text.index("# ---- rank 1")]
+    rows = [line.split() for line in table.splitlines()[3:] if line.strip()]
+    assert rows and all(r[0] == "1" for r in rows)
+    assert int(rows[0][-1]) > 0 and int(rows[-1][-1]) == 0   # the first bucket has compute left, the last none
+    assert "dp_reduce(" in text and "wait_dp(h:dp0)" in text and "gradient group 1 of" in text
+    bad = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zbv",
+               "--dp", "0")
+    assert bad.returncode != 0 and "--dp 0" in bad.stderr and "Traceback" not in bad.stderr

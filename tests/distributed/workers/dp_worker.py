@@ -7,14 +7,21 @@
                        gradient (dp_bucket_mb=0), float32, each replica handed its own rows (dp_batch="local"),
                        DualPipeV's mirrored stages
     eval               evaluate() and pipe(x) on the global batch, against eager in eval mode
+    clip               get_total_norm (2 and inf) and clip_grad_norm_ after a step equal eager's on the global batch;
+                       a NaN in the gradients of one rank of one replica makes grads_finite() False on every rank
     checkpoint         saved at pp=2 x dp=2 (replica 0 writes), loaded at pp=4 x dp=1 on all four processes and
                        into the plain model in one process (rank 0): the next step equals the uninterrupted run's
     errors             a mesh without "pp", a 3-D mesh, a batch that does not split into dp x microbatches
+    die                last: rank 3 (replica 1's second pipeline rank) dies inside a step, in its trailing W; the
+                       others raise RuntimeFailure within their timeout instead of hanging (rank 1 at the wait
+                       for its bucket's all-reduce). The victim writes its results before it goes.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 
 import torch
 
@@ -29,7 +36,7 @@ from support.models import eager_accumulated, gpt  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 from zbcompile import checkpoint  # noqa: E402
-from zbcompile.errors import UsageError  # noqa: E402
+from zbcompile.errors import RuntimeFailure, UsageError  # noqa: E402
 
 DP, PP, M, STEPS = 2, 2, 4, 3
 
@@ -43,11 +50,11 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
-def compile_on(mesh, schedule: str, dtype=torch.float64, **options):
+def compile_on(mesh, schedule: str, dtype=torch.float64, timeout: float = 120, **options):
     model, loss_fn, (x, y), _ = gpt(layers=4, batch=2)
     model = model.to(dtype)
     pipe = zb.compile(copy.deepcopy(model), schedule=schedule, microbatches=M, loss_fn=loss_fn,
-                      example=((x[:2],), (y[:2],)), group=mesh, timeout=120, **options)
+                      example=((x[:2],), (y[:2],)), group=mesh, timeout=timeout, **options)
     return model, loss_fn, pipe
 
 
@@ -81,6 +88,30 @@ def eval_case(mesh) -> dict:
     out = pipe(x)
     return dict(got=got, want=want, out_err=None if out is None else rel(out, want_out),
                 holds=out is not None)
+
+
+def clip_case(mesh) -> dict:
+    model, loss_fn, pipe = compile_on(mesh, "zbv")
+    ref = copy.deepcopy(model)
+    refp = dict(ref.named_parameters())
+    x, y = batches(0)
+    eager_accumulated(ref, loss_fn, x, y, DP * M)
+    pipe.step(x, y)
+    out = dict(clean=pipe.grads_finite())
+    for norm in (2.0, float("inf")):
+        got = pipe.get_total_norm(norm).item()
+        want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm).item()
+        out[str(norm)] = (got, want)
+    got = pipe.clip_grad_norm_(0.05).item()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    out["clipped"] = (got, max(rel(p.grad, shard_of(refp[n].grad, p.grad, pipe.rank))
+                               for n, p in pipe.named_parameters()))
+    # a NaN only replica 1's gradients hold (averaging cannot make one, a gradient hook or a bug can): every rank
+    # of both replicas must still skip the optimizer step, or the replicas drift apart
+    if mesh.get_local_rank("dp") == 1 and mesh.get_local_rank("pp") == 0:
+        next(iter(pipe.parameters())).grad.view(-1)[0] = float("nan")
+    out["finite_after_nan"] = pipe.grads_finite()
+    return out
 
 
 def checkpoint_case(mesh, where: str) -> dict:
@@ -131,6 +162,29 @@ def errors_case(mesh) -> dict:
     return out
 
 
+def die_case(mesh, results: dict, out: str) -> dict:
+    """One healthy step, then rank 3's trailing W exits the process; how every other rank's step ends."""
+    _, _, pipe = compile_on(mesh, "zb-h1", timeout=5)
+    pipe.step(*batches(0))
+    victim = dist.get_rank() == 3
+    if victim:
+        prog = pipe.rank_program()
+        name = [n for n, _ in prog.named_children() if "_w" in n][-1]
+
+        class Die(torch.nn.Module):
+            def forward(self, *args):
+                with open(os.path.join(out, "rank3.json"), "w") as fh:
+                    json.dump(dict(results, die=dict(victim=True)), fh)
+                os._exit(0)
+
+        setattr(prog, name, Die())
+    try:
+        pipe.step(*batches(1))
+        return dict(raised=False)
+    except RuntimeFailure as e:
+        return dict(raised=True, message=str(e)[-800:])
+
+
 def run(rank: int, pp: int, out: str) -> dict:
     mesh = init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "pp"))
     cases = {f"train/{s}": (lambda s=s: train_case(mesh, s)) for s in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b")}
@@ -141,9 +195,12 @@ def run(rank: int, pp: int, out: str) -> dict:
     cases["train/dualpipev"] = lambda: train_case(mesh, "dualpipev")
     cases["train/zbv-float32"] = lambda: train_case(mesh, "zbv", dtype=torch.float32)
     cases["eval"] = lambda: eval_case(mesh)
+    cases["clip"] = lambda: clip_case(mesh)
     cases["checkpoint"] = lambda: checkpoint_case(mesh, f"{out}/ckpt")
     cases["errors"] = lambda: errors_case(mesh)
-    return run_cases(cases)
+    results = run_cases(cases)
+    results["die"] = run_cases({"die": lambda: die_case(mesh, results, out)})["die"]
+    return results
 
 
 if __name__ == "__main__":
