@@ -80,9 +80,10 @@ def compile_programs(model: nn.Module, options: CompileOptions, num_ranks: int, 
                      lint_capture: bool = True, replicas: int = 1) -> Compiled:
     """Trace, split, schedule and lower `model` for `num_ranks` pipeline ranks, each pipeline one of `replicas`
     data-parallel replicas (more than one: the programs average the gradients over them). `device`: where the
-    ranks run (a model on the meta device is traced with the example moved there; None: as given). time_model: the offload planner's device model (h100, a100,
-    cpu; default by the device's type). lint_capture: with cuda_graphs, raise CaptureError for programs that
-    cannot be captured (inspect --capture-check lists the problems instead)."""
+    ranks run (a model on the meta device is traced with the example moved there; None: as given). time_model:
+    the offload planner's device model (h100, a100, cpu; default by the device's type). lint_capture: with
+    cuda_graphs, raise CaptureError for programs that cannot be captured (inspect --capture-check lists the
+    problems instead)."""
     with _phase("schedule", f"{options.schedule if isinstance(options.schedule, str) else options.schedule.name}, "
                             f"{num_ranks} ranks, {options.microbatches} microbatches"):
         schedule = schedule_for(options, num_ranks)

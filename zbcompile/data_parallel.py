@@ -50,9 +50,9 @@ class Replicas:
         for i, t in enumerate(batch):
             rows = t.shape[0] if t.dim() else 0
             if rows % n or not rows:
-                raise UsageError(f"{what}(): batch argument {i} has {rows} rows, which do not split into dp={self.size} "
-                                 f"replicas x {microbatches} microbatches; hand every rank the global batch, a "
-                                 f"multiple of {n} rows")
+                raise UsageError(f"{what}(): batch argument {i} has {rows} rows, which do not split into "
+                                 f"dp={self.size} replicas x {microbatches} microbatches; hand every rank the global "
+                                 f"batch, a multiple of {n} rows")
         return tuple(t.chunk(self.size)[self.rank] for t in batch)
 
     def _wait(self, work, what: str) -> None:

@@ -229,8 +229,11 @@ def _split_graph(g, pieces: int):
                 owner.setdefault(n, k)
     placeholders = list(graph.find_nodes(op="placeholder"))
     local = dict(zip(placeholders, g.inputs))
-    later = {k: [n for n in nodes if owner.get(n, -1) < k and any(owner.get(u, -1) >= k for u in n.users)
-                 and n.op == "call_function"] for k in range(len(groups))}
+    # per piece, the nodes an earlier piece computes that it reads, or returns (an output of its group that an
+    # earlier group's outputs are computed from)
+    later = {k: [n for n in nodes if n.op == "call_function" and owner.get(n, k) < k
+                 and (any(owner.get(u, -1) >= k for u in n.users) or any(outs[j] is n for j in group))]
+             for k, group in enumerate(groups)}
     out = []
     for k, group in enumerate(groups):
         new, env, ins = fx.Graph(), {}, []

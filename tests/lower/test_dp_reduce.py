@@ -193,3 +193,35 @@ def test_pieces_recompute_nothing(name):
             pieces = [p for k, p in program.graphs.items() if k.startswith(base + "_p") and not k.endswith("_acc")]
             assert sum(count(p.gm) for p in pieces) == count(program.graphs[base].gm), base
     assert split == 2   # each rank's one stage
+
+
+def test_a_split_graph_computes_what_the_whole_one_does():
+    """A toy W graph where one output feeds another group's: the pieces, run in order with the values passed,
+    return exactly the whole graph's outputs, and each node is computed once."""
+    from torch import fx
+
+    from zbcompile.ir.program import ProgramGraph
+    from zbcompile.ir.program.ops import TensorType
+    from zbcompile.passes.lower.dp_reduce import _split_graph
+
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    t = graph.call_function(torch.mul, (a, b))          # shared by every output
+    g0 = graph.call_function(torch.sin, (t,))           # an output that a later output is computed from
+    g1 = graph.call_function(torch.add, (g0, b))
+    g2 = graph.call_function(torch.exp, (b,))
+    graph.output((g2, g0, g1))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    t4 = TensorType((4,), torch.float32)
+    whole = ProgramGraph(gm, ("saved:a", "saved:b"), ("grad:param:x", "grad:param:y", "grad:param:z"),
+                         types=(t4, t4, t4))
+    pieces = _split_graph(whole, 3)
+    assert pieces is not None and len(pieces) == 3
+    x, y = torch.randn(4), torch.randn(4)
+    env = {"saved:a": x, "saved:b": y}
+    for piece, ins, outs in pieces:
+        env.update(zip(outs, piece.gm(*(env[n] for n in ins))))
+    want = gm(x, y)
+    assert all(torch.equal(env[n], w) for n, w in zip(whole.outputs, want))
+    count = lambda m: sum(1 for n in m.graph.nodes if n.op == "call_function")   # noqa: E731
+    assert sum(count(p.gm) for p, _, _ in pieces) == count(gm)

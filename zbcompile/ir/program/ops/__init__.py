@@ -49,8 +49,8 @@ from zbcompile.ir.program.ops.host_copies import HostArgs, View, ViewArgs
 from zbcompile.ir.program.ops.p2p import Message, RecvArgs, SendArgs
 
 __all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
-           "CollArgs", "DPArgs", "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "Op",
-           "OpSpec", "SAFE", "SPECS", "FAMILIES", "spec", "spec_by_text"]
+           "CollArgs", "DPArgs", "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs",
+           "StampArgs", "Op", "OpSpec", "SAFE", "SPECS", "FAMILIES", "spec", "spec_by_text"]
 
 # the family modules, each declaring its kinds' rows (ROWS); SPECS holds them in OpKind order
 FAMILIES = (compute, p2p, collectives, data_parallel, host_copies)
