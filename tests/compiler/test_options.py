@@ -51,6 +51,8 @@ BAD = [
     ("offload", [100, 0], "one budget per rank"), ("offload", True, "budget"), ("backend", "tvm", "'inductor'"),
     ("cuda_graphs", 0, "cuda_graphs=0"), ("cuda_graphs", -1, "int n >= 1"), ("cuda_graphs", "yes", "False"),
     ("check_batch", 0, "check_batch=0"), ("check_batch", "first", "int n >= 1"),
+    ("dp_bucket_mb", -1, "MiB >= 0"), ("dp_bucket_mb", float("nan"), "MiB >= 0"),
+    ("dp_overlap", "yes", "True or False"), ("dp_w_pieces", 0, "positive int"), ("dp_batch", "mine", '"local"'),
 ]
 
 
