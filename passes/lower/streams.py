@@ -38,7 +38,7 @@ __all__ = ["check_streams", "stream_cycle"]
 
 Key = tuple[int, int, int]          # a message: (source, destination, tag)
 Node = tuple                        # ("c", rank, op index), ("m", source, destination, tag), ("k", seq) or
-                                    # ("x", rank, op index): a copy on the rank's copy stream
+                                    # ("x", rank, op index): work on one of the rank's own streams (copy, dp)
 
 
 
@@ -156,7 +156,7 @@ def check_streams(programs: Sequence[RankProgram], channel: str = "directed") ->
 def _describe(node: Node, by_rank: dict[int, RankProgram], channel: str) -> str:
     if node[0] in ("c", "x"):
         _, r, i = node
-        where = " (on its copy stream)" if node[0] == "x" else ""
+        where = f" (on its {by_rank[r].ops[i].spec.stream.value} stream)" if node[0] == "x" else ""
         return f"rank {r} op {i}{where}: {by_rank[r].ops[i]}"
     if node[0] == "k":
         return f"collective seq {node[1]} on the collective group (every rank posts it)"
