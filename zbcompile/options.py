@@ -111,7 +111,7 @@ class CompileOptions:
     backend: str | None = None
     cuda_graphs: bool | int = False
     check_batch: bool | int = True
-    dp_bucket_mb: float = 25.0
+    dp_bucket_mb: float = 25.0   # DDP's default cap: bandwidth-bound all-reduces, still several per stage
     dp_overlap: bool = True
     dp_w_pieces: int = 4
     dp_batch: str = "global"

@@ -66,21 +66,21 @@ def dp_row(schedule: Schedule, costs: Costs, comm: float, pieces: int = 4) -> DP
     base = simulate(schedule, costs)
     per_stage = comm * schedule.num_ranks / schedule.num_model_stages
     end = placed = 0.0
-    for r, row in enumerate(base.schedule.ranks):
+    for row in base.schedule.ranks:
         last = max(base.end[a] for a in row) if row else 0.0
         stages = sorted({a.stage for a in row})
         end = max(end, last + per_stage * len(stages))
-        ready = sorted(max(base.end[a] for a in row if a.stage == s and a.kind is not Kind.F) for s in stages)
+        ready = sorted(_last_backward(base, row, s) for s in stages)
         placed = max(placed, last, _stream(((t, per_stage) for t in ready)))
-    deferred = simulate(regroup_trailing_ws(schedule), costs)
+    regrouped = simulate(regroup_trailing_ws(schedule), costs)
     groups = 0.0
-    for r, row in enumerate(deferred.schedule.ranks):
-        last = max(deferred.end[a] for a in row) if row else 0.0
+    for row in regrouped.schedule.ranks:
+        last = max(regrouped.end[a] for a in row) if row else 0.0
         jobs = []
         for s in sorted({a.stage for a in row}):
-            tail = _deferred(deferred, row, s)
-            if tail is None:   # no W deferred: the whole stage when its last backward ends
-                jobs.append((max(deferred.end[a] for a in row if a.stage == s and a.kind is not Kind.F), per_stage))
+            tail = _trailing_span(regrouped, row, s)
+            if tail is None:   # no trailing W: the whole stage when its last backward ends
+                jobs.append((_last_backward(regrouped, row, s), per_stage))
                 continue
             t0, t1 = tail
             jobs += [(t0 + (g + 1) * (t1 - t0) / pieces, per_stage / pieces) for g in range(pieces)]
@@ -88,7 +88,12 @@ def dp_row(schedule: Schedule, costs: Costs, comm: float, pieces: int = 4) -> DP
     return DPRow(schedule.name, base.makespan, end, placed, groups)
 
 
-def _deferred(result: SimResult, row, stage: int) -> tuple[float, float] | None:
+def _last_backward(result: SimResult, row, stage: int) -> float:
+    """When the rank's last backward action (B, W or BW) of `stage` ends: its gradients are final then."""
+    return max(result.end[a] for a in row if a.stage == stage and a.kind is not Kind.F)
+
+
+def _trailing_span(result: SimResult, row, stage: int) -> tuple[float, float] | None:
     """(start, end) of stage's trailing W's, or None if it has none."""
     tail = [a for a in row[trailing_ws(row):] if a.stage == stage]
     if not tail:

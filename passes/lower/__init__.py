@@ -176,7 +176,7 @@ def pipeline(lowering: Lowering, schedule: Schedule, staged: StagedModel, *, pas
              if lowering.pair_order or p is not order_p2p_by_pair]
     if lowering.dp is not None and reduce_shared_grads in bound:
         bound.insert(bound.index(reduce_shared_grads) + 1, reduce_over_replicas(lowering.dp))
-        if lowering.dp.overlap and lowering.dp.w_pieces > 1 and lowering.offload is None and bound:
+        if lowering.dp.overlap and lowering.dp.w_pieces > 1 and lowering.offload is None:
             # first: the p2p pass posts receives by the final order of the compute (offload reads each action's
             # one W, so the split W's are left out there)
             bound.insert(0, each(finish_grads_in_groups(lowering.dp)))

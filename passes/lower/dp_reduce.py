@@ -32,16 +32,14 @@ from zbcompile.passes.lower.reduce import grad_types
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.ops import DPArgs, Op, OpKind, SetGradArgs, TensorType
 from zbcompile.ir.program.values import handle, parse
+from zbcompile.options import CompileOptions
 
-__all__ = ["DataParallel", "reduce_over_replicas", "DEFAULT_BUCKET_MB"]
-
-# DDP's default bucket cap: large enough that a bucket's all-reduce is bandwidth-bound, small enough to pipeline
-DEFAULT_BUCKET_MB = 25.0
+__all__ = ["DataParallel", "reduce_over_replicas"]
 
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
-    """How the lowering reduces gradients over data-parallel replicas.
+    """How the lowering reduces gradients over data-parallel replicas (the defaults are compile's options').
 
     bucket_mb: at most this many MiB of gradients in one all-reduce (0: one all-reduce per gradient).
     overlap: post each bucket right after its gradients are final (True) or all at the end of the step (False).
@@ -49,9 +47,9 @@ class DataParallel:
         (finish_grads_in_groups), so that the groups' reductions overlap the rest of the tail; 1 leaves them.
     """
 
-    bucket_mb: float = DEFAULT_BUCKET_MB
-    overlap: bool = True
-    w_pieces: int = 4
+    bucket_mb: float = CompileOptions.dp_bucket_mb
+    overlap: bool = CompileOptions.dp_overlap
+    w_pieces: int = CompileOptions.dp_w_pieces
 
     @property
     def bucket_bytes(self) -> int:
