@@ -32,14 +32,14 @@ from zbcompile.passes.lower.reduce import grad_types
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.ops import DPArgs, Op, OpKind, SetGradArgs, TensorType
 from zbcompile.ir.program.values import handle, parse
-from zbcompile.options import CompileOptions
 
 __all__ = ["DataParallel", "reduce_over_replicas"]
 
 
 @dataclasses.dataclass(frozen=True)
 class DataParallel:
-    """How the lowering reduces gradients over data-parallel replicas (the defaults are compile's options').
+    """How the lowering reduces gradients over data-parallel replicas (the defaults match CompileOptions';
+    passes import nothing of the core, so they are written here again).
 
     bucket_mb: at most this many MiB of gradients in one all-reduce (0: one all-reduce per gradient).
     overlap: post each bucket right after its gradients are final (True) or all at the end of the step (False).
@@ -47,9 +47,9 @@ class DataParallel:
         (finish_grads_in_groups), so that the groups' reductions overlap the rest of the tail; 1 leaves them.
     """
 
-    bucket_mb: float = CompileOptions.dp_bucket_mb
-    overlap: bool = CompileOptions.dp_overlap
-    w_pieces: int = CompileOptions.dp_w_pieces
+    bucket_mb: float = 25.0
+    overlap: bool = True
+    w_pieces: int = 4
 
     @property
     def bucket_bytes(self) -> int:

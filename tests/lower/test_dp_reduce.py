@@ -225,3 +225,10 @@ def test_a_split_graph_computes_what_the_whole_one_does():
     assert all(torch.equal(env[n], w) for n, w in zip(whole.outputs, want))
     count = lambda m: sum(1 for n in m.graph.nodes if n.op == "call_function")   # noqa: E731
     assert sum(count(p.gm) for p, _, _ in pieces) == count(gm)
+
+
+def test_the_lowerings_defaults_are_compiles():
+    """passes/ may not import the core, so DataParallel repeats CompileOptions' defaults: they must agree."""
+    d = DataParallel()
+    assert (d.bucket_mb, d.overlap, d.w_pieces) == (CompileOptions.dp_bucket_mb, CompileOptions.dp_overlap,
+                                                    CompileOptions.dp_w_pieces)
