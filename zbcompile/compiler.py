@@ -131,7 +131,7 @@ def compile_forward(compiled: Compiled, training: bool, outputs: bool = False) -
     if outputs:
         _check_one_output_rank(compiled.schedule, staged)
     with _phase("lower", f"{schedule.name} ({'train' if training else 'eval'} mode)"):
-        return lower(schedule, staged, dataclasses.replace(compiled.options, cuda_graphs=False))
+        return lower(schedule, staged, dataclasses.replace(compiled.options, cuda_graphs=False), compiled.replicas)
 
 
 def _check_one_output_rank(schedule: Schedule, staged: StagedModel) -> None:
@@ -199,7 +199,8 @@ def lower(schedule: Schedule, staged: StagedModel, options: CompileOptions,
     from zbcompile.passes.lower import DataParallel, Lowering, lower_all
 
     # activation offload pairs each F's saved tensors with one W: the W's stay whole there
-    dp = (DataParallel(options.dp_bucket_mb, options.dp_overlap, 1 if options.offload else options.dp_w_pieces)
+    dp = (DataParallel(options.dp_bucket_mb, options.dp_overlap, 1 if options.offload else options.dp_w_pieces,
+                       shard=replicas if options.dp_shard else 0, gather=options.dp_gather)
           if replicas > 1 else None)
     return lower_all(schedule, staged, Lowering(capture=options.capture, backend=options.backend, dp=dp))
 

@@ -20,7 +20,13 @@ hold the same pipeline rank in every replica form a "dp" group; through it
 
 With dp_batch="local" each replica is handed its own rows instead (the batch check then compares only the
 ranks of one pipeline). Buffers (BatchNorm's running statistics) are updated per replica from its own share, as
-DDP with broadcast_buffers=False. Sharded data parallelism (ZeRO / FSDP) is not built yet.
+DDP with broadcast_buffers=False.
+
+With dp_shard=True (ZeRO-3 / FSDP2 semantics) each replica keeps only its rows of every parameter: the
+parameters are DTensors sharded on dim 0 over the "dp" group (`shard_params`), so `.grad` and the optimizer's
+state are sharded too and torch.distributed.checkpoint saves them as it saves FSDP2's. The program gathers the
+whole parameters where its actions read them and reduce-scatters each gradient where it is final
+(passes/lower/dp_shard.py); norms and inf checks add the replicas' shards (`reduce`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zbcompile.errors import RuntimeFailure, UsageError
 
@@ -39,10 +46,48 @@ __all__ = ["Replicas"]
 class Replicas:
     """This rank's data-parallel group: the same pipeline rank in every replica."""
 
-    def __init__(self, group, timeout: float) -> None:
+    def __init__(self, group, timeout: float, sharded: bool = False) -> None:
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.timeout = timedelta(seconds=timeout)
+        self.sharded = sharded
+        self.mesh = None   # the DeviceMesh of `group` the sharded parameters are DTensors over (shard_params)
+
+    def shard_params(self, model: nn.Module, names: Sequence[str], device: torch.device) -> None:
+        """Replace each parameter `names` names in `model` (under every name it has: a tied one is one
+        Parameter) by a DTensor Parameter over the data-parallel group holding this replica's rows: dim 0 cut as
+        torch.chunk cuts it (FSDP2's and Shard(0)'s layout; a replica past the last chunk holds 0 rows), a 0-dim
+        or empty parameter replicated whole. The values are the replica's own (broadcast from replica 0 first)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        self.mesh = self.mesh or DeviceMesh.from_group(self.group, device.type)
+        new: dict[int, nn.Parameter] = {}
+        with torch.no_grad():
+            for n in names:
+                p = model.get_parameter(n)
+                if id(p) in new or isinstance(p, DTensor):
+                    continue
+                if p.dim() and p.shape[0]:
+                    c = -(-p.shape[0] // self.size)
+                    local, placement = p.detach()[self.rank * c:(self.rank + 1) * c].clone(), Shard(0)
+                else:
+                    local, placement = p.detach().clone(), Replicate()
+                whole = DTensor.from_local(local, self.mesh, [placement], run_check=False, shape=p.shape,
+                                           stride=p.stride())
+                new[id(p)] = nn.Parameter(whole, requires_grad=p.requires_grad)
+            for mod in model.modules():
+                for k, p in list(mod._parameters.items()):
+                    if p is not None and id(p) in new:
+                        mod._parameters[k] = new[id(p)]
+
+    def reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
+        """`values` (a small tensor) summed ("sum") or maxed ("max") over the replicas: a sharded gradient's
+        partial norms."""
+        out = values.to(self._device(values.device)).clone()
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        self._wait(dist.all_reduce(out, op=reduce_op, group=self.group, async_op=True), "reducing gradient norms")
+        return out.to(values.device)
 
     def share(self, batch: Sequence[torch.Tensor], microbatches: int, what: str) -> tuple[torch.Tensor, ...]:
         """This replica's rows of the global batch; UsageError where a batch does not split into dp x m."""

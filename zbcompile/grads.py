@@ -31,14 +31,29 @@ __all__ = ["total_norm", "clip_grads", "PipelineGradScaler"]
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
+# shards(values, "sum" | "max") -> values reduced over the data-parallel replicas that each hold rows of the
+# same gradients (sharded data parallelism, Replicas.reduce)
+Shards = Callable[[torch.Tensor, str], torch.Tensor]
+
+
 def total_norm(grads: Sequence[torch.Tensor], norm_type: float, gather: Gather, *, dtype: torch.dtype,
-               error_if_nonfinite: bool = False, device: torch.device | None = None) -> torch.Tensor:
+               error_if_nonfinite: bool = False, device: torch.device | None = None,
+               shards: Shards | None = None) -> torch.Tensor:
     """The norm of every counted gradient of the pipeline, as torch.nn.utils.get_total_norm over all of them:
     the `norm_type` norm of the per-tensor norms, in `dtype` (the parameters'; a rank that counts no gradient
-    returns the same dtype as its peers). `grads`: the gradients this rank counts."""
+    returns the same dtype as its peers). `grads`: the gradients this rank counts; with `shards`, this
+    replica's rows of them, whose partial sums (or maxima) are first combined over the replicas."""
     p = float(norm_type)
-    partial = _partial(grads, p)
-    parts = gather(torch.tensor([partial], dtype=torch.float64, device=partial_device(grads, device)))[:, 0]
+    at = partial_device(grads, device)
+    if shards is None:
+        partial = _partial(grads, p)
+    elif p == 0:   # a tensor counts once if any replica's rows of it are nonzero
+        nonzero = torch.tensor([float(bool(g.count_nonzero())) for g in grads], dtype=torch.float64, device=at)
+        partial = float(shards(nonzero, "max").sum()) if grads else 0.0
+    else:
+        partial = float(shards(torch.tensor([_partial(grads, p)], dtype=torch.float64, device=at),
+                               "max" if math.isinf(p) else "sum")[0])
+    parts = gather(torch.tensor([partial], dtype=torch.float64, device=at))[:, 0]
     if math.isinf(p):
         total = parts.max()
     elif p == 0:   # torch: the 0-"norm" of the per-tensor norms counts the tensors with a nonzero gradient

@@ -88,6 +88,13 @@ class CompileOptions:
     dp_batch: "global" (step / evaluate / forward take the global batch on every rank, each replica using its
         share) or "local" (each replica is handed its own rows, as with DDP; the loss returned is still the global
         mean, and the outputs of forward are the replica's own).
+    dp_shard: sharded data parallelism (ZeRO-3 / FSDP2 semantics) instead of replicated (DDP): every parameter
+        of a rank is held as a DTensor sharded on dim 0 over the "dp" mesh dimension (a 0-dim one replicated), so
+        its gradient and the optimizer's state are sharded too; the step gathers the whole parameters where its
+        actions read them and reduce-scatters each gradient where it is final (passes/lower/dp_shard.py).
+    dp_gather: with dp_shard, "step" gathers a stage's parameters once, before its first action, and drops them
+        after its last (FSDP2's reshard_after_forward=False); "microbatch" gathers them before every action that
+        reads them and drops them after it (the least memory, one all-gather per action).
     check_batch: whether step() / evaluate() check that every rank was handed the same batch (a checksum per
         argument, all-gathered; DisagreementError on every rank otherwise): True on the first call only, an
         int n on the first and every n-th call, False never. compile always checks that every rank built the
@@ -115,6 +122,8 @@ class CompileOptions:
     dp_overlap: bool = True
     dp_w_pieces: int = 4
     dp_batch: str = "global"
+    dp_shard: bool = False
+    dp_gather: str = "step"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -249,6 +258,13 @@ def _bucket_mb(value):
     return value
 
 
+def _dp_gather(value):
+    if value not in ("step", "microbatch"):
+        raise UsageError(f"dp_gather={value!r}: give \"step\" (a stage's parameters gathered once per step) or "
+                         "\"microbatch\" (gathered before every action that reads them, dropped after it)")
+    return value
+
+
 def _dp_batch(value):
     if value not in ("global", "local"):
         raise UsageError(f"dp_batch={value!r}: give \"global\" (every rank is handed the global batch) or \"local\" "
@@ -279,4 +295,6 @@ _CHECKS = {
     "dp_overlap": _flag("dp_overlap"),
     "dp_w_pieces": _positive_int("dp_w_pieces", none_ok=False),
     "dp_batch": _dp_batch,
+    "dp_shard": _flag("dp_shard"),
+    "dp_gather": _dp_gather,
 }

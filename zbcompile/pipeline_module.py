@@ -251,7 +251,12 @@ class PipelineModule(nn.Module):
         return self.runtime.allgather(values, "reducing gradient statistics over the pipeline")
 
     def _counted_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self._counted if p.grad is not None]
+        """The gradients this rank counts (sharded data parallelism: this replica's rows of them)."""
+        return [_local(p.grad) for p in self._counted if p.grad is not None]
+
+    @property
+    def _sharded(self) -> bool:
+        return self._dp is not None and self._dp.sharded
 
     @_unusable_after_a_failure
     def get_total_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -259,7 +264,8 @@ class PipelineModule(nn.Module):
         semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.parameters()), torch.float16)
         return grads.total_norm(self._counted_grads(), grads.check_norm_type(norm_type), self._gather, dtype=dtype,
-                                error_if_nonfinite=error_if_nonfinite, device=self.runtime.device)
+                                error_if_nonfinite=error_if_nonfinite, device=self.runtime.device,
+                                shards=self._dp.reduce if self._sharded else None)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
@@ -354,6 +360,11 @@ class PipelineModule(nn.Module):
         if self.runtime.last_step is None:
             raise UsageError("no step has run yet; call step() first")
         return self.runtime.last_step.save_chrome_trace(path)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (this replica's shard), any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
 
 
 def _rebuild(flat: Sequence[torch.Tensor], outputs, m: int):

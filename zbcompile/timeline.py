@@ -210,7 +210,7 @@ def _svg_legend(schedule: Schedule, chunks: dict[int, int], left: int, y: int) -
 
 # ---- memory over the step (passes/analysis/memory/) ----------------------------------------------------
 _MEMORY_COLOURS = {"saved": "#4e79a7", "boundary": "#f28e2b", "grads": "#59a14f", "workspace": "#e15759",
-                   "other": "#bab0ac"}
+                   "params": "#b07aa1", "other": "#bab0ac"}
 
 
 def svg_memory(plan, *, width: int = 1000, row_h: int = 120, title: str | None = None) -> str:

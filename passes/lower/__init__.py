@@ -12,6 +12,8 @@ pass is either cross-rank (it reads every rank's program: messages must agree on
     (with dp, first: finish_grads_in_groups: each rank's trailing W's split into gradient groups)
     reduce_over_replicas with data parallelism (`Lowering.dp`): each bucket of final gradients     (per rank)
                          averaged over the replicas, posted where it is final, waited at the end
+    gather_params        sharded data parallelism: the parameters all-gathered from the replicas'  (per rank)
+                         shards before the actions that read them (passes/lower/dp_shard.py)
     insert_frees         explicit frees of activation memory after its last use                   (per rank)
     insert_stamps        per-action start / end timing points                                     (per rank)
     order_p2p_by_pair    receives from each peer re-posted in that peer's send order (NCCL)       (cross-rank)
@@ -63,6 +65,7 @@ from zbcompile.passes.lower.capture import capture_ready
 from zbcompile.passes.lower.compiled import BACKENDS, check_backend, compile_graphs
 from zbcompile.passes.lower.compute import accumulate_grads, build_compute
 from zbcompile.passes.lower.dp_reduce import DataParallel, finish_grads_in_groups, reduce_over_replicas
+from zbcompile.passes.lower.dp_shard import GATHER_POLICIES, gather_params
 from zbcompile.passes.lower.emit import emit_fx
 from zbcompile.passes.lower.frees import insert_frees, insert_stamps
 from zbcompile.passes.lower.offload import OffloadChoice, insert_offload
@@ -82,7 +85,7 @@ __all__ = ["LOWERING", "FINISHING", "CAPTURE_FINISHING", "Lowering", "pipeline",
            "emit_fx", "build_compute",
            "validate_programs", "check_pair_order", "order_p2p_by_pair", "check_streams", "RECV_LOOKAHEAD",
            "OffloadChoice", "insert_offload", "offload_programs", "compile_graphs", "BACKENDS", "DataParallel",
-           "reduce_over_replicas"]
+           "reduce_over_replicas", "gather_params", "GATHER_POLICIES"]
 
 Programs = tuple[RankProgram, ...]
 Pass = Callable[[Programs], Programs]
@@ -176,6 +179,8 @@ def pipeline(lowering: Lowering, schedule: Schedule, staged: StagedModel, *, pas
              if lowering.pair_order or p is not order_p2p_by_pair]
     if lowering.dp is not None and reduce_shared_grads in bound:
         bound.insert(bound.index(reduce_shared_grads) + 1, reduce_over_replicas(lowering.dp))
+        if lowering.dp.shard:
+            bound.insert(bound.index(reduce_shared_grads) + 2, each(gather_params(lowering.dp)))
         if lowering.dp.overlap and lowering.dp.w_pieces > 1 and lowering.offload is None:
             # first: the p2p pass posts receives by the final order of the compute (offload reads each action's
             # one W, so the split W's are left out there)

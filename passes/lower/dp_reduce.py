@@ -33,7 +33,7 @@ from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.ops import DPArgs, Op, OpKind, SetGradArgs, TensorType
 from zbcompile.ir.program.values import handle, parse
 
-__all__ = ["DataParallel", "reduce_over_replicas"]
+__all__ = ["DataParallel", "reduce_over_replicas", "shardable"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +45,19 @@ class DataParallel:
     overlap: post each bucket right after its gradients are final (True) or all at the end of the step (False).
     w_pieces: with overlap, each rank's trailing W's are each split into this many gradient groups
         (finish_grads_in_groups), so that the groups' reductions overlap the rest of the tail; 1 leaves them.
+    shard: sharded data parallelism over this many replicas (0: replicated): each replica holds dim-0 shards of
+        the parameters, the gradients are reduce-scattered instead of all-reduced, and the parameters are
+        gathered where the step reads them (passes/lower/dp_shard.py).
+    gather: with shard, when the whole parameters are gathered: "step" (once, before the first action that
+        reads them; dropped after the last) or "microbatch" (before every action that reads them, dropped after
+        it: less memory, one gather per action).
     """
 
     bucket_mb: float = 25.0
     overlap: bool = True
     w_pieces: int = 4
+    shard: int = 0
+    gather: str = "step"
 
     @property
     def bucket_bytes(self) -> int:
@@ -74,17 +82,21 @@ def _reduce(program: RankProgram, types: dict[str, TensorType], choice: DataPara
 
     def close() -> None:
         nonlocal buckets
-        for bucket in _buckets(program.rank, finished, types, choice.bucket_bytes):
+        for bucket, sharded in _buckets(program.rank, finished, types, choice):
             h = handle(f"dp{buckets}")
             grads = tuple(op.ins[1] for op in bucket)
-            averaged = tuple(f"dp.grad:param:{parse(op.ins[0]).key}" for op in bucket)
-            nbytes = sum(types[parse(op.ins[0]).key].nbytes for op in bucket)
+            fqns = [parse(op.ins[0]).key for op in bucket]
+            averaged = tuple(f"dp.grad:param:{fqn}" for fqn in fqns)
+            nbytes = sum(types[fqn].nbytes for fqn in fqns)
             what = f"{len(bucket)} gradients" if len(bucket) > 1 else "1 gradient"
             (ops if choice.overlap else at_end).append(
-                Op(OpKind.DP_REDUCE, grads, (h,), DPArgs(buckets), note=f"{what}, {nbytes} bytes"))
+                Op(OpKind.DP_REDUCE, grads, (h,), DPArgs(buckets, choice.shard if sharded else 0),
+                   note=f"{what}, {nbytes} bytes"))
             waits.append(Op(OpKind.WAIT_DP, (h,), averaged))
-            waits.extend(Op(OpKind.SET_GRAD, (op.ins[0], avg), args=SetGradArgs(True), note="averaged over dp")
-                         for op, avg in zip(bucket, averaged))
+            # sharded: .grad of the replica's shard (the Parameter is the program input zero.param:)
+            targets = [f"zero.param:{fqn}" if choice.shard else op.ins[0] for op, fqn in zip(bucket, fqns)]
+            waits.extend(Op(OpKind.SET_GRAD, (target, avg), args=SetGradArgs(True), note="averaged over dp")
+                         for target, avg in zip(targets, averaged))
             buckets += 1
         finished.clear()
 
@@ -97,30 +109,44 @@ def _reduce(program: RankProgram, types: dict[str, TensorType], choice: DataPara
         ops.append(op)
     if finished:
         close()
-    return program.replace(ops=tuple(ops + at_end + waits))
+    # sharded: the Parameters whose .grad the SET_GRADs set are program inputs (gather_params then drops the
+    # whole parameters the stage graphs read from the inputs)
+    targets = tuple(dict.fromkeys(op.ins[0] for op in waits if op.kind is OpKind.SET_GRAD
+                                  and op.ins[0] not in program.inputs))
+    return program.replace(ops=tuple(ops + at_end + waits), inputs=program.inputs + targets)
 
 
-def _buckets(rank: int, finished: list[Op], types: dict[str, TensorType], cap: int) -> list[list[Op]]:
-    """The SET_GRADs of `finished` in buckets: one dtype each (a flat all-reduce), at most `cap` bytes unless one
-    gradient alone is larger, in program order within a dtype."""
-    by_dtype: dict = {}
+def shardable(t: TensorType) -> bool:
+    """Whether sharded data parallelism cuts a parameter of type `t` into dim-0 shards (a 0-dim or empty one
+    stays whole on every replica: its gradient is all-reduced)."""
+    return len(t.shape) > 0 and t.shape[0] > 0
+
+
+def _buckets(rank: int, finished: list[Op], types: dict[str, TensorType],
+             choice: DataParallel) -> list[tuple[list[Op], bool]]:
+    """The SET_GRADs of `finished` in buckets, each with whether it is reduce-scattered: one dtype each (a flat
+    collective) and, sharded, sharded or whole parameters apart; at most `choice.bucket_bytes` unless one
+    gradient alone is larger, in program order within a bucket kind."""
+    by_kind: dict = {}
     for op in finished:
         fqn = parse(op.ins[0]).key
         if fqn not in types:
             raise LoweringError(f"rank {rank}: parameter {fqn!r} has no known gradient type (no stage graph declares "
                                 "its shape), so its data-parallel bucket cannot be sized")
-        by_dtype.setdefault(types[fqn].dtype, []).append((op, types[fqn].nbytes))
-    out: list[list[Op]] = []
-    for grads in by_dtype.values():
+        sharded = bool(choice.shard) and shardable(types[fqn])
+        by_kind.setdefault((types[fqn].dtype, sharded), []).append((op, types[fqn].nbytes))
+    cap = choice.bucket_bytes
+    out: list[tuple[list[Op], bool]] = []
+    for (_, sharded), grads in by_kind.items():
         current: list[Op] = []
         size = 0
         for op, nbytes in grads:
             if current and size + nbytes > cap:
-                out.append(current)
+                out.append((current, sharded))
                 current, size = [], 0
             current.append(op)
             size += nbytes
-        out.append(current)
+        out.append((current, sharded))
     return out
 
 

@@ -193,10 +193,25 @@ class Emitter:
             self.env[op.outs[0]] = node
 
     def dp_reduce(self, i: int, op: Op) -> None:
-        """dp_reduce(ctx, bucket, what, *grads): the bucket copied and its all-reduce posted; a handle."""
+        """dp_reduce(ctx, bucket, scatter, what, *grads): the bucket copied and its all-reduce (scatter: its
+        reduce-scatter) posted; a handle."""
         what = f"bucket {op.args.bucket} ({op.note})"
+        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, op.args.bucket, bool(op.args.scatter), what,
+                                                       *self.values(op.ins)), op.outs[0])
+
+    def dp_gather(self, i: int, op: Op) -> None:
+        """dp_gather(ctx, bucket, what, *shards): the shards copied into one flat tensor and its all-gather
+        posted; a handle."""
+        what = f"parameter bucket {op.args.bucket} ({op.note})"
         self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, op.args.bucket, what, *self.values(op.ins)),
                                          op.outs[0])
+
+    def wait_gather(self, i: int, op: Op) -> None:
+        """wait_gather(ctx, handle): the whole parameters, each a tensor of its own."""
+        node = self.call(self.fn(op), (self.ctx, self.env[op.ins[0]], *self.untimed), f"{op.ins[0]}_whole")
+        for k, v in enumerate(op.outs):
+            if v in self.used:
+                self.env[v] = self.call(operator.getitem, (node, k), v)
 
     def wait_dp(self, i: int, op: Op) -> None:
         """wait_dp(ctx, handle): the averaged gradients, one view of the bucket each."""
@@ -275,6 +290,7 @@ _RANGES = {
     OpKind.WAIT_SEND: lambda op: "zb:wait_send",
     OpKind.WAIT_COLL: lambda op: "zb:wait_collective",
     OpKind.WAIT_DP: lambda op: "zb:wait_dp",
+    OpKind.WAIT_GATHER: lambda op: "zb:wait_gather",
 }
 
 

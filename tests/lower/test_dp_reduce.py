@@ -139,8 +139,23 @@ def test_buckets_split_by_dtype_and_at_the_cap():
     types = {"a": TensorType((100,), torch.float32), "b": TensorType((100,), torch.bfloat16),
              "c": TensorType((100,), torch.float32), "d": TensorType((300,), torch.float32)}
     ops = [Op(OpKind.SET_GRAD, (f"param:{n}", f"acc1.grad:param:{n}"), args=SetGradArgs(True)) for n in "abcd"]
-    got = [[parse(op.ins[0]).key for op in b] for b in _buckets(0, ops, types, cap=800)]
+    choice = DataParallel(bucket_mb=800 / 2**20)
+    got = [[parse(op.ins[0]).key for op in b] for b, _ in _buckets(0, ops, types, choice)]
     assert got == [["a", "c"], ["d"], ["b"]]   # float32 a + c = 800 bytes; d alone exceeds the cap
+
+
+def test_sharded_buckets_keep_whole_parameters_apart():
+    """Sharded, a 0-dim parameter stays whole (all-reduced), every other one is reduce-scattered; they never
+    share a bucket, whose collective is one or the other."""
+    from zbcompile.ir.program.ops import Op, SetGradArgs, TensorType
+    from zbcompile.passes.lower.dp_reduce import _buckets
+
+    types = {"a": TensorType((4, 3), torch.float32), "s": TensorType((), torch.float32),
+             "b": TensorType((5,), torch.float32)}
+    ops = [Op(OpKind.SET_GRAD, (f"param:{n}", f"acc1.grad:param:{n}"), args=SetGradArgs(True)) for n in "asb"]
+    got = [([parse(op.ins[0]).key for op in b], sharded) for b, sharded in _buckets(0, ops, types,
+                                                                                    DataParallel(shard=2))]
+    assert got == [(["a", "b"], True), (["s"], False)]
 
 
 @pytest.mark.parametrize("name", ["zb-h1", "zbv", "dualpipev"])

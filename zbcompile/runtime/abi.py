@@ -22,11 +22,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.distributed.tensor import DTensor
 
 from zbcompile.errors import RuntimeFailure, ZBCompileWarning
 
 __all__ = ["StepContext", "stamp_event", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective",
-           "wait_collective", "dp_reduce", "wait_dp", "wait", "offload", "wait_offload", "reload", "wait_reload",
+           "wait_collective", "dp_reduce", "wait_dp", "dp_gather", "wait_gather", "wait", "offload", "wait_offload", "reload", "wait_reload",
            "free", "set_grad", "copy_buffer", "accumulate_", "sum_losses", "keep_outputs", "sum_in_order"]
 
 
@@ -45,8 +46,9 @@ class StepContext:
     bufs: the static receive buffers, by slot (see passes/lower/buffers.py).
     coll_pg: the group the vocabulary layers' collectives run on (all ranks): a group of their own, so that on a
     device they never queue behind P2P on a communicator's stream.
-    dp_pg / dp_size: the data-parallel group (this rank in every replica) the gradient buckets are averaged over
-    (passes/lower/dp_reduce.py), and its size; None / 1 without data parallelism.
+    dp_pg / dp_size / dp_rank: the data-parallel group (this rank in every replica) the gradient buckets are
+    averaged over (passes/lower/dp_reduce.py) and sharded parameters gathered from (passes/lower/dp_shard.py),
+    its size and this replica's place in it; None / 1 / 0 without data parallelism.
     host: the host pool of offloaded activations, by slot (RankProgram.host_buffers, passes/lower/offload.py):
     flat bytes, one device storage each, made once and pinned on CUDA so that copies run asynchronously.
     copy_stream: the rank's one stream for offload / reload copies on CUDA (they queue on it in program order);
@@ -56,7 +58,7 @@ class StepContext:
     """
 
     __slots__ = ("pg", "rank", "ranks", "device", "timeout", "row", "t", "send_pg", "recv_pg", "bufs", "coll_pg",
-                 "dp_pg", "dp_size", "host", "copy_stream", "_specs", "events", "_start", "_t0")
+                 "dp_pg", "dp_size", "dp_rank", "host", "copy_stream", "_specs", "events", "_start", "_t0")
 
     def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
                  ranks: int = 1, channels: tuple | None = None, buffers: Sequence = (), collectives=None,
@@ -64,6 +66,7 @@ class StepContext:
         self.pg = pg
         self.dp_pg = replicas
         self.dp_size = replicas.size() if replicas is not None else 1
+        self.dp_rank = replicas.rank() if replicas is not None else 0
         self.ranks = ranks
         self.coll_pg = collectives if collectives is not None else pg
         self.rank = rank
@@ -247,29 +250,115 @@ def wait_collective(ctx: StepContext, handle, timed: bool = True) -> torch.Tenso
 
 # ---- data-parallel gradient buckets (passes/lower/dp_reduce.py) --------------------------------------------
 @fx.node.has_side_effect
-def dp_reduce(ctx: StepContext, bucket: int, what: str, *grads: torch.Tensor):
+def dp_reduce(ctx: StepContext, bucket: int, scatter: bool, what: str, *grads: torch.Tensor):
     """Copy `grads` into one fresh flat tensor and post its sum over the replicas (on NCCL, on the group's own
-    stream after the compute so far); a handle for wait_dp. The copy lets the program drop the gradients."""
+    stream after the compute so far); a handle for wait_dp. The copy lets the program drop the gradients.
+    scatter: reduce-scatter instead (sharded data parallelism): the flat tensor holds replica 0's padded rows of
+    every gradient, then replica 1's ..., and each replica gets the sum of its own rows."""
+    if scatter:
+        return _reduce_scatter(ctx, what, grads)
     flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
-    shapes = tuple(g.shape for g in grads)   # not the tensors: the program frees them once they are copied
+    views = _layout(grads)   # not the tensors: the program frees them once they are copied
     pg = ctx.dp_pg
     if pg is None:   # one replica (a program lowered for dp run without it): the average is the gradient
-        return flat, None, shapes, what
+        return flat, None, views, what, None
     try:
         work = pg.allreduce([flat])
     except Exception as e:
         raise RuntimeFailure(f"rank {ctx.rank}: posting the data-parallel all-reduce of {what} failed: {e}") from e
-    return flat, work, shapes, what
+    return flat, work, views, what, None
+
+
+def _layout(grads) -> tuple:
+    """(offset, numel, shape) of each gradient in a flat all-reduced bucket."""
+    out, offset = [], 0
+    for g in grads:
+        out.append((offset, g.numel(), g.shape))
+        offset += g.numel()
+    return tuple(out)
+
+
+def _reduce_scatter(ctx: StepContext, what: str, grads):
+    n, d = ctx.dp_size, ctx.dp_rank
+    chunks = [-(-g.shape[0] // n) for g in grads]             # each replica's padded rows (torch.chunk's size)
+    widths = [c * (g.numel() // g.shape[0]) for c, g in zip(chunks, grads)]
+    flat = grads[0].new_empty((n, sum(widths)))
+    views, offset = [], 0
+    for g, c, w in zip(grads, chunks, widths):
+        rows = g.reshape(g.shape[0], -1)
+        block = flat[:, offset:offset + w].unflatten(1, (c, -1))   # [replica, row, rest]
+        if n * c != g.shape[0]:   # zero rows pad it to n equal chunks
+            rows = torch.cat([rows, rows.new_zeros((n * c - g.shape[0], rows.shape[1]))])
+        block.copy_(rows.view(n, c, -1))
+        mine = max(0, min(c, g.shape[0] - d * c))              # this replica's rows of the gradient
+        views.append((offset, mine * (w // c if c else 0), (mine, *g.shape[1:])))
+        offset += w
+    out = flat.new_empty(flat.shape[1])
+    pg = ctx.dp_pg
+    if pg is None:
+        return flat.view(-1), None, tuple(views), what, None
+    try:
+        work = dist.reduce_scatter_tensor(out, flat.view(-1), group=pg, async_op=True)
+    except Exception as e:
+        raise RuntimeFailure(f"rank {ctx.rank}: posting the data-parallel reduce-scatter of {what} failed: "
+                             f"{e}") from e
+    return out, work, tuple(views), what, flat   # flat: the input, kept until the collective is done
 
 
 @fx.node.has_side_effect
 def wait_dp(ctx: StepContext, handle, timed: bool = True) -> tuple[torch.Tensor, ...]:
-    """Wait for a bucket's all-reduce; the averaged gradients, one view of the flat bucket each."""
-    flat, work, shapes, what = handle
+    """Wait for a bucket's reduction; the averaged gradients (or this replica's rows of them), views of the
+    flat result each."""
+    flat, work, views, what, _ = handle
     if work is not None:
         wait(ctx, work, "averaging over the data-parallel replicas", what, None, timed)
         flat.div_(ctx.dp_size)
-    return tuple(part.view(shape) for part, shape in zip(flat.split([s.numel() for s in shapes]), shapes))
+    return tuple(flat[offset:offset + numel].view(shape) for offset, numel, shape in views)
+
+
+# ---- sharded data parallelism: whole parameters gathered from the replicas' shards (passes/lower/dp_shard.py) ----
+@fx.node.has_side_effect
+def dp_gather(ctx: StepContext, bucket: int, what: str, *params: torch.Tensor):
+    """Copy this replica's shards of `params` (DTensor Parameters sharded on dim 0, or their local tensors),
+    each padded to torch.chunk's chunk size, into one flat tensor and post its all-gather over the replicas; a
+    handle for wait_gather."""
+    n = ctx.dp_size
+    shards = [getattr(p, "_local_tensor", p) for p in params]
+    layout, width = [], 0
+    for p in params:
+        rows = p.shape[0]
+        c = -(-rows // n)
+        row = p.numel() // rows
+        layout.append((width, c * row, rows, tuple(p.shape)))
+        width += c * row
+    flat = shards[0].new_zeros(width)
+    for shard, (offset, _, _, _) in zip(shards, layout):
+        flat[offset:offset + shard.numel()].copy_(shard.reshape(-1))
+    pg = ctx.dp_pg
+    if pg is None:
+        return flat, None, layout, what, None
+    out = flat.new_empty(n * width)
+    try:
+        work = dist.all_gather_into_tensor(out, flat, group=pg, async_op=True)
+    except Exception as e:
+        raise RuntimeFailure(f"rank {ctx.rank}: posting the data-parallel all-gather of {what} failed: {e}") from e
+    return out, work, layout, what, flat
+
+
+@fx.node.has_side_effect
+def wait_gather(ctx: StepContext, handle, timed: bool = True) -> tuple[torch.Tensor, ...]:
+    """Wait for a parameter bucket's all-gather; each whole parameter copied out of it into a tensor of its own
+    (the replicas' rows in replica order, the padding cut off)."""
+    out, work, layout, what, _ = handle
+    if work is not None:
+        wait(ctx, work, "gathering parameters from the data-parallel replicas", what, None, timed)
+    n = ctx.dp_size if work is not None else 1
+    by_replica = out.view(n, -1)
+    whole = []
+    for offset, width, rows, shape in layout:
+        part = by_replica[:, offset:offset + width].reshape(-1, *shape[1:])
+        whole.append(part[:rows] if part.shape[0] != rows else part)
+    return tuple(whole)
 
 
 def wait(ctx: StepContext, work, doing: str, what: str, peer, timed: bool = True) -> None:
@@ -369,7 +458,15 @@ def free(*tensors: torch.Tensor) -> None:
 
 @fx.node.has_side_effect
 def set_grad(param: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
-    """Accumulate a finished gradient into param.grad (taking the tensor when this step owns it)."""
+    """Accumulate a finished gradient into param.grad (taking the tensor when this step owns it). A DTensor
+    Parameter (sharded data parallelism) gets its replica's shard `grad` as a DTensor like itself."""
+    if isinstance(param, DTensor):
+        if param.grad is None:
+            param.grad = DTensor.from_local(grad if owned else grad.clone(), param.device_mesh, param.placements,
+                                            run_check=False, shape=param.shape, stride=param.stride())
+        else:
+            param.grad._local_tensor.add_(grad)
+        return
     if param.grad is None:
         param.grad = grad if owned else grad.clone()
     else:

@@ -110,8 +110,9 @@ class RankRuntime:
         self._fixed = {}
         for n in ir.inputs:
             value = parse(n)
-            if value.role is Role.PARAM:
-                self._fixed[n] = params[value.key]
+            if value.role is Role.PARAM:   # zero.param: the Parameter (a DTensor shard); param: its tensor
+                p = params[value.key]
+                self._fixed[n] = p if value.scope == "zero" else getattr(p, "_local_tensor", p)
             elif value.role is Role.BUFFER:
                 self._fixed[n] = buffers[value.key]
         self._fixed["grad_loss"] = self.grad_loss

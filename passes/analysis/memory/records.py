@@ -11,8 +11,9 @@ from zbcompile.ir.program.values import parse
 
 __all__ = ["CATEGORIES", "Sample", "RankMemory", "MemoryPlan"]
 
-CATEGORIES = ("saved", "boundary", "grads", "workspace", "other")
-_SAVED, _BOUNDARY, _GRADS, _WORKSPACE, _OTHER = range(5)
+# params: whole parameters gathered from their data-parallel shards for the step (passes/lower/dp_shard.py)
+CATEGORIES = ("saved", "boundary", "grads", "workspace", "params", "other")
+_SAVED, _BOUNDARY, _GRADS, _WORKSPACE, _PARAMS, _OTHER = range(6)
 _ACTIVATION = (_SAVED, _BOUNDARY)
 _ROLE_CATEGORY = {Role.SAVED: _SAVED, Role.WSAVED: _SAVED, Role.ACT: _BOUNDARY, Role.GRAD_ACT: _BOUNDARY,
                   Role.DATA: _BOUNDARY, Role.VOCAB: _BOUNDARY, Role.GRAD_PARAM: _GRADS}
@@ -104,5 +105,9 @@ def _category(value: str) -> int:
     v = parse(value)
     if v.role is Role.HANDLE:
         inner = value[2:]
+        if inner[:2] == "ag" and inner[2:].isdigit():   # a parameter gather's
+            return _PARAMS
         return _category(inner) if inner and parse(inner).role is not Role.OTHER else _BOUNDARY
+    if v.scope == "gather":
+        return _PARAMS
     return _ROLE_CATEGORY.get(v.role, _OTHER)

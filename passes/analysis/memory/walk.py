@@ -9,7 +9,7 @@ from typing import Iterable
 from zbcompile.errors import LoweringError
 from zbcompile.ir.names import Role
 from zbcompile.ir.program import RankProgram
-from zbcompile.ir.program.ops import Op, OpKind
+from zbcompile.ir.program.ops import Op, OpKind, padded_shard_bytes
 from zbcompile.ir.program.values import parse
 from zbcompile.passes.analysis.memory.graphs import graph_profile, tensor_bytes
 from zbcompile.passes.analysis.memory.records import (_GRADS, _OTHER, _WORKSPACE, CATEGORIES, RankMemory, Sample,
@@ -261,6 +261,9 @@ def _input_bytes(program: RankProgram) -> dict[str, int]:
         for v, node in zip(op.ins, gm.graph.find_nodes(op="placeholder")):
             if v in program.inputs and v not in out:
                 out[v] = tensor_bytes(node.meta.get("val"))
+    for op in program.of_kind(OpKind.DP_GATHER):   # a replica's padded shard of each parameter it gathers
+        for v, t in zip(op.ins, op.args.types):
+            out.setdefault(v, padded_shard_bytes(t, op.args.replicas))
     return out
 
 

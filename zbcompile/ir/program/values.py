@@ -15,7 +15,11 @@ boundary (the receiver's receive defines the same name the sender's compute defi
     acc{k}.grad:param:{fqn}     the k-th running sum of a parameter's gradient on this rank
     r{q}.grad:param:{fqn}       rank q's sum of a shared parameter's gradient, received
     sum.grad:param:{fqn}        the total of a shared parameter's gradient over its holders
-    dp.grad:param:{fqn}         a parameter's gradient averaged over the data-parallel replicas
+    dp.grad:param:{fqn}         a parameter's gradient averaged over the data-parallel replicas (sharded: this
+                                replica's rows of it)
+    zero.param:{fqn}            this replica's shard of a parameter (sharded data parallelism; a program input:
+                                the Parameter, a DTensor)
+    ag{k}.param:{fqn}           the whole parameter, gathered from the replicas' shards by the k-th gather
     loss                        the sum of this rank's microbatch losses (the program's output)
     re.s{stage}.mb{mb}.{local}  an offloaded stage value brought back from the host pool (passes/lower/offload.py):
                                 a new name, since values are defined once; parses to the original's role, stage
@@ -48,10 +52,10 @@ RELOADED = "re"   # the head of a reloaded value's name
 
 class Value(NamedTuple):
     """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "vocab" (v.mb{mb}.local), "data", "state"
-    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "dp", "reload" (re.s{s}.mb{mb}.local,
-    re.re.s{s}...), "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are -1 where
-    the scope has none (index: data argument, accumulation step, source rank or how many times a
-    reloaded value was reloaded)."""
+    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "dp", "zero" (a parameter's
+    data-parallel shard), "gather" (ag{k}.), "reload" (re.s{s}.mb{mb}.local, re.re.s{s}...), "handle", "seed"
+    (grad_loss), "loss" or "other"; stage / microbatch / index are -1 where the scope has none (index: data
+    argument, accumulation step, source rank, gather or how many times a reloaded value was reloaded)."""
 
     scope: str
     role: Role
@@ -101,10 +105,10 @@ def _parse(vid: str) -> Value:
             return Value("vocab", role_of(local), local, -1, int(mb[2:]))
     if dot and head[:2] == "mb" and head[2:].isdigit() and rest.startswith("data:") and rest[5:].isdigit():
         return Value("data", Role.DATA, rest, -1, int(head[2:]), int(rest[5:]))
-    for scope, prefix in (("acc", "acc"), ("copy", "r")):
+    for scope, prefix in (("acc", "acc"), ("copy", "r"), ("gather", "ag")):
         if dot and head.startswith(prefix) and head[len(prefix):].isdigit():
             return Value(scope, role_of(rest), rest, index=int(head[len(prefix):]))
-    if dot and head in ("sum", "dp"):
+    if dot and head in ("sum", "dp", "zero"):
         return Value(head, role_of(rest), rest)
     role = role_of(vid)
     if role in (Role.PARAM, Role.BUFFER):

@@ -29,7 +29,7 @@ row together in one module:
     compute.py       RUN, FREE, ACCUM, SUM, SET_GRAD, ADD_LOSS, COPY_BUFFER, STAMP
     p2p.py           RECV, WAIT_RECV, SEND, WAIT_SEND
     collectives.py   COLLECTIVE, WAIT_COLL
-    data_parallel.py DP_REDUCE, WAIT_DP
+    data_parallel.py DP_REDUCE, WAIT_DP, DP_GATHER, WAIT_GATHER
     host_copies.py   OFFLOAD, WAIT_OFFLOAD, RELOAD, WAIT_RELOAD
 
 A new kind (a collective, an overlapped F&B run) is one OpKind member and, in one family module, its args
@@ -43,13 +43,13 @@ from zbcompile.ir.program.ops import collectives, compute, data_parallel, host_c
 from zbcompile.ir.program.ops._spec import (SAFE, SPECS, Op, OpKind, OpSpec, Stream, Sync, TensorType, install, spec,
                                             spec_by_text)
 from zbcompile.ir.program.ops.collectives import Coll, CollArgs
-from zbcompile.ir.program.ops.data_parallel import DPArgs
+from zbcompile.ir.program.ops.data_parallel import DPArgs, GatherArgs, padded_shard_bytes, shard_rows
 from zbcompile.ir.program.ops.compute import AccumArgs, AccumMode, RunArgs, SetGradArgs, StampArgs
 from zbcompile.ir.program.ops.host_copies import HostArgs, View, ViewArgs
 from zbcompile.ir.program.ops.p2p import Message, RecvArgs, SendArgs
 
 __all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
-           "CollArgs", "DPArgs", "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs",
+           "CollArgs", "DPArgs", "GatherArgs", "shard_rows", "padded_shard_bytes", "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs",
            "StampArgs", "Op", "OpSpec", "SAFE", "SPECS", "FAMILIES", "spec", "spec_by_text"]
 
 # the family modules, each declaring its kinds' rows (ROWS); SPECS holds them in OpKind order

@@ -43,6 +43,8 @@ class OpKind(str, enum.Enum):
     WAIT_COLL = "wait_coll"
     DP_REDUCE = "dp_reduce"
     WAIT_DP = "wait_dp"
+    DP_GATHER = "dp_gather"
+    WAIT_GATHER = "wait_gather"
     OFFLOAD = "offload"
     WAIT_OFFLOAD = "wait_offload"
     RELOAD = "reload"
@@ -68,7 +70,7 @@ class Stream(str, enum.Enum):
     COMPUTE = "compute"   # the compute stream
     COMM = "comm"         # a communicator's stream (P2P posts and their waits)
     COPY = "copy"         # the rank's copy stream (offload / reload between device and host pool)
-    DP = "dp"             # the data-parallel group's stream (gradient reductions over the replicas)
+    DP = "dp"             # the data-parallel group's stream (gradient reductions, parameter gathers)
     HOST = "host"         # host only: enqueues nothing on any stream (timing stamps)
 
 

@@ -1,0 +1,145 @@
+"""gather_params: sharded data parallelism's parameter gathers, placed where the step reads the parameters. A
+per-rank pass, after reduce_over_replicas (which reduce-scatters the gradients instead of all-reducing them).
+
+Each replica holds a dim-0 shard of every parameter (`zero.param:fqn`, a program input: the Parameter, a
+DTensor sharded as torch.chunk cuts it). The stage graphs read whole parameters, so the pass gathers them and
+renames what the RUN ops read to the gathered values:
+
+    [0F0] s0.mb0.act:h = stage0_f(param:w, mb0.data:0)        h:ag0 = dp_gather(zero.param:w; bucket 0 over 2: ...)
+    ...                                                  ->   ag0.param:w = wait_gather(h:ag0; ...)
+                                                              [0F0] s0.mb0.act:h = stage0_f(ag0.param:w, mb0.data:0)
+
+The gathered value is dropped after its last reader, as any value is (the emitted code and the memory plan
+both do so): with gather="step" the parameters a stage reads are gathered once, before its first action, and
+live until its last (FSDP's reshard_after_forward=False), each gather posted one compute action before the
+action that needs it, so that it overlaps that action; with gather="microbatch" every action gathers what it
+reads right before it and drops it after (reshard after every action: no whole parameters held between
+actions, one gather per action). Each gather is waited for right before its action. Parameters are bucketed by
+dtype, at most `bucket_mb` per gather, in first-use order.
+
+A 0-dim (or empty) parameter stays whole on every replica (`param:fqn` as before); its gradient is
+all-reduced. Every SET_GRAD targets the Parameter itself (`zero.param:`), whose .grad is the replica's shard.
+"""
+
+from __future__ import annotations
+
+from zbcompile.errors import LoweringError
+from zbcompile.ir.program import RankProgram
+from zbcompile.ir.program.ops import GatherArgs, Op, OpKind, TensorType
+from zbcompile.ir.program.values import Role, handle, parse
+from zbcompile.passes.lower.dp_reduce import DataParallel, shardable
+
+__all__ = ["gather_params", "GATHER_POLICIES"]
+
+GATHER_POLICIES = ("step", "microbatch")
+
+
+def gather_params(choice: DataParallel):
+    """The per-rank pass (named gather_params) for a sharded `choice`."""
+    if choice.gather not in GATHER_POLICIES:
+        raise LoweringError(f"gather={choice.gather!r}: expected one of {GATHER_POLICIES}")
+
+    def gather_params(program: RankProgram) -> RankProgram:
+        return _gather(program, choice)
+    return gather_params
+
+
+def _gather(program: RankProgram, choice: DataParallel) -> RankProgram:
+    types = _param_types(program)
+    sharded = {fqn for fqn, t in types.items() if shardable(t)}
+    ops = list(program.ops)
+    runs = [i for i, op in enumerate(ops) if op.kind is OpKind.RUN]
+    # per RUN op (by index): the sharded parameters it reads, in the order it reads them
+    reads = {i: list(dict.fromkeys(parse(v).key for v in ops[i].ins
+                                   if parse(v).scope == "state" and parse(v).key in sharded)) for i in runs}
+    if choice.gather == "step":
+        seen: set[str] = set()
+        for i in runs:
+            reads[i] = [fqn for fqn in reads[i] if fqn not in seen]
+            seen.update(reads[i])
+    posts: dict[int, list[Op]] = {}   # op index -> gathers posted before it
+    waits: dict[int, list[Op]] = {}
+    renamed: dict[str, str] = {}      # param:fqn -> the gathered value the ops from here on read
+    new_ops: list[Op] = []
+    count = 0
+    plan: dict[int, dict[str, str]] = {}   # RUN index -> param:fqn -> gathered value
+    for j, i in enumerate(runs):
+        for bucket in _buckets([(fqn, types[fqn]) for fqn in reads[i]], choice.bucket_bytes):
+            h = handle(f"ag{count}")
+            args = GatherArgs(count, choice.shard, tuple(t for _, t in bucket))
+            gathered = tuple(f"ag{count}.param:{fqn}" for fqn, _ in bucket)
+            what = f"{len(bucket)} parameters" if len(bucket) > 1 else "1 parameter"
+            # "step": posted before the action before it, which it overlaps; "microbatch": right before its own
+            # action (overlapping the previous one would hold two gathered copies of the stage at once)
+            at = runs[j - 1] if j and choice.gather == "step" else i
+            posts.setdefault(at, []).append(Op(OpKind.DP_GATHER, tuple(f"zero.param:{fqn}" for fqn, _ in bucket),
+                                               (h,), args, note=f"{what} for [{ops[i].action}]"))
+            waits.setdefault(i, []).append(Op(OpKind.WAIT_GATHER, (h,), gathered, args))
+            plan.setdefault(i, {}).update((f"param:{fqn}", g) for (fqn, _), g in zip(bucket, gathered))
+            count += 1
+    for i, op in enumerate(ops):
+        new_ops += posts.get(i, [])
+        new_ops += waits.get(i, [])
+        if op.kind is OpKind.RUN:
+            if choice.gather == "microbatch":
+                renamed = plan.get(i, {})
+            else:
+                renamed.update(plan.get(i, {}))
+            op = op._replace(ins=tuple(renamed.get(v, v) for v in op.ins))
+        elif any(parse(v).scope == "state" and parse(v).key in sharded for v in op.ins):
+            raise LoweringError(f"rank {program.rank}: op {i} ({op}) reads a sharded parameter outside a stage "
+                                "graph; gather_params knows only RUN ops as readers of the whole parameters")
+        new_ops.append(op)
+    inputs = _inputs(program, sharded)
+    return program.replace(ops=tuple(new_ops), inputs=inputs)
+
+
+def _inputs(program: RankProgram, sharded: set[str]) -> tuple[str, ...]:
+    """The program's inputs with each sharded parameter's whole value replaced by its shard (which
+    reduce_over_replicas may have added already, as SET_GRAD's target)."""
+    out: dict[str, None] = {}
+    for v in program.inputs:
+        value = parse(v)
+        if value.scope == "state" and value.role is Role.PARAM and value.key in sharded:
+            v = f"zero.{v}"
+        out.setdefault(v)
+    return tuple(out)
+
+
+def _buckets(params: list[tuple[str, TensorType]], cap: int) -> list[list[tuple[str, TensorType]]]:
+    """One dtype per bucket (a flat all-gather), at most `cap` bytes unless one parameter alone is larger."""
+    by_dtype: dict = {}
+    for fqn, t in params:
+        by_dtype.setdefault(t.dtype, []).append((fqn, t))
+    out = []
+    for group in by_dtype.values():
+        current, size = [], 0
+        for fqn, t in group:
+            if current and size + t.nbytes > cap:
+                out.append(current)
+                current, size = [], 0
+            current.append((fqn, t))
+            size += t.nbytes
+        out.append(current)
+    return out
+
+
+def _param_types(program: RankProgram) -> dict[str, TensorType]:
+    """fqn -> the whole parameter's type, from the placeholders of the stage graphs that read it."""
+    out: dict[str, TensorType] = {}
+    for op in program.ops:
+        if op.kind is not OpKind.RUN:
+            continue
+        g = program.graph(op)
+        if g.gm is None:
+            raise LoweringError(f"rank {program.rank}: gather_params needs graph {op.args.graph!r}'s GraphModule "
+                                "(the parameters' shapes); a program read from text without graphs has none")
+        for v, node in zip(op.ins, g.gm.graph.find_nodes(op="placeholder")):
+            value = parse(v)
+            if value.scope == "state" and value.role is Role.PARAM and value.key not in out:
+                val = node.meta.get("val", node.meta.get("tensor_meta"))
+                if val is None:
+                    raise LoweringError(f"rank {program.rank}: graph {op.args.graph!r} placeholder {node.name} "
+                                        f"({v}) carries no meta['val'], so its shard cannot be sized")
+                out[value.key] = TensorType(tuple(val.shape), val.dtype)
+    return out
