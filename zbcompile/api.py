@@ -93,7 +93,8 @@ def _resolve(options: CompileOptions):
                          + ("no 2-D (\"dp\", \"pp\") mesh was given" if replicas is None else
                             "it has one replica") + ": pass group=init_device_mesh(device, (dp, pp), "
                          "mesh_dim_names=(\"dp\", \"pp\")) with dp >= 2, or leave dp_shard off")
-    dp = (Replicas(replicas, options.timeout, sharded=options.dp_shard)
+    dp = (Replicas(replicas, options.timeout, sharded=options.dp_shard,
+                   job_ranks=options.group.mesh.flatten().tolist())
           if replicas is not None and replicas.size() > 1 else None)
     return resolved, dp
 

@@ -138,12 +138,14 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     at any moment of the save. A failure (a peer killed mid-save, a full disk) raises CheckpointError on the
     ranks that see it, saying that the previous checkpoint is intact. `extra`: JSON-able values committed with
     the checkpoint (a training loop's step count, its data position), which `load` returns."""
-    pg = getattr(module, "process_group", None)
+    dp = getattr(module, "_dp", None)
+    # replicated data-parallel replicas hold the same state: replica 0 writes it; sharded ones each write their
+    # rows, so every rank of the job takes part
+    pg = dp.job_group() if dp is not None and dp.sharded else getattr(module, "process_group", None)
     rank, ranks = _rank(pg)
     path = Path(path)
     stage = files.staging(path)
-    dp = getattr(module, "_dp", None)   # data-parallel replicas hold the same state: replica 0 writes it
-    if dp is not None and dp.rank != 0:
+    if dp is not None and not dp.sharded and dp.rank != 0:
         dp.barrier("waiting for replica 0 to save the checkpoint")
         return
     try:
@@ -159,7 +161,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
             files.write_manifest(stage, {k: v for part in sums for k, v in part.items()}, dict(extra or {}))
             files.commit(stage, path)
         _exchange(pg, None)   # every rank returns once the checkpoint is in place
-        if dp is not None:
+        if dp is not None and not dp.sharded:
             dp.barrier("telling the replicas the checkpoint is saved")
     except Exception as exc:
         raise CheckpointError(
@@ -196,8 +198,10 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     state, whole = _state_dict(module, optimizer, copies=True)
     with _single_process_is_meant():
         dcp.load(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
-    # row shards were read in place through their views: hand the module its whole tensors back
-    state = {part: {k: whole.get((part, k), v) for k, v in entries.items()} for part, entries in state.items()}
+    # row shards were read in place through their views: hand the module its whole tensors back (as this
+    # replica's shard of them where the data-parallel replicas shard them)
+    state = {part: {k: _as_live(whole[part, k]) if (part, k) in whole else v for k, v in entries.items()}
+             for part, entries in state.items()}
     if optimizer is None:
         set_model_state_dict(module, state["model"], options=OPTIONS)
     else:
@@ -299,13 +303,32 @@ def _row_shards(state: dict[str, dict], module: nn.Module):
             fqn = key if part == "model" else key.removeprefix("state.").rpartition(".")[0]
             if fqn not in names or not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
+            live = value
+            if isinstance(value, DTensor):   # sharded over the data-parallel replicas too: this rank's rows whole
+                value = value.full_tensor()
             mesh = mesh or DeviceMesh.from_group(pg, value.device.type)
             rows = max(0, min(vocab.rows, vocab.size - lo))
             shape = torch.Size((vocab.size, *value.shape[1:]))
             entries[key] = DTensor.from_local(value[:rows], mesh, [Shard(0)], run_check=False, shape=shape,
                                               stride=torch.empty(shape, device="meta").stride())
-            whole[part, key] = value
+            whole[part, key] = (value, live)
     return state, whole
+
+
+def _as_live(read: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A vocabulary row shard read whole, in the form the live entry has: itself, or this data-parallel
+    replica's rows of it as a DTensor like the live one (sharded data parallelism)."""
+    value, live = read
+    if value is live or not hasattr(live, "device_mesh"):
+        return value
+    from torch.distributed.tensor import DTensor, Shard
+
+    if live.placements[0] != Shard(0):   # replicated: the whole tensor on every replica
+        return DTensor.from_local(value, live.device_mesh, live.placements, run_check=False)
+    n, d = live.device_mesh.size(), live.device_mesh.get_local_rank()
+    c = -(-value.shape[0] // n)
+    return DTensor.from_local(value[d * c:(d + 1) * c].clone(), live.device_mesh, live.placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
 
 
 def _vocab_names(module: nn.Module, vocab) -> set[str]:

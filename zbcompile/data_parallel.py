@@ -46,12 +46,21 @@ __all__ = ["Replicas"]
 class Replicas:
     """This rank's data-parallel group: the same pipeline rank in every replica."""
 
-    def __init__(self, group, timeout: float, sharded: bool = False) -> None:
+    def __init__(self, group, timeout: float, sharded: bool = False, job_ranks: Sequence[int] = ()) -> None:
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         self.timeout = timedelta(seconds=timeout)
         self.sharded = sharded
         self.mesh = None   # the DeviceMesh of `group` the sharded parameters are DTensors over (shard_params)
+        self.job_ranks = tuple(sorted(job_ranks))   # every rank of the (dp, pp) mesh
+        self._job = None
+
+    def job_group(self):
+        """A group of every rank of the (dp, pp) mesh (made when first asked for, on every rank of it: a sharded
+        checkpoint is written by all of them together)."""
+        if self._job is None:
+            self._job = dist.new_group(list(self.job_ranks), timeout=self.timeout, use_local_synchronization=True)
+        return self._job
 
     def shard_params(self, model: nn.Module, names: Sequence[str], device: torch.device) -> None:
         """Replace each parameter `names` names in `model` (under every name it has: a tied one is one
