@@ -33,11 +33,28 @@ def test_replicated_data_parallel_trains_equal_to_eager(ranks, schedule):
     program's placed reductions) and the parameters after the last step equal eager's on the global batch, on
     every rank of both replicas: float64 to 1e-9, float32 to 1e-5. The variants: reductions at the end of the
     step, one all-reduce per gradient, each replica handed its own rows, DualPipeV's mirrored stages."""
+    _trains_equal_to_eager(ranks, schedule)
+    for r, got in _case(ranks, f"train/{schedule}"):
+        assert got["replicated"], (r, got)
+
+
+def _trains_equal_to_eager(ranks, schedule):
     tol = 1e-5 if schedule.endswith("float32") else 1e-9
     for r, got in _case(ranks, f"train/{schedule}"):
         for a, b in zip(got["got"], got["want"], strict=True):
             assert abs(a - b) <= tol * abs(b), (r, got)
         assert got["grad_err"] <= tol and got["param_err"] <= tol, (r, got)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv", "interleaved-1f1b", "1f1b-vocab", "zbv-microbatch",
+                                      "zbv-float32"])
+def test_sharded_data_parallel_trains_equal_to_eager(ranks, schedule):
+    """dp_shard=True: every parameter a DTensor shard over dp, gathered by the program where its actions read it,
+    each gradient reduce-scattered where final. Three AdamW steps (on the shards): the losses, every gradient and
+    parameter gathered from the replicas equal eager's on the global batch."""
+    _trains_equal_to_eager(ranks, f"sharded-{schedule}")
+    for r, got in _case(ranks, f"train/sharded-{schedule}"):
+        assert got["sharded"], (r, got)
 
 
 def test_evaluate_and_outputs_cover_the_global_batch(ranks):
@@ -50,10 +67,13 @@ def test_evaluate_and_outputs_cover_the_global_batch(ranks):
     assert len(holders) == 2, holders   # the last stage's rank of each replica, both with the whole batch
 
 
-def test_gradient_norms_and_the_finite_check_cover_both_axes(ranks):
-    for r, got in _case(ranks, "clip"):
+@pytest.mark.parametrize("case", ["clip", "clip/sharded"])
+def test_gradient_norms_and_the_finite_check_cover_both_axes(ranks, case):
+    """Replicated, every replica holds the whole gradients; sharded, each its rows of them: the norms (2, inf
+    and torch's 0, the count of nonzero gradients) add the replicas' shards exactly once."""
+    for r, got in _case(ranks, case):
         assert got["clean"], (r, got)
-        for norm in ("2.0", "inf"):
+        for norm in ("2.0", "inf", "0.0"):
             a, b = got[norm]
             assert abs(a - b) <= 1e-9 * b, (r, norm, got)
         assert got["clipped"][1] <= 1e-9, (r, got)
@@ -67,11 +87,23 @@ def test_a_checkpoint_saved_at_dp2_pp2_loads_at_pp4_and_into_the_plain_model(ran
             assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], got
 
 
+@pytest.mark.parametrize("vocab", [False, True], ids=["zb-h1", "1f1b-vocab"])
+def test_a_sharded_checkpoint_loads_at_every_layout(ranks, vocab):
+    """Saved at pp=2 x dp=2 sharded (each rank writes its rows; vocabulary rows through their own row shards),
+    loaded sharded, replicated, at pp=4 x dp=1 and into the plain model: the two steps after it (the second
+    reads the loaded optimizer state) equal the uninterrupted eager run."""
+    for r, got in _case(ranks, "checkpoint/sharded-vocab" if vocab else "checkpoint/sharded"):
+        for tag in ("sharded", "replicated", "pp4") + (("plain",) if r == 0 else ()):
+            for a, b in zip(got[tag], got["want"], strict=True):
+                assert abs(a - b) <= 1e-9 * b, (r, tag, got)
+
+
 def test_bad_meshes_and_batches_are_refused(ranks):
     for r, got in _case(ranks, "errors"):
         assert "dimensions named 'dp' and 'pp'" in got["no_pp"], got
         assert "3-D DeviceMesh" in got["three_d"], got
         assert "do not split into dp=2 replicas x 4 microbatches" in got["rows"], got
+        assert "dp_shard=True" in got["shard_without_dp"] and "no 2-D" in got["shard_without_dp"], got
 
 
 def test_a_replica_that_dies_makes_the_others_fail_instead_of_hanging(ranks):

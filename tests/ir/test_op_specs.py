@@ -17,7 +17,7 @@ from zbcompile.passes.lower.emit import Emitter
 from zbcompile.passes.schedules import GENERATORS, generate
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program import ops
-from zbcompile.ir.program.ops import (Coll, CollArgs, DPArgs, FAMILIES, SAFE, SPECS, AccumArgs, AccumMode, HostArgs, Message,
+from zbcompile.ir.program.ops import (Coll, CollArgs, DPArgs, GatherArgs, FAMILIES, SAFE, SPECS, AccumArgs, AccumMode, HostArgs, Message,
                                       Op, OpKind, RecvArgs, RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync,
                                       TensorType, View, ViewArgs)
 from zbcompile.runtime import abi
@@ -52,6 +52,11 @@ SAMPLES = {
     OpKind.DP_REDUCE: Op(OpKind.DP_REDUCE, ("acc3.grad:param:w", "sum.grad:param:b"), ("h:dp2",), DPArgs(2),
                          note="2 gradients, 96 bytes"),
     OpKind.WAIT_DP: Op(OpKind.WAIT_DP, ("h:dp2",), ("dp.grad:param:w", "dp.grad:param:b")),
+    OpKind.DP_GATHER: Op(OpKind.DP_GATHER, ("zero.param:w", "zero.param:b"), ("h:ag1",),
+                         GatherArgs(1, 2, (TensorType((5, 3), torch.float32), TensorType((3,), torch.float32))),
+                         note="2 parameters for [0F0]"),
+    OpKind.WAIT_GATHER: Op(OpKind.WAIT_GATHER, ("h:ag1",), ("ag1.param:w", "ag1.param:b"),
+                           GatherArgs(1, 2, (TensorType((5, 3), torch.float32), TensorType((3,), torch.float32)))),
     # one storage of 96 bytes holding two saved views, copied out and back as bytes
     OpKind.OFFLOAD: Op(OpKind.OFFLOAD, ("s0.mb1.saved:3", "s0.mb1.saved:4"), ("h:off.s0.mb1.saved:3",),
                        HostArgs(2, TensorType((96,), torch.uint8)), note="for 0B1"),

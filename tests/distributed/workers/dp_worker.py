@@ -11,7 +11,11 @@
                        a NaN in the gradients of one rank of one replica makes grads_finite() False on every rank
     checkpoint         saved at pp=2 x dp=2 (replica 0 writes), loaded at pp=4 x dp=1 on all four processes and
                        into the plain model in one process (rank 0): the next step equals the uninterrupted run's
-    errors             a mesh without "pp", a 3-D mesh, a batch that does not split into dp x microbatches
+    sharded            dp_shard=True (parameters DTensor shards over dp): the train cases (gathered gradients and
+                       parameters against eager), both gather policies, vocabulary parallelism, the norms (2, inf,
+                       0) and clipping, and a sharded checkpoint loaded at four layouts (two steps after it)
+    errors             a mesh without "pp", a 3-D mesh, a batch that does not split into dp x microbatches,
+                       dp_shard without a "dp" dimension
     die                last: rank 3 (replica 1's second pipeline rank) dies inside a step, in its trailing W; the
                        others raise RuntimeFailure within their timeout instead of hanging (rank 1 at the wait
                        for its bucket's all-reduce). The victim writes its results before it goes.
@@ -70,11 +74,19 @@ def train_case(mesh, schedule: str, local: bool = False, **options) -> dict:
         x, y = batches(k)
         want.append(eager_accumulated(ref, loss_fn, x, y, DP * M))
         got.append(pipe.step(x.chunk(DP)[replica], y.chunk(DP)[replica]) if local else pipe.step(x, y))
-        grad_errs.append(max(rel(p.grad, shard_of(refp[n].grad, p.grad, pipe.rank))
+        grad_errs.append(max(rel(whole(p.grad), shard_of(refp[n].grad, whole(p.grad), pipe.rank))
                              for n, p in pipe.named_parameters()))
         opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
-    param_err = max(rel(p.detach(), shard_of(refp[n].detach(), p, pipe.rank)) for n, p in pipe.named_parameters())
-    return dict(got=got, want=want, grad_err=max(grad_errs), param_err=param_err)
+    param_err = max(rel(whole(p.detach()), shard_of(refp[n].detach(), whole(p.detach()), pipe.rank))
+                    for n, p in pipe.named_parameters())
+    sharded = [type(p).__name__ == "DTensor" for p in pipe.parameters()]
+    return dict(got=got, want=want, grad_err=max(grad_errs), param_err=param_err, sharded=all(sharded),
+                replicated=not any(sharded))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter or gradient gathered from the replicas; any other tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def eval_case(mesh) -> dict:
@@ -90,34 +102,35 @@ def eval_case(mesh) -> dict:
                 holds=out is not None)
 
 
-def clip_case(mesh) -> dict:
-    model, loss_fn, pipe = compile_on(mesh, "zbv")
+def clip_case(mesh, **options) -> dict:
+    model, loss_fn, pipe = compile_on(mesh, "zbv", **options)
     ref = copy.deepcopy(model)
     refp = dict(ref.named_parameters())
     x, y = batches(0)
     eager_accumulated(ref, loss_fn, x, y, DP * M)
     pipe.step(x, y)
     out = dict(clean=pipe.grads_finite())
-    for norm in (2.0, float("inf")):
+    for norm in (2.0, float("inf"), 0.0):
         got = pipe.get_total_norm(norm).item()
         want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm).item()
         out[str(norm)] = (got, want)
     got = pipe.clip_grad_norm_(0.05).item()
     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-    out["clipped"] = (got, max(rel(p.grad, shard_of(refp[n].grad, p.grad, pipe.rank))
+    out["clipped"] = (got, max(rel(whole(p.grad), shard_of(refp[n].grad, whole(p.grad), pipe.rank))
                                for n, p in pipe.named_parameters()))
     # a NaN only replica 1's gradients hold (averaging cannot make one, a gradient hook or a bug can): every rank
     # of both replicas must still skip the optimizer step, or the replicas drift apart
     if mesh.get_local_rank("dp") == 1 and mesh.get_local_rank("pp") == 0:
-        next(iter(pipe.parameters())).grad.view(-1)[0] = float("nan")
+        grad = next(iter(pipe.parameters())).grad
+        getattr(grad, "_local_tensor", grad).view(-1)[0] = float("nan")
     out["finite_after_nan"] = pipe.grads_finite()
     return out
 
 
-def checkpoint_case(mesh, where: str) -> dict:
+def checkpoint_case(mesh, where: str, **options) -> dict:
     """Two steps at pp=2 x dp=2 (zb-h1), save; every rank loads it at pp=4 x dp=1 and rank 0 into the plain
     model, and each takes the third step."""
-    model, loss_fn, pipe = compile_on(mesh, "zb-h1")
+    model, loss_fn, pipe = compile_on(mesh, "zb-h1", **options)
     opt = adamw(pipe.parameters())
     ref = copy.deepcopy(model)
     opt_ref = adamw(ref.parameters())
@@ -143,6 +156,51 @@ def checkpoint_case(mesh, where: str) -> dict:
     return out
 
 
+def sharded_checkpoint_case(mesh, where: str, vocab: bool) -> dict:
+    """Two steps at pp=2 x dp=2 sharded (every rank writes its rows), save; load at pp=2 x dp=2 sharded and
+    replicated, at pp=4 x dp=1 (all four processes) and on rank 0 into the plain model; each takes the third
+    and the fourth step (the fourth reads the loaded AdamW state), against the uninterrupted eager run."""
+    schedule = "1f1b" if vocab else "zb-h1"
+    model, loss_fn, pipe = compile_on(mesh, schedule, dp_shard=True, vocab_parallel=vocab)
+    opt = adamw(pipe.parameters())
+    ref = copy.deepcopy(model)
+    opt_ref = adamw(ref.parameters())
+    for k in range(2):
+        pipe.step(*batches(k))
+        opt.step(), opt.zero_grad()
+        eager_accumulated(ref, loss_fn, *batches(k), DP * M)
+        opt_ref.step(), opt_ref.zero_grad()
+    checkpoint.save(where, pipe, opt)
+    dist.barrier()
+    want = []
+    for k in (2, 3):
+        want.append(eager_accumulated(ref, loss_fn, *batches(k), DP * M))
+        opt_ref.step(), opt_ref.zero_grad()
+    layouts = {"sharded": lambda: compile_on(mesh, schedule, dp_shard=True, vocab_parallel=vocab)[2],
+               "replicated": lambda: compile_on(mesh, schedule, vocab_parallel=vocab)[2],
+               "pp4": lambda: zb.compile(copy.deepcopy(model), schedule="zbv", microbatches=2 * DP * M,
+                                         loss_fn=loss_fn, example=(batches(0)[0][:1], batches(0)[1][:1]),
+                                         timeout=120)}
+    out = dict(want=want)
+    for tag, build in layouts.items():
+        loaded = build()
+        opt2 = adamw(loaded.parameters())
+        checkpoint.load(where, loaded, opt2)
+        out[tag] = []
+        for k in (2, 3):
+            out[tag].append(loaded.step(*batches(k)))
+            opt2.step(), opt2.zero_grad()
+    if dist.get_rank() == 0:
+        plain = copy.deepcopy(model)
+        plain_opt = adamw(plain.parameters())
+        checkpoint.load(where, plain, plain_opt)
+        out["plain"] = []
+        for k in (2, 3):
+            out["plain"].append(eager_accumulated(plain, loss_fn, *batches(k), DP * M))
+            plain_opt.step(), plain_opt.zero_grad()
+    return out
+
+
 def errors_case(mesh) -> dict:
     out = {}
     for tag, bad in (("no_pp", lambda: init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "tp"))),
@@ -152,6 +210,11 @@ def errors_case(mesh) -> dict:
             out[tag] = "compiled"
         except UsageError as e:
             out[tag] = str(e)
+    try:
+        compile_on(mesh["pp"], "1f1b", dp_shard=True)
+        out["shard_without_dp"] = "compiled"
+    except UsageError as e:
+        out["shard_without_dp"] = str(e)
     _, _, pipe = compile_on(mesh, "1f1b")
     x, y = batches(0)
     try:
@@ -197,6 +260,14 @@ def run(rank: int, pp: int, out: str) -> dict:
     cases["eval"] = lambda: eval_case(mesh)
     cases["clip"] = lambda: clip_case(mesh)
     cases["checkpoint"] = lambda: checkpoint_case(mesh, f"{out}/ckpt")
+    for s in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b"):
+        cases[f"train/sharded-{s}"] = lambda s=s: train_case(mesh, s, dp_shard=True)
+    cases["train/sharded-1f1b-vocab"] = lambda: train_case(mesh, "1f1b", vocab_parallel=True, dp_shard=True)
+    cases["train/sharded-zbv-microbatch"] = lambda: train_case(mesh, "zbv", dp_shard=True, dp_gather="microbatch")
+    cases["train/sharded-zbv-float32"] = lambda: train_case(mesh, "zbv", dtype=torch.float32, dp_shard=True)
+    cases["clip/sharded"] = lambda: clip_case(mesh, dp_shard=True)
+    cases["checkpoint/sharded"] = lambda: sharded_checkpoint_case(mesh, f"{out}/ckpt-sharded", vocab=False)
+    cases["checkpoint/sharded-vocab"] = lambda: sharded_checkpoint_case(mesh, f"{out}/ckpt-sharded-v", vocab=True)
     cases["errors"] = lambda: errors_case(mesh)
     results = run_cases(cases)
     results["die"] = run_cases({"die": lambda: die_case(mesh, results, out)})["die"]
