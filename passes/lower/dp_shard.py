@@ -17,6 +17,11 @@ reads right before it and drops it after (reshard after every action: no whole p
 actions, one gather per action). Each gather is waited for right before its action. Parameters are bucketed by
 dtype, at most `bucket_mb` per gather, in first-use order.
 
+A forward saves views of the parameters for its backward (the transposed weight of a matmul, a LayerNorm's
+weight): kept, each microbatch's would hold its own gathered copy until its backward. With gather="microbatch"
+the pass makes the backward read the parameter again instead and redo the view there (`_views_read_again`), so
+its gather for that action serves.
+
 A 0-dim (or empty) parameter stays whole on every replica (`param:fqn` as before); its gradient is
 all-reduced. Every SET_GRAD targets the Parameter itself (`zero.param:`), whose .grad is the replica's shard.
 """
@@ -47,6 +52,8 @@ def gather_params(choice: DataParallel):
 def _gather(program: RankProgram, choice: DataParallel) -> RankProgram:
     types = _param_types(program)
     sharded = {fqn for fqn, t in types.items() if shardable(t)}
+    if choice.gather == "microbatch":
+        program = _views_read_again(program, sharded)
     ops = list(program.ops)
     runs = [i for i, op in enumerate(ops) if op.kind is OpKind.RUN]
     # per RUN op (by index): the sharded parameters it reads, in the order it reads them
@@ -143,3 +150,109 @@ def _param_types(program: RankProgram) -> dict[str, TensorType]:
                                         f"({v}) carries no meta['val'], so its shard cannot be sized")
                 out[value.key] = TensorType(tuple(val.shape), val.dtype)
     return out
+
+
+# ---- the backward reads the parameter again instead of the forward's saved view of it ---------------------------
+def _view_ops() -> frozenset:
+    import torch
+
+    aten = torch.ops.aten
+    return frozenset({aten.t.default, aten.view.default, aten.permute.default, aten.transpose.int,
+                      aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                      aten.slice.Tensor, aten.select.int, aten.alias.default, aten.detach.default,
+                      aten._unsafe_view.default, aten.reshape.default})
+
+
+def _param_views(g, op: Op, sharded: set[str], views) -> dict[str, tuple[str, list]]:
+    """Of `op`'s outputs, those that are a sharded parameter input or a chain of view ops of one: value ->
+    (fqn, the chain's nodes from the parameter out)."""
+    from torch import fx
+
+    placeholders = list(g.gm.graph.find_nodes(op="placeholder"))
+    of_input = dict(zip(placeholders, op.ins))
+    out = {}
+    for value, node in zip(op.outs, g.gm.graph.output_node().args[0]):
+        chain = []
+        while isinstance(node, fx.Node) and node.op == "call_function" and node.target in views and \
+                isinstance(node.args[0], fx.Node) and not any(isinstance(a, fx.Node) for a in node.args[1:]) \
+                and not any(isinstance(a, fx.Node) for a in node.kwargs.values()):
+            chain.append(node)
+            node = node.args[0]
+        v = of_input.get(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+        if v is not None and parse(v).scope == "state" and parse(v).role is Role.PARAM and parse(v).key in sharded:
+            out[value] = (parse(v).key, chain[::-1])
+    return out
+
+
+def _views_read_again(program: RankProgram, sharded: set[str]) -> RankProgram:
+    """Every RUN op that reads a forward's saved view of a sharded parameter reads the parameter instead (through
+    a variant of its graph that redoes the view ops); the forward's output then has no reader and goes at once."""
+    views = _view_ops()
+    found: dict[str, tuple[str, list]] = {}
+    graphs = dict(program.graphs)
+    variants: dict[tuple, str] = {}
+    ops = []
+    for op in program.ops:
+        if op.kind is OpKind.RUN:
+            hit = tuple(k for k, v in enumerate(op.ins) if v in found)
+            if hit:
+                op = _read_again(op, hit, found, graphs, variants)
+            found.update(_param_views(graphs[op.args.graph], op, sharded, views))
+        ops.append(op)
+    return program.replace(ops=tuple(ops), graphs=graphs)
+
+
+def _read_again(op: Op, hit: tuple[int, ...], found, graphs, variants) -> Op:
+    """`op` calling a variant of its graph whose inputs at positions `hit` (saved views of parameters) are the
+    parameters themselves, the views redone inside: the other inputs in their order, then each parameter the
+    graph did not read already."""
+    key = op.args.graph
+    replaced = {k: found[op.ins[k]] for k in hit}
+    kept = [v for k, v in enumerate(op.ins) if k not in replaced]
+    added = [p for p in dict.fromkeys(f"param:{fqn}" for fqn, _ in replaced.values()) if p not in kept]
+    name = variants.get((key, hit, tuple(added)))
+    if name is None:
+        name = variants[key, hit, tuple(added)] = f"{key}_rv{sum(1 for k in variants if k[0] == key)}"
+        graphs[name] = _variant(graphs[key], replaced, added)
+    return op._replace(ins=tuple(kept + added), args=op.args._replace(graph=name))
+
+
+def _variant(g, replaced: dict[int, tuple[str, list]], added: list[str]):
+    """Graph `g` without its inputs at the positions of `replaced` (saved views of parameters), taking the
+    parameters `added` after its other inputs, each view redone from its parameter."""
+    import dataclasses
+
+    from torch import fx
+
+    old = g.gm.graph
+    placeholders = list(old.find_nodes(op="placeholder"))
+    new, env = fx.Graph(), {}
+    names: list[str] = []
+    by_name: dict[str, fx.Node] = {}
+    for k, (ph, name) in enumerate(zip(placeholders, g.inputs)):
+        if k not in replaced:
+            env[ph] = by_name[name] = new.node_copy(ph)
+            names.append(name)
+    metas = {f"param:{fqn}": _param_meta(chain, placeholders[k]) for k, (fqn, chain) in replaced.items()}
+    for name in added:
+        node = by_name[name] = new.placeholder(name.replace(":", "_").replace(".", "_"))
+        node.meta = dict(metas[name])
+        names.append(name)
+    for k, (fqn, chain) in replaced.items():
+        x = by_name[f"param:{fqn}"]
+        for n in chain:
+            x = new.call_function(n.target, (x, *n.args[1:]), dict(n.kwargs))
+            x.meta = dict(n.meta)
+        env[placeholders[k]] = x
+    for n in old.nodes:
+        if n.op != "placeholder":
+            env[n] = new.node_copy(n, lambda x: env[x])
+    new.lint()
+    gm = fx.GraphModule(g.gm, new, class_name=type(g.gm).__name__ + "ReadAgain")
+    return dataclasses.replace(g, gm=gm, inputs=tuple(names))
+
+
+def _param_meta(chain: list, placeholder) -> dict:
+    """The meta of the parameter a view chain starts from (its first node's input), or the placeholder's own
+    where the saved value is the parameter itself."""
+    return chain[0].args[0].meta if chain else placeholder.meta

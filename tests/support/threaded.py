@@ -16,7 +16,7 @@ from zbcompile.runtime.loopback import LoopbackWorld, rank_runtime
 
 def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch=None, then=(),
                  staged_inputs: bool = True, offload=None, device: str = "cpu", measure: bool | str = False,
-                 backend: str | None = None, capture: bool = False, replicas: int = 1):
+                 backend: str | None = None, capture: bool = False, replicas: int = 1, **dp_options):
     """One step on `batch` (inputs then targets), then one on each batch of `then`, gradients accumulating;
     returns (last losses per rank, models per rank, runtimes). `patch(rank, program)` may instrument a rank's
     GraphModule before it runs. staged_inputs=False makes the runtime cut every batch into fresh microbatch
@@ -26,10 +26,12 @@ def run_threaded(model, staged, schedule, batch, *, timeout: float = 30.0, patch
     is measured (RankRuntime.measure_step; measure="tracker": by the storage tracker on any device), kept as
     `runtime.measured`. backend: compile's (the stage graphs' compiler). capture: lowered for CUDA-graph capture
     (CAPTURE_FINISHING), run eagerly. replicas: lowered for that many data-parallel replicas and run as the only
-    one (its reductions average over itself). The programs are the compiler's (zbcompile.compiler.compile_staged)."""
+    one (its reductions average over itself); dp_options: CompileOptions' dp_* (dp_shard=True: the sharded
+    programs, each gather and reduce-scatter over the one replica). The programs are the compiler's
+    (zbcompile.compiler.compile_staged)."""
     pp = schedule.num_ranks
     options = CompileOptions(schedule=schedule, microbatches=schedule.num_microbatches, backend=backend,
-                             cuda_graphs=capture)
+                             cuda_graphs=capture, **dp_options)
     choices = None if offload is None else (offload,) * pp if isinstance(offload, OffloadChoice) else offload
     programs = compile_staged(staged, schedule, options, offload_choices=choices, lint_capture=False,
                               replicas=replicas).programs
