@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "posted and how much of the step's compute is left to hide it")
     parser.add_argument("--dp-bucket-mb", type=float, default=None, metavar="MIB",
                         help="with --dp: at most this many MiB per all-reduce (compile's dp_bucket_mb)")
+    parser.add_argument("--dp-shard", choices=("step", "microbatch"), default=None,
+                        help="with --dp: sharded data parallelism (compile's dp_shard=True with dp_gather=...): "
+                             "also shows where each parameter bucket's all-gather is posted and waited for")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="shard the embedding and the output layer over every rank (vocabulary parallelism): "
                              "shows the vocabulary passes, their S / T / IF / IB actions and the collectives")
@@ -95,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
                              vocab_parallel=getattr(args, "vocab_parallel", False), cuda_graphs=capture,
                              offload=_offload_budget(args),
                              **({} if getattr(args, "dp_bucket_mb", None) is None else
-                                {"dp_bucket_mb": args.dp_bucket_mb}))
+                                {"dp_bucket_mb": args.dp_bucket_mb}),
+                             **({} if getattr(args, "dp_shard", None) is None else
+                                {"dp_shard": True, "dp_gather": args.dp_shard}))
     replicas = getattr(args, "dp", 1)
     if replicas < 1:
         raise ZBCompileError(f"inspect: --dp {replicas}: give the number of data-parallel replicas (>= 1)")
@@ -149,8 +154,33 @@ def dp_table(programs, ranks) -> str:
                 after = len(runs) - len(before)
                 rows.append([r, op.args.bucket, op.note, str(programs[r].ops[before[-1]].action) if before else "-",
                              after])
-    return ("# data-parallel all-reduces (passes/lower/dp_reduce.py)\n"
+    text = ("# data-parallel gradient reductions (passes/lower/dp_reduce.py)\n"
             + tabulate(rows, headers=["rank", "bucket", "gradients", "posted after", "actions left to hide it"]))
+    gathers = _gather_rows(programs, ranks)
+    if gathers:
+        text += ("\n\n# parameter all-gathers (passes/lower/dp_shard.py)\n"
+                 + tabulate(gathers, headers=["rank", "bucket", "parameters", "posted after", "waited for before"]))
+    return text
+
+
+def _gather_rows(programs, ranks) -> list[list]:
+    """Per rank and parameter gather: what it gathers, the action it is posted after and the one it serves."""
+    from zbcompile.ir.program.ops import OpKind
+
+    rows = []
+    for r in ranks:
+        ops = programs[r].ops
+        last, posted = "-", {}
+        for op in ops:
+            if op.kind is OpKind.RUN:
+                last = str(op.action)
+            elif op.kind is OpKind.DP_GATHER:
+                posted[op.outs[0]] = [r, op.args.bucket, op.note.split(" for ")[0], last, None]
+                rows.append(posted[op.outs[0]])
+            elif op.kind is OpKind.WAIT_GATHER:
+                nxt = next((o for o in ops[ops.index(op):] if o.kind is OpKind.RUN), None)
+                posted[op.ins[0]][4] = str(nxt.action) if nxt is not None else "-"
+    return rows
 
 
 def _capture_check(args: argparse.Namespace, programs) -> bool:

@@ -53,6 +53,7 @@ BAD = [
     ("check_batch", 0, "check_batch=0"), ("check_batch", "first", "int n >= 1"),
     ("dp_bucket_mb", -1, "MiB >= 0"), ("dp_bucket_mb", float("nan"), "MiB >= 0"),
     ("dp_overlap", "yes", "True or False"), ("dp_w_pieces", 0, "positive int"), ("dp_batch", "mine", '"local"'),
+    ("dp_shard", "yes", "True or False"), ("dp_gather", "layer", '"microbatch"'),
 ]
 
 

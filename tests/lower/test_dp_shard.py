@@ -127,3 +127,23 @@ def test_a_sharded_program_as_one_replica_gives_the_plain_gradients(gather):
         ga = {n: p.grad for n, p in a.named_parameters() if p.grad is not None}
         gb = {n: p.grad for n, p in b.named_parameters() if p.grad is not None}
         assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+@pytest.mark.parametrize("gather", POLICIES)
+def test_sharded_programs_offload_activations_too(gather):
+    """Activation offload runs after the gathers are placed: the offloaded and reloaded saved tensors (the
+    forward's saved weight views among them, where "step" keeps them) give the plain gradients bitwise."""
+    from zbcompile.passes.lower import OffloadChoice
+
+    case = gpt(layers=4, batch=4)
+    sched = generate("zb-h1", 2, 4)
+    staged = split_for(case.model, case.loss_fn, case.example, sched)
+    batch = tuple(torch.cat([t] * 4) for t in case.example)
+    _, plain, _ = run_threaded(case.model, staged, sched, batch)
+    _, sharded, runtimes = run_threaded(case.model, staged, sched, batch, replicas=2, dp_shard=True,
+                                        dp_gather=gather, offload=OffloadChoice(min_bytes=0))
+    assert all(rt.ir.of_kind(OpKind.OFFLOAD) for rt in runtimes)
+    for a, b in zip(plain, sharded):
+        ga = {n: p.grad for n, p in a.named_parameters() if p.grad is not None}
+        gb = {n: p.grad for n, p in b.named_parameters() if p.grad is not None}
+        assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)

@@ -72,8 +72,9 @@ def test_inspect_dp_shows_where_each_reduction_lands():
                "--microbatches", "4", "--dp", "2", "--ops", "--rank", "1")
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "data-parallel all-reduces" in text and "actions left to hide it" in text
-    table = text[text.index("data-parallel all-reduces"):text.index("# ---- rank 1")]
+    assert "data-parallel gradient reductions" in text and "actions left to hide it" in text
+    assert "parameter all-gathers" not in text   # replicated
+    table = text[text.index("data-parallel gradient reductions"):text.index("# ---- rank 1")]
     rows = [line.split() for line in table.splitlines()[3:] if line.strip()]
     assert rows and all(r[0] == "1" for r in rows)
     assert int(rows[0][-1]) > 0 and int(rows[-1][-1]) == 0   # the first bucket has compute left, the last none
@@ -81,3 +82,17 @@ def test_inspect_dp_shows_where_each_reduction_lands():
     bad = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zbv",
                "--dp", "0")
     assert bad.returncode != 0 and "--dp 0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_inspect_dp_shard_shows_where_each_gather_lands():
+    """--dp-shard step: per rank, each parameter bucket's all-gather, the action it is posted after (one before
+    the action it serves) and the action it is waited for before; the gradients are reduce-scattered."""
+    out = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zbv",
+               "--microbatches", "4", "--dp", "2", "--dp-shard", "step", "--ops", "--rank", "0")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    table = text[text.index("# parameter all-gathers"):text.index("# ---- rank 0")]
+    rows = [line.split() for line in table.splitlines()[3:] if line.strip()]
+    assert [r[-1] for r in rows] == ["0F0", "3F0"], table   # stage 0's parameters, then stage 3's
+    assert rows[1][-2] == "0F1"   # posted one action before the one it serves
+    assert "scatter over 2" in text and "wait_gather(h:ag1; bucket 1 over 2:" in text
