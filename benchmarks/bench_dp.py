@@ -12,6 +12,9 @@ Configurations, each in 4 fresh processes on one 2-D DeviceMesh (dims "dp", "pp"
   ours-whole   the same placement with the W's left whole and in place (dp_w_pieces=1)
   ours-end     the same programs with every all-reduce posted after the last W (dp_overlap=False)
   ours-nodp    the same pipeline without reductions (group=mesh["pp"], each replica alone): the floor
+  ours-sharded dp_shard=True (ZeRO-3 / FSDP2 semantics): parameters DTensor shards over "dp", gathered once per
+               step before each stage's first action (dp_gather="step", like FSDP2's reshard_after_forward=False
+               below), gradients reduce-scattered where final
   torch-fsdp2  torch.distributed.pipelining with every stage module fully_shard()-ed over "dp" (torchtitan's
                composition), same stages and schedule family
   torch-ddp    torch.distributed.pipelining with every stage module in DistributedDataParallel over "dp"
@@ -82,7 +85,7 @@ def _ours(cfg: dict, kind: str, name: str, mesh):
     kw = dict(schedule=name, microbatches=cfg["n_mb"], loss_fn=loss_fn, example=(x[:cfg["mbs"]], y[:cfg["mbs"]]),
               split_points=split_points(parts), dp_batch="local", timeout=300,
               group=mesh["pp"] if kind == "ours-nodp" else mesh, dp_overlap=kind != "ours-end",
-              dp_w_pieces=1 if kind == "ours-whole" else 4)
+              dp_w_pieces=1 if kind == "ours-whole" else 4, dp_shard=kind == "ours-sharded")
     if chunks:
         kw["chunks"] = chunks
     pm = zbcompile.compile(build_model(cfg), **kw)
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
         schedules, args.rounds, cfg["steps"], cfg["warmup_s"] = ["zbv"], 1, 4, 1.0
     configs = []
     for s in schedules:
-        configs += [("ours-nodp", s), ("ours-end", s), ("ours-whole", s), ("ours-placed", s)]
+        configs += [("ours-nodp", s), ("ours-end", s), ("ours-whole", s), ("ours-placed", s), ("ours-sharded", s)]
         if s in TORCH_EQUIV and ("torch-fsdp2", TORCH_EQUIV[s]) not in configs:
             configs.append(("torch-fsdp2", TORCH_EQUIV[s]))
     if "1f1b" in schedules or "zb-h1" in schedules:
@@ -167,16 +170,18 @@ def main(argv=None) -> int:
     for s in schedules:
         floor, end, whole, placed = (best.get((k, s)) for k in ("ours-nodp", "ours-end", "ours-whole", "ours-placed"))
         hidden = _hidden(floor, end, placed)
+        sharded = best.get(("ours-sharded", s))
         summary[s] = dict(nodp_ms=floor, end_ms=end, whole_ms=whole, placed_ms=placed, hidden=hidden,
+                          sharded_ms=sharded,
                           hidden_whole=_hidden(floor, end, whole),
                           torch_fsdp2_ms=best.get(("torch-fsdp2", TORCH_EQUIV.get(s))),
                           torch_ddp_ms=best.get(("torch-ddp", "1F1B")) if s in ("1f1b", "zb-h1") else None)
         rows.append([s, _ms(floor), _ms(end), _ms(whole), _pct(summary[s]["hidden_whole"]), _ms(placed), _pct(hidden),
-                     _ms(summary[s]["torch_fsdp2_ms"]), _ms(summary[s]["torch_ddp_ms"]),
-                     _ratio(summary[s]["torch_fsdp2_ms"], placed)])
+                     _ms(sharded), _ms(summary[s]["torch_fsdp2_ms"]), _ms(summary[s]["torch_ddp_ms"]),
+                     _ratio(summary[s]["torch_fsdp2_ms"], placed), _ratio(summary[s]["torch_fsdp2_ms"], sharded)])
     print(tabulate(rows, headers=["schedule", "no dp ms", "end-of-step ms", "placed, W whole ms", "hidden",
-                                  "placed, W in groups ms", "hidden",
-                                  "torch+FSDP2 ms", "torch+DDP ms", "x torch+FSDP2"]))
+                                  "placed, W in groups ms", "hidden", "sharded ms",
+                                  "torch+FSDP2 ms", "torch+DDP ms", "x torch+FSDP2", "sharded x torch+FSDP2"]))
     errors = {f"{k}/{n}": r["error"] for (k, n), rs in rounds.items() for r in rs if "error" in r}
     for c, e in errors.items():
         print(f"{c}: {e[:300]}")

@@ -88,11 +88,10 @@ def _resolve(options: CompileOptions):
     if options.pp is not None and options.pp != world:
         raise UsageError(f"pp={options.pp} but the process group has {world} ranks; launch with "
                          f"`torchrun --nproc-per-node {options.pp}` (or pass a group of {options.pp} ranks)")
-    if options.dp_shard and (replicas is None or replicas.size() < 2):
-        raise UsageError("dp_shard=True shards the parameters over the mesh's \"dp\" dimension, but "
-                         + ("no 2-D (\"dp\", \"pp\") mesh was given" if replicas is None else
-                            "it has one replica") + ": pass group=init_device_mesh(device, (dp, pp), "
-                         "mesh_dim_names=(\"dp\", \"pp\")) with dp >= 2, or leave dp_shard off")
+    if options.dp_shard and replicas is None:   # (a "dp" dimension of size 1 leaves nothing to shard: allowed)
+        raise UsageError("dp_shard=True shards the parameters over the mesh's \"dp\" dimension, but no 2-D "
+                         "(\"dp\", \"pp\") mesh was given: pass group=init_device_mesh(device, (dp, pp), "
+                         "mesh_dim_names=(\"dp\", \"pp\")), or leave dp_shard off")
     dp = (Replicas(replicas, options.timeout, sharded=options.dp_shard,
                    job_ranks=options.group.mesh.flatten().tolist())
           if replicas is not None and replicas.size() > 1 else None)

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from zbcompile import checkpoint_files as files
 from zbcompile.errors import CheckpointError
 
-__all__ = ["OPTIONS", "save", "load", "exists", "attach_share", "share_of", "check_state_dict"]
+__all__ = ["OPTIONS", "save", "load", "exists", "attach_share", "share_of", "check_state_dict", "as_live"]
 
 # Torch's default optimizer state dict keeps hyperparameters per param-group *position*: every rank writes its
 # own group 0 (its own parameter list, lr, betas) under the same keys ("optim.param_groups.0.*"), DCP keeps
@@ -145,6 +145,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     rank, ranks = _rank(pg)
     path = Path(path)
     stage = files.staging(path)
+    _check_optimizer(module, optimizer)
     if dp is not None and not dp.sharded and dp.rank != 0:
         dp.barrier("waiting for replica 0 to save the checkpoint")
         return
@@ -200,7 +201,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
         dcp.load(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
     # row shards were read in place through their views: hand the module its whole tensors back (as this
     # replica's shard of them where the data-parallel replicas shard them)
-    state = {part: {k: _as_live(whole[part, k]) if (part, k) in whole else v for k, v in entries.items()}
+    state = {part: {k: as_live(whole[part, k]) if (part, k) in whole else v for k, v in entries.items()}
              for part, entries in state.items()}
     if optimizer is None:
         set_model_state_dict(module, state["model"], options=OPTIONS)
@@ -208,6 +209,19 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=OPTIONS)
     return files.extra(path)
+
+
+def _check_optimizer(module: nn.Module, optimizer) -> None:
+    """CheckpointError before anything is written where `optimizer` holds a tensor that is not one of `module`'s
+    parameters (an optimizer of another pipe or model: its state could not be keyed by this module's names)."""
+    if optimizer is None:
+        return
+    mine = {id(p) for p in module.parameters()}
+    stray = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in mine)
+    if stray:
+        raise CheckpointError(f"the optimizer holds {stray} tensor(s) that are not parameters of the module being "
+                              "saved, so their state has no name in the checkpoint; pass the optimizer built on "
+                              "this module's parameters (torch.optim.AdamW(pipe.parameters())); nothing was written")
 
 
 def exists(path: str | os.PathLike) -> bool:
@@ -315,9 +329,10 @@ def _row_shards(state: dict[str, dict], module: nn.Module):
     return state, whole
 
 
-def _as_live(read: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """A vocabulary row shard read whole, in the form the live entry has: itself, or this data-parallel
-    replica's rows of it as a DTensor like the live one (sharded data parallelism)."""
+def as_live(read: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(a tensor read whole, the live entry it is for) -> the tensor in the live entry's form: itself, or where
+    the data-parallel replicas shard the entry (a DTensor), this replica's rows of it as a DTensor like the live
+    one (a vocabulary row shard read back, a whole tensor handed to PipelineModule.load_state_dict)."""
     value, live = read
     if value is live or not hasattr(live, "device_mesh"):
         return value

@@ -91,7 +91,8 @@ class CompileOptions:
     dp_shard: sharded data parallelism (ZeRO-3 / FSDP2 semantics) instead of replicated (DDP): every parameter
         of a rank is held as a DTensor sharded on dim 0 over the "dp" mesh dimension (a 0-dim one replicated), so
         its gradient and the optimizer's state are sharded too; the step gathers the whole parameters where its
-        actions read them and reduce-scatters each gradient where it is final (passes/lower/dp_shard.py).
+        actions read them and reduce-scatters each gradient where it is final (passes/lower/dp_shard.py). Needs a
+        2-D ("dp", "pp") mesh; with one replica there is nothing to shard and the parameters stay whole.
     dp_gather: with dp_shard, "step" gathers a stage's parameters once, before its first action, and drops them
         after its last (FSDP2's reshard_after_forward=False); "microbatch" gathers them before every action that
         reads them and drops them after it (the least memory, one all-gather per action).

@@ -313,13 +313,20 @@ class PipelineModule(nn.Module):
         """nn.Module.load_state_dict, but all or nothing: keys and shapes are checked against this rank's share
         first (`zbcompile.checkpoint.check_state_dict`), so a state dict of another model raises CheckpointError
         naming the first mismatches before any tensor is written. Tensors are copied in place (assign=True is
-        refused: the compiled program holds the live parameters and buffers)."""
+        refused: the compiled program holds the live parameters and buffers). With dp_shard, a parameter's entry
+        may be its DTensor (what state_dict() gives) or the whole tensor, of which this replica keeps its rows."""
         from zbcompile.checkpoint import check_state_dict
 
         if assign:
             raise UsageError("PipelineModule.load_state_dict(assign=True): the compiled step holds this rank's "
                              "parameters and buffers, so they are loaded in place; call it with assign=False")
-        check_state_dict(state_dict, self.state_dict(keep_vars=True), strict=strict, where=f"rank {self.rank}")
+        live = self.state_dict(keep_vars=True)
+        check_state_dict(state_dict, live, strict=strict, where=f"rank {self.rank}")
+        if self._sharded:   # a whole tensor for a sharded parameter: this replica's rows of it
+            from zbcompile.checkpoint import as_live
+
+            state_dict = {k: as_live((v, live[k])) if k in live and hasattr(live[k], "device_mesh")
+                          and not hasattr(v, "device_mesh") else v for k, v in state_dict.items()}
         return super().load_state_dict(state_dict, strict=strict)
 
     # ---- inspection ----------------------------------------------------------------------------

@@ -129,3 +129,12 @@ def test_plain_model_refuses_missing_extra_and_reshaped_keys(runs, tmp_path):
     checkpoint.save(tmp_path / "model only", model)
     with pytest.raises(CheckpointError, match="no optimizer state"):
         checkpoint.load(tmp_path / "model only", model, common.adamw(model.parameters()))
+
+
+def test_saving_with_another_modules_optimizer_is_refused_before_writing(tmp_path):
+    """An optimizer of another model (a README that renamed `opt`): the save says so, and writes nothing."""
+    model, _, _, _ = common.case("gpt")
+    other, _, _, _ = common.case("gpt")
+    with pytest.raises(CheckpointError, match="not parameters of the module being saved"):
+        checkpoint.save(tmp_path / "ckpt", model, common.adamw(other.parameters()))
+    assert not checkpoint.exists(tmp_path / "ckpt") and not list(tmp_path.iterdir())

@@ -27,12 +27,13 @@ def _case(ranks, tag):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv", "interleaved-1f1b", "1f1b-vocab", "zbv-end",
-                                      "zb-h1-bucket0", "zbv-local", "dualpipev", "zbv-float32"])
+                                      "zb-h1-bucket0", "zbv-local", "dualpipev"])
 def test_replicated_data_parallel_trains_equal_to_eager(ranks, schedule):
     """Three AdamW steps: the global mean loss of each, every gradient (averaged over the replicas by the
     program's placed reductions) and the parameters after the last step equal eager's on the global batch, on
-    every rank of both replicas: float64 to 1e-9, float32 to 1e-5. The variants: reductions at the end of the
-    step, one all-reduce per gradient, each replica handed its own rows, DualPipeV's mirrored stages."""
+    every rank of both replicas, float64 to 1e-9 (float32 to 1e-5: the sharded float32 case). The variants:
+    reductions at the end of the step, one all-reduce per gradient, each replica handed its own rows, DualPipeV's
+    mirrored stages."""
     _trains_equal_to_eager(ranks, schedule)
     for r, got in _case(ranks, f"train/{schedule}"):
         assert got["replicated"], (r, got)
@@ -96,6 +97,8 @@ def test_a_sharded_checkpoint_loads_at_every_layout(ranks, vocab):
         for tag in ("sharded", "replicated", "pp4") + (("plain",) if r == 0 else ()):
             for a, b in zip(got[tag], got["want"], strict=True):
                 assert abs(a - b) <= 1e-9 * b, (r, tag, got)
+        if not vocab:   # PipelineModule.load_state_dict of whole tensors: each replica keeps its rows
+            assert got["load_state_dict"] == 0.0, (r, got)
 
 
 def test_bad_meshes_and_batches_are_refused(ranks):

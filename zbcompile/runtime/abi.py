@@ -248,6 +248,11 @@ def wait_collective(ctx: StepContext, handle, timed: bool = True) -> torch.Tenso
     return buf
 
 
+# the flat-tensor collectives under their torch 2.13 names (the older ones warn there), or the older names
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 # ---- data-parallel gradient buckets (passes/lower/dp_reduce.py) --------------------------------------------
 @fx.node.has_side_effect
 def dp_reduce(ctx: StepContext, bucket: int, scatter: bool, what: str, *grads: torch.Tensor):
@@ -279,26 +284,26 @@ def _layout(grads) -> tuple:
 
 
 def _reduce_scatter(ctx: StepContext, what: str, grads):
+    """dp_reduce's sharded form (every gradient has dim-0 rows: passes/lower/dp_reduce.shardable)."""
     n, d = ctx.dp_size, ctx.dp_rank
     chunks = [-(-g.shape[0] // n) for g in grads]             # each replica's padded rows (torch.chunk's size)
-    widths = [c * (g.numel() // g.shape[0]) for c, g in zip(chunks, grads)]
-    flat = grads[0].new_empty((n, sum(widths)))
+    row_sizes = [g.numel() // g.shape[0] for g in grads]
+    flat = grads[0].new_empty((n, sum(c * k for c, k in zip(chunks, row_sizes))))
     views, offset = [], 0
-    for g, c, w in zip(grads, chunks, widths):
-        rows = g.reshape(g.shape[0], -1)
-        block = flat[:, offset:offset + w].unflatten(1, (c, -1))   # [replica, row, rest]
+    for g, c, k in zip(grads, chunks, row_sizes):
+        rows = g.reshape(g.shape[0], k)
         if n * c != g.shape[0]:   # zero rows pad it to n equal chunks
-            rows = torch.cat([rows, rows.new_zeros((n * c - g.shape[0], rows.shape[1]))])
-        block.copy_(rows.view(n, c, -1))
+            rows = torch.cat([rows, rows.new_zeros((n * c - g.shape[0], k))])
+        flat[:, offset:offset + c * k].copy_(rows.view(n, c * k))   # replica r's chunk in row r
         mine = max(0, min(c, g.shape[0] - d * c))              # this replica's rows of the gradient
-        views.append((offset, mine * (w // c if c else 0), (mine, *g.shape[1:])))
-        offset += w
+        views.append((offset, mine * k, (mine, *g.shape[1:])))
+        offset += c * k
     out = flat.new_empty(flat.shape[1])
     pg = ctx.dp_pg
     if pg is None:
         return flat.view(-1), None, tuple(views), what, None
     try:
-        work = dist.reduce_scatter_tensor(out, flat.view(-1), group=pg, async_op=True)
+        work = _REDUCE_SCATTER(out, flat.view(-1), group=pg, async_op=True)
     except Exception as e:
         raise RuntimeFailure(f"rank {ctx.rank}: posting the data-parallel reduce-scatter of {what} failed: "
                              f"{e}") from e
@@ -339,7 +344,7 @@ def dp_gather(ctx: StepContext, bucket: int, what: str, *params: torch.Tensor):
         return flat, None, layout, what, None
     out = flat.new_empty(n * width)
     try:
-        work = dist.all_gather_into_tensor(out, flat, group=pg, async_op=True)
+        work = _ALL_GATHER(out, flat, group=pg, async_op=True)
     except Exception as e:
         raise RuntimeFailure(f"rank {ctx.rank}: posting the data-parallel all-gather of {what} failed: {e}") from e
     return out, work, layout, what, flat

@@ -4,7 +4,7 @@
                        every gradient (this rank's share, against eager's on the global batch) and the parameters
                        after the last step, next to eager single-process training on the same global batches;
                        variants: the reductions at the end of the step (dp_overlap=False), one all-reduce per
-                       gradient (dp_bucket_mb=0), float32, each replica handed its own rows (dp_batch="local"),
+                       gradient (dp_bucket_mb=0), each replica handed its own rows (dp_batch="local"),
                        DualPipeV's mirrored stages
     eval               evaluate() and pipe(x) on the global batch, against eager in eval mode
     clip               get_total_norm (2 and inf) and clip_grad_norm_ after a step equal eager's on the global batch;
@@ -12,7 +12,8 @@
     checkpoint         saved at pp=2 x dp=2 (replica 0 writes), loaded at pp=4 x dp=1 on all four processes and
                        into the plain model in one process (rank 0): the next step equals the uninterrupted run's
     sharded            dp_shard=True (parameters DTensor shards over dp): the train cases (gathered gradients and
-                       parameters against eager), both gather policies, vocabulary parallelism, the norms (2, inf,
+                       parameters against eager), both gather policies, vocabulary parallelism, float32 (the one
+                       float32 run: the reductions' arithmetic is the replicated one's), the norms (2, inf,
                        0) and clipping, and a sharded checkpoint loaded at four layouts (two steps after it)
     errors             a mesh without "pp", a 3-D mesh, a batch that does not split into dp x microbatches,
                        dp_shard without a "dp" dimension
@@ -190,6 +191,12 @@ def sharded_checkpoint_case(mesh, where: str, vocab: bool) -> dict:
         for k in (2, 3):
             out[tag].append(loaded.step(*batches(k)))
             opt2.step(), opt2.zero_grad()
+    # a state dict of whole tensors (the plain model's) into a sharded pipe: each replica keeps its rows
+    fresh = compile_on(mesh, schedule, dp_shard=True, vocab_parallel=vocab)[2]
+    if not vocab:   # (a vocabulary shard's entry is its rows, not the whole table)
+        refsd = ref.state_dict()
+        fresh.load_state_dict({k: refsd[k] for k in fresh.state_dict()})
+        out["load_state_dict"] = max(rel(whole(p.detach()), refsd[n]) for n, p in fresh.named_parameters())
     if dist.get_rank() == 0:
         plain = copy.deepcopy(model)
         plain_opt = adamw(plain.parameters())
@@ -256,7 +263,6 @@ def run(rank: int, pp: int, out: str) -> dict:
     cases["train/zb-h1-bucket0"] = lambda: train_case(mesh, "zb-h1", dp_bucket_mb=0)
     cases["train/zbv-local"] = lambda: train_case(mesh, "zbv", local=True)
     cases["train/dualpipev"] = lambda: train_case(mesh, "dualpipev")
-    cases["train/zbv-float32"] = lambda: train_case(mesh, "zbv", dtype=torch.float32)
     cases["eval"] = lambda: eval_case(mesh)
     cases["clip"] = lambda: clip_case(mesh)
     cases["checkpoint"] = lambda: checkpoint_case(mesh, f"{out}/ckpt")
