@@ -52,53 +52,60 @@ def gather_params(choice: DataParallel):
 def _gather(program: RankProgram, choice: DataParallel) -> RankProgram:
     types = _param_types(program)
     sharded = {fqn for fqn, t in types.items() if shardable(t)}
-    if choice.gather == "microbatch":
+    per_action = choice.gather == "microbatch"
+    if per_action:
         program = _views_read_again(program, sharded)
-    ops = list(program.ops)
-    runs = [i for i, op in enumerate(ops) if op.kind is OpKind.RUN]
-    # per RUN op (by index): the sharded parameters it reads, in the order it reads them
-    reads = {i: list(dict.fromkeys(parse(v).key for v in ops[i].ins
-                                   if parse(v).scope == "state" and parse(v).key in sharded)) for i in runs}
-    if choice.gather == "step":
-        seen: set[str] = set()
-        for i in runs:
-            reads[i] = [fqn for fqn in reads[i] if fqn not in seen]
-            seen.update(reads[i])
-    posts: dict[int, list[Op]] = {}   # op index -> gathers posted before it
-    waits: dict[int, list[Op]] = {}
-    renamed: dict[str, str] = {}      # param:fqn -> the gathered value the ops from here on read
-    new_ops: list[Op] = []
-    count = 0
-    plan: dict[int, dict[str, str]] = {}   # RUN index -> param:fqn -> gathered value
-    for j, i in enumerate(runs):
-        for bucket in _buckets([(fqn, types[fqn]) for fqn in reads[i]], choice.bucket_bytes):
-            h = handle(f"ag{count}")
-            args = GatherArgs(count, choice.shard, tuple(t for _, t in bucket))
-            gathered = tuple(f"ag{count}.param:{fqn}" for fqn, _ in bucket)
-            what = f"{len(bucket)} parameters" if len(bucket) > 1 else "1 parameter"
-            # "step": posted before the action before it, which it overlaps; "microbatch": right before its own
-            # action (overlapping the previous one would hold two gathered copies of the stage at once)
-            at = runs[j - 1] if j and choice.gather == "step" else i
-            posts.setdefault(at, []).append(Op(OpKind.DP_GATHER, tuple(f"zero.param:{fqn}" for fqn, _ in bucket),
-                                               (h,), args, note=f"{what} for [{ops[i].action}]"))
-            waits.setdefault(i, []).append(Op(OpKind.WAIT_GATHER, (h,), gathered, args))
-            plan.setdefault(i, {}).update((f"param:{fqn}", g) for (fqn, _), g in zip(bucket, gathered))
-            count += 1
-    for i, op in enumerate(ops):
-        new_ops += posts.get(i, [])
-        new_ops += waits.get(i, [])
+    posts, waits, plan = _place(program, _reads(program, sharded, once=not per_action), types, choice)
+    ops: list[Op] = []
+    renamed: dict[str, str] = {}   # param:fqn -> the gathered value the RUN ops from here on read
+    for i, op in enumerate(program.ops):
+        ops += posts.get(i, []) + waits.get(i, [])
         if op.kind is OpKind.RUN:
-            if choice.gather == "microbatch":
-                renamed = plan.get(i, {})
-            else:
-                renamed.update(plan.get(i, {}))
+            renamed = plan.get(i, {}) if per_action else {**renamed, **plan.get(i, {})}
             op = op._replace(ins=tuple(renamed.get(v, v) for v in op.ins))
         elif any(parse(v).scope == "state" and parse(v).key in sharded for v in op.ins):
             raise LoweringError(f"rank {program.rank}: op {i} ({op}) reads a sharded parameter outside a stage "
                                 "graph; gather_params knows only RUN ops as readers of the whole parameters")
-        new_ops.append(op)
-    inputs = _inputs(program, sharded)
-    return program.replace(ops=tuple(new_ops), inputs=inputs)
+        ops.append(op)
+    return program.replace(ops=tuple(ops), inputs=_inputs(program, sharded))
+
+
+def _reads(program: RankProgram, sharded: set[str], once: bool) -> dict[int, list[str]]:
+    """Per RUN op (by index): the sharded parameters it reads, in the order it reads them; with `once`, only
+    those no earlier RUN op reads."""
+    seen: set[str] = set()
+    out = {}
+    for i, op in enumerate(program.ops):
+        if op.kind is OpKind.RUN:
+            read = dict.fromkeys(parse(v).key for v in op.ins if parse(v).scope == "state" and parse(v).key in sharded)
+            out[i] = [fqn for fqn in read if not (once and fqn in seen)]
+            seen.update(read)
+    return out
+
+
+def _place(program: RankProgram, reads: dict[int, list[str]], types, choice: DataParallel):
+    """(op index -> the gathers posted before it, op index -> the waits before it, RUN index -> param:fqn -> the
+    gathered value it reads). "step" posts a gather before the action before the one it serves, which it
+    overlaps; "microbatch" right before its own action (overlapping the previous one would hold two gathered
+    copies of the stage at once)."""
+    posts: dict[int, list[Op]] = {}
+    waits: dict[int, list[Op]] = {}
+    plan: dict[int, dict[str, str]] = {}
+    runs = list(reads)
+    count = 0
+    for j, i in enumerate(runs):
+        for bucket in _buckets([(fqn, types[fqn]) for fqn in reads[i]], choice.bucket_bytes):
+            args = GatherArgs(count, choice.shard, tuple(t for _, t in bucket))
+            gathered = tuple(f"ag{count}.param:{fqn}" for fqn, _ in bucket)
+            what = f"{len(bucket)} parameters" if len(bucket) > 1 else "1 parameter"
+            at = runs[j - 1] if j and choice.gather == "step" else i
+            posts.setdefault(at, []).append(Op(OpKind.DP_GATHER, tuple(f"zero.param:{fqn}" for fqn, _ in bucket),
+                                               (handle(f"ag{count}"),), args,
+                                               note=f"{what} for [{program.ops[i].action}]"))
+            waits.setdefault(i, []).append(Op(OpKind.WAIT_GATHER, (handle(f"ag{count}"),), gathered, args))
+            plan.setdefault(i, {}).update((f"param:{fqn}", g) for (fqn, _), g in zip(bucket, gathered))
+            count += 1
+    return posts, waits, plan
 
 
 def _inputs(program: RankProgram, sharded: set[str]) -> tuple[str, ...]:

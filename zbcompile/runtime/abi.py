@@ -27,8 +27,9 @@ from torch.distributed.tensor import DTensor
 from zbcompile.errors import RuntimeFailure, ZBCompileWarning
 
 __all__ = ["StepContext", "stamp_event", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective",
-           "wait_collective", "dp_reduce", "wait_dp", "dp_gather", "wait_gather", "wait", "offload", "wait_offload", "reload", "wait_reload",
-           "free", "set_grad", "copy_buffer", "accumulate_", "sum_losses", "keep_outputs", "sum_in_order"]
+           "wait_collective", "dp_reduce", "wait_dp", "dp_gather", "wait_gather", "wait", "offload", "wait_offload",
+           "reload", "wait_reload", "free", "set_grad", "copy_buffer", "accumulate_", "sum_losses", "keep_outputs",
+           "sum_in_order"]
 
 
 class StepContext:
