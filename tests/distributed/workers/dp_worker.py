@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from support.launch import run_cases, worker_main  # noqa: E402
 from support.loops import rel, shard_of  # noqa: E402
 from support.models import eager_accumulated, gpt  # noqa: E402
+from support.splits import compile_once  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 from zbcompile import checkpoint  # noqa: E402
@@ -55,11 +56,14 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
-def compile_on(mesh, schedule: str, dtype=torch.float64, timeout: float = 120, **options):
+def compile_on(mesh, schedule: str, dtype=torch.float64, timeout: float = 120, traced: bool = False, **options):
+    """The test GPT compiled on `mesh`; the split made once per schedule in this process (support/splits.py),
+    or with `traced` by zb.compile itself."""
     model, loss_fn, (x, y), _ = gpt(layers=4, batch=2)
     model = model.to(dtype)
-    pipe = zb.compile(copy.deepcopy(model), schedule=schedule, microbatches=M, loss_fn=loss_fn,
-                      example=((x[:2],), (y[:2],)), group=mesh, timeout=timeout, **options)
+    pipe = (zb.compile if traced else compile_once)(
+        copy.deepcopy(model), schedule=schedule, microbatches=M, loss_fn=loss_fn, example=((x[:2],), (y[:2],)),
+        group=mesh, timeout=timeout, **options)
     return model, loss_fn, pipe
 
 
@@ -213,12 +217,12 @@ def errors_case(mesh) -> dict:
     for tag, bad in (("no_pp", lambda: init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "tp"))),
                      ("three_d", lambda: init_device_mesh("cpu", (1, DP, PP), mesh_dim_names=("x", "dp", "pp")))):
         try:
-            compile_on(bad(), "1f1b")
+            compile_on(bad(), "1f1b", traced=True)
             out[tag] = "compiled"
         except UsageError as e:
             out[tag] = str(e)
     try:
-        compile_on(mesh["pp"], "1f1b", dp_shard=True)
+        compile_on(mesh["pp"], "1f1b", dp_shard=True, traced=True)
         out["shard_without_dp"] = "compiled"
     except UsageError as e:
         out["shard_without_dp"] = str(e)
@@ -258,6 +262,7 @@ def die_case(mesh, results: dict, out: str) -> dict:
 def run(rank: int, pp: int, out: str) -> dict:
     mesh = init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "pp"))
     cases = {f"train/{s}": (lambda s=s: train_case(mesh, s)) for s in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b")}
+    cases["train/zb-h1"] = lambda: train_case(mesh, "zb-h1", traced=True)   # one case through zb.compile's path
     cases["train/1f1b-vocab"] = lambda: train_case(mesh, "1f1b", vocab_parallel=True)
     cases["train/zbv-end"] = lambda: train_case(mesh, "zbv", dp_overlap=False)
     cases["train/zb-h1-bucket0"] = lambda: train_case(mesh, "zb-h1", dp_bucket_mb=0)
