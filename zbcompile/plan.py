@@ -290,6 +290,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "with the cooldown's W's in gradient groups (zbcompile/plan_dp.py)")
     dp.add_argument("--dp-pieces", type=_positive_int, default=4, metavar="K",
                     help="gradient groups per deferred W for --dp-comm (compile's dp_w_pieces; default 4)")
+    boundary = parser.add_argument_group("the step boundary (optimizer step)")
+    boundary.add_argument("--step-boundary", type=_non_negative_float, metavar="OPT",
+                          help="the optimizer step's time (cost units): prints the steady-state time per iteration "
+                               "with a synchronous step (every rank waits for the global norm and inf flag) and "
+                               "with post-validation (zbcompile/plan_boundary.py)")
+    boundary.add_argument("--boundary-latency", type=_non_negative_float, default=0.0, metavar="L",
+                          help="with --step-boundary: one norm / inf message (one hop; the synchronous step's "
+                               "all-reduce counts once; default 0)")
     vocab = parser.add_argument_group("vocabulary parallelism")
     vocab.add_argument("--vocab-parallel", action="store_true",
                        help="compare the schedule(s) with the output layer on the last stage and sharded over "
@@ -310,6 +318,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_vocab(args, memory)
     if args.dp_comm is not None:
         return _run_dp(args)
+    if args.step_boundary is not None:
+        return _run_boundary(args)
     if args.compare:
         return _run_compare(args, memory)
     if args.load:
@@ -382,16 +392,7 @@ def _run_dp(args: argparse.Namespace) -> int:
     if args.load:
         raise ScheduleError("--dp-comm generates the schedules it times; use --schedule NAME or --compare")
     _require(args, "--dp-comm")
-    names = schedule_names() if args.compare else [args.schedule]
-    rows = []
-    for name in names:
-        try:
-            schedule = build_schedule(name, args.pp, args.microbatches, chunks=args.chunks, costs=args.costs)
-        except ScheduleError:
-            if not args.compare:
-                raise
-            continue
-        rows.append(dp_row(schedule, args.costs, args.dp_comm, args.dp_pieces))
+    rows = [dp_row(schedule, args.costs, args.dp_comm, args.dp_pieces) for schedule in _generated(args)]
     if args.json:
         print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": str(args.costs),
                           "dp_comm": args.dp_comm, "pieces": args.dp_pieces,
@@ -400,6 +401,35 @@ def _run_dp(args: argparse.Namespace) -> int:
     print(f"p={args.pp}, m={args.microbatches}, costs {args.costs}")
     print(dp_table(rows, args.dp_comm, args.dp_pieces))
     return 0
+
+
+def _run_boundary(args: argparse.Namespace) -> int:
+    from zbcompile.plan_boundary import boundary_row, boundary_table
+
+    if args.load:
+        raise ScheduleError("--step-boundary generates the schedules it times; use --schedule NAME or --compare")
+    _require(args, "--step-boundary")
+    rows = [boundary_row(s, args.costs, args.step_boundary, args.boundary_latency) for s in _generated(args)]
+    if args.json:
+        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": str(args.costs),
+                          "optimizer_step": args.step_boundary, "latency": args.boundary_latency,
+                          "schedules": [dict(r.__dict__, gain=r.gain) for r in rows]}, indent=2))
+        return 0
+    print(f"p={args.pp}, m={args.microbatches}, costs {args.costs}")
+    print(boundary_table(rows, args.step_boundary, args.boundary_latency))
+    return 0
+
+
+def _generated(args: argparse.Namespace) -> list:
+    """The schedule --schedule names, or with --compare every schedule that can be generated for pp / m."""
+    out = []
+    for name in (schedule_names() if args.compare else [args.schedule]):
+        try:
+            out.append(build_schedule(name, args.pp, args.microbatches, chunks=args.chunks, costs=args.costs))
+        except ScheduleError:
+            if not args.compare:
+                raise
+    return out
 
 
 def _run_vocab(args: argparse.Namespace, memory: MemoryModel) -> int:

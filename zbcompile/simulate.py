@@ -23,7 +23,7 @@ Errors. A schedule whose order deadlocks, or that consumes a result no rank prod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 from zbcompile.errors import SimulationError
 from zbcompile.ir.costs import Costs, MemoryModel
@@ -70,8 +70,10 @@ class SimResult:
             yield a, self.start[a], self.end[a]
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel()) -> SimResult:
-    """List-schedule `schedule` under `costs`; see the module docstring for the model.
+def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = MemoryModel(), *,
+             rank_start: Sequence[float] | None = None) -> SimResult:
+    """List-schedule `schedule` under `costs`; see the module docstring for the model. rank_start: when each
+    rank is free to start (default 0 everywhere: the step boundary of zbcompile/plan_boundary.py sets it).
 
     A schedule with `Overlap` steps is timed as its `flatten()` (sub-actions back to back on the rank, no
     speed-up from the overlap), and the result's `schedule` is that flat form.
@@ -83,7 +85,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = M
     # Work on integer codes (ScheduleProblem): hashing an Action hashes its Kind enum in Python, which would
     # dominate the run time of large schedules.
     problem, orders = ScheduleProblem.of_schedule(schedule, costs, memory, SimulationError)
-    start, end, done = problem.list_schedule(orders)
+    start, end, done = problem.list_schedule(orders, rank_start)
     if any(done[r] < len(orders[r]) for r in range(schedule.num_ranks)):
         ran = {a for row, codes in zip(schedule.ranks, orders) for a, c in zip(row, codes) if end[c] is not None}
         raise _deadlock(schedule, done, ran)

@@ -192,9 +192,10 @@ class ScheduleProblem:
         return ScheduleProblem(codes, deps, cost, delta, rank_of, comm)
 
     # ---- timing ----------------------------------------------------------------------------------------
-    def list_schedule(self, orders: Sequence[Sequence[int]]) -> tuple[list[float], list[float | None], list[int]]:
+    def list_schedule(self, orders: Sequence[Sequence[int]], rank_start: Sequence[float] | None = None
+                      ) -> tuple[list[float], list[float | None], list[int]]:
         """`list_schedule` over this problem's tables."""
-        return list_schedule(orders, self.deps, self.cost, self.rank_of, self.comm)
+        return list_schedule(orders, self.deps, self.cost, self.rank_of, self.comm, rank_start)
 
     def retime(self, orders: Sequence[Sequence[int]]) -> Timing | None:
         """Time complete per-rank orders; None when they deadlock."""
@@ -280,9 +281,11 @@ def _code_orders(schedule: Schedule, codes: ActionCodes, error: Callable[[str], 
 
 
 def list_schedule(orders: Sequence[Sequence[int]], deps: Sequence[Sequence[int]], cost: Sequence[float],
-                  rank_of: Sequence[int], comm: float) -> tuple[list[float], list[float | None], list[int]]:
+                  rank_of: Sequence[int], comm: float, rank_start: Sequence[float] | None = None
+                  ) -> tuple[list[float], list[float | None], list[int]]:
     """The timing model on integer ids: each rank runs `orders[r]` in order; an action starts when its rank is
-    free and every dependency has ended (plus `comm` when the dependency ran on another rank).
+    free (from `rank_start[r]` on; default 0) and every dependency has ended (plus `comm` when the dependency
+    ran on another rank).
 
     Returns (start, end, done): per id its start and end (None if it never ran), per rank how many of its
     actions ran; done[r] < len(orders[r]) on some rank means the order deadlocks. The result does not depend
@@ -292,7 +295,7 @@ def list_schedule(orders: Sequence[Sequence[int]], deps: Sequence[Sequence[int]]
     start = [0.0] * n
     end: list[float | None] = [None] * n
     p = len(orders)
-    free = [0.0] * p
+    free = [0.0] * p if rank_start is None else [float(t) for t in rank_start]
     done = [0] * p
     waiting: dict[int, list[int]] = {}
     ready = list(range(p))
