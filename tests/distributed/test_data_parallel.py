@@ -68,6 +68,28 @@ def test_evaluate_and_outputs_cover_the_global_batch(ranks):
     assert len(holders) == 2, holders   # the last stage's rank of each replica, both with the whole batch
 
 
+@pytest.mark.parametrize("gather", ["step", "microbatch"])
+def test_uneven_shards_and_a_0_dim_parameter_train_equal_to_eager(ranks, gather):
+    """Rows that do not split evenly (7 and 5 over 2 replicas: 4 + 3, 3 + 2), a one-row parameter (the second
+    replica holds 0 rows), a 0-dim one (whole on both): padded gathers and reduce-scatters, 3 AdamW steps equal
+    to eager on the global batch."""
+    for r, got in _case(ranks, f"odd/{gather}"):
+        for a, b in zip(got["got"], got["want"], strict=True):
+            assert abs(a - b) <= 1e-9 * abs(b), (r, got)
+        assert got["param_err"] <= 1e-9, (r, got)
+        rows = got["local_rows"]
+        replica = r // 2   # mesh (dp, pp): ranks 0, 1 are replica 0
+        assert any(k.endswith("temperature") for k in rows) and all(
+            v is None for k, v in rows.items() if k.endswith("temperature"))
+        gates = [v for k, v in rows.items() if k.endswith("gate")]
+        assert gates and all(v == (1 if replica == 0 else 0) for v in gates), rows
+        out_features = {"0": 5, "1": 7, "2": 5, "3": 3}   # torch.chunk: ceil(d / 2) rows, then the rest
+        for k, v in rows.items():
+            if k.endswith("lin.weight"):
+                d = out_features[k.split(".")[0]]
+                assert v == (-(-d // 2) if replica == 0 else d // 2), (k, rows)
+
+
 @pytest.mark.parametrize("case", ["clip", "clip/sharded"])
 def test_gradient_norms_and_the_finite_check_cover_both_axes(ranks, case):
     """Replicated, every replica holds the whole gradients; sharded, each its rows of them: the norms (2, inf

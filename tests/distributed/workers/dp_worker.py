@@ -89,6 +89,43 @@ def train_case(mesh, schedule: str, local: bool = False, **options) -> dict:
                 replicated=not any(sharded))
 
 
+class OddBlock(torch.nn.Module):
+    """Parameters whose shards are uneven: 7 and 5 rows over 2 replicas, a bias of one row (the second replica
+    holds none of it), a 0-dim temperature (kept whole on every replica)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(d_in, d_out)
+        self.gate = torch.nn.Parameter(torch.randn(1, d_out))
+        self.temperature = torch.nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.gate / self.temperature)
+
+
+def odd_case(mesh, gather: str) -> dict:
+    """Sharded training of OddBlocks (7 -> 5 -> 7 -> 5 -> 3 features) against eager, 3 AdamW steps, float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OddBlock(7, 5), OddBlock(5, 7), OddBlock(7, 5), OddBlock(5, 3)).double()
+    loss_fn = torch.nn.functional.mse_loss
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(2 * DP * M, 7, generator=g, dtype=torch.float64) for _ in range(STEPS)]
+    ys = [torch.randn(2 * DP * M, 3, generator=g, dtype=torch.float64) for _ in range(STEPS)]
+    pipe = compile_once(copy.deepcopy(model), schedule="zbv", microbatches=M, loss_fn=loss_fn,
+                        example=(xs[0][:2], ys[0][:2]), group=mesh, timeout=120, dp_shard=True, dp_gather=gather)
+    ref = copy.deepcopy(model)
+    opt, opt_ref = adamw(pipe.parameters()), adamw(ref.parameters())
+    refp = dict(ref.named_parameters())
+    got, want = [], []
+    for x, y in zip(xs, ys):
+        want.append(eager_accumulated(ref, loss_fn, x, y, DP * M))
+        got.append(pipe.step(x, y))
+        opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+    local_rows = {n: p._local_tensor.shape[0] if p.dim() else None for n, p in pipe.named_parameters()}
+    return dict(got=got, want=want, local_rows=local_rows, param_err=max(
+        rel(whole(p.detach()), refp[n].detach()) for n, p in pipe.named_parameters()))
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) parameter or gradient gathered from the replicas; any other tensor itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -277,6 +314,8 @@ def run(rank: int, pp: int, out: str) -> dict:
     cases["train/sharded-zbv-microbatch"] = lambda: train_case(mesh, "zbv", dp_shard=True, dp_gather="microbatch")
     cases["train/sharded-zbv-float32"] = lambda: train_case(mesh, "zbv", dtype=torch.float32, dp_shard=True)
     cases["clip/sharded"] = lambda: clip_case(mesh, dp_shard=True)
+    for gather in ("step", "microbatch"):
+        cases[f"odd/{gather}"] = lambda gather=gather: odd_case(mesh, gather)
     cases["checkpoint/sharded"] = lambda: sharded_checkpoint_case(mesh, f"{out}/ckpt-sharded", vocab=False)
     cases["checkpoint/sharded-vocab"] = lambda: sharded_checkpoint_case(mesh, f"{out}/ckpt-sharded-v", vocab=True)
     cases["errors"] = lambda: errors_case(mesh)
