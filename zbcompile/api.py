@@ -88,14 +88,7 @@ def _resolve(options: CompileOptions):
     if options.pp is not None and options.pp != world:
         raise UsageError(f"pp={options.pp} but the process group has {world} ranks; launch with "
                          f"`torchrun --nproc-per-node {options.pp}` (or pass a group of {options.pp} ranks)")
-    if options.dp_shard and replicas is None:   # (a "dp" dimension of size 1 leaves nothing to shard: allowed)
-        raise UsageError("dp_shard=True shards the parameters over the mesh's \"dp\" dimension, but no 2-D "
-                         "(\"dp\", \"pp\") mesh was given: pass group=init_device_mesh(device, (dp, pp), "
-                         "mesh_dim_names=(\"dp\", \"pp\")), or leave dp_shard off")
-    dp = (Replicas(replicas, options.timeout, sharded=options.dp_shard,
-                   job_ranks=options.group.mesh.flatten().tolist())
-          if replicas is not None and replicas.size() > 1 else None)
-    return resolved, dp
+    return resolved, Replicas.of(options, replicas)
 
 
 def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = None) -> PipelineModule:
@@ -127,11 +120,8 @@ def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = 
         constants[VOCAB_OFFSET] = torch.tensor(rank * staged.vocab.rows, device=device)
     params = {n: model.get_parameter(n) for n in owned_params}
     buffers = {n: model.get_buffer(n) for n in owned_buffers}
-    if dp is not None:   # replicas start from replica 0's values, as DDP does
-        dp.broadcast_state([*params.values(), *buffers.values()])
-        if options.dp_shard:   # then each keeps its shard (FSDP2's layout: DTensors sharded on dim 0)
-            dp.shard_params(model, owned_params, device)
-            params = {n: model.get_parameter(n) for n in owned_params}
+    if dp is not None:   # replicas start from replica 0's values, as DDP does (sharded: each keeps its rows)
+        params = dp.start(model, params, buffers, device)
     channels = p2p_channels(pg, options.timeout)
     collectives = collective_group(pg, options.timeout) if staged.vocab is not None else None
 

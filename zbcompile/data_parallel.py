@@ -62,6 +62,28 @@ class Replicas:
             self._job = dist.new_group(list(self.job_ranks), timeout=self.timeout, use_local_synchronization=True)
         return self._job
 
+    @classmethod
+    def of(cls, options, group) -> Replicas | None:
+        """The Replicas of compile's options and the mesh's "dp" group (split_mesh's), or None for one replica;
+        UsageError for dp_shard without a 2-D mesh (a "dp" dimension of size 1 leaves nothing to shard: allowed)."""
+        if options.dp_shard and group is None:
+            raise UsageError("dp_shard=True shards the parameters over the mesh's \"dp\" dimension, but no 2-D "
+                             "(\"dp\", \"pp\") mesh was given: pass group=init_device_mesh(device, (dp, pp), "
+                             "mesh_dim_names=(\"dp\", \"pp\")), or leave dp_shard off")
+        if group is None or group.size() < 2:
+            return None
+        return cls(group, options.timeout, sharded=options.dp_shard,
+                   job_ranks=options.group.mesh.flatten().tolist())
+
+    def start(self, model: nn.Module, params: dict, buffers: dict, device: torch.device) -> dict:
+        """Replica 0's parameters and buffers on every replica (DDP's start); sharded, each replica then keeps
+        its rows (shard_params). Returns the parameters by name, as the program reads them."""
+        self.broadcast_state([*params.values(), *buffers.values()])
+        if not self.sharded:
+            return params
+        self.shard_params(model, list(params), device)
+        return {n: model.get_parameter(n) for n in params}
+
     def shard_params(self, model: nn.Module, names: Sequence[str], device: torch.device) -> None:
         """Replace each parameter `names` names in `model` (under every name it has: a tied one is one
         Parameter) by a DTensor Parameter over the data-parallel group holding this replica's rows: dim 0 cut as
