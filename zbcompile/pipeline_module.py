@@ -236,7 +236,7 @@ class PipelineModule(nn.Module):
         m = self.schedule.num_microbatches
         if scaler is None:
             seed = 1.0 / m
-        elif not isinstance(scaler, PipelineGradScaler) or scaler._gather != self._gather:
+        elif not isinstance(scaler, PipelineGradScaler) or scaler._gather != self._found_anywhere:
             raise UsageError("step(scaler=...) takes the scaler this pipeline made (scaler = pipe.grad_scaler()), "
                              "whose inf checks cover every rank; a plain torch.amp.GradScaler sees this rank only, "
                              f"so ranks would skip different steps (got {type(scaler).__name__})")
@@ -287,7 +287,14 @@ class PipelineModule(nn.Module):
     def grad_scaler(self, **kwargs) -> PipelineGradScaler:
         """A torch.amp.GradScaler (`kwargs`: init_scale, growth_factor, ...) whose inf checks cover the whole
         pipeline, for step(*batch, scaler=...): an inf on any rank skips the optimizer step on every rank."""
-        return PipelineGradScaler(self._gather, self.runtime.device.type, **kwargs)
+        return PipelineGradScaler(self._found_anywhere, self.runtime.device.type, **kwargs)
+
+    def _found_anywhere(self, values: torch.Tensor) -> torch.Tensor:
+        """The scaler's gather: every pipeline rank's found-inf; sharded, each already the maximum over the
+        replicas, which hold different rows of the gradients (replicated ones hold the same)."""
+        if self._sharded:
+            values = self._dp.reduce(values, "max")
+        return self._gather(values)
 
     def _check_microbatch_shapes(self, batch: Sequence[torch.Tensor], m: int) -> None:
         """Every argument splits into m microbatches of the shape the programs were traced for (static

@@ -110,6 +110,11 @@ def test_a_checkpoint_saved_at_dp2_pp2_loads_at_pp4_and_into_the_plain_model(ran
             assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], got
 
 
+def test_an_inf_in_one_replicas_rows_skips_the_scaled_step_everywhere(ranks):
+    for r, got in _case(ranks, "scaler/sharded"):
+        assert got["unchanged"] and got["scale"] == 8.0, (r, got)
+
+
 @pytest.mark.parametrize("vocab", [False, True], ids=["zb-h1", "1f1b-vocab"])
 def test_a_sharded_checkpoint_loads_at_every_layout(ranks, vocab):
     """Saved at pp=2 x dp=2 sharded (each rank writes its rows; vocabulary rows through their own row shards),

@@ -169,6 +169,22 @@ def clip_case(mesh, **options) -> dict:
     return out
 
 
+def scaler_case(mesh) -> dict:
+    """Sharded, with the pipeline's GradScaler: an inf only replica 1's rows of one gradient hold makes every rank
+    of both replicas skip the step and halve the scale (the replicas hold different rows: the found-inf is the
+    maximum over them too)."""
+    _, _, pipe = compile_on(mesh, "zbv", dp_shard=True)
+    opt, scaler = adamw(pipe.parameters()), pipe.grad_scaler(init_scale=16.0)
+    pipe.step(*batches(0), scaler=scaler)
+    if mesh.get_local_rank("dp") == 1 and mesh.get_local_rank("pp") == 0:
+        next(iter(pipe.parameters())).grad._local_tensor.view(-1)[0] = float("inf")
+    before = [whole(p.detach()).clone() for p in pipe.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    return dict(unchanged=all(torch.equal(a, whole(p.detach())) for a, p in zip(before, pipe.parameters())),
+                scale=scaler.get_scale())
+
+
 def checkpoint_case(mesh, where: str, **options) -> dict:
     """Two steps at pp=2 x dp=2 (zb-h1), save; every rank loads it at pp=4 x dp=1 and rank 0 into the plain
     model, and each takes the third step."""
@@ -314,6 +330,7 @@ def run(rank: int, pp: int, out: str) -> dict:
     cases["train/sharded-zbv-microbatch"] = lambda: train_case(mesh, "zbv", dp_shard=True, dp_gather="microbatch")
     cases["train/sharded-zbv-float32"] = lambda: train_case(mesh, "zbv", dtype=torch.float32, dp_shard=True)
     cases["clip/sharded"] = lambda: clip_case(mesh, dp_shard=True)
+    cases["scaler/sharded"] = lambda: scaler_case(mesh)
     for gather in ("step", "microbatch"):
         cases[f"odd/{gather}"] = lambda gather=gather: odd_case(mesh, gather)
     cases["checkpoint/sharded"] = lambda: sharded_checkpoint_case(mesh, f"{out}/ckpt-sharded", vocab=False)
