@@ -169,17 +169,18 @@ def _gather_rows(programs, ranks) -> list[list]:
 
     rows = []
     for r in ranks:
-        ops = programs[r].ops
-        last, posted = "-", {}
-        for op in ops:
+        last, posted, waited = "-", {}, []   # waited: rows whose wait is done, for the next action
+        for op in programs[r].ops:
             if op.kind is OpKind.RUN:
                 last = str(op.action)
+                for row in waited:
+                    row[4] = last
+                waited = []
             elif op.kind is OpKind.DP_GATHER:
-                posted[op.outs[0]] = [r, op.args.bucket, op.note.split(" for ")[0], last, None]
+                posted[op.outs[0]] = [r, op.args.bucket, op.note.split(" for ")[0], last, "-"]
                 rows.append(posted[op.outs[0]])
             elif op.kind is OpKind.WAIT_GATHER:
-                nxt = next((o for o in ops[ops.index(op):] if o.kind is OpKind.RUN), None)
-                posted[op.ins[0]][4] = str(nxt.action) if nxt is not None else "-"
+                waited.append(posted[op.ins[0]])
     return rows
 
 
