@@ -10,11 +10,11 @@ eager training is tests/distributed/test_data_parallel.py's.
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
 
+from support.lowered import DP_CASES, lowered_gpt
 from support.models import gpt
 from support.threaded import run_threaded
 from zbcompile.compiler import split_for
@@ -23,31 +23,20 @@ from zbcompile.ir.program.ops import OpKind
 from zbcompile.ir.program.values import parse
 from zbcompile.options import CompileOptions
 from zbcompile.passes.analysis.memory import memory_plan
-from zbcompile.passes.lower import LOWERING, DataParallel, lower_all
+from zbcompile.passes.lower import LOWERING, DataParallel
 from zbcompile.passes.schedules import generate
 
 torch.set_num_threads(1)
-
-CASES = [("1f1b", 2), ("zb-h1", 2), ("zbv", 2), ("interleaved-1f1b", 2), ("dualpipev", 2), ("zbv", 4),
-         ("1f1b-vocab", 2)]
-
-
-@functools.lru_cache(maxsize=None)
-def _lowered(name: str, pp: int, dp: DataParallel | None):
-    vocab = name.endswith("-vocab")
-    sched = generate(name.removesuffix("-vocab"), pp, 2 * pp, vocab=vocab)
-    case = gpt(layers=4, batch=1)
-    return lower_all(sched, split_for(case.model, case.loss_fn, case.example, sched), dp=dp, check_each_pass=True)
 
 
 def _runs(program: RankProgram) -> list[int]:
     return [i for i, op in enumerate(program.ops) if op.kind is OpKind.RUN]
 
 
-@pytest.mark.parametrize("name,pp", CASES, ids=[f"{n}-pp{p}" for n, p in CASES])
+@pytest.mark.parametrize("name,pp", DP_CASES, ids=[f"{n}-pp{p}" for n, p in DP_CASES])
 def test_every_gradient_is_averaged_once_where_it_is_final(name, pp):
-    plain = _lowered(name, pp, None)
-    placed = _lowered(name, pp, DataParallel(bucket_mb=0.01))
+    plain = lowered_gpt(name, pp, None)
+    placed = lowered_gpt(name, pp, DataParallel(bucket_mb=0.01))
     for before, after in zip(plain, placed):
         assert "reduce_over_replicas" in after.passes and "reduce_over_replicas" not in before.passes
         want = sorted(op.ins[0] for op in before.of_kind(OpKind.SET_GRAD))
@@ -71,18 +60,18 @@ def test_every_gradient_is_averaged_once_where_it_is_final(name, pp):
 
 def test_a_rank_with_two_stages_posts_the_first_stages_reductions_before_its_last_compute():
     """zbv: each rank's first-finished stage's gradients are reduced while its other stage still computes."""
-    for program in _lowered("zbv", 2, DataParallel(bucket_mb=0.01)):
+    for program in lowered_gpt("zbv", 2, DataParallel(bucket_mb=0.01)):
         first_post = min(i for i, op in enumerate(program.ops) if op.kind is OpKind.DP_REDUCE)
         assert first_post < _runs(program)[-1]
 
 
 def test_buckets_respect_the_cap_and_overlap_false_posts_at_the_end():
     cap = DataParallel(bucket_mb=8192 / 2**20)
-    for program in _lowered("zb-h1", 2, cap):
+    for program in lowered_gpt("zb-h1", 2, cap):
         for op in program.of_kind(OpKind.DP_REDUCE):
             sizes = [_grad_bytes(program, v) for v in op.ins]
             assert len(op.ins) == 1 or sum(sizes) <= cap.bucket_bytes, str(op)
-    for program in _lowered("zb-h1", 2, DataParallel(overlap=False)):
+    for program in lowered_gpt("zb-h1", 2, DataParallel(overlap=False)):
         posts = [i for i, op in enumerate(program.ops) if op.kind is OpKind.DP_REDUCE]
         assert posts and min(posts) > _runs(program)[-1]
 
@@ -98,11 +87,11 @@ def _grad_bytes(program: RankProgram, value: str) -> int:
 
 def test_without_replicas_the_pass_list_is_unchanged():
     assert "reduce_over_replicas" not in [p.__name__ for p in LOWERING]
-    assert all("reduce_over_replicas" not in p.passes for p in _lowered("zbv", 2, None))
+    assert all("reduce_over_replicas" not in p.passes for p in lowered_gpt("zbv", 2, None))
 
 
 def test_a_dp_program_prints_and_parses_back():
-    program = _lowered("zbv", 2, DataParallel(bucket_mb=0.01))[1]
+    program = lowered_gpt("zbv", 2, DataParallel(bucket_mb=0.01))[1]
     text = program.to_text()
     assert "dp_reduce(" in text and "wait_dp(h:dp0)" in text
     assert RankProgram.from_text(text).to_text() == text
@@ -163,7 +152,7 @@ def test_the_trailing_ws_finish_in_groups(name):
     """finish_grads_in_groups: the compute actions before a rank's trailing W's keep their order; the trailing
     W's are split into pieces whose gradients together are the W's (each once); so most gradient bytes are
     reduced while the tail still computes, and what is posted after the last compute op is at most half."""
-    plain, placed = _lowered(name, 2, None), _lowered(name, 2, DataParallel(bucket_mb=0))
+    plain, placed = lowered_gpt(name, 2, None), lowered_gpt(name, 2, DataParallel(bucket_mb=0))
     for before, after in zip(plain, placed):
         assert after.passes[0] == "finish_grads_in_groups"
         old, new = [str(op.action) for op in before.run_ops()], [str(op.action) for op in after.run_ops()]
@@ -201,7 +190,7 @@ def test_pieces_recompute_nothing(name):
     later piece reads what an earlier one computed as a wsaved: value."""
     count = lambda gm: sum(1 for n in gm.graph.nodes if n.op == "call_function")   # noqa: E731
     split = 0
-    for program in _lowered(name, 2, DataParallel()):
+    for program in lowered_gpt(name, 2, DataParallel()):
         bases = {k.rsplit("_p", 1)[0] for k in program.graphs if "_p" in k and not k.endswith("_acc")}
         split += len(bases)
         for base in bases:

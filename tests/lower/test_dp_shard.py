@@ -5,11 +5,11 @@ tests/distributed/test_data_parallel.py trains with them on four processes again
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
 
+from support.lowered import DP_CASES, lowered_gpt
 from support.models import gpt
 from support.threaded import run_threaded
 from zbcompile.compiler import split_for
@@ -17,22 +17,12 @@ from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.ops import OpKind, padded_shard_bytes
 from zbcompile.ir.program.values import Role, parse
 from zbcompile.passes.analysis.memory import CATEGORIES, memory_plan
-from zbcompile.passes.lower import DataParallel, lower_all
+from zbcompile.passes.lower import DataParallel
 from zbcompile.passes.schedules import generate
 
 torch.set_num_threads(1)
 
-CASES = [("1f1b", 2), ("zb-h1", 2), ("zbv", 2), ("interleaved-1f1b", 2), ("dualpipev", 2), ("zbv", 4),
-         ("1f1b-vocab", 2)]
 POLICIES = ("step", "microbatch")
-
-
-@functools.lru_cache(maxsize=None)
-def _lowered(name: str, pp: int, dp: DataParallel | None):
-    vocab = name.endswith("-vocab")
-    sched = generate(name.removesuffix("-vocab"), pp, 2 * pp, vocab=vocab)
-    case = gpt(layers=4, batch=1)
-    return lower_all(sched, split_for(case.model, case.loss_fn, case.example, sched), dp=dp, check_each_pass=True)
 
 
 def _whole_params_read(program: RankProgram) -> set[str]:
@@ -42,14 +32,14 @@ def _whole_params_read(program: RankProgram) -> set[str]:
 
 
 @pytest.mark.parametrize("gather", POLICIES)
-@pytest.mark.parametrize("name,pp", CASES, ids=[f"{n}-pp{p}" for n, p in CASES])
+@pytest.mark.parametrize("name,pp", DP_CASES, ids=[f"{n}-pp{p}" for n, p in DP_CASES])
 def test_every_parameter_is_gathered_before_an_action_reads_it(name, pp, gather):
     """No stage graph reads a sharded parameter's shard: each reads the gathered whole, waited for before the
     action. "step": one gather of each parameter per rank, posted one action early; "microbatch": one per action
     that reads it, right before it. The gradients are reduce-scattered (0-dim ones all-reduced) and set on the
     shards (zero.param:, program inputs)."""
-    plain = _lowered(name, pp, DataParallel())
-    for before, program in zip(plain, _lowered(name, pp, DataParallel(shard=2, gather=gather))):
+    plain = lowered_gpt(name, pp, DataParallel())
+    for before, program in zip(plain, lowered_gpt(name, pp, DataParallel(shard=2, gather=gather))):
         defined = {v: i for i, op in enumerate(program.ops) for v in op.outs}
         gathers = program.of_kind(OpKind.DP_GATHER)
         assert [op.args.bucket for op in gathers] == list(range(len(gathers)))
@@ -79,8 +69,8 @@ def test_every_parameter_is_gathered_before_an_action_reads_it(name, pp, gather)
 def test_the_resident_parameters_are_the_padded_shards():
     """The memory plan counts each rank's resident parameters as its shards (ceil(rows / dp) rows each, half of
     the replicated program's here) and the gathered ones in the "params" category while they live."""
-    replicated = memory_plan(_lowered("zbv", 2, DataParallel()))
-    sharded_programs = _lowered("zbv", 2, DataParallel(shard=2))
+    replicated = memory_plan(lowered_gpt("zbv", 2, DataParallel()))
+    sharded_programs = lowered_gpt("zbv", 2, DataParallel(shard=2))
     sharded = memory_plan(sharded_programs)
     params = CATEGORIES.index("params")
     for whole, shard, program in zip(replicated, sharded, sharded_programs):
@@ -97,17 +87,17 @@ def test_microbatch_gathers_hold_no_whole_parameter_between_actions():
     last."""
     params = CATEGORIES.index("params")
     for policy, held in (("microbatch", False), ("step", True)):
-        programs = _lowered("zbv", 2, DataParallel(shard=2, gather=policy))
+        programs = lowered_gpt("zbv", 2, DataParallel(shard=2, gather=policy))
         for program, rank in zip(programs, memory_plan(programs)):
             runs = [i for i, op in enumerate(program.ops) if op.kind is OpKind.RUN]
             between = [rank.samples[i].after[params] for i in runs[:-1]]
             assert (max(between) > 0) is held, (policy, program.rank, between)
-    for program in _lowered("zbv", 2, DataParallel(shard=2, gather="microbatch")):
+    for program in lowered_gpt("zbv", 2, DataParallel(shard=2, gather="microbatch")):
         assert any(k.endswith("_rv0") for k in program.graphs), "a backward reads the weights again"
 
 
 def test_a_sharded_program_prints_and_parses_back():
-    program = _lowered("zbv", 2, DataParallel(shard=2))[0]
+    program = lowered_gpt("zbv", 2, DataParallel(shard=2))[0]
     text = program.to_text()
     assert "dp_gather(zero.param:" in text and "scatter over 2" in text and "wait_gather(h:ag0; bucket 0" in text
     assert RankProgram.from_text(text, graphs=program.graphs) == program
