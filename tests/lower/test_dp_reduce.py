@@ -10,7 +10,6 @@ eager training is tests/distributed/test_data_parallel.py's.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -5,7 +5,6 @@ tests/distributed/test_data_parallel.py trains with them on four processes again
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
