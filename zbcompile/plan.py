@@ -389,39 +389,26 @@ def _write_files(args: argparse.Namespace, result: SimResult) -> list[str]:
 def _run_dp(args: argparse.Namespace) -> int:
     from zbcompile.plan_dp import dp_row, dp_table
 
-    if args.load:
-        raise ScheduleError("--dp-comm generates the schedules it times; use --schedule NAME or --compare")
-    _require(args, "--dp-comm")
-    rows = [dp_row(schedule, args.costs, args.dp_comm, args.dp_pieces) for schedule in _generated(args)]
-    if args.json:
-        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": str(args.costs),
-                          "dp_comm": args.dp_comm, "pieces": args.dp_pieces,
-                          "schedules": [r.__dict__ for r in rows]}, indent=2))
-        return 0
-    print(f"p={args.pp}, m={args.microbatches}, costs {args.costs}")
-    print(dp_table(rows, args.dp_comm, args.dp_pieces))
-    return 0
+    rows = [dp_row(s, args.costs, args.dp_comm, args.dp_pieces) for s in _generated(args, "--dp-comm")]
+    return _report(args, rows, dp_table(rows, args.dp_comm, args.dp_pieces),
+                   dp_comm=args.dp_comm, pieces=args.dp_pieces)
 
 
 def _run_boundary(args: argparse.Namespace) -> int:
     from zbcompile.plan_boundary import boundary_row, boundary_table
 
+    rows = [boundary_row(s, args.costs, args.step_boundary, args.boundary_latency)
+            for s in _generated(args, "--step-boundary")]
+    return _report(args, rows, boundary_table(rows, args.step_boundary, args.boundary_latency),
+                   optimizer_step=args.step_boundary, latency=args.boundary_latency)
+
+
+def _generated(args: argparse.Namespace, mode: str) -> list:
+    """The schedule --schedule names, or with --compare every schedule that can be generated for pp / m (a
+    `mode` that times generated schedules refuses --load)."""
     if args.load:
-        raise ScheduleError("--step-boundary generates the schedules it times; use --schedule NAME or --compare")
-    _require(args, "--step-boundary")
-    rows = [boundary_row(s, args.costs, args.step_boundary, args.boundary_latency) for s in _generated(args)]
-    if args.json:
-        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": str(args.costs),
-                          "optimizer_step": args.step_boundary, "latency": args.boundary_latency,
-                          "schedules": [dict(r.__dict__, gain=r.gain) for r in rows]}, indent=2))
-        return 0
-    print(f"p={args.pp}, m={args.microbatches}, costs {args.costs}")
-    print(boundary_table(rows, args.step_boundary, args.boundary_latency))
-    return 0
-
-
-def _generated(args: argparse.Namespace) -> list:
-    """The schedule --schedule names, or with --compare every schedule that can be generated for pp / m."""
+        raise ScheduleError(f"{mode} generates the schedules it times; use --schedule NAME or --compare")
+    _require(args, mode)
     out = []
     for name in (schedule_names() if args.compare else [args.schedule]):
         try:
@@ -430,6 +417,17 @@ def _generated(args: argparse.Namespace) -> list:
             if not args.compare:
                 raise
     return out
+
+
+def _report(args: argparse.Namespace, rows, table: str, **fields) -> int:
+    """A per-schedule comparison: JSON (the run's fields, then each row's, with its properties) or the table."""
+    if args.json:
+        print(json.dumps({"pp": args.pp, "microbatches": args.microbatches, "costs": str(args.costs), **fields,
+                          "schedules": [r.to_json() for r in rows]}, indent=2))
+        return 0
+    print(f"p={args.pp}, m={args.microbatches}, costs {args.costs}")
+    print(table)
+    return 0
 
 
 def _run_vocab(args: argparse.Namespace, memory: MemoryModel) -> int:

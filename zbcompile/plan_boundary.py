@@ -37,6 +37,9 @@ class BoundaryRow:
     synchronous: float     # steady-state time per iteration
     post_validated: float
 
+    def to_json(self) -> dict:
+        return dict(self.__dict__, gain=self.gain)
+
     @property
     def gain(self) -> float:
         """The share of the synchronous iteration time post-validation saves."""

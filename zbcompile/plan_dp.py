@@ -36,6 +36,9 @@ class DPRow:
     placed: float
     groups: float
 
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
     def hidden(self, placed: float) -> float | None:
         extra = self.end - self.no_dp
         return None if extra <= 0 else 1 - max(placed - self.no_dp, 0.0) / extra

@@ -185,10 +185,9 @@ def scaler_case(mesh) -> dict:
                 scale=scaler.get_scale())
 
 
-def checkpoint_case(mesh, where: str, **options) -> dict:
-    """Two steps at pp=2 x dp=2 (zb-h1), save; every rank loads it at pp=4 x dp=1 and rank 0 into the plain
-    model, and each takes the third step."""
-    model, loss_fn, pipe = compile_on(mesh, "zb-h1", **options)
+def train_and_save(pipe, model, loss_fn, where: str):
+    """Two AdamW steps of `pipe` and of an eager copy of `model` on the global batches, then `pipe` saved at
+    `where`; (the eager copy, its optimizer) to go on with."""
     opt = adamw(pipe.parameters())
     ref = copy.deepcopy(model)
     opt_ref = adamw(ref.parameters())
@@ -199,6 +198,14 @@ def checkpoint_case(mesh, where: str, **options) -> dict:
         opt_ref.step(), opt_ref.zero_grad()
     checkpoint.save(where, pipe, opt)
     dist.barrier()
+    return ref, opt_ref
+
+
+def checkpoint_case(mesh, where: str, **options) -> dict:
+    """Two steps at pp=2 x dp=2 (zb-h1), save; every rank loads it at pp=4 x dp=1 and rank 0 into the plain
+    model, and each takes the third step."""
+    model, loss_fn, pipe = compile_on(mesh, "zb-h1", **options)
+    ref, _ = train_and_save(pipe, model, loss_fn, where)
     want = eager_accumulated(ref, loss_fn, *batches(2), DP * M)
     pp4 = zb.compile(copy.deepcopy(model), schedule="zbv", microbatches=2 * DP * M, loss_fn=loss_fn,
                      example=(batches(0)[0][:1], batches(0)[1][:1]), timeout=120)
@@ -220,16 +227,7 @@ def sharded_checkpoint_case(mesh, where: str, vocab: bool) -> dict:
     and the fourth step (the fourth reads the loaded AdamW state), against the uninterrupted eager run."""
     schedule = "1f1b" if vocab else "zb-h1"
     model, loss_fn, pipe = compile_on(mesh, schedule, dp_shard=True, vocab_parallel=vocab)
-    opt = adamw(pipe.parameters())
-    ref = copy.deepcopy(model)
-    opt_ref = adamw(ref.parameters())
-    for k in range(2):
-        pipe.step(*batches(k))
-        opt.step(), opt.zero_grad()
-        eager_accumulated(ref, loss_fn, *batches(k), DP * M)
-        opt_ref.step(), opt_ref.zero_grad()
-    checkpoint.save(where, pipe, opt)
-    dist.barrier()
+    ref, opt_ref = train_and_save(pipe, model, loss_fn, where)
     want = []
     for k in (2, 3):
         want.append(eager_accumulated(ref, loss_fn, *batches(k), DP * M))
