@@ -33,7 +33,7 @@ from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.ops import DPArgs, Op, OpKind, SetGradArgs, TensorType
 from zbcompile.ir.program.values import handle, parse
 
-__all__ = ["DataParallel", "reduce_over_replicas", "shardable"]
+__all__ = ["DataParallel", "reduce_over_replicas", "shardable", "capped_buckets"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,26 +127,34 @@ def _buckets(rank: int, finished: list[Op], types: dict[str, TensorType],
     """The SET_GRADs of `finished` in buckets, each with whether it is reduce-scattered: one dtype each (a flat
     collective) and, sharded, sharded or whole parameters apart; at most `choice.bucket_bytes` unless one
     gradient alone is larger, in program order within a bucket kind."""
-    by_kind: dict = {}
+    items = []
     for op in finished:
         fqn = parse(op.ins[0]).key
         if fqn not in types:
             raise LoweringError(f"rank {rank}: parameter {fqn!r} has no known gradient type (no stage graph declares "
                                 "its shape), so its data-parallel bucket cannot be sized")
         sharded = bool(choice.shard) and shardable(types[fqn])
-        by_kind.setdefault((types[fqn].dtype, sharded), []).append((op, types[fqn].nbytes))
-    cap = choice.bucket_bytes
-    out: list[tuple[list[Op], bool]] = []
-    for (_, sharded), grads in by_kind.items():
-        current: list[Op] = []
+        items.append(((types[fqn].dtype, sharded), op, types[fqn].nbytes))
+    return [(bucket, kind[1]) for kind, bucket in capped_buckets(items, choice.bucket_bytes)]
+
+
+def capped_buckets(items, cap: int) -> list[tuple[object, list]]:
+    """[(kind, [item, ...])]: the (kind, item, bytes) triples of `items` in buckets of one kind each (a flat
+    collective takes one dtype), at most `cap` bytes unless one item alone is larger, in order within a kind."""
+    by_kind: dict = {}
+    for kind, item, nbytes in items:
+        by_kind.setdefault(kind, []).append((item, nbytes))
+    out = []
+    for kind, group in by_kind.items():
+        current: list = []
         size = 0
-        for op, nbytes in grads:
+        for item, nbytes in group:
             if current and size + nbytes > cap:
-                out.append((current, sharded))
+                out.append((kind, current))
                 current, size = [], 0
-            current.append(op)
+            current.append(item)
             size += nbytes
-        out.append((current, sharded))
+        out.append((kind, current))
     return out
 
 

@@ -32,7 +32,7 @@ from zbcompile.errors import LoweringError
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.ops import GatherArgs, Op, OpKind, TensorType
 from zbcompile.ir.program.values import Role, handle, parse
-from zbcompile.passes.lower.dp_reduce import DataParallel, shardable
+from zbcompile.passes.lower.dp_reduce import DataParallel, capped_buckets, shardable
 
 __all__ = ["gather_params", "GATHER_POLICIES"]
 
@@ -94,7 +94,8 @@ def _place(program: RankProgram, reads: dict[int, list[str]], types, choice: Dat
     runs = list(reads)
     count = 0
     for j, i in enumerate(runs):
-        for bucket in _buckets([(fqn, types[fqn]) for fqn in reads[i]], choice.bucket_bytes):
+        for _, bucket in capped_buckets([(types[fqn].dtype, (fqn, types[fqn]), types[fqn].nbytes)
+                                         for fqn in reads[i]], choice.bucket_bytes):
             args = GatherArgs(count, choice.shard, tuple(t for _, t in bucket))
             gathered = tuple(f"ag{count}.param:{fqn}" for fqn, _ in bucket)
             what = f"{len(bucket)} parameters" if len(bucket) > 1 else "1 parameter"
@@ -118,24 +119,6 @@ def _inputs(program: RankProgram, sharded: set[str]) -> tuple[str, ...]:
             v = f"zero.{v}"
         out.setdefault(v)
     return tuple(out)
-
-
-def _buckets(params: list[tuple[str, TensorType]], cap: int) -> list[list[tuple[str, TensorType]]]:
-    """One dtype per bucket (a flat all-gather), at most `cap` bytes unless one parameter alone is larger."""
-    by_dtype: dict = {}
-    for fqn, t in params:
-        by_dtype.setdefault(t.dtype, []).append((fqn, t))
-    out = []
-    for group in by_dtype.values():
-        current, size = [], 0
-        for fqn, t in group:
-            if current and size + t.nbytes > cap:
-                out.append(current)
-                current, size = [], 0
-            current.append((fqn, t))
-            size += t.nbytes
-        out.append(current)
-    return out
 
 
 def _param_types(program: RankProgram) -> dict[str, TensorType]:
