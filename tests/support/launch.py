@@ -152,10 +152,18 @@ def worker_main(run) -> None:
     ap.add_argument("--out", required=True)
     out = ap.parse_args().out
     rank, pp = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    results = run(rank, pp, out)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
+    write_results(out, rank, run(rank, pp, out))
     os._exit(0)
+
+
+def write_results(out, rank: int, results: dict) -> None:
+    """`<out>/rank<r>.json`, written whole or not at all: `launch` kills every rank once one fails, and a rank
+    killed in the middle of its dump must not leave half a file (read as "wrote no whole results", not as the
+    "no results" of a rank that never got there)."""
+    path = os.path.join(out, f"rank{rank}.json")
+    with open(path + ".part", "w") as fh:
+        json.dump(results, fh, indent=1)
+    os.replace(path + ".part", path)
 
 
 class Launches:

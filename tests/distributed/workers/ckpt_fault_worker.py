@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import shutil
 import signal
@@ -29,6 +28,7 @@ torch.set_num_threads(1)
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from support.launch import write_results  # noqa: E402
 from support.models import eager_accumulated, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
@@ -208,8 +208,7 @@ def main() -> None:
         results = crash(rank, args.out, args.crash, args.victim, args.dir)
     else:
         results = verify(rank, args.out, args.verify.split(","))
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
+    write_results(args.out, rank, results)
     os._exit(0)
 
 

@@ -11,7 +11,6 @@ parameters); each rank writes JSON for the test to compare against an uninterrup
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import traceback
 
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 torch.set_num_threads(1)
 
 from support import ckpt as common  # noqa: E402
+from support.launch import write_results  # noqa: E402
 
 import zbcompile as zb  # noqa: E402
 from zbcompile import checkpoint  # noqa: E402
@@ -131,8 +131,7 @@ def main() -> None:
         (save_phase if args.save else load_phase)(args.ckpt, results)
     except Exception:
         results["error"] = traceback.format_exc()
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(results, fh)
+    write_results(args.out, rank, results)
     if "error" not in results:
         dist.barrier()
         dist.destroy_process_group()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import time
 import traceback
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 
+from support.launch import write_results  # noqa: E402
 from support.models import convnet, gpt, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
@@ -190,8 +190,7 @@ def main() -> None:
     t = args.timeout
 
     def dump():
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-            json.dump(results, fh, indent=1)
+        write_results(args.out, rank, results)
 
     # pp=2 runs every path; pp=4 (4 processes on this 2-core machine, each tracing and splitting) the ones
     # whose placement changes with pp: the V and DualPipe's, interleaving, BatchNorm and the tied copies

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import threading
 import time
@@ -19,6 +18,7 @@ import torch
 
 torch.set_num_threads(1)
 
+from support.launch import write_results  # noqa: E402
 from support.models import convnet, eager_accumulated, gpt, hf_gpt2, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
@@ -239,8 +239,7 @@ def main() -> None:
     results: dict = {}
 
     def dump():
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
-            json.dump(results, fh, indent=1)
+        write_results(args.out, rank, results)
 
     m = 2 * pp
     check_schedules("gpt", gpt(layers=2 * pp, batch=m), SCHEDULES, pp, m, results, args.timeout)
