@@ -38,7 +38,7 @@ from zbcompile.ir.schedule import Kind, Schedule
 from zbcompile.ir.stages import StagedModel
 from zbcompile.options import CompileOptions
 
-__all__ = ["Compiled", "compile_programs", "compile_staged", "compile_forward", "schedule_for", "split_for", "lower", "check_fits",
+__all__ = ["Compiled", "compile_programs", "compile_staged", "compile_forward", "compile_boundary", "schedule_for", "split_for", "lower", "check_fits",
            "TIME_MODELS"]
 
 log = logging.getLogger("zbcompile")
@@ -132,6 +132,15 @@ def compile_forward(compiled: Compiled, training: bool, outputs: bool = False) -
         _check_one_output_rank(compiled.schedule, staged)
     with _phase("lower", f"{schedule.name} ({'train' if training else 'eval'} mode)"):
         return lower(schedule, staged, dataclasses.replace(compiled.options, cuda_graphs=False), compiled.replicas)
+
+
+def compile_boundary(compiled: Compiled):
+    """Every rank's post-validated step (passes/lower/step_boundary.py): (first, validating, tags), the step with
+    the prefix chain at its end, and the same step validating the last one at its deadline."""
+    from zbcompile.passes.lower.step_boundary import boundary_programs
+
+    with _phase("lower", f"{compiled.schedule.name} post-validated"):
+        return boundary_programs(compiled.programs)
 
 
 def _check_one_output_rank(schedule: Schedule, staged: StagedModel) -> None:

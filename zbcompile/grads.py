@@ -18,7 +18,9 @@ group combines them, in rank order, so that every rank gets the same bits.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -53,19 +55,28 @@ def total_norm(grads: Sequence[torch.Tensor], norm_type: float, gather: Gather, 
     else:
         partial = float(shards(torch.tensor([_partial(grads, p)], dtype=torch.float64, device=at),
                                "max" if math.isinf(p) else "sum")[0])
-    parts = gather(torch.tensor([partial], dtype=torch.float64, device=at))[:, 0]
-    if math.isinf(p):
-        total = parts.max()
-    elif p == 0:   # torch: the 0-"norm" of the per-tensor norms counts the tensors with a nonzero gradient
-        total = parts.sum()
-    else:
-        total = parts.sum() ** (1.0 / p)
-    total = total.to(dtype)
+    parts = gather(torch.tensor([partial], dtype=torch.float64, device=at))[:, 0].tolist()
+    total = norm_from(functools.reduce(max if math.isinf(p) else operator.add, parts), p, dtype, at)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {p} for gradients from the whole pipeline is non-finite, so it "
                            "cannot be clipped. To disable this error and scale the gradients by the non-finite "
                            "norm anyway, set `error_if_nonfinite=False`")
     return total
+
+
+def norm_from(combined: float, p: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """The total norm from the ranks' partials combined in rank order (a sum of p-th powers from left to right, a
+    maximum, or a count of nonzero tensors, the 0-"norm"): the synchronous path and post-validation's prefix
+    chain (zbcompile/post_validation.py) combine the same floats in the same order, so they get the same bits."""
+    total = torch.tensor(combined, dtype=torch.float64, device=device)
+    if not (math.isinf(p) or p == 0):
+        total = total ** (1.0 / p)
+    return total.to(dtype)
+
+
+def partial_of(grads: Sequence[torch.Tensor], p: float) -> float:
+    """This rank's share of the total norm (see _partial)."""
+    return _partial(grads, p)
 
 
 def partial_device(grads: Sequence[torch.Tensor], device) -> torch.device:

@@ -18,6 +18,7 @@ from zbcompile import agreement, grads
 from zbcompile.compiler import Compiled
 from zbcompile.errors import RuntimeFailure, UsageError
 from zbcompile.grads import PipelineGradScaler
+from zbcompile.post_validation import synchronous_step
 from zbcompile.split import autocast_state
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
@@ -83,6 +84,7 @@ class PipelineModule(nn.Module):
         self._runtime_for = runtime_for
         self._forward: dict[tuple[bool, bool], RankRuntime] = {}
         self._failure: str | None = None   # the RuntimeFailure after which nothing more may run
+        self._pv = None   # zbcompile.post_validation.PostValidated, made by the first step(post_validate=True)
         self._dp = dp   # zbcompile.data_parallel.Replicas: this rank's data-parallel group, or None
         self._calls: dict[str, int] = {}   # step / evaluate / forward calls past the batch check (check_batch)
         self.offload_report = compiled.offload   # per rank, what activation offload chose (compile's offload=)
@@ -106,18 +108,69 @@ class PipelineModule(nn.Module):
 
     # ---- training ------------------------------------------------------------------------------
     @_unusable_after_a_failure
-    def step(self, *batch: torch.Tensor, scaler: PipelineGradScaler | None = None) -> float:
+    def step(self, *batch: torch.Tensor, scaler: PipelineGradScaler | None = None,
+             optimizer: torch.optim.Optimizer | None = None, max_norm: float | None = None, norm_type: float = 2.0,
+             post_validate: bool = False):
         """One training step on the whole batch (model inputs, then loss targets; split on dim 0 into
         microbatches). Returns the batch's mean loss, the same value on every rank. scaler: a grad_scaler() of
         this pipeline, whose scale seeds the backward (loss scaling for float16; the loss returned is not
-        scaled)."""
+        scaled).
+
+        With `optimizer` (over this rank's parameters) the step updates too: the gradient norm over the whole
+        pipeline clipped to `max_norm` (if given, `norm_type` as clip_grad_norm_'s), `optimizer.step()` unless a
+        gradient on some rank is not finite (with `scaler`: scaler.step / update), then `zero_grad()`.
+        post_validate=True makes that update without waiting for the other ranks (zbcompile/post_validation.py):
+        the result is then a StepResult, whose loss, norm and skipped / clipped flags are known once the next
+        step has validated this one (or `settle()` was called); losses and parameters equal the synchronous
+        step's."""
         self._check_step_context()
+        if post_validate:
+            return self._post_validated(batch, optimizer, max_norm, norm_type, scaler)
+        self.settle()
         self._seed(scaler)
         local = self._share(batch, "step")
         self._check_batch(local, "step")
         self._check_same_batch(batch, "step")
         loss = self.runtime.step_batch(local)   # with dp, the program averaged the gradients over the replicas
-        return loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
+        loss = loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
+        if optimizer is not None:
+            synchronous_step(self, optimizer, max_norm, grads.check_norm_type(norm_type), scaler)
+        elif max_norm is not None:
+            raise UsageError("step(max_norm=...) clips before an optimizer step: pass optimizer= too (or call "
+                             "pipe.clip_grad_norm_(max_norm) yourself after step())")
+        return loss
+
+    def _post_validated(self, batch, optimizer, max_norm, norm_type, scaler):
+        from zbcompile.post_validation import PostValidated
+
+        if optimizer is None:
+            raise UsageError("step(post_validate=True) updates the parameters itself: pass optimizer= (a torch "
+                             "optimizer over pipe.parameters())")
+        if scaler is not None:
+            raise UsageError("step(post_validate=True, scaler=...) is not supported yet: step synchronously "
+                             "(post_validate=False) to train with loss scaling")
+        norm_type = grads.check_norm_type(norm_type)
+        local = self._share(batch, "step")
+        self._check_batch(local, "step")
+        self._check_same_batch(batch, "step")
+        pv = self._pv
+        if pv is None:
+            pv = self._pv = PostValidated(self, optimizer, max_norm, norm_type)
+        elif pv.key != (id(optimizer), max_norm, norm_type):   # other arguments: the pending step first
+            pv.settle()
+            pv.reset(self, optimizer, max_norm, norm_type)
+        return pv.step(local)
+
+    def settle(self) -> None:
+        """Validate the last post-validated step now (a wait for the last rank): its StepResult is then known and
+        the parameters are final. Every other call of the pipeline does this first; call it on every rank
+        before reading the parameters or the optimizer's state yourself (a checkpoint, an evaluation)."""
+        if self._pv is not None:
+            self._pv.settle()
+
+    def state_dict(self, *args, **kwargs):
+        self.settle()
+        return super().state_dict(*args, **kwargs)
 
     @_unusable_after_a_failure
     def forward(self, *inputs: torch.Tensor):
@@ -127,6 +180,7 @@ class PipelineModule(nn.Module):
         leaf, e.g. an auxiliary loss, one value per microbatch). Returned on the rank that runs the loss stage,
         None on the others (as torch.distributed.pipelining's eval). Call it on every rank; `pipe(*inputs)`
         calls it."""
+        self.settle()
         local = self._share(inputs, "forward")
         self._check_batch(local, "forward", targets=False)
         runtime = self._forward.get((self.training, True)) or self._forward_runtime(self.training, outputs=True)
@@ -150,6 +204,7 @@ class PipelineModule(nn.Module):
         eval(), dropout is off and BatchNorm uses (and keeps) its running statistics; in train mode it is the
         forward of a training step (what `with torch.no_grad(): loss_fn(model(x), y)` does). The forward-only
         programs are lowered from the same split when first asked for. Call it on every rank."""
+        self.settle()
         local = self._share(batch, "evaluate")
         self._check_batch(local, "evaluate")
         runtime = self._forward.get((self.training, False)) or self._forward_runtime(self.training)
@@ -262,6 +317,7 @@ class PipelineModule(nn.Module):
     def get_total_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
         """The norm of all the model's gradients over the whole pipeline (torch.nn.utils.get_total_norm's
         semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
+        self.settle()
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.parameters()), torch.float16)
         return grads.total_norm(self._counted_grads(), grads.check_norm_type(norm_type), self._gather, dtype=dtype,
                                 error_if_nonfinite=error_if_nonfinite, device=self.runtime.device,
@@ -281,6 +337,7 @@ class PipelineModule(nn.Module):
     def grads_finite(self) -> bool:
         """False when any gradient on any rank holds an inf or a NaN (then skip the optimizer step: every rank
         gets the same answer, over the data-parallel replicas too). Call it on every rank."""
+        self.settle()
         finite = grads.grads_finite(self._counted_grads(), self._gather, self.runtime.device)
         return finite if self._dp is None else self._dp.all_true(finite)
 

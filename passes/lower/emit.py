@@ -275,6 +275,26 @@ class Emitter:
     def set_grad(self, i: int, op: Op) -> None:
         self.call(self.fn(op), (*self.values(op.ins), op.args.owned))
 
+    def prefix(self, i: int, op: Op) -> None:
+        """prefix(ctx, up, loss): this rank's prefix of the post-validation values (up / loss None where the
+        op reads none: rank 0 has no upstream, a rank without the loss stage no loss)."""
+        from zbcompile.ir.program.ops.step_boundary import UP
+
+        up = self.env[UP] if UP in op.ins else None
+        loss = next((self.env[v] for v in op.ins if v != UP), None)
+        self.env[op.outs[0]] = self.call(self.fn(op), (self.ctx, up, loss), op.outs[0])
+
+    def boundary_call(self, i: int, op: Op) -> None:
+        """The runtime function on the step context and the op's inputs; its result, if any, is outs[0]."""
+        node = self.call(self.fn(op), (self.ctx, *self.values(op.ins)), op.outs[0] if op.outs else None)
+        if op.outs:
+            self.env[op.outs[0]] = node
+
+    def validate(self, i: int, op: Op) -> None:
+        """validate(ctx, drains, totals): raises the runtime's Redo where the step must run again."""
+        drains = tuple((m.peer, m.tag, tuple(m.type.shape), m.type.dtype) for m in op.args.drains)
+        self.call(self.fn(op), (self.ctx, drains, *self.values(op.ins)))
+
     def call_op(self, i: int, op: Op) -> None:
         """The runtime function on the op's inputs; its result, if the op defines one, is outs[0]."""
         node = self.call(self.fn(op), self.values(op.ins), op.outs[0] if op.outs else None)

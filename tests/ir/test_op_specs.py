@@ -19,7 +19,7 @@ from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program import ops
 from zbcompile.ir.program.ops import (Coll, CollArgs, DPArgs, GatherArgs, FAMILIES, SAFE, SPECS, AccumArgs, AccumMode, HostArgs, Message,
                                       Op, OpKind, RecvArgs, RunArgs, SendArgs, SetGradArgs, StampArgs, Stream, Sync,
-                                      TensorType, View, ViewArgs)
+                                      TensorType, ValidateArgs, View, ViewArgs)
 from zbcompile.runtime import abi
 from zbcompile.ir.schedule import Action, Schedule
 from zbcompile.split import split_model
@@ -65,6 +65,10 @@ SAMPLES = {
     OpKind.WAIT_RELOAD: Op(OpKind.WAIT_RELOAD, ("h:re.s0.mb1.saved:3",), ("re.s0.mb1.saved:3", "re.s0.mb1.saved:4"),
                            ViewArgs((View(TensorType((2, 8), torch.float32, (1, 2)), 0),
                                      View(TensorType((8,), torch.float32, (1,)), 16)))),
+    OpKind.PREFIX: Op(OpKind.PREFIX, ("pv.up", "loss"), ("pv.prefix",)),
+    OpKind.TOTALS: Op(OpKind.TOTALS, (), ("pv.totals",)),
+    OpKind.VALIDATE: Op(OpKind.VALIDATE, ("pv.totals",), (), ValidateArgs((Message(0, 4, _T), Message(0, 8, _T))),
+                        note="after 2 warm-up action(s)"),
 }
 
 

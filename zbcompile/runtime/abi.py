@@ -29,7 +29,7 @@ from zbcompile.errors import RuntimeFailure, ZBCompileWarning
 __all__ = ["StepContext", "stamp_event", "recv", "recv_into", "wait_recv", "send", "wait_send", "collective",
            "wait_collective", "dp_reduce", "wait_dp", "dp_gather", "wait_gather", "wait", "offload", "wait_offload",
            "reload", "wait_reload", "free", "set_grad", "copy_buffer", "accumulate_", "sum_losses", "keep_outputs",
-           "sum_in_order"]
+           "sum_in_order", "prefix", "totals", "validate", "Redo"]
 
 
 class StepContext:
@@ -59,7 +59,8 @@ class StepContext:
     """
 
     __slots__ = ("pg", "rank", "ranks", "device", "timeout", "row", "t", "send_pg", "recv_pg", "bufs", "coll_pg",
-                 "dp_pg", "dp_size", "dp_rank", "host", "copy_stream", "_specs", "events", "_start", "_t0")
+                 "dp_pg", "dp_size", "dp_rank", "host", "copy_stream", "_specs", "events", "_start", "_t0",
+                 "boundary")
 
     def __init__(self, pg, rank: int, device: torch.device, timeout: float, slots: int, *,
                  ranks: int = 1, channels: tuple | None = None, buffers: Sequence = (), collectives=None,
@@ -89,6 +90,9 @@ class StepContext:
         self.events = [_timing_event() for _ in range(slots)] if cuda and event_timing else None
         self._start = _timing_event() if self.events is not None else None
         self._t0 = 0.0
+        # post-validation's controller (zbcompile/post_validation.Boundary) where the program has step-boundary
+        # ops (PREFIX, TOTALS, VALIDATE); None otherwise
+        self.boundary = None
 
     def begin_events(self) -> None:
         """Before a step with event timing: an anchor event on the current stream, and the host time with it."""
@@ -505,3 +509,34 @@ def sum_in_order(*copies: torch.Tensor) -> torch.Tensor:
     for t in copies[2:]:
         total.add_(t)
     return total
+
+
+# ---- the step boundary: post-validation (zbcompile/post_validation.py) --------------------------------------
+class Redo(Exception):
+    """Raised by validate where the last step's optimistic update was wrong: it has been put right, the messages
+    the upstream's warm-up sent were drained, and the runtime runs this step again from its start."""
+
+
+@fx.node.has_side_effect
+def prefix(ctx: StepContext, up: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor:
+    """This rank's partial values added to the prefix from rank r-1 (None on rank 0); loss: this rank's loss sum
+    (None where it runs no loss stage)."""
+    return ctx.boundary.prefix(up, loss)
+
+
+@fx.node.has_side_effect
+def totals(ctx: StepContext) -> torch.Tensor:
+    """The last step's totals, kept by the last rank (its prefix was the totals)."""
+    return ctx.boundary.kept_totals()
+
+
+@fx.node.has_side_effect
+def validate(ctx: StepContext, drains: tuple, totals: torch.Tensor) -> None:
+    """The verdict on the last step's optimistic update. Right: nothing to do. Wrong: the boundary has rolled it
+    back and applied the right one; the messages in `drains` ((peer, tag, shape, dtype): sent by the upstream's
+    warm-up, not yet received here) are received and dropped, and Redo makes the runtime run the step again."""
+    if ctx.boundary.validate(totals):
+        return
+    for peer, tag, shape, dtype in drains:
+        wait_recv(ctx, recv(ctx, peer, tag, shape, dtype, f"a dropped warm-up message (tag {tag})"))
+    raise Redo()

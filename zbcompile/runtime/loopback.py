@@ -4,8 +4,9 @@ The CPU "null tier" of the runtime: every rank a thread, messages handed over in
 end to end (P2P matching, gradient sums, buffer reuse) without starting processes, and lets `inspect`-style
 tools run a schedule in one process. Only what RankRuntime uses: send / recv of single tensors by (source,
 destination, tag), allgather, and the vocabulary layers' broadcast / reduce / allgather as posted collectives.
-Sends are buffered (they complete at once); a receive completes when the matching send has arrived; a posted
-collective completes when every rank has posted its k-th one (matched by order, as a real group does).
+Sends are buffered (they complete at once); a receive takes the earliest unmatched message of its source and tag
+(first come first served, as gloo matches them) and completes when that has arrived; a posted collective
+completes when every rank has posted its k-th one (matched by order, as a real group does).
 
     world = LoopbackWorld(2)
     runtime, model_r = rank_runtime(world, programs, rank, emit_fx(programs[rank]), model, staged)  # its thread
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -54,7 +56,9 @@ class LoopbackWorld:
     def __init__(self, size: int):
         self.size = size
         self.lock = threading.Lock()
-        self.mail: dict[tuple[int, int, int], list] = {}
+        # per (source, destination, tag): the messages sent and not yet matched, and the posted receives still
+        # waiting for one, each matched first come first served, as gloo matches them
+        self.mail: dict[tuple[int, int, int], tuple[deque, deque]] = {}
         self.barrier = threading.Barrier(size)
         self.gathered: list = [None] * size
         self.posted = [0] * size                      # collectives each rank has posted
@@ -66,7 +70,8 @@ class LoopbackWorld:
         capture-ready program makes, would block forever)."""
         with self.lock:
             self.aborted = True
-            events = [slot[0] for slot in self.mail.values()] + [c["event"] for c in self.collectives.values()]
+            events = ([slot[0] for _, waiting in self.mail.values() for slot in waiting]
+                      + [c["event"] for c in self.collectives.values()])
         for e in events:
             e.set()
         self.barrier.abort()
@@ -89,32 +94,40 @@ class LoopbackGroup:
     def size(self) -> int:
         return self.world.size
 
-    def _slot(self, key):
-        with self.world.lock:
-            slot = self.world.mail.setdefault(key, [threading.Event(), None])
-            if self.world.aborted:
-                slot[0].set()
-        return slot
+    def _queues(self, key) -> tuple[deque, deque]:
+        return self.world.mail.setdefault(key, (deque(), deque()))
 
     def collective_group(self) -> "LoopbackCollectives":
         """This rank's group for posted collectives (zbcompile.distributed.collective_group asks for it)."""
         return self.world.collective_group(self.rank_)
 
     def send(self, tensors, dst: int, tag: int):
-        slot = self._slot((self.rank_, dst, tag))
-        slot[1] = _wire_copy(tensors[0])
-        slot[0].set()
+        value = _wire_copy(tensors[0])
+        with self.world.lock:
+            sent, waiting = self._queues((self.rank_, dst, tag))
+            if waiting:   # the earliest posted receive takes it
+                slot = waiting.popleft()
+                slot[1] = value
+                slot[0].set()
+            else:
+                sent.append(value)
         return _Work(keep=tensors[0])
 
     def recv(self, tensors, src: int, tag: int):
-        key = (src, self.rank_, tag)
-        slot = self._slot(key)
+        slot = [threading.Event(), None]
+        with self.world.lock:
+            sent, waiting = self._queues((src, self.rank_, tag))
+            if sent:   # the earliest message not yet taken
+                slot[1] = sent.popleft()
+                slot[0].set()
+            else:
+                waiting.append(slot)
+            if self.world.aborted:
+                slot[0].set()
 
         def fill():
             with _disable_current_modes():   # the wire writes the buffer, as gloo does, unseen by dispatch modes
                 tensors[0].copy_(slot[1])
-            with self.world.lock:
-                self.world.mail.pop(key, None)
 
         return _Work(slot[0], fill, world=self.world)
 

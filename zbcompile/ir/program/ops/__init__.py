@@ -31,6 +31,7 @@ row together in one module:
     collectives.py   COLLECTIVE, WAIT_COLL
     data_parallel.py DP_REDUCE, WAIT_DP, DP_GATHER, WAIT_GATHER
     host_copies.py   OFFLOAD, WAIT_OFFLOAD, RELOAD, WAIT_RELOAD
+    step_boundary.py PREFIX, TOTALS, VALIDATE (post-validation)
 
 A new kind (a collective, an overlapped F&B run) is one OpKind member and, in one family module, its args
 record and OpSpec row; tests/ir/test_op_specs.py fails while any part is missing, and the checks refuse a kind
@@ -39,7 +40,7 @@ whose synchronisation they do not model instead of guessing. docs/design.md walk
 
 from __future__ import annotations
 
-from zbcompile.ir.program.ops import collectives, compute, data_parallel, host_copies, p2p
+from zbcompile.ir.program.ops import collectives, compute, data_parallel, host_copies, p2p, step_boundary
 from zbcompile.ir.program.ops._spec import (SAFE, SPECS, Op, OpKind, OpSpec, Stream, Sync, TensorType, install, spec,
                                             spec_by_text)
 from zbcompile.ir.program.ops.collectives import Coll, CollArgs
@@ -47,11 +48,12 @@ from zbcompile.ir.program.ops.data_parallel import DPArgs, GatherArgs, padded_sh
 from zbcompile.ir.program.ops.compute import AccumArgs, AccumMode, RunArgs, SetGradArgs, StampArgs
 from zbcompile.ir.program.ops.host_copies import HostArgs, View, ViewArgs
 from zbcompile.ir.program.ops.p2p import Message, RecvArgs, SendArgs
+from zbcompile.ir.program.ops.step_boundary import ValidateArgs
 
 __all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
            "CollArgs", "DPArgs", "GatherArgs", "shard_rows", "padded_shard_bytes", "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs",
-           "StampArgs", "Op", "OpSpec", "SAFE", "SPECS", "FAMILIES", "spec", "spec_by_text"]
+           "StampArgs", "ValidateArgs", "Op", "OpSpec", "SAFE", "SPECS", "FAMILIES", "spec", "spec_by_text"]
 
 # the family modules, each declaring its kinds' rows (ROWS); SPECS holds them in OpKind order
-FAMILIES = (compute, p2p, collectives, data_parallel, host_copies)
+FAMILIES = (compute, p2p, collectives, data_parallel, host_copies, step_boundary)
 install(row for family in FAMILIES for row in family.ROWS)

@@ -49,6 +49,9 @@ class OpKind(str, enum.Enum):
     WAIT_OFFLOAD = "wait_offload"
     RELOAD = "reload"
     WAIT_RELOAD = "wait_reload"
+    PREFIX = "prefix"
+    TOTALS = "totals"
+    VALIDATE = "validate"
 
 
 class Sync(str, enum.Enum):

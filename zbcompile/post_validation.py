@@ -1,0 +1,319 @@
+"""The optimizer step inside the pipeline, without a global synchronization: post-validation.
+
+`pipe.step(*batch, optimizer=opt, max_norm=1.0)` is the synchronous step: the pipeline's gradient norm and inf
+check (one all-gather over every rank), clipping, `opt.step()` unless a gradient is not finite, and
+`opt.zero_grad()`. Every rank waits there for the slowest one, and the next step's warm-up waits for the update.
+
+With `post_validate=True` the same step runs without that wait (the Zero Bubble paper's post-validation):
+
+1. the step's program ends with a prefix chain (passes/lower/step_boundary.py): each rank adds its partial
+   values (the norm's power sum or maximum, an inf / NaN flag, its loss sum) to what rank r-1 sent and sends
+   the sum to r+1, so rank p-1 ends with the totals;
+2. each rank decides at once on its prefix, which only grows along the chain: an inf or a norm over max_norm
+   there is certain to be in the totals, so the rank waits for them; otherwise it updates optimistically
+   (without clipping), keeping a snapshot of what the update changes (its parameters and their optimizer
+   state). Rank p-1 holds the totals and applies the right update at once;
+3. the next step's program starts its warm-up forwards on the updated parameters while the totals travel
+   back (p-1 -> 0); at its deadline it validates: if the totals show neither an inf nor clipping, every
+   optimistic update was right and the step goes on. Otherwise (the same verdict on every rank) each rank
+   restores its snapshot, applies the right update (clipped, or none), drops its warm-up (the messages in
+   flight are drained) and runs the step again from the start.
+
+Losses, norms and parameters equal the synchronous step's bit for bit: the prefix chain adds the same
+floats in the same order as the synchronous all-gather (grads.norm_from), the clip coefficient comes from the
+same total, and a step run again starts from the same RNG state and buffers. What it costs: the snapshot (a
+copy of this rank's parameters and optimizer state, `snapshot_bytes`), the last step's gradients kept until
+the verdict, and, when a step clips or skips, its warm-up forwards run twice. The loss of a step is known on
+every rank only once it is validated: step() returns a StepResult that fills in then (the next step, or
+`pipe.settle()`, which every other call of the pipeline makes first).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from zbcompile import grads
+from zbcompile.errors import UsageError
+from zbcompile.ir.program.ops import OpKind
+from zbcompile.ir.program.ops.step_boundary import VALUES
+from zbcompile.runtime import abi
+
+__all__ = ["StepResult", "Boundary", "PostValidated", "synchronous_step"]
+
+
+class StepResult:
+    """What a post-validated `pipe.step(...)` returns. `float(result)` / `.loss`: the batch's mean loss (the same
+    on every rank); `.norm`: the total gradient norm (None without max_norm); `.skipped`: no update (an inf or
+    NaN gradient); `.clipped`: the gradients were scaled to max_norm. They are known once the step is validated,
+    during the next step; reading one earlier settles the pipeline first (a wait for the last rank)."""
+
+    __slots__ = ("_settle", "_loss", "norm", "skipped", "clipped")
+
+    def __init__(self, settle: Callable[[], None]):
+        self._settle, self._loss = settle, None
+        self.norm: float | None = None
+        self.skipped = self.clipped = False
+
+    @property
+    def validated(self) -> bool:
+        return self._loss is not None
+
+    @property
+    def loss(self) -> float:
+        if self._loss is None:
+            self._settle()
+        return self._loss
+
+    def __float__(self) -> float:
+        return self.loss
+
+    def _fill(self, loss: float, norm: float | None, verdict: str) -> None:
+        self._loss, self.norm = loss, norm
+        self.skipped, self.clipped = verdict == "skip", verdict == "clip"
+
+    def __repr__(self) -> str:
+        if self._loss is None:
+            return "StepResult(not validated yet)"
+        what = " skipped" if self.skipped else " clipped" if self.clipped else ""
+        norm = "" if self.norm is None else f", norm={self.norm:.6g}"
+        return f"StepResult(loss={self._loss:.6g}{norm}{what})"
+
+
+def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | None, norm_type: float,
+                     scaler=None) -> None:
+    """The reference: clip over the whole pipeline, step unless a gradient is not finite, zero the gradients.
+    With a scaler (pipe.grad_scaler()), torch's recipe: unscale_, clip, scaler.step (it skips on an inf found on
+    any rank), scaler.update."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+        if max_norm is not None:
+            pipe.clip_grad_norm_(max_norm, norm_type)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return
+    finite = pipe.grads_finite()
+    if finite and max_norm is not None:
+        pipe.clip_grad_norm_(max_norm, norm_type)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class Boundary:
+    """One rank's side of post-validation (see the module docstring): what its program's PREFIX / TOTALS /
+    VALIDATE ops call (abi.prefix, abi.totals, abi.validate), and the update between two programs.
+
+    counted(): the gradients this rank counts in the pipeline's sums (PipelineModule._counted_grads); params:
+    every parameter of this rank (clipping scales them all, copies included). shards(values, op): a sum or max
+    over the data-parallel replicas where they hold different rows (sharded), else None; mean_loss(loss): the
+    loss averaged over the replicas (identity without data parallelism)."""
+
+    def __init__(self, *, rank: int, ranks: int, microbatches: int, optimizer: torch.optim.Optimizer,
+                 params: Sequence[torch.nn.Parameter], counted: Callable[[], list], max_norm: float | None,
+                 norm_type: float, dtype: torch.dtype, device: torch.device, shards=None,
+                 mean_loss: Callable[[float], float] = lambda loss: loss):
+        self.rank, self.ranks, self.m = rank, ranks, microbatches
+        self.optimizer, self.params, self.counted = optimizer, tuple(params), counted
+        self.max_norm, self.p = max_norm, norm_type
+        self.dtype, self.device = dtype, device
+        self.shards, self.mean_loss = shards, mean_loss
+        self.pending: StepResult | None = None   # the step whose verdict is still to come
+        self.stepped = False                     # this rank updated optimistically (the snapshot holds the before)
+        self._snapshot = None
+        self._prefix: torch.Tensor | None = None
+        self._kept: torch.Tensor | None = None   # rank p-1: the last step's totals
+        self.snapshot_bytes = 0
+        self.redone = 0                          # steps run again after a wrong optimistic update
+
+    # ---- in the program --------------------------------------------------------------------------------
+    def prefix(self, up: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor:
+        g = self.counted()
+        partial = grads.partial_of(g, self.p)
+        bad = float(any(not bool(torch.isfinite(t).all()) for t in g))
+        if self.shards is not None:
+            partial = float(self.shards(torch.tensor([partial], dtype=torch.float64), self._norm_op)[0])
+            bad = float(self.shards(torch.tensor([bad], dtype=torch.float64), "max")[0])
+        mine = torch.tensor([partial, bad, float(loss) if loss is not None else 0.0], dtype=torch.float64,
+                            device=self.device)
+        if up is not None:
+            combined = up + mine
+            if math.isinf(self.p):
+                combined[0] = torch.maximum(up[0], mine[0])
+            combined[1] = torch.maximum(up[1], mine[1])
+            mine = combined
+        self._prefix = mine
+        return mine
+
+    def kept_totals(self) -> torch.Tensor:
+        return self._kept
+
+    def validate(self, totals: torch.Tensor) -> bool:
+        """Apply the verdict of `totals` on the pending step; True where every optimistic update was right."""
+        verdict, norm = self._verdict(totals)
+        result, self.pending = self.pending, None
+        if self.rank == self.ranks - 1:   # updated rightly already, from the totals
+            right = verdict == "step"
+        else:
+            right = verdict == "step" and self.stepped
+            if not right:
+                if self.stepped:
+                    self._restore()
+                self._apply(verdict, norm)
+        self._snapshot, self.stepped = None, False
+        self.optimizer.zero_grad(set_to_none=True)
+        values = totals.tolist()
+        result._fill(self.mean_loss(values[2] / self.m), None if norm is None else float(norm), verdict)
+        self.redone += not right
+        return right
+
+    # ---- between two programs ------------------------------------------------------------------------
+    def after_step(self, result: StepResult) -> None:
+        """Update on this rank's prefix: optimistically, or (rank p-1, which has the totals) rightly."""
+        prefix, self._prefix = self._prefix, None
+        self.pending = result
+        if self.rank == self.ranks - 1:
+            self._kept = prefix
+            verdict, norm = self._verdict(prefix)
+            self._apply(verdict, norm)
+            return
+        verdict, _ = self._verdict(prefix)
+        if verdict == "step":   # the totals may still clip or hold an inf: keep what the update changes
+            self._take_snapshot()
+            self.optimizer.step()
+            self.stepped = True
+
+    def _verdict(self, values: torch.Tensor) -> tuple[str, torch.Tensor | None]:
+        combined, bad = float(values[0]), float(values[1])
+        norm = None if self.max_norm is None else grads.norm_from(combined, self.p, self.dtype, self.device)
+        if bad:
+            return "skip", norm
+        if norm is not None and float(self.max_norm / (norm + 1e-6)) < 1.0:   # clip_grads_with_norm_'s coefficient
+            return "clip", norm
+        return "step", norm
+
+    def _apply(self, verdict: str, norm: torch.Tensor | None) -> None:
+        if verdict == "skip":
+            return
+        if norm is not None:   # scales by 1.0 unless it clips, as the synchronous path does
+            grads.clip_grads(self.params, self.max_norm, norm)
+        self.optimizer.step()
+
+    @property
+    def _norm_op(self) -> str:
+        return "max" if math.isinf(self.p) else "sum"
+
+    # ---- the snapshot ---------------------------------------------------------------------------------------
+    def _take_snapshot(self) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = {p: ({k: _copy(v) for k, v in self.optimizer.state[p].items()} if p in self.optimizer.state else None)
+                 for p in params}
+        values = [p.detach().clone() for p in params]
+        self._snapshot = (params, values, state)
+        self.snapshot_bytes = sum(_nbytes(v) for v in values) + sum(
+            _nbytes(v) for s in state.values() if s for v in s.values())
+
+    def _restore(self) -> None:
+        params, values, state = self._snapshot
+        with torch.no_grad():
+            for p, v in zip(params, values):
+                p.copy_(v)
+        for p, saved in state.items():
+            if saved is None:
+                self.optimizer.state.pop(p, None)
+            else:
+                self.optimizer.state[p] = saved
+
+
+def _copy(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _nbytes(value) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    local = getattr(value, "_local_tensor", value)
+    return local.numel() * local.element_size()
+
+
+class PostValidated:
+    """The two runtimes of a post-validated step (passes/lower/step_boundary.py: `first`, `validating`) over this
+    rank's parameters, and their Boundary. Made by PipelineModule on the first post-validated step."""
+
+    def __init__(self, pipe, optimizer: torch.optim.Optimizer, max_norm: float | None, norm_type: float):
+        from zbcompile.compiler import compile_boundary
+
+        if pipe.compiled.options.capture:
+            raise UsageError("step(post_validate=True) decides on the host between steps (optimistic update, "
+                             "rollback, the step run again), which a captured CUDA graph cannot do: compile "
+                             "without cuda_graphs, or step synchronously (post_validate=False)")
+        first, validating, self.tags = compile_boundary(pipe.compiled)
+        self.first, self.validating = pipe._runtime_for(first), pipe._runtime_for(validating)
+        self.rank, self.ranks = pipe.rank, len(first)
+        self._buffers_written = any(op.kind is OpKind.COPY_BUFFER for op in validating[pipe.rank].ops)
+        self._buffers = [b for b in pipe.buffers()]
+        self.boundary = None
+        self.reset(pipe, optimizer, max_norm, norm_type)
+
+    def reset(self, pipe, optimizer, max_norm, norm_type) -> None:
+        """A Boundary for these arguments (after the pending step was settled)."""
+        dp = pipe._dp
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in pipe.parameters()), torch.float16)
+        self.key = (id(optimizer), max_norm, norm_type)
+        self.boundary = Boundary(
+            rank=self.rank, ranks=self.ranks, microbatches=pipe.schedule.num_microbatches, optimizer=optimizer,
+            params=list(pipe.parameters()), counted=pipe._counted_grads, max_norm=max_norm, norm_type=norm_type,
+            dtype=dtype, device=self.first.device, shards=dp.reduce if pipe._sharded else None,
+            mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)))
+        self.first.ctx.boundary = self.validating.ctx.boundary = self.boundary
+
+    def step(self, batch) -> StepResult:
+        b = self.boundary
+        result = StepResult(self.settle)
+        if b.pending is None:
+            self.first.run_batch(batch)
+        else:
+            rng, buffers = self._rng_state(), self._buffer_state()
+            try:
+                self.validating.run_batch(batch)
+            except abi.Redo:   # rolled back and drained: the step again, on the right parameters
+                self._restore_state(rng, buffers)
+                self.first.run_batch(batch)
+        b.after_step(result)
+        return result
+
+    def settle(self) -> None:
+        """Validate the pending step now: the totals passed down the chain outside any program (every rank
+        calls it at the same point: PipelineModule does before anything else it runs)."""
+        b = self.boundary
+        if b is None or b.pending is None:
+            return
+        ctx, r, tag = self.first.ctx, self.rank, self.tags.totals
+        if r < self.ranks - 1:
+            totals = abi.wait_recv(ctx, abi.recv(ctx, r + 1, tag, VALUES.shape, VALUES.dtype, "the step's totals"))
+        else:
+            totals = b.kept_totals()
+        if r > 0:
+            abi.wait_send(ctx, abi.send(ctx, (r - 1,), (tag,), "the step's totals", totals))
+        b.validate(totals)   # no warm-up ran: nothing to run again
+
+    def _rng_state(self):
+        cuda = self.first.device.type == "cuda"
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.first.device) if cuda else None
+
+    def _restore_state(self, rng, buffers) -> None:
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], self.first.device)
+        with torch.no_grad():
+            for b, saved in zip(self._buffers, buffers or ()):
+                b.copy_(saved)
+
+    def _buffer_state(self):
+        """The buffers the warm-up may update (BatchNorm's running statistics), to put back before a redo."""
+        return [b.detach().clone() for b in self._buffers] if self._buffers_written else None
