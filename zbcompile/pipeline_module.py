@@ -146,19 +146,17 @@ class PipelineModule(nn.Module):
         if optimizer is None:
             raise UsageError("step(post_validate=True) updates the parameters itself: pass optimizer= (a torch "
                              "optimizer over pipe.parameters())")
-        if scaler is not None:
-            raise UsageError("step(post_validate=True, scaler=...) is not supported yet: step synchronously "
-                             "(post_validate=False) to train with loss scaling")
         norm_type = grads.check_norm_type(norm_type)
+        self._seed_for(scaler)   # refuses a scaler of another pipeline before anything runs
         local = self._share(batch, "step")
         self._check_batch(local, "step")
         self._check_same_batch(batch, "step")
         pv = self._pv
         if pv is None:
-            pv = self._pv = PostValidated(self, optimizer, max_norm, norm_type)
-        elif pv.key != (id(optimizer), max_norm, norm_type):   # other arguments: the pending step first
+            pv = self._pv = PostValidated(self, optimizer, max_norm, norm_type, scaler)
+        elif pv.key != (id(optimizer), max_norm, norm_type, id(scaler)):   # other arguments: the pending step first
             pv.settle()
-            pv.reset(self, optimizer, max_norm, norm_type)
+            pv.reset(self, optimizer, max_norm, norm_type, scaler)
         return pv.step(local)
 
     def settle(self) -> None:
@@ -288,18 +286,20 @@ class PipelineModule(nn.Module):
 
     def _seed(self, scaler: PipelineGradScaler | None) -> None:
         """The backward's seed for this step: 1 / microbatches, times the scaler's scale."""
-        m = self.schedule.num_microbatches
-        if scaler is None:
-            seed = 1.0 / m
-        elif not isinstance(scaler, PipelineGradScaler) or scaler._gather != self._found_anywhere:
-            raise UsageError("step(scaler=...) takes the scaler this pipeline made (scaler = pipe.grad_scaler()), "
-                             "whose inf checks cover every rank; a plain torch.amp.GradScaler sees this rank only, "
-                             f"so ranks would skip different steps (got {type(scaler).__name__})")
-        else:
-            seed = scaler.seed(m)
+        seed = self._seed_for(scaler)
         if seed != self._seed_value:
             self.runtime.grad_loss.fill_(seed)
             self._seed_value = seed
+
+    def _seed_for(self, scaler: PipelineGradScaler | None) -> float:
+        m = self.schedule.num_microbatches
+        if scaler is None:
+            return 1.0 / m
+        if not isinstance(scaler, PipelineGradScaler) or scaler._gather != self._found_anywhere:
+            raise UsageError("step(scaler=...) takes the scaler this pipeline made (scaler = pipe.grad_scaler()), "
+                             "whose inf checks cover every rank; a plain torch.amp.GradScaler sees this rank only, "
+                             f"so ranks would skip different steps (got {type(scaler).__name__})")
+        return scaler.seed(m)
 
     # ---- the optimizer step over the whole pipeline (zbcompile/grads.py) ---------------------------------
     def _gather(self, values: torch.Tensor) -> torch.Tensor:

@@ -117,12 +117,14 @@ class Boundary:
     def __init__(self, *, rank: int, ranks: int, microbatches: int, optimizer: torch.optim.Optimizer,
                  params: Sequence[torch.nn.Parameter], counted: Callable[[], list], max_norm: float | None,
                  norm_type: float, dtype: torch.dtype, device: torch.device, shards=None,
-                 mean_loss: Callable[[float], float] = lambda loss: loss):
+                 mean_loss: Callable[[float], float] = lambda loss: loss, scaler=None,
+                 reseed: Callable[[float], None] = lambda seed: None):
         self.rank, self.ranks, self.m = rank, ranks, microbatches
         self.optimizer, self.params, self.counted = optimizer, tuple(params), counted
         self.max_norm, self.p = max_norm, norm_type
         self.dtype, self.device = dtype, device
         self.shards, self.mean_loss = shards, mean_loss
+        self.scaler, self.reseed = scaler, reseed   # loss scaling: the scaler, and how to seed the next backward
         self.pending: StepResult | None = None   # the step whose verdict is still to come
         self.stepped = False                     # this rank updated optimistically (the snapshot holds the before)
         self._snapshot = None
@@ -133,9 +135,12 @@ class Boundary:
 
     # ---- in the program --------------------------------------------------------------------------------
     def prefix(self, up: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor:
+        if self.scaler is not None:
+            bad = self._unscale()
         g = self.counted()
         partial = grads.partial_of(g, self.p)
-        bad = float(any(not bool(torch.isfinite(t).all()) for t in g))
+        if self.scaler is None:
+            bad = float(any(not bool(torch.isfinite(t).all()) for t in g))
         if self.shards is not None:
             partial = float(self.shards(torch.tensor([partial], dtype=torch.float64), self._norm_op)[0])
             bad = float(self.shards(torch.tensor([bad], dtype=torch.float64), "max")[0])
@@ -166,8 +171,10 @@ class Boundary:
                     self._restore()
                 self._apply(verdict, norm)
         self._snapshot, self.stepped = None, False
-        self.optimizer.zero_grad(set_to_none=True)
         values = totals.tolist()
+        if self.scaler is not None:   # the scale for the next backward, as scaler.update() makes it
+            self._update_scale(values[1])
+        self.optimizer.zero_grad(set_to_none=True)
         result._fill(self.mean_loss(values[2] / self.m), None if norm is None else float(norm), verdict)
         self.redone += not right
         return right
@@ -203,6 +210,25 @@ class Boundary:
         if norm is not None:   # scales by 1.0 unless it clips, as the synchronous path does
             grads.clip_grads(self.params, self.max_norm, norm)
         self.optimizer.step()
+
+    # ---- loss scaling (GradScaler semantics) -------------------------------------------------------------
+    def _unscale(self) -> float:
+        """This rank's gradients unscaled as torch.amp.GradScaler.unscale_ does, without the pipeline-wide
+        exchange of PipelineGradScaler (the prefix chain carries the flag); 1.0 where one is not finite."""
+        torch.amp.GradScaler.unscale_(self.scaler, self.optimizer)
+        found = self.scaler._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"]
+        return float(sum(float(v) for v in found.values()) > 0)
+
+    def _update_scale(self, bad: float) -> None:
+        """scaler.update() with the pipeline's verdict as every rank's found-inf, then the backward's new seed."""
+        state = self.scaler._per_optimizer_states[id(self.optimizer)]
+        found = state["found_inf_per_device"]
+        for v in found.values():
+            v.fill_(bad)
+        if not found:   # a rank without gradients: the verdict all the same
+            found[self.device] = torch.full((1,), bad, dtype=torch.float32, device=self.device)
+        self.scaler.update()
+        self.reseed(self.scaler.seed(self.m))
 
     @property
     def _norm_op(self) -> str:
@@ -245,7 +271,8 @@ class PostValidated:
     """The two runtimes of a post-validated step (passes/lower/step_boundary.py: `first`, `validating`) over this
     rank's parameters, and their Boundary. Made by PipelineModule on the first post-validated step."""
 
-    def __init__(self, pipe, optimizer: torch.optim.Optimizer, max_norm: float | None, norm_type: float):
+    def __init__(self, pipe, optimizer: torch.optim.Optimizer, max_norm: float | None, norm_type: float,
+                 scaler=None):
         from zbcompile.compiler import compile_boundary
 
         if pipe.compiled.options.capture:
@@ -258,19 +285,26 @@ class PostValidated:
         self._buffers_written = any(op.kind is OpKind.COPY_BUFFER for op in validating[pipe.rank].ops)
         self._buffers = [b for b in pipe.buffers()]
         self.boundary = None
-        self.reset(pipe, optimizer, max_norm, norm_type)
+        self.reset(pipe, optimizer, max_norm, norm_type, scaler)
 
-    def reset(self, pipe, optimizer, max_norm, norm_type) -> None:
+    def reset(self, pipe, optimizer, max_norm, norm_type, scaler=None) -> None:
         """A Boundary for these arguments (after the pending step was settled)."""
         dp = pipe._dp
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in pipe.parameters()), torch.float16)
-        self.key = (id(optimizer), max_norm, norm_type)
+        self.key = (id(optimizer), max_norm, norm_type, id(scaler))
+        self.reseed(pipe._seed_for(scaler))
         self.boundary = Boundary(
             rank=self.rank, ranks=self.ranks, microbatches=pipe.schedule.num_microbatches, optimizer=optimizer,
             params=list(pipe.parameters()), counted=pipe._counted_grads, max_norm=max_norm, norm_type=norm_type,
             dtype=dtype, device=self.first.device, shards=dp.reduce if pipe._sharded else None,
-            mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)))
+            mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)),
+            scaler=scaler, reseed=self.reseed)
         self.first.ctx.boundary = self.validating.ctx.boundary = self.boundary
+
+    def reseed(self, seed: float) -> None:
+        """The seed of the next backward (1 / microbatches, times the loss scale), in both programs' input."""
+        for runtime in (self.first, self.validating):
+            runtime.grad_loss.fill_(seed)
 
     def step(self, batch) -> StepResult:
         b = self.boundary

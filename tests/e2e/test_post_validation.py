@@ -1,0 +1,225 @@
+"""Post-validation (zbcompile/post_validation.py): `pipe.step(..., optimizer=, max_norm=, post_validate=True)`
+against the synchronous `step(..., optimizer=, max_norm=)`, which is itself checked against eager training.
+
+Every rank is a thread of this process (support.threaded.loopback_pipes, whose messages match first come first
+served, as gloo's do); tests/distributed/test_post_validation_dist.py runs the same across processes. The runs
+have steps that clip, steps that do not, a NaN step and (float16) an overflowing step, so that optimistic
+updates are both kept and rolled back, and the steps after a rollback are run again.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from support.loops import eager_step, rel
+from support.models import mlp
+from support.threaded import loopback_pipes, run_pipes
+from zbcompile.compiler import compile_programs
+from zbcompile.errors import UsageError
+from zbcompile.options import CompileOptions
+from zbcompile.post_validation import StepResult
+from zbcompile.runtime.eager import RankRuntime
+
+pytestmark = pytest.mark.slow
+STEPS, NAN_STEP = 20, 7
+
+
+def _batches(case, m: int, steps: int = STEPS, seed: int = 0):
+    """`steps` batches of m microbatches like the case's example, the NAN_STEP-th (if any) with a NaN input."""
+    x, y = case.example
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn((m * x.shape[0], *x.shape[1:]), generator=g, dtype=x.dtype) for _ in range(steps)]
+    ys = [torch.randn((m * y.shape[0], *y.shape[1:]), generator=g, dtype=y.dtype) for _ in range(steps)]
+    if NAN_STEP < steps:
+        xs[NAN_STEP][0, 0] = float("nan")
+    return list(zip(xs, ys))
+
+
+def _eager(model, loss_fn, batches, m: int, max_norm: float | None):
+    """Single-process training: AdamW, clip_grad_norm_ over every parameter, a non-finite step skipped."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    losses, norms = [], []
+    for x, y in batches:
+        losses.append(eager_step(ref, loss_fn, x, y, m))
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm if max_norm is not None else math.inf)
+        norms.append(float(norm))
+        if math.isfinite(norms[-1]):
+            opt.step()
+        opt.zero_grad()
+    return losses, norms, ref
+
+
+def _train(model, compiled, batches, pp: int, **step):
+    """Every rank's (losses, state) after training on `batches` with step(..., optimizer=AdamW, **step)."""
+    pipes = loopback_pipes(model, compiled.options, pp, compiled=compiled)
+
+    def run(r):
+        pipe = pipes[r]
+        opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+        results = [pipe.step(x, y, optimizer=opt, **step) for x, y in batches]
+        pipe.settle()
+        state = {k: v.detach().clone() for k, v in pipe.state_dict().items()}
+        return results, state, pipe
+    return run_pipes(run, pp)
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+CASES = [("1f1b", 2), ("zb-h1", 2), ("zbv", 2), ("1f1b", 4), ("zb-h1", 4), ("zbv", 4)]
+
+
+@pytest.mark.parametrize("schedule,pp", CASES, ids=[f"{s}-pp{p}" for s, p in CASES])
+def test_post_validated_training_equals_the_synchronous_step(schedule, pp):
+    """20 AdamW steps, max_norm at the median of eager's norms (about half the steps clip) and a NaN step:
+    the synchronous step follows eager (float64, 1e-9), and the post-validated one equals it bit for bit on every
+    rank: losses, every parameter and the optimizer's effect; the StepResults say which steps clipped and which
+    one was skipped, and the clipping and skipped steps are exactly the ones run again."""
+    torch.manual_seed(0)
+    case = mlp(layers=8, batch=2)
+    model = case.model.double()
+    case = case._replace(model=model, example=tuple(t.double() for t in case.example))
+    m = 2 * pp
+    batches = _batches(case, m)
+    _, norms, _ = _eager(model, case.loss_fn, batches, m, None)
+    max_norm = sorted(n for n in norms if math.isfinite(n))[len(norms) // 2]
+    want_losses, want_norms, ref = _eager(model, case.loss_fn, batches, m, max_norm)
+    options = CompileOptions(schedule=schedule, microbatches=m, loss_fn=case.loss_fn, example=case.example)
+    compiled = compile_programs(model, options, pp)
+
+    sync = _train(model, compiled, batches, pp, max_norm=max_norm)
+    post = _train(model, compiled, batches, pp, max_norm=max_norm, post_validate=True)
+    ref_params = dict(ref.named_parameters())
+    clipping = [i for i, n in enumerate(want_norms) if math.isfinite(n) and n > max_norm]
+    assert 0 < len(clipping) < STEPS - 1, want_norms
+    for r in range(pp):
+        (losses, state, _), (results, pv_state, pipe) = sync[r], post[r]
+        for got, want in zip(losses, want_losses):
+            assert _same(got, want) or abs(got - want) <= 1e-9 * abs(want), (r, losses, want_losses)
+        for n, p in state.items():
+            if n in ref_params:
+                assert rel(p, ref_params[n].detach()) <= 1e-9, f"synchronous, rank {r}: {n}"
+        assert all(isinstance(x, StepResult) and x.validated for x in results)
+        assert all(_same(float(x), want) for x, want in zip(results, losses)), (r, results, losses)
+        assert state.keys() == pv_state.keys() and all(torch.equal(state[k], pv_state[k]) for k in state), r
+        assert [i for i, x in enumerate(results) if x.clipped] == clipping, (r, results)
+        assert [i for i, x in enumerate(results) if x.skipped] == [NAN_STEP]
+        for x, want in zip(results, want_norms):
+            assert _same(x.norm, want) or abs(x.norm - want) <= 1e-9 * want
+        assert pipe._pv.boundary.redone == len(clipping) + 1   # a wrong optimistic update: the next step again
+
+
+def test_float16_loss_scaling_post_validated_equals_synchronous():
+    """float16 autocast with pipe.grad_scaler() and clipping: an overflowing batch is skipped on every rank and
+    halves the scale, the next step's backward is seeded with the new scale; losses, parameters and scales of the
+    post-validated steps equal the synchronous ones (torch's recipe: unscale_, clip, scaler.step, update)."""
+    torch.manual_seed(0)
+    case = mlp(layers=4, batch=2)
+    pp, m = 2, 4
+    batches = _batches(case, m, steps=8)
+    batches[NAN_STEP] = (batches[NAN_STEP - 1][0], batches[NAN_STEP][1])   # no NaN here: an overflow instead
+    batches[3] = (batches[3][0] * 6e4, batches[3][1])   # overflows float16 in the first layer's backward
+    with torch.autocast("cpu", dtype=torch.float16):
+        options = CompileOptions(schedule="zbv", microbatches=m, loss_fn=case.loss_fn, example=case.example)
+        compiled = compile_programs(case.model, options, pp)
+
+    def train(post_validate: bool):
+        pipes = loopback_pipes(case.model, options, pp, compiled=compiled)
+
+        def run(r):
+            pipe = pipes[r]
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            scaler = pipe.grad_scaler(init_scale=2.0 ** 10)
+            out = []
+            for x, y in batches:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    result = pipe.step(x, y, optimizer=opt, max_norm=1.0, scaler=scaler,
+                                       post_validate=post_validate)
+                out.append(result)
+            pipe.settle()
+            return [float(x) for x in out], scaler.get_scale(), [p.detach().clone() for p in pipe.parameters()], out
+        return run_pipes(run, pp)
+
+    sync, post = train(False), train(True)
+    for r in range(pp):
+        assert all(_same(a, b) for a, b in zip(sync[r][0], post[r][0])), (sync[r][0], post[r][0])
+        assert sync[r][1] == post[r][1] == 2.0 ** 9   # one overflow: the scale halved once
+        assert all(torch.equal(a, b) for a, b in zip(sync[r][2], post[r][2]))
+        assert [i for i, x in enumerate(post[r][3]) if x.skipped] == [3]
+
+
+def test_no_pipeline_wide_collective_runs_in_a_post_validated_step(monkeypatch):
+    """Between two post-validated steps nothing waits for the whole pipeline: the pipeline group's all-gather
+    (the loss, the timings, a norm, the batch check, off here) is never called, nor before settle(). The prefix and
+    totals travel as P2P messages of the programs."""
+    case = mlp(layers=4, batch=2)
+    pp, m = 2, 4
+    options = CompileOptions(schedule="zbv", microbatches=m, loss_fn=case.loss_fn, example=case.example,
+                             check_batch=False)
+    pipes = loopback_pipes(case.model, options, pp)
+    batches = _batches(case, m, steps=4)
+    gathers = []
+    real = RankRuntime.allgather
+    monkeypatch.setattr(RankRuntime, "allgather", lambda self, *a: gathers.append(a[-1]) or real(self, *a))
+
+    def run(r):
+        opt = torch.optim.AdamW(pipes[r].parameters(), lr=0.01)
+        return [pipes[r].step(x, y, optimizer=opt, max_norm=0.01, post_validate=True) for x, y in batches]
+
+    results = run_pipes(run, pp)
+    assert gathers == [] and all(not x.validated for x in (results[0][-1], results[1][-1]))
+    assert sum(x.clipped for x in results[0][:-1]) == 3   # max_norm=0.01: every step clips (and is run again)
+    run_pipes(lambda r: pipes[r].settle(), pp)
+    assert gathers == [] and all(x.validated for row in results for x in row)
+
+
+def test_the_pending_step_is_settled_before_anything_else_reads_the_pipeline():
+    """evaluate(), a synchronous step and state_dict() validate the pending step first (every rank, the same
+    point), so they see its update; reading a StepResult early settles it too."""
+    case = mlp(layers=4, batch=2)
+    pp, m = 2, 4
+    options = CompileOptions(schedule="1f1b", microbatches=m, loss_fn=case.loss_fn, example=case.example)
+    compiled = compile_programs(case.model, options, pp)
+    batches = _batches(case, m, steps=3)
+    (x0, y0), (x1, y1), (x2, y2) = batches
+
+    def run_with(post_validate: bool):
+        pipes = loopback_pipes(case.model, options, pp, compiled=compiled)
+
+        def run(r):
+            pipe = pipes[r]
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            first = pipe.step(x0, y0, optimizer=opt, post_validate=post_validate)
+            evaluated = pipe.evaluate(x1, y1)
+            pipe.step(x1, y1, optimizer=opt, post_validate=post_validate)
+            second = pipe.step(x2, y2, optimizer=opt)   # synchronous after a post-validated one
+            early = pipe.step(x0, y0, optimizer=opt, max_norm=0.5, post_validate=post_validate)
+            return float(first), evaluated, second, float(early), {k: v.clone() for k, v in pipe.state_dict().items()}
+        return run_pipes(run, pp)
+
+    for a, b in zip(run_with(False), run_with(True)):
+        assert a[:4] == b[:4]
+        assert all(torch.equal(a[4][k], b[4][k]) for k in a[4])
+
+
+def test_post_validate_refuses_what_it_cannot_do():
+    case = mlp(layers=4, batch=2)
+    options = CompileOptions(schedule="1f1b", microbatches=4, loss_fn=case.loss_fn, example=case.example)
+    pipes = loopback_pipes(case.model, options, 2)
+    (x, y), = _batches(case, 4, steps=1)
+
+    def run(r):
+        with pytest.raises(UsageError, match="pass optimizer="):
+            pipes[r].step(x, y, post_validate=True)
+        with pytest.raises(UsageError, match="optimizer= too"):
+            pipes[r].step(x, y, max_norm=1.0)
+        with pytest.raises(UsageError, match="grad_scaler"):
+            pipes[r].step(x, y, optimizer=torch.optim.SGD(pipes[r].parameters(), lr=0.1), post_validate=True,
+                          scaler=torch.amp.GradScaler("cpu"))
+    run_pipes(run, 2)
