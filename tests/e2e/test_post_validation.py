@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from support.loops import eager_step, rel
-from support.models import mlp
+from support.models import gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
-from zbcompile.compiler import compile_programs
+from zbcompile.compiler import compile_programs, compile_staged
 from zbcompile.errors import UsageError
 from zbcompile.options import CompileOptions
+from zbcompile.passes.lower import OffloadChoice
 from zbcompile.post_validation import StepResult
 from zbcompile.runtime.eager import RankRuntime
 
@@ -113,6 +114,32 @@ def test_post_validated_training_equals_the_synchronous_step(schedule, pp):
         for x, want in zip(results, want_norms):
             assert _same(x.norm, want) or abs(x.norm - want) <= 1e-9 * want
         assert pipe._pv.boundary.redone == len(clipping) + 1   # a wrong optimistic update: the next step again
+
+
+@pytest.mark.parametrize("variant", ["vocab", "offload"])
+def test_post_validation_with_vocabulary_parallelism_and_offload(variant):
+    """The GPT with its vocabulary layers sharded over the ranks (1f1b), or zbv with every saved activation
+    offloaded to the host pool: the warm-up's vocabulary collectives and offload copies are part of what a
+    rollback runs again. float32, clipping on every step: bit for bit the synchronous step's."""
+    case = gpt(layers=4, batch=1)
+    pp, m = 2, 4
+    x, y = case.example
+    g = torch.Generator().manual_seed(0)
+    batches = [tuple(torch.randint(0, 50, (m * t.shape[0], *t.shape[1:]), generator=g) for t in (x, y))
+               for _ in range(6)]
+    options = CompileOptions(schedule="1f1b" if variant == "vocab" else "zbv", microbatches=m, loss_fn=case.loss_fn,
+                             example=case.example, vocab_parallel=variant == "vocab")
+    compiled = compile_programs(case.model, options, pp)
+    if variant == "offload":
+        compiled = compile_staged(compiled.staged, compiled.schedule, options,
+                                  offload_choices=(OffloadChoice(min_bytes=0),) * pp)
+        assert all(q.host_buffers for q in compiled.programs)
+    sync = _train(case.model, compiled, batches, pp, max_norm=1.0)
+    post = _train(case.model, compiled, batches, pp, max_norm=1.0, post_validate=True)
+    for r in range(pp):
+        assert [float(x) for x in post[r][0]] == sync[r][0]
+        assert all(torch.equal(sync[r][1][k], post[r][1][k]) for k in sync[r][1])
+        assert post[r][2]._pv.boundary.redone == sum(x.clipped for x in post[r][0]) > 0
 
 
 def test_float16_loss_scaling_post_validated_equals_synchronous():
