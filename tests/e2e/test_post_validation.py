@@ -9,13 +9,12 @@ updates are both kept and rolled back, and the steps after a rollback are run ag
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
 
-from support.loops import eager_step, rel
+from support.loops import NAN_STEP, batches_with_nan, eager_clipped, median_norm, rel
 from support.models import gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
 from zbcompile.compiler import compile_programs, compile_staged
@@ -26,33 +25,7 @@ from zbcompile.post_validation import StepResult
 from zbcompile.runtime.eager import RankRuntime
 
 pytestmark = pytest.mark.slow
-STEPS, NAN_STEP = 20, 7
-
-
-def _batches(case, m: int, steps: int = STEPS, seed: int = 0):
-    """`steps` batches of m microbatches like the case's example, the NAN_STEP-th (if any) with a NaN input."""
-    x, y = case.example
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn((m * x.shape[0], *x.shape[1:]), generator=g, dtype=x.dtype) for _ in range(steps)]
-    ys = [torch.randn((m * y.shape[0], *y.shape[1:]), generator=g, dtype=y.dtype) for _ in range(steps)]
-    if NAN_STEP < steps:
-        xs[NAN_STEP][0, 0] = float("nan")
-    return list(zip(xs, ys))
-
-
-def _eager(model, loss_fn, batches, m: int, max_norm: float | None):
-    """Single-process training: AdamW, clip_grad_norm_ over every parameter, a non-finite step skipped."""
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
-    losses, norms = [], []
-    for x, y in batches:
-        losses.append(eager_step(ref, loss_fn, x, y, m))
-        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm if max_norm is not None else math.inf)
-        norms.append(float(norm))
-        if math.isfinite(norms[-1]):
-            opt.step()
-        opt.zero_grad()
-    return losses, norms, ref
+STEPS = 20
 
 
 def _train(model, compiled, batches, pp: int, **step):
@@ -87,10 +60,9 @@ def test_post_validated_training_equals_the_synchronous_step(schedule, pp):
     model = case.model.double()
     case = case._replace(model=model, example=tuple(t.double() for t in case.example))
     m = 2 * pp
-    batches = _batches(case, m)
-    _, norms, _ = _eager(model, case.loss_fn, batches, m, None)
-    max_norm = sorted(n for n in norms if math.isfinite(n))[len(norms) // 2]
-    want_losses, want_norms, ref = _eager(model, case.loss_fn, batches, m, max_norm)
+    batches = batches_with_nan(case, m)
+    max_norm = median_norm(model, case.loss_fn, batches, m)
+    want_losses, want_norms, ref = eager_clipped(model, case.loss_fn, batches, m, max_norm)
     options = CompileOptions(schedule=schedule, microbatches=m, loss_fn=case.loss_fn, example=case.example)
     compiled = compile_programs(model, options, pp)
 
@@ -149,7 +121,7 @@ def test_float16_loss_scaling_post_validated_equals_synchronous():
     torch.manual_seed(0)
     case = mlp(layers=4, batch=2)
     pp, m = 2, 4
-    batches = _batches(case, m, steps=8)
+    batches = batches_with_nan(case, m, steps=8)
     batches[NAN_STEP] = (batches[NAN_STEP - 1][0], batches[NAN_STEP][1])   # no NaN here: an overflow instead
     batches[3] = (batches[3][0] * 6e4, batches[3][1])   # overflows float16 in the first layer's backward
     with torch.autocast("cpu", dtype=torch.float16):
@@ -190,7 +162,7 @@ def test_no_pipeline_wide_collective_runs_in_a_post_validated_step(monkeypatch):
     options = CompileOptions(schedule="zbv", microbatches=m, loss_fn=case.loss_fn, example=case.example,
                              check_batch=False)
     pipes = loopback_pipes(case.model, options, pp)
-    batches = _batches(case, m, steps=4)
+    batches = batches_with_nan(case, m, steps=4)
     gathers = []
     real = RankRuntime.allgather
     monkeypatch.setattr(RankRuntime, "allgather", lambda self, *a: gathers.append(a[-1]) or real(self, *a))
@@ -213,7 +185,7 @@ def test_the_pending_step_is_settled_before_anything_else_reads_the_pipeline():
     pp, m = 2, 4
     options = CompileOptions(schedule="1f1b", microbatches=m, loss_fn=case.loss_fn, example=case.example)
     compiled = compile_programs(case.model, options, pp)
-    batches = _batches(case, m, steps=3)
+    batches = batches_with_nan(case, m, steps=3)
     (x0, y0), (x1, y1), (x2, y2) = batches
 
     def run_with(post_validate: bool):
@@ -239,7 +211,7 @@ def test_post_validate_refuses_what_it_cannot_do():
     case = mlp(layers=4, batch=2)
     options = CompileOptions(schedule="1f1b", microbatches=4, loss_fn=case.loss_fn, example=case.example)
     pipes = loopback_pipes(case.model, options, 2)
-    (x, y), = _batches(case, 4, steps=1)
+    (x, y), = batches_with_nan(case, 4, steps=1)
 
     def run(r):
         with pytest.raises(UsageError, match="pass optimizer="):

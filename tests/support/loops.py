@@ -9,6 +9,9 @@ tests/split/test_cut_anywhere.py) and the multi-process worker (tests/distribute
 
 from __future__ import annotations
 
+import copy
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,3 +123,39 @@ def shard_of(full: torch.Tensor, part: torch.Tensor, rank: int) -> torch.Tensor:
     rows = part.shape[0]
     got = full[rank * rows:(rank + 1) * rows]
     return torch.cat([got, got.new_zeros((rows - got.shape[0], *got.shape[1:]))])
+
+
+# ---- post-validation (tests/e2e/test_post_validation.py, workers/loop_worker.py) ---------------------------
+NAN_STEP = 7
+
+
+def batches_with_nan(case, m: int, steps: int = 20, seed: int = 0):
+    """`steps` batches of m microbatches like the case's example, the NAN_STEP-th (if any) with a NaN input."""
+    x, y = case.example
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn((m * x.shape[0], *x.shape[1:]), generator=g, dtype=x.dtype) for _ in range(steps)]
+    ys = [torch.randn((m * y.shape[0], *y.shape[1:]), generator=g, dtype=y.dtype) for _ in range(steps)]
+    if NAN_STEP < steps:
+        xs[NAN_STEP][0, 0] = float("nan")
+    return list(zip(xs, ys))
+
+
+def eager_clipped(model, loss_fn, batches, m: int, max_norm: float | None):
+    """Single-process training: AdamW, clip_grad_norm_ over every parameter, a non-finite step skipped."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    losses, norms = [], []
+    for x, y in batches:
+        losses.append(eager_step(ref, loss_fn, x, y, m))
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm if max_norm is not None else math.inf)
+        norms.append(float(norm))
+        if math.isfinite(norms[-1]):
+            opt.step()
+        opt.zero_grad()
+    return losses, norms, ref
+
+
+def median_norm(model, loss_fn, batches, m: int) -> float:
+    """The median of eager's unclipped gradient norms over `batches`: as max_norm, about half the steps clip."""
+    norms = sorted(n for n in eager_clipped(model, loss_fn, batches, m, None)[1] if math.isfinite(n))
+    return norms[len(norms) // 2]

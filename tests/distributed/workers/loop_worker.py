@@ -10,6 +10,8 @@ write, each against eager single-process training of the same model, computed on
     moe        transformers' Mixtral with its router load-balancing loss from every stage
     titan      torchtitan's loss (.float() before cross_entropy) with vocab_parallel=True
     cut/*      a CNN in one Sequential, three Linears, a few ops in one forward: 4 stages (zbv at pp=2, 1f1b at 4)
+    postval/*  20 AdamW steps with clipping and a NaN step, step(..., post_validate=True) against the synchronous
+               step(..., optimizer=, max_norm=) (1f1b, zb-h1, zbv): losses and parameters, bit for bit
 
 Each case writes numbers (ours and eager's) or its error; the test asserts. Writes `<out>/rank<r>.json`.
 """
@@ -24,7 +26,9 @@ import torch
 torch.set_num_threads(1)
 
 from support.launch import run_cases, worker_main  # noqa: E402
-from support.loops import CUT_CASES, eager_step, mixtral_moe, rel, shard_of, titan_loss  # noqa: E402
+from support.loops import (CUT_CASES, NAN_STEP, batches_with_nan, eager_clipped, eager_step,  # noqa: E402
+                           median_norm, mixtral_moe, rel, shard_of, titan_loss)
+from support.splits import compile_once  # noqa: E402
 from support.models import Case, gpt, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
@@ -195,6 +199,29 @@ def cut_case(pp: int, m: int, name: str) -> dict:
                 cuts=list(pipe.staged.meta["cuts"]["points"]))
 
 
+def post_validation_case(pp: int, m: int, schedule: str) -> dict:
+    """The same 20 steps synchronous and post-validated, each from a fresh copy of the model (one split)."""
+    case = mlp(layers=8, batch=2)
+    case = case._replace(model=case.model.double(), example=tuple(t.double() for t in case.example))
+    batches = batches_with_nan(case, m)
+    max_norm = median_norm(case.model, case.loss_fn, batches, m)
+    want_losses, want_norms, _ = eager_clipped(case.model, case.loss_fn, batches, m, max_norm)
+    runs = []
+    for post_validate in (False, True):
+        pipe = compile_once(copy.deepcopy(case.model), schedule=schedule, microbatches=m, loss_fn=case.loss_fn,
+                            example=case.example)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+        out = [pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=post_validate) for x, y in batches]
+        pipe.settle()
+        runs.append((out, [p.detach().clone() for p in pipe.parameters()], pipe))
+    (sync, sync_params, _), (post, post_params, pipe) = runs
+    return dict(sync=sync, want=want_losses, post=[float(x) for x in post],
+                params_equal=all(torch.equal(a, b) for a, b in zip(sync_params, post_params)),
+                clipped=[i for i, x in enumerate(post) if x.clipped], skipped=[i for i, x in enumerate(post) if x.skipped],
+                want_clipped=[i for i, n in enumerate(want_norms) if math.isfinite(n) and n > max_norm],
+                nan_step=NAN_STEP, redone=pipe._pv.boundary.redone)
+
+
 def run(rank: int, pp: int, out: str) -> dict:
     m = 2 * pp
     cases = {
@@ -210,6 +237,7 @@ def run(rank: int, pp: int, out: str) -> dict:
         "moe": lambda: moe_case(pp, m),
         "titan": lambda: titan_case(pp, m),
         **{f"cut/{name}": (lambda name=name: cut_case(pp, m, name)) for name in CUT_CASES},
+        **{f"postval/{s}": (lambda s=s: post_validation_case(pp, m, s)) for s in ("1f1b", "zb-h1", "zbv")},
     }
     return run_cases(cases)
 
