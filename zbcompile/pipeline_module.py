@@ -404,9 +404,13 @@ class PipelineModule(nn.Module):
     def memory_plan(self):
         """Every rank's device memory over one step, computed from the rank programs (passes/analysis/memory/):
         per rank the resident bytes, the bytes live after every op by category, and the peak and where it is.
-        `.table()` prints it; `.to_json()` is what `zbcompile inspect --memory --json` writes."""
+        `.table()` prints it; `.to_json()` is what `zbcompile inspect --memory --json` writes. After a
+        post-validated step: the plan of that step, which also holds the last step's gradients and the snapshot
+        of its optimistic update until the deadline (zbcompile/post_validation.py)."""
         from zbcompile.passes.analysis.memory import memory_plan
 
+        if self._pv is not None:
+            return self._pv.memory_plan()
         if self._plan is None:
             self._plan = memory_plan(self.programs)
         return self._plan

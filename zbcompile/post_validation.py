@@ -280,6 +280,7 @@ class PostValidated:
                              "rollback, the step run again), which a captured CUDA graph cannot do: compile "
                              "without cuda_graphs, or step synchronously (post_validate=False)")
         first, validating, self.tags = compile_boundary(pipe.compiled)
+        self.programs = validating
         self.first, self.validating = pipe._runtime_for(first), pipe._runtime_for(validating)
         self.rank, self.ranks = pipe.rank, len(first)
         self._buffers_written = any(op.kind is OpKind.COPY_BUFFER for op in validating[pipe.rank].ops)
@@ -335,6 +336,25 @@ class PostValidated:
         if r > 0:
             abi.wait_send(ctx, abi.send(ctx, (r - 1,), (tag,), "the step's totals", totals))
         b.validate(totals)   # no warm-up ran: nothing to run again
+
+    def memory_plan(self):
+        """The memory plan of the validating step, with what post-validation holds from the step's start to each
+        rank's VALIDATE: the last step's gradients (as many bytes as the rank's parameters) and, on every rank
+        but the last (which updates rightly at once), the snapshot of its optimistic update: its parameters and
+        their optimizer state, as many bytes per parameter byte as this rank's last snapshot held (or its
+        optimizer holds now), the same optimizer assumed on every rank."""
+        from zbcompile.passes.analysis.memory import memory_plan
+
+        b = self.boundary
+        params = [p for group in b.optimizer.param_groups for p in group["params"]]
+        mine = sum(_nbytes(p) for p in params) or 1
+        snapshot = b.snapshot_bytes or mine + sum(_nbytes(v) for p in params for v in b.optimizer.state.get(p, {})
+                                                  .values())
+        plain = memory_plan(self.programs)
+        held = [{"grads": r.resident["parameters"],
+                 "params": round(r.resident["parameters"] * snapshot / mine) if r.rank < self.ranks - 1 else 0}
+                for r in plain.ranks]
+        return memory_plan(self.programs, held)
 
     def _rng_state(self):
         cuda = self.first.device.type == "cuda"

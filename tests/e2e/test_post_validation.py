@@ -207,6 +207,35 @@ def test_the_pending_step_is_settled_before_anything_else_reads_the_pipeline():
         assert all(torch.equal(a[4][k], b[4][k]) for k in a[4])
 
 
+def test_the_memory_plan_counts_the_snapshot_and_the_kept_gradients():
+    """After post-validated AdamW steps, pipe.memory_plan() is the validating step's, holding from its start to its
+    VALIDATE the last step's gradients (this rank's parameter bytes) and, on every rank but the last, exactly the
+    bytes of the snapshot this rank took (parameters, exp_avg, exp_avg_sq, step); after VALIDATE the step's
+    memory is the plain plan's."""
+    from zbcompile.ir.program.ops import OpKind
+    from zbcompile.passes.analysis.memory import CATEGORIES, memory_plan
+
+    case = mlp(layers=4, batch=2)
+    pp, m = 2, 4
+    options = CompileOptions(schedule="1f1b", microbatches=m, loss_fn=case.loss_fn, example=case.example)
+    pipes = loopback_pipes(case.model, options, pp)
+    batches = batches_with_nan(case, m, steps=3)
+
+    def run(r):
+        opt = torch.optim.AdamW(pipes[r].parameters(), lr=0.01)
+        for x, y in batches:
+            pipes[r].step(x, y, optimizer=opt, post_validate=True)
+        return pipes[r].memory_plan(), pipes[r]._pv.boundary.snapshot_bytes, pipes[r]._pv.programs
+    grads, params = CATEGORIES.index("grads"), CATEGORIES.index("params")
+    for r, (plan, snapshot, programs) in enumerate(run_pipes(run, pp)):
+        mine, plain = plan.ranks[r], memory_plan(programs).ranks[r]
+        start, at = mine.samples[0].after, next(i for i, op in enumerate(programs[r].ops) if op.kind is OpKind.VALIDATE)
+        assert start[grads] - plain.samples[0].after[grads] == mine.resident["parameters"] > 0
+        assert start[params] - plain.samples[0].after[params] == (snapshot if r < pp - 1 else 0)
+        assert r == pp - 1 or snapshot > 3 * mine.resident["parameters"]   # AdamW: two moments and a step each
+        assert [s.after for s in mine.samples[at:]] == [s.after for s in plain.samples[at:]]
+
+
 def test_post_validate_refuses_what_it_cannot_do():
     case = mlp(layers=4, batch=2)
     options = CompileOptions(schedule="1f1b", microbatches=4, loss_fn=case.loss_fn, example=case.example)

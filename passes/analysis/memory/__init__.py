@@ -40,7 +40,9 @@ __all__ = ["CATEGORIES", "MemoryPlan", "RankMemory", "Sample", "memory_plan", "r
            "tensor_bytes", "GraphProfile"]
 
 
-def memory_plan(programs: Sequence[RankProgram]) -> MemoryPlan:
-    """The memory plan of every rank's finished program (after `lower_all`)."""
-    ranks = tuple(rank_memory(p, num_ranks=len(programs)) for p in programs)
+def memory_plan(programs: Sequence[RankProgram], held: Sequence[dict[str, int]] | None = None) -> MemoryPlan:
+    """The memory plan of every rank's finished program (after `lower_all`). held: per rank, bytes by category
+    live from the step's start to its VALIDATE op (a post-validated step: passes/lower/step_boundary.py)."""
+    held = held or [{}] * len(programs)
+    ranks = tuple(rank_memory(p, num_ranks=len(programs), held=h) for p, h in zip(programs, held))
     return MemoryPlan(programs[0].name if programs else "", ranks)

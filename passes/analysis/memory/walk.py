@@ -75,17 +75,21 @@ class _State:
 
 
 _IN_GRAPH = "\0in-graph"   # a pseudo value: a running graph's hold on the inputs its outputs may alias
+_HELD = "\0held:"   # pseudo values: bytes held from the step's start to its VALIDATE op
 
 
-def rank_memory(program: RankProgram, num_ranks: int = 1) -> RankMemory:
-    """One finished program's RankMemory (see the package docstring)."""
-    return _Walk(program, num_ranks).run()
+def rank_memory(program: RankProgram, num_ranks: int = 1, held: dict[str, int] | None = None) -> RankMemory:
+    """One finished program's RankMemory (see the package docstring). held: bytes by category that exist when
+    the step starts and go at its VALIDATE op (post-validation: the last step's gradients and the snapshot of
+    its optimistic update)."""
+    return _Walk(program, num_ranks, held or {}).run()
 
 
 class _Walk:
-    def __init__(self, program: RankProgram, num_ranks: int):
+    def __init__(self, program: RankProgram, num_ranks: int, held: dict[str, int]):
         self.p = program
         self.num_ranks = num_ranks
+        self.held = held
         self.state = _State()
         self.input_bytes = _input_bytes(program)
         self.last, self.handed = _last_uses(program)
@@ -99,7 +103,11 @@ class _Walk:
         resident = self._resident()
         samples: list[Sample] = []
         best, best_op, best_split = -1, -1, (0,) * len(CATEGORIES)
+        self._hold()
         for i, op in enumerate(p.ops):
+            if op.kind is OpKind.VALIDATE:
+                for name in self.held:
+                    st.release(_HELD + name)
             if op.kind is OpKind.RUN:
                 peak, split = self._run(i, op)
             else:
@@ -118,6 +126,17 @@ class _Walk:
         at = _describe(best_op, p.ops[best_op]) if best_op >= 0 else ""
         return RankMemory(p.rank, p.name, resident, tuple(samples), best_op, at, best_split,
                           host=_host_bytes(p))
+
+    def _hold(self) -> None:
+        """The held bytes as storages of their categories, each referenced by a pseudo value until VALIDATE."""
+        st = self.state
+        for name, nbytes in self.held.items():
+            sid = st.new(nbytes)
+            st.totals[st.cat[sid]] -= nbytes
+            st.cat[sid] = CATEGORIES.index(name)
+            st.totals[st.cat[sid]] += nbytes
+            st.of[_HELD + name] = (sid,)
+            st.refs[sid].add(_HELD + name)
 
     # ---- what exists before the step ----
     def _resident(self) -> dict[str, int]:
