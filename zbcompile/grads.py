@@ -85,15 +85,29 @@ def partial_device(grads: Sequence[torch.Tensor], device) -> torch.device:
 
 def _partial(grads: Sequence[torch.Tensor], p: float) -> float:
     """This rank's share of the total: the max of the per-tensor norms (inf), the number of nonzero ones (0),
-    or the sum of their p-th powers."""
+    or the sum of their p-th powers. The per-tensor norms as torch's get_total_norm takes them (one fused
+    _foreach_norm per device and dtype where it supports the order)."""
     if not grads:
         return 0.0
-    norms = torch.stack([torch.linalg.vector_norm(g.detach(), p).to(torch.float64) for g in grads])
+    norms = torch.stack([n.to(torch.float64) for n in _tensor_norms(grads, p)])
     if math.isinf(p):
         return float(norms.max())
     if p == 0:
         return float((norms != 0).sum())
     return float((norms ** p).sum())
+
+
+def _tensor_norms(grads: Sequence[torch.Tensor], p: float) -> list[torch.Tensor]:
+    if p not in (1.0, 2.0, math.inf):
+        return [torch.linalg.vector_norm(g.detach(), p) for g in grads]
+    groups: dict = {}
+    for k, g in enumerate(grads):
+        groups.setdefault((g.device, g.dtype), []).append(k)
+    out: list = [None] * len(grads)
+    for ks in groups.values():
+        for k, n in zip(ks, torch._foreach_norm([grads[k].detach() for k in ks], p)):
+            out[k] = n
+    return out
 
 
 def clip_grads(params: Iterable[torch.nn.Parameter], max_norm: float, total: torch.Tensor,

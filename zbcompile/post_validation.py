@@ -86,9 +86,10 @@ class StepResult:
 
 def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | None, norm_type: float,
                      scaler=None) -> None:
-    """The reference: clip over the whole pipeline, step unless a gradient is not finite, zero the gradients.
-    With a scaler (pipe.grad_scaler()), torch's recipe: unscale_, clip, scaler.step (it skips on an inf found on
-    any rank), scaler.update."""
+    """The reference: every rank's partial norm and inf flag in one all-gather over the pipeline, then on every
+    rank the same verdict (clip_grad_norm_'s total and coefficient, the step skipped where a gradient is not
+    finite) and zero_grad. With a scaler (pipe.grad_scaler()), torch's recipe: unscale_, clip, scaler.step (it
+    skips on an inf found on any rank), scaler.update."""
     if scaler is not None:
         scaler.unscale_(optimizer)
         if max_norm is not None:
@@ -97,12 +98,69 @@ def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | N
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
         return
-    finite = pipe.grads_finite()
-    if finite and max_norm is not None:
-        pipe.clip_grad_norm_(max_norm, norm_type)
-    if finite:
-        optimizer.step()
+    device = pipe.runtime.device
+    mine = local_values(pipe._counted_grads(), norm_type, pipe._dp.reduce if pipe._sharded else None)
+    rows = pipe._gather(torch.tensor(mine, dtype=torch.float64, device=device)).tolist()
+    combined = functools.reduce(lambda a, b: combine(a, b, norm_type), rows)
+    dtype = functools.reduce(torch.promote_types, (p.dtype for p in pipe.parameters()), torch.float16)
+    kind, norm = verdict(combined, norm_type, max_norm, dtype, device)
+    apply(kind, norm, list(pipe.parameters()), max_norm, optimizer)
     optimizer.zero_grad(set_to_none=True)
+
+
+# ---- the verdict: the same arithmetic for the synchronous step and the prefix chain --------------------------
+def local_values(counted: Sequence[torch.Tensor], p: float, shards=None) -> list[float]:
+    """This rank's [norm partial, inf / NaN flag]: the partial of grads.partial_of, 1.0 where a gradient is not
+    finite; with `shards`, over this rank's replicas (sharded data parallelism)."""
+    partial = grads.partial_of(counted, p)
+    bad = float(_any_not_finite(counted))
+    if shards is not None:
+        partial = float(shards(torch.tensor([partial], dtype=torch.float64), "max" if math.isinf(p) else "sum")[0])
+        bad = float(shards(torch.tensor([bad], dtype=torch.float64), "max")[0])
+    return [partial, bad]
+
+
+def _any_not_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """One fused check over all tensors (GradScaler's: it multiplies by 1.0, which changes no bit)."""
+    if not tensors:
+        return False
+    found = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    one = torch.ones((), dtype=torch.float32, device=tensors[0].device)
+    for group in groups.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+    return bool(found)
+
+
+def combine(a: Sequence[float], b: Sequence[float], p: float) -> list[float]:
+    """Two prefixes (or rows) in rank order: norm partials added (maxed for the inf-norm), flags maxed, the rest
+    (a loss sum) added."""
+    return [max(a[0], b[0]) if math.isinf(p) else a[0] + b[0], max(a[1], b[1]), *(x + y for x, y in zip(a[2:], b[2:]))]
+
+
+def verdict(values: Sequence[float], p: float, max_norm: float | None, dtype: torch.dtype,
+            device) -> tuple[str, torch.Tensor | None]:
+    """"skip" (a gradient is not finite), "clip" (clip_grads_with_norm_'s coefficient is below 1) or "step", and
+    the total norm (None without max_norm)."""
+    norm = None if max_norm is None else grads.norm_from(values[0], p, dtype, device)
+    if values[1]:
+        return "skip", norm
+    if norm is not None and float(max_norm / (norm + 1e-6)) < 1.0:
+        return "clip", norm
+    return "step", norm
+
+
+def apply(kind: str, norm: torch.Tensor | None, params: Sequence[torch.nn.Parameter], max_norm: float | None,
+          optimizer: torch.optim.Optimizer) -> None:
+    """The update of a verdict. torch's clip scales by min(coefficient, 1): only a clipping verdict scales (by 1.0
+    the gradients would not change)."""
+    if kind == "skip":
+        return
+    if kind == "clip":
+        grads.clip_grads(params, max_norm, norm)
+    optimizer.step()
 
 
 class Boundary:
@@ -135,25 +193,16 @@ class Boundary:
 
     # ---- in the program --------------------------------------------------------------------------------
     def prefix(self, up: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor:
-        if self.scaler is not None:
-            bad = self._unscale()
-        g = self.counted()
-        partial = grads.partial_of(g, self.p)
-        if self.scaler is None:
-            bad = float(any(not bool(torch.isfinite(t).all()) for t in g))
-        if self.shards is not None:
-            partial = float(self.shards(torch.tensor([partial], dtype=torch.float64), self._norm_op)[0])
-            bad = float(self.shards(torch.tensor([bad], dtype=torch.float64), "max")[0])
-        mine = torch.tensor([partial, bad, float(loss) if loss is not None else 0.0], dtype=torch.float64,
-                            device=self.device)
+        bad = self._unscale() if self.scaler is not None else None
+        values = local_values(self.counted(), self.p, self.shards)
+        if bad is not None:   # the scaler's check covers every gradient of this rank (its optimizer's)
+            values[1] = bad if self.shards is None else float(self.shards(torch.tensor([bad], dtype=torch.float64),
+                                                                          "max")[0])
+        values.append(float(loss) if loss is not None else 0.0)
         if up is not None:
-            combined = up + mine
-            if math.isinf(self.p):
-                combined[0] = torch.maximum(up[0], mine[0])
-            combined[1] = torch.maximum(up[1], mine[1])
-            mine = combined
-        self._prefix = mine
-        return mine
+            values = combine(up.tolist(), values, self.p)
+        self._prefix = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return self._prefix
 
     def kept_totals(self) -> torch.Tensor:
         return self._kept
@@ -196,20 +245,10 @@ class Boundary:
             self.stepped = True
 
     def _verdict(self, values: torch.Tensor) -> tuple[str, torch.Tensor | None]:
-        combined, bad = float(values[0]), float(values[1])
-        norm = None if self.max_norm is None else grads.norm_from(combined, self.p, self.dtype, self.device)
-        if bad:
-            return "skip", norm
-        if norm is not None and float(self.max_norm / (norm + 1e-6)) < 1.0:   # clip_grads_with_norm_'s coefficient
-            return "clip", norm
-        return "step", norm
+        return verdict(values.tolist(), self.p, self.max_norm, self.dtype, self.device)
 
-    def _apply(self, verdict: str, norm: torch.Tensor | None) -> None:
-        if verdict == "skip":
-            return
-        if norm is not None:   # scales by 1.0 unless it clips, as the synchronous path does
-            grads.clip_grads(self.params, self.max_norm, norm)
-        self.optimizer.step()
+    def _apply(self, kind: str, norm: torch.Tensor | None) -> None:
+        apply(kind, norm, self.params, self.max_norm, self.optimizer)
 
     # ---- loss scaling (GradScaler semantics) -------------------------------------------------------------
     def _unscale(self) -> float:
@@ -229,10 +268,6 @@ class Boundary:
             found[self.device] = torch.full((1,), bad, dtype=torch.float32, device=self.device)
         self.scaler.update()
         self.reseed(self.scaler.seed(self.m))
-
-    @property
-    def _norm_op(self) -> str:
-        return "max" if math.isinf(self.p) else "sum"
 
     # ---- the snapshot ---------------------------------------------------------------------------------------
     def _take_snapshot(self) -> None:
@@ -310,6 +345,7 @@ class PostValidated:
     def step(self, batch) -> StepResult:
         b = self.boundary
         result = StepResult(self.settle)
+        self.last = self.first if b.pending is None else self.validating   # whose timing slots this step fills
         if b.pending is None:
             self.first.run_batch(batch)
         else:
@@ -318,6 +354,7 @@ class PostValidated:
                 self.validating.run_batch(batch)
             except abi.Redo:   # rolled back and drained: the step again, on the right parameters
                 self._restore_state(rng, buffers)
+                self.last = self.first
                 self.first.run_batch(batch)
         b.after_step(result)
         return result

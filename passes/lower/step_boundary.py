@@ -151,8 +151,8 @@ def _natural_deadline(q: RankProgram) -> int:
         if op.kind is OpKind.RUN:
             warm = (op.action.kind is Kind.F and all(source[v] < r for v in op.ins if v in source)
                     and all(peer > r for v in op.outs for peer in sent_to.get(v, ())))
-            if not warm:
-                return i
+            if not warm:   # the action's start stamp (right before it) goes after the deadline with it
+                return i - 1 if i and q.ops[i - 1].kind is OpKind.STAMP else i
     return len(q.ops)
 
 
