@@ -186,6 +186,7 @@ class Boundary:
         self.pending: StepResult | None = None   # the step whose verdict is still to come
         self.stepped = False                     # this rank updated optimistically (the snapshot holds the before)
         self._snapshot = None
+        self._snapshot_buffers: list | None = None
         self._prefix: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None   # rank p-1: the last step's totals
         self.snapshot_bytes = 0
@@ -219,7 +220,7 @@ class Boundary:
                 if self.stepped:
                     self._restore()
                 self._apply(verdict, norm)
-        self._snapshot, self.stepped = None, False
+        self._snapshot, self._snapshot_buffers, self.stepped = None, None, False
         values = totals.tolist()
         if self.scaler is not None:   # the scale for the next backward, as scaler.update() makes it
             self._update_scale(values[1])
@@ -271,34 +272,40 @@ class Boundary:
 
     # ---- the snapshot ---------------------------------------------------------------------------------------
     def _take_snapshot(self) -> None:
+        """Copy what optimizer.step() changes: the parameters and their tensor state, and the state's other
+        values. Freed at the verdict, so the plan holds it until VALIDATE only (memory_plan)."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        state = {p: ({k: _copy(v) for k, v in self.optimizer.state[p].items()} if p in self.optimizer.state else None)
-                 for p in params}
-        values = [p.detach().clone() for p in params]
-        self._snapshot = (params, values, state)
-        self.snapshot_bytes = sum(_nbytes(v) for v in values) + sum(
-            _nbytes(v) for s in state.values() if s for v in s.values())
+        state = self.optimizer.state
+        keys = [(p, k) for p in params if p in state for k, v in state[p].items() if isinstance(v, torch.Tensor)]
+        sources = [_local(p.detach()) for p in params] + [_local(state[p][k]) for p, k in keys]
+        kept = self._snapshot_buffers = [t.clone() for t in sources]
+        others = {p: {k: copy.deepcopy(v) for k, v in state[p].items() if not isinstance(v, torch.Tensor)}
+                  for p in params if p in state}
+        self._snapshot = (params, keys, others)
+        self.snapshot_bytes = sum(t.numel() * t.element_size() for t in kept)
 
     def _restore(self) -> None:
-        params, values, state = self._snapshot
+        params, keys, others = self._snapshot
+        state = self.optimizer.state
+        for p in params:
+            if p not in others:   # no state before this update (its first): none after the rollback
+                state.pop(p, None)
+        live = [_local(p.detach()) for p in params] + [_local(state[p][k]) for p, k in keys]
         with torch.no_grad():
-            for p, v in zip(params, values):
-                p.copy_(v)
-        for p, saved in state.items():
-            if saved is None:
-                self.optimizer.state.pop(p, None)
-            else:
-                self.optimizer.state[p] = saved
+            torch._foreach_copy_(live, self._snapshot_buffers)
+        for p, values in others.items():
+            state[p].update(values)
 
 
-def _copy(value):
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (sharded data parallelism), any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
 
 
 def _nbytes(value) -> int:
     if not isinstance(value, torch.Tensor):
         return 0
-    local = getattr(value, "_local_tensor", value)
+    local = _local(value)
     return local.numel() * local.element_size()
 
 

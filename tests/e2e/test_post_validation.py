@@ -46,7 +46,8 @@ def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-CASES = [("1f1b", 2), ("zb-h1", 2), ("zbv", 2), ("1f1b", 4), ("zb-h1", 4), ("zbv", 4)]
+CASES = [("1f1b", 2), ("zb-h1", 2), ("zbv", 2), ("1f1b", 4), ("zb-h1", 4), ("zbv", 4), ("zb-h2", 4),
+         ("interleaved-1f1b", 2), ("dualpipe", 2), ("dualpipev", 2)]
 
 
 @pytest.mark.parametrize("schedule,pp", CASES, ids=[f"{s}-pp{p}" for s, p in CASES])
