@@ -145,3 +145,14 @@ def test_a_replica_that_dies_makes_the_others_fail_instead_of_hanging(ranks):
         assert die.get("raised"), (r, die)
         assert "restart the job" in die["message"], (r, die)
     assert "data-parallel" in ranks[1]["die"]["message"], ranks[1]["die"]
+
+
+@pytest.mark.parametrize("case", ["zbv", "sharded-zb-h1"])
+def test_post_validated_steps_equal_synchronous_ones_with_data_parallelism(ranks, case):
+    """step(..., optimizer=, max_norm=, post_validate=True) at dp=2 x pp=2, replicated and sharded: six AdamW
+    steps, some clipping (each then run again), losses and every parameter gathered from the replicas bit for bit
+    the synchronous step's on every rank of both replicas."""
+    for r, got in _case(ranks, f"postval/{case}"):
+        assert got["post"] == got["sync"] and got["params_equal"], (r, got)
+        assert 0 < got["clipped"] < 6 and got["redone"] == got["clipped"], (r, got)
+        assert got["sharded"] == case.startswith("sharded"), (r, got)

@@ -89,6 +89,26 @@ def train_case(mesh, schedule: str, local: bool = False, **options) -> dict:
                 replicated=not any(sharded))
 
 
+def postval_case(mesh, schedule: str, **options) -> dict:
+    """Six AdamW steps synchronous and post-validated (the prefix chain runs along each replica's pipeline, the
+    sharded partial norms summed over the replicas first), max_norm at the median norm so that some steps clip."""
+    steps = 6
+
+    def train(max_norm: float, post_validate: bool):
+        _, _, pipe = compile_on(mesh, schedule, **options)
+        opt = adamw(pipe.parameters())
+        out = [pipe.step(*batches(k), optimizer=opt, max_norm=max_norm, post_validate=post_validate)
+               for k in range(steps)]
+        pipe.settle()
+        return out, [whole(p.detach()) for p in pipe.parameters()], pipe
+    probe, _, _ = train(1e9, True)
+    max_norm = sorted(x.norm for x in probe)[steps // 2]
+    (sync, sync_params, _), (post, post_params, pipe) = train(max_norm, False), train(max_norm, True)
+    return dict(sync=sync, post=[float(x) for x in post], clipped=sum(x.clipped for x in post),
+                params_equal=all(torch.equal(a, b) for a, b in zip(sync_params, post_params)),
+                redone=pipe._pv.boundary.redone, sharded=all(type(p).__name__ == "DTensor" for p in pipe.parameters()))
+
+
 class OddBlock(torch.nn.Module):
     """Parameters whose shards are uneven: 7 and 5 rows over 2 replicas, a bias of one row (the second replica
     holds none of it), a 0-dim temperature (kept whole on every replica)."""
@@ -334,6 +354,8 @@ def run(rank: int, pp: int, out: str) -> dict:
     cases["checkpoint/sharded"] = lambda: sharded_checkpoint_case(mesh, f"{out}/ckpt-sharded", vocab=False)
     cases["checkpoint/sharded-vocab"] = lambda: sharded_checkpoint_case(mesh, f"{out}/ckpt-sharded-v", vocab=True)
     cases["errors"] = lambda: errors_case(mesh)
+    cases["postval/zbv"] = lambda: postval_case(mesh, "zbv")
+    cases["postval/sharded-zb-h1"] = lambda: postval_case(mesh, "zb-h1", dp_shard=True)
     results = run_cases(cases)
     results["die"] = run_cases({"die": lambda: die_case(mesh, results, out)})["die"]
     return results
