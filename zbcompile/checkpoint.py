@@ -138,6 +138,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     at any moment of the save. A failure (a peer killed mid-save, a full disk) raises CheckpointError on the
     ranks that see it, saying that the previous checkpoint is intact. `extra`: JSON-able values committed with
     the checkpoint (a training loop's step count, its data position), which `load` returns."""
+    _settle(module)
     dp = getattr(module, "_dp", None)
     # replicated data-parallel replicas hold the same state: replica 0 writes it; sharded ones each write their
     # rows, so every rank of the job takes part
@@ -182,6 +183,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     every item (each rank re-reads a share of the files: "damaged", naming the file and the tensor). The data are
     then read into copies, and only a complete read is handed to the model and the optimizer. Returns the
     `extra` values saved with it ({} for none, or a checkpoint torch's DCP wrote)."""
+    _settle(module)
     pg = getattr(module, "process_group", None)
     rank, ranks = _rank(pg)
     path = Path(path)
@@ -271,6 +273,14 @@ def _single_process_is_meant():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def _settle(module: nn.Module) -> None:
+    """A post-validated step still pending is validated first, on every rank (every replica included): the
+    parameters and the optimizer state are then final (zbcompile/post_validation.py)."""
+    settle = getattr(module, "settle", None)
+    if callable(settle):
+        settle()
 
 
 def _state_dict(module: nn.Module, optimizer, copies: bool = False):

@@ -120,11 +120,13 @@ def test_models_with_few_modules_cut_into_four_stages(run, name):
 def test_post_validated_steps_equal_synchronous_ones_across_processes(run, schedule):
     """20 AdamW steps (float64), max_norm at the median of eager's norms and a NaN batch: the synchronous step
     follows eager, and step(..., post_validate=True) over gloo equals it bit for bit on every rank (losses and
-    parameters); the clipped steps and the skipped one are eager's, and exactly those were run again."""
+    parameters); the clipped steps and the skipped one are eager's, and exactly those were run again. A checkpoint
+    saved right after the last post-validated step (still pending) loads as the synchronous run's state."""
     pp, results = run
     for r, got in _case(results, f"postval/{schedule}"):
         for a, b in zip(got["sync"], got["want"]):
             assert _close(a, b, 1e-9) or (math.isnan(a) and math.isnan(b)), (r, got)
         assert [str(x) for x in got["post"]] == [str(x) for x in got["sync"]] and got["params_equal"], (r, got)
+        assert got["loaded_equal"], (r, got)   # the checkpoint saved with a step pending holds its verdict
         assert got["clipped"] == got["want_clipped"] and got["skipped"] == [got["nan_step"]], (r, got)
         assert 0 < len(got["clipped"]) and got["redone"] == len(got["clipped"]) + 1, (r, got)

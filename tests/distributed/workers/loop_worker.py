@@ -32,6 +32,7 @@ from support.splits import compile_once  # noqa: E402
 from support.models import Case, gpt, mlp  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
+from zbcompile import checkpoint  # noqa: E402
 from zbcompile.errors import UsageError  # noqa: E402
 
 
@@ -199,8 +200,10 @@ def cut_case(pp: int, m: int, name: str) -> dict:
                 cuts=list(pipe.staged.meta["cuts"]["points"]))
 
 
-def post_validation_case(pp: int, m: int, schedule: str) -> dict:
-    """The same 20 steps synchronous and post-validated, each from a fresh copy of the model (one split)."""
+def post_validation_case(pp: int, m: int, schedule: str, out: str) -> dict:
+    """The same 20 steps synchronous and post-validated, each from a fresh copy of the model (one split). The
+    post-validated run ends in a checkpoint saved with its last step still pending (save validates it first),
+    loaded into a third pipe: its parameters and AdamW state are the synchronous run's."""
     case = mlp(layers=8, batch=2)
     case = case._replace(model=case.model.double(), example=tuple(t.double() for t in case.example))
     batches = batches_with_nan(case, m)
@@ -211,12 +214,22 @@ def post_validation_case(pp: int, m: int, schedule: str) -> dict:
         pipe = compile_once(copy.deepcopy(case.model), schedule=schedule, microbatches=m, loss_fn=case.loss_fn,
                             example=case.example)
         opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
-        out = [pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=post_validate) for x, y in batches]
-        pipe.settle()
-        runs.append((out, [p.detach().clone() for p in pipe.parameters()], pipe))
-    (sync, sync_params, _), (post, post_params, pipe) = runs
+        results = [pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=post_validate)
+                   for x, y in batches]
+        if post_validate:
+            checkpoint.save(f"{out}/postval-{schedule}", pipe, opt)
+        runs.append((results, [p.detach().clone() for p in pipe.parameters()], pipe, opt))
+    (sync, sync_params, _, sync_opt), (post, post_params, pipe, _) = runs
+    loaded = compile_once(copy.deepcopy(case.model), schedule=schedule, microbatches=m, loss_fn=case.loss_fn,
+                          example=case.example)
+    loaded_opt = torch.optim.AdamW(loaded.parameters(), lr=0.01)
+    checkpoint.load(f"{out}/postval-{schedule}", loaded, loaded_opt)
+    moments = [(sync_opt.state[a]["exp_avg"], loaded_opt.state[b]["exp_avg"])
+               for a, b in zip(sync_opt.param_groups[0]["params"], loaded_opt.param_groups[0]["params"])]
     return dict(sync=sync, want=want_losses, post=[float(x) for x in post],
                 params_equal=all(torch.equal(a, b) for a, b in zip(sync_params, post_params)),
+                loaded_equal=all(torch.equal(a, b.detach()) for a, b in zip(sync_params, loaded.parameters()))
+                and all(torch.equal(a, b) for a, b in moments),
                 clipped=[i for i, x in enumerate(post) if x.clipped], skipped=[i for i, x in enumerate(post) if x.skipped],
                 want_clipped=[i for i, n in enumerate(want_norms) if math.isfinite(n) and n > max_norm],
                 nan_step=NAN_STEP, redone=pipe._pv.boundary.redone)
@@ -237,7 +250,7 @@ def run(rank: int, pp: int, out: str) -> dict:
         "moe": lambda: moe_case(pp, m),
         "titan": lambda: titan_case(pp, m),
         **{f"cut/{name}": (lambda name=name: cut_case(pp, m, name)) for name in CUT_CASES},
-        **{f"postval/{s}": (lambda s=s: post_validation_case(pp, m, s)) for s in ("1f1b", "zb-h1", "zbv")},
+        **{f"postval/{s}": (lambda s=s: post_validation_case(pp, m, s, out)) for s in ("1f1b", "zb-h1", "zbv")},
     }
     return run_cases(cases)
 
