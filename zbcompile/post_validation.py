@@ -354,15 +354,15 @@ class PostValidated:
         result = StepResult(self.settle)
         self.last = self.first if b.pending is None else self.validating   # whose timing slots this step fills
         if b.pending is None:
-            self.first.run_batch(batch)
+            self.first.run_step(batch)
         else:
             rng, buffers = self._rng_state(), self._buffer_state()
             try:
-                self.validating.run_batch(batch)
+                self.validating.run_step(batch)
             except abi.Redo:   # rolled back and drained: the step again, on the right parameters
                 self._restore_state(rng, buffers)
                 self.last = self.first
-                self.first.run_batch(batch)
+                self.first.run_step(batch)
         b.after_step(result)
         return result
 

@@ -115,18 +115,37 @@ def test_post_validation_with_vocabulary_parallelism_and_offload(variant):
         assert post[r][2]._pv.boundary.redone == sum(x.clipped for x in post[r][0]) > 0
 
 
-def test_float16_loss_scaling_post_validated_equals_synchronous():
+def test_a_batch_sliced_from_a_larger_tensor_trains_post_validated():
+    """`x, y = tokens[:, :-1], tokens[:, 1:]` (the README's loop): the inputs are not contiguous, and the graphs
+    were traced with contiguous ones (the GPT views them): both steps take them, with the same results."""
+    case = gpt(layers=4, batch=1)
+    pp, m = 2, 4
+    x, _ = case.example
+    tokens = torch.randint(0, 50, (3, m * x.shape[0], x.shape[1] + 1), generator=torch.Generator().manual_seed(0))
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
+    assert not batches[0][0].is_contiguous()
+    options = CompileOptions(schedule="zbv", microbatches=m, loss_fn=case.loss_fn, example=case.example)
+    compiled = compile_programs(case.model, options, pp)
+    sync = _train(case.model, compiled, batches, pp, max_norm=1.0)
+    post = _train(case.model, compiled, batches, pp, max_norm=1.0, post_validate=True)
+    for r in range(pp):
+        assert [float(x) for x in post[r][0]] == sync[r][0]
+        assert all(torch.equal(sync[r][1][k], post[r][1][k]) for k in sync[r][1])
+
+
+@pytest.mark.parametrize("schedule,pp", [("zbv", 2), ("1f1b", 4)])
+def test_float16_loss_scaling_post_validated_equals_synchronous(schedule, pp):
     """float16 autocast with pipe.grad_scaler() and clipping: an overflowing batch is skipped on every rank and
     halves the scale, the next step's backward is seeded with the new scale; losses, parameters and scales of the
     post-validated steps equal the synchronous ones (torch's recipe: unscale_, clip, scaler.step, update)."""
     torch.manual_seed(0)
-    case = mlp(layers=4, batch=2)
-    pp, m = 2, 4
+    case = mlp(layers=8, batch=2)
+    m = 2 * pp
     batches = batches_with_nan(case, m, steps=8)
     batches[NAN_STEP] = (batches[NAN_STEP - 1][0], batches[NAN_STEP][1])   # no NaN here: an overflow instead
     batches[3] = (batches[3][0] * 6e4, batches[3][1])   # overflows float16 in the first layer's backward
     with torch.autocast("cpu", dtype=torch.float16):
-        options = CompileOptions(schedule="zbv", microbatches=m, loss_fn=case.loss_fn, example=case.example)
+        options = CompileOptions(schedule=schedule, microbatches=m, loss_fn=case.loss_fn, example=case.example)
         compiled = compile_programs(case.model, options, pp)
 
     def train(post_validate: bool):

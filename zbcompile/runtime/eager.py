@@ -210,10 +210,20 @@ class RankRuntime:
         microbatch shapes, split on dim 0 into num_microbatches); returns the batch's mean loss."""
         if self._staged is None:
             return self.step(self._microbatches(batch))
+        return self._run(self._staged_arguments(batch))
+
+    def run_step(self, batch: Sequence[torch.Tensor]):
+        """step_batch without the loss's all-gather: what the program returns (this rank's loss sum or None). A
+        post-validated step (zbcompile/post_validation.py) carries the loss along its prefix chain instead."""
+        if self._staged is None:
+            return self._execute(self._arguments(self._microbatches(batch)))
+        return self._execute(self._staged_arguments(batch))
+
+    def _staged_arguments(self, batch: Sequence[torch.Tensor]) -> list:
         bufs, args = self._staged
         for i, buf in bufs:   # one copy per argument; the microbatch views were cut when the buffers were made
             buf.copy_(batch[i])
-        return self._run(args)
+        return args
 
     def measure_step(self, batch: Sequence[torch.Tensor], method: str = "auto"):
         """step_batch(batch), measuring the memory the step allocates (runtime/memory.py: the CUDA allocator's
@@ -241,7 +251,9 @@ class RankRuntime:
         m = self.ir.microbatches
         data: list = [None] * len(batch)
         for i in self.data_args:
-            data[i] = batch[i].to(self.device, non_blocking=True).chunk(m)   # m views in one C++ call
+            # contiguous, as the example the graphs were traced with (a view in a graph may need it): a batch
+            # sliced out of a larger tensor (`batch[:, :-1]`) is not
+            data[i] = batch[i].to(self.device, non_blocking=True).contiguous().chunk(m)   # m views in one C++ call
         return data
 
     def _arguments(self, data) -> list:
