@@ -110,7 +110,7 @@ class PipelineModule(nn.Module):
     @_unusable_after_a_failure
     def step(self, *batch: torch.Tensor, scaler: PipelineGradScaler | None = None,
              optimizer: torch.optim.Optimizer | None = None, max_norm: float | None = None, norm_type: float = 2.0,
-             post_validate: bool = False):
+             post_validate: bool | str = False):
         """One training step on the whole batch (model inputs, then loss targets; split on dim 0 into
         microbatches). Returns the batch's mean loss, the same value on every rank. scaler: a grad_scaler() of
         this pipeline, whose scale seeds the backward (loss scaling for float16; the loss returned is not
@@ -122,10 +122,11 @@ class PipelineModule(nn.Module):
         post_validate=True makes that update without waiting for the other ranks (zbcompile/post_validation.py):
         the result is then a StepResult, whose loss, norm and skipped / clipped flags are known once the next
         step has validated this one (or `settle()` was called); losses and parameters equal the synchronous
-        step's."""
+        step's. post_validate="inverse" undoes a wrong optimistic update in closed form instead of from a copy
+        (AdamW, SGD: zbcompile/rollback.py; no snapshot memory, exact to rounding)."""
         self._check_step_context()
-        if post_validate:
-            return self._post_validated(batch, optimizer, max_norm, norm_type, scaler)
+        if post_validate is not False:
+            return self._post_validated(batch, optimizer, max_norm, norm_type, scaler, post_validate)
         self.settle()
         self._seed(scaler)
         local = self._share(batch, "step")
@@ -140,9 +141,13 @@ class PipelineModule(nn.Module):
                              "pipe.clip_grad_norm_(max_norm) yourself after step())")
         return loss
 
-    def _post_validated(self, batch, optimizer, max_norm, norm_type, scaler):
-        from zbcompile.post_validation import PostValidated
+    def _post_validated(self, batch, optimizer, max_norm, norm_type, scaler, how):
+        from zbcompile.post_validation import ROLLBACKS, PostValidated, key
 
+        if how not in ROLLBACKS:
+            raise UsageError(f"step(post_validate={how!r}): give False (synchronous), True or 'snapshot' (roll a "
+                             "wrong optimistic update back from a copy) or 'inverse' (undo it in closed form: "
+                             "AdamW / SGD, no copy, exact to rounding)")
         if optimizer is None:
             raise UsageError("step(post_validate=True) updates the parameters itself: pass optimizer= (a torch "
                              "optimizer over pipe.parameters())")
@@ -151,12 +156,12 @@ class PipelineModule(nn.Module):
         local = self._share(batch, "step")
         self._check_batch(local, "step")
         self._check_same_batch(batch, "step")
-        pv = self._pv
+        rollback, pv = ROLLBACKS[how], self._pv
         if pv is None:
-            pv = self._pv = PostValidated(self, optimizer, max_norm, norm_type, scaler)
-        elif pv.key != (id(optimizer), max_norm, norm_type, id(scaler)):   # other arguments: the pending step first
+            pv = self._pv = PostValidated(self, optimizer, max_norm, norm_type, scaler, rollback)
+        elif pv.key != key(optimizer, max_norm, norm_type, scaler, rollback):   # other arguments: settle first
             pv.settle()
-            pv.reset(self, optimizer, max_norm, norm_type, scaler)
+            pv.reset(self, optimizer, max_norm, norm_type, scaler, rollback)
         return pv.step(local)
 
     def settle(self) -> None:

@@ -23,7 +23,8 @@ Losses, norms and parameters equal the synchronous step's bit for bit: the prefi
 floats in the same order as the synchronous all-gather (grads.norm_from), the clip coefficient comes from the
 same total, and a step run again starts from the same RNG state and buffers. What it costs: the snapshot (a
 copy of this rank's parameters and optimizer state, `snapshot_bytes`), the last step's gradients kept until
-the verdict, and, when a step clips or skips, its warm-up forwards run twice. The loss of a step is known on
+the verdict, and, when a step clips or skips, its warm-up forwards run twice. `post_validate="inverse"` undoes a
+wrong update in closed form instead of from the snapshot (zbcompile/rollback.py: no copy, exact to rounding). The loss of a step is known on
 every rank only once it is validated: step() returns a StepResult that fills in then (the next step, or
 `pipe.settle()`, which every other call of the pipeline makes first).
 """
@@ -41,6 +42,7 @@ from zbcompile import grads
 from zbcompile.errors import UsageError
 from zbcompile.ir.program.ops import OpKind
 from zbcompile.ir.program.ops.step_boundary import VALUES
+from zbcompile.rollback import Inverse
 from zbcompile.runtime import abi
 
 __all__ = ["StepResult", "Boundary", "PostValidated", "synchronous_step"]
@@ -176,7 +178,7 @@ class Boundary:
                  params: Sequence[torch.nn.Parameter], counted: Callable[[], list], max_norm: float | None,
                  norm_type: float, dtype: torch.dtype, device: torch.device, shards=None,
                  mean_loss: Callable[[float], float] = lambda loss: loss, scaler=None,
-                 reseed: Callable[[float], None] = lambda seed: None):
+                 reseed: Callable[[float], None] = lambda seed: None, rollback: str = "snapshot"):
         self.rank, self.ranks, self.m = rank, ranks, microbatches
         self.optimizer, self.params, self.counted = optimizer, tuple(params), counted
         self.max_norm, self.p = max_norm, norm_type
@@ -190,6 +192,8 @@ class Boundary:
         self._prefix: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None   # rank p-1: the last step's totals
         self.snapshot_bytes = 0
+        # rollback="inverse": the optimistic update undone in closed form (zbcompile/rollback.py), no snapshot
+        self._inverse = Inverse(optimizer) if rollback == "inverse" else None
         self.redone = 0                          # steps run again after a wrong optimistic update
 
     # ---- in the program --------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ class Boundary:
             right = verdict == "step" and self.stepped
             if not right:
                 if self.stepped:
-                    self._restore()
+                    self._inverse.undo() if self._inverse is not None else self._restore()
                 self._apply(verdict, norm)
         self._snapshot, self._snapshot_buffers, self.stepped = None, None, False
         values = totals.tolist()
@@ -241,7 +245,10 @@ class Boundary:
             return
         verdict, _ = self._verdict(prefix)
         if verdict == "step":   # the totals may still clip or hold an inf: keep what the update changes
-            self._take_snapshot()
+            if self._inverse is not None:
+                self._inverse.before_step()
+            else:
+                self._take_snapshot()
             self.optimizer.step()
             self.stepped = True
 
@@ -309,12 +316,20 @@ def _nbytes(value) -> int:
     return local.numel() * local.element_size()
 
 
+def key(optimizer, max_norm, norm_type, scaler, rollback) -> tuple:
+    """What a Boundary is made for: other arguments make another (after the pending step is settled)."""
+    return id(optimizer), max_norm, norm_type, id(scaler), rollback
+
+
+ROLLBACKS = {True: "snapshot", "snapshot": "snapshot", "inverse": "inverse"}
+
+
 class PostValidated:
     """The two runtimes of a post-validated step (passes/lower/step_boundary.py: `first`, `validating`) over this
     rank's parameters, and their Boundary. Made by PipelineModule on the first post-validated step."""
 
     def __init__(self, pipe, optimizer: torch.optim.Optimizer, max_norm: float | None, norm_type: float,
-                 scaler=None):
+                 scaler=None, rollback: str = "snapshot"):
         from zbcompile.compiler import compile_boundary
 
         if pipe.compiled.options.capture:
@@ -328,20 +343,20 @@ class PostValidated:
         self._buffers_written = any(op.kind is OpKind.COPY_BUFFER for op in validating[pipe.rank].ops)
         self._buffers = [b for b in pipe.buffers()]
         self.boundary = None
-        self.reset(pipe, optimizer, max_norm, norm_type, scaler)
+        self.reset(pipe, optimizer, max_norm, norm_type, scaler, rollback)
 
-    def reset(self, pipe, optimizer, max_norm, norm_type, scaler=None) -> None:
+    def reset(self, pipe, optimizer, max_norm, norm_type, scaler=None, rollback: str = "snapshot") -> None:
         """A Boundary for these arguments (after the pending step was settled)."""
         dp = pipe._dp
         dtype = functools.reduce(torch.promote_types, (p.dtype for p in pipe.parameters()), torch.float16)
-        self.key = (id(optimizer), max_norm, norm_type, id(scaler))
+        self.key = key(optimizer, max_norm, norm_type, scaler, rollback)
         self.reseed(pipe._seed_for(scaler))
         self.boundary = Boundary(
             rank=self.rank, ranks=self.ranks, microbatches=pipe.schedule.num_microbatches, optimizer=optimizer,
             params=list(pipe.parameters()), counted=pipe._counted_grads, max_norm=max_norm, norm_type=norm_type,
             dtype=dtype, device=self.first.device, shards=dp.reduce if pipe._sharded else None,
             mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)),
-            scaler=scaler, reseed=self.reseed)
+            scaler=scaler, reseed=self.reseed, rollback=rollback)
         self.first.ctx.boundary = self.validating.ctx.boundary = self.boundary
 
     def reseed(self, seed: float) -> None:
@@ -392,8 +407,8 @@ class PostValidated:
         b = self.boundary
         params = [p for group in b.optimizer.param_groups for p in group["params"]]
         mine = sum(_nbytes(p) for p in params) or 1
-        snapshot = b.snapshot_bytes or mine + sum(_nbytes(v) for p in params for v in b.optimizer.state.get(p, {})
-                                                  .values())
+        snapshot = 0 if b._inverse is not None else b.snapshot_bytes or mine + sum(
+            _nbytes(v) for p in params for v in b.optimizer.state.get(p, {}).values())
         plain = memory_plan(self.programs)
         held = [{"grads": r.resident["parameters"],
                  "params": round(r.resident["parameters"] * snapshot / mine) if r.rank < self.ranks - 1 else 0}

@@ -1,0 +1,126 @@
+"""One optimizer step undone in closed form: post-validation's rollback without a snapshot
+(`step(..., post_validate="inverse")`, zbcompile/post_validation.py).
+
+The snapshot rollback keeps a copy of the parameters and the optimizer state from the optimistic update to the
+verdict (three times the parameters with AdamW). The reference instead inverts the update from the state after
+it and the gradient it used, which stays until the verdict anyway:
+
+    AdamW / Adam   p += lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps);  p /= 1 - lr * wd  (decoupled decay)
+                   m = (m - (1 - b1) g) / b1;  v = (v - (1 - b2) g^2) / b2;  step -= 1
+    SGD            p = p + lr * buf (or its nesterov / no-momentum form, the weight decay solved for)
+                   buf = (buf - (1 - dampening) (g + wd p)) / momentum
+
+Each line is the step's own arithmetic run backwards, so the parameters come back to within a few units in the
+last place, not bit for bit: in float64 the training then follows the synchronous step to about 1e-13, in
+float32 to about 1e-6 (tests/e2e/test_post_validation.py). A state the step created (its first) is dropped
+again, exactly. Supported: torch.optim.AdamW, Adam without weight decay or with decoupled decay (AdamW's), and
+SGD; without amsgrad (a running maximum has no inverse). Anything else raises UsageError: use the snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zbcompile.errors import UsageError
+
+__all__ = ["Inverse", "check_invertible"]
+
+
+def check_invertible(optimizer: torch.optim.Optimizer) -> None:
+    """UsageError where `optimizer`'s step has no closed-form inverse here."""
+    kind = _kind(optimizer)
+    why = None
+    if kind is None:
+        why = f"{type(optimizer).__name__} has no closed-form inverse here (AdamW, Adam and SGD have)"
+    for group in optimizer.param_groups:
+        if why is None and group.get("amsgrad"):
+            why = "amsgrad keeps a running maximum, which has no inverse"
+        elif why is None and kind == "adam" and group["weight_decay"] and not _decoupled(optimizer, group):
+            why = "Adam's coupled weight decay (added to the gradient) is not inverted; AdamW's decoupled one is"
+        elif why is None and kind == "sgd" and group["momentum"] == 0 and group["dampening"]:
+            why = "SGD with dampening but no momentum"
+    if why is not None:
+        raise UsageError(f"post_validate='inverse': {why}; use post_validate=True (a snapshot, any optimizer)")
+
+
+def _kind(optimizer) -> str | None:
+    if isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW):
+        return "adam"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    return None
+
+
+def _decoupled(optimizer, group) -> bool:
+    return bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+
+
+class Inverse:
+    """Undo the optimizer's next step: `before_step()` notes which parameters have no state yet (their first
+    step creates it), `undo()` runs the step backwards from the state after it and each parameter's .grad."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        check_invertible(optimizer)
+        self.optimizer, self.kind = optimizer, _kind(optimizer)
+        self._fresh: set[torch.Tensor] = set()
+
+    def before_step(self) -> None:
+        state = self.optimizer.state
+        key = "exp_avg" if self.kind == "adam" else "momentum_buffer"
+        self._fresh = {p for g in self.optimizer.param_groups for p in g["params"]
+                       if p.grad is not None and key not in state.get(p, {})}
+
+    @torch.no_grad()
+    def undo(self) -> None:
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = _local(p.grad)
+                g = -g if group.get("maximize") else g
+                if self.kind == "adam":
+                    self._adam(p, g, group)
+                else:
+                    self._sgd(p, g, group)
+
+    def _adam(self, p, g, group) -> None:
+        state = self.optimizer.state[p]
+        lr, (b1, b2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+        step = float(state["step"])
+        m, v, x = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(p)
+        denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
+        x.addcdiv_(m, denom, value=lr / (1 - b1 ** step))
+        if wd and _decoupled(self.optimizer, group):
+            x.div_(1 - lr * wd)
+        if p in self._fresh:   # the step made the state: none again
+            del self.optimizer.state[p]
+            return
+        m.sub_(g, alpha=1 - b1).div_(b1)
+        v.addcmul_(g, g, value=-(1 - b2)).div_(b2)
+        if isinstance(state["step"], torch.Tensor):
+            state["step"].sub_(1)
+        else:
+            state["step"] = step - 1
+
+    def _sgd(self, p, g, group) -> None:
+        lr, mu, damp, wd = float(group["lr"]), group["momentum"], group["dampening"], group["weight_decay"]
+        x = _local(p)
+        if mu == 0:   # p' = p - lr (g + wd p)
+            x.add_(g, alpha=lr).div_(1 - lr * wd)
+            return
+        state = self.optimizer.state[p]
+        buf = _local(state["momentum_buffer"])
+        if group["nesterov"]:   # p' = p - lr (g + wd p + mu buf')
+            x.add_(g, alpha=lr).add_(buf, alpha=lr * mu).div_(1 - lr * wd)
+        else:                   # p' = p - lr buf'
+            x.add_(buf, alpha=lr)
+        if p in self._fresh:    # the first step set buf' = g + wd p: none again
+            del state["momentum_buffer"]
+            return
+        buf.sub_(g + wd * x if wd else g, alpha=1 - damp).div_(mu)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)
