@@ -162,8 +162,10 @@ class PipelineModule(nn.Module):
         elif pv.key != key(optimizer, max_norm, norm_type, scaler, rollback):   # other arguments: settle first
             pv.settle()
             pv.reset(self, optimizer, max_norm, norm_type, scaler, rollback)
+        self.runtime.forget_last_step()   # it gathers no timings: last_step is None, not an older step's
         return pv.step(local)
 
+    @_unusable_after_a_failure
     def settle(self) -> None:
         """Validate the last post-validated step now (a wait for the last rank): its StepResult is then known and
         the parameters are final. Every other call of the pipeline does this first; call it on every rank
@@ -432,13 +434,15 @@ class PipelineModule(nn.Module):
 
     @property
     def last_step(self) -> StepTimings | None:
-        """Per-action start / end of every rank for the last step, and `.bubble` per rank."""
+        """Per-action start / end of every rank for the last step, and `.bubble` per rank; None before the first
+        step and after a post-validated one (it gathers no timings: that would be the exchange it removes)."""
         return self.runtime.last_step
 
     def chrome_trace(self, path: str) -> str:
         """Write the last step as a Chrome trace (open in Perfetto / chrome://tracing)."""
         if self.runtime.last_step is None:
-            raise UsageError("no step has run yet; call step() first")
+            raise UsageError("no step with timings has run: call step() first (a post-validated step gathers "
+                             "no timings; run one synchronous step(...) to trace)")
         return self.runtime.last_step.save_chrome_trace(path)
 
 

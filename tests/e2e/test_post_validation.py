@@ -228,28 +228,38 @@ def test_float16_loss_scaling_post_validated_equals_synchronous(schedule, pp):
 
 
 def test_no_pipeline_wide_collective_runs_in_a_post_validated_step(monkeypatch):
-    """Between two post-validated steps nothing waits for the whole pipeline: the pipeline group's all-gather
-    (the loss, the timings, a norm, the batch check, off here) is never called, nor before settle(). The prefix and
-    totals travel as P2P messages of the programs."""
+    """Between two post-validated steps nothing waits for the whole pipeline: neither the step's loss and timings
+    gather nor the pipeline group's all-gather (a norm, an inf check, the batch check, off here) runs, nor before
+    settle(). The prefix and totals travel as P2P messages of the programs. A synchronous step before them
+    does gather (so the spies see what they should), and its timings are not shown as the last step's after."""
     case = mlp(layers=4, batch=2)
     pp, m = 2, 4
     options = CompileOptions(schedule="zbv", microbatches=m, loss_fn=case.loss_fn, example=case.example,
                              check_batch=False)
     pipes = loopback_pipes(case.model, options, pp)
-    batches = batches_with_nan(case, m, steps=4)
+    batches = batches_with_nan(case, m, steps=5)
     gathers = []
-    real = RankRuntime.allgather
-    monkeypatch.setattr(RankRuntime, "allgather", lambda self, *a: gathers.append(a[-1]) or real(self, *a))
+    for name in ("allgather", "_gather"):
+        real = getattr(RankRuntime, name)
+        monkeypatch.setattr(RankRuntime, name, lambda self, *a, real=real, name=name: gathers.append(name)
+                            or real(self, *a))
 
     def run(r):
         opt = torch.optim.AdamW(pipes[r].parameters(), lr=0.01)
-        return [pipes[r].step(x, y, optimizer=opt, max_norm=0.01, post_validate=True) for x, y in batches]
+        pipes[r].step(*batches[0], optimizer=opt, max_norm=0.01)
+        had_timings = pipes[r].last_step is not None
+        return had_timings, [pipes[r].step(x, y, optimizer=opt, max_norm=0.01, post_validate=True)
+                             for x, y in batches[1:]]
 
-    results = run_pipes(run, pp)
-    assert gathers == [] and all(not x.validated for x in (results[0][-1], results[1][-1]))
+    out = run_pipes(run, pp)
+    results = [row for _, row in out]
+    # the synchronous step's loss gather and norm exchange on every rank, and nothing after them
+    assert sorted(gathers) == ["_gather"] * pp + ["allgather"] * pp
+    assert all(had for had, _ in out) and all(p.last_step is None for p in pipes)
+    assert all(not x.validated for x in (results[0][-1], results[1][-1]))
     assert sum(x.clipped for x in results[0][:-1]) == 3   # max_norm=0.01: every step clips (and is run again)
     run_pipes(lambda r: pipes[r].settle(), pp)
-    assert gathers == [] and all(x.validated for row in results for x in row)
+    assert len(gathers) == 2 * pp and all(x.validated for row in results for x in row)
 
 
 def test_the_pending_step_is_settled_before_anything_else_reads_the_pipeline():

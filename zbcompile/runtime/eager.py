@@ -181,6 +181,10 @@ class RankRuntime:
         wait(self.ctx, work, what, "(an all-gather on the pipeline's group)", None)
         return got
 
+    def forget_last_step(self) -> None:
+        """last_step None until the next step gathers timings (a step ran that gathered none)."""
+        self._stepped = False
+
     @property
     def last_step(self) -> StepTimings | None:
         """The last step's per-action times on every rank; assembled when asked for, not on every step."""
