@@ -9,8 +9,8 @@ and the simulator's prediction (`zbcompile plan --step-boundary`) beside it.
 
 Each (pp, schedule) runs in pp fresh processes, one compile, AdamW, max_norm high enough never to clip (the
 common case: no rollback). Rounds alternate blocks of `--steps` back-to-back synchronous steps and as many
-post-validated ones (the order flips every round), each block between two barriers, the post-validated one
-settled before its closing barrier; a block's time per step is its wall time / steps, medians over the rounds.
+post-validated ones, with the snapshot rollback and with the closed-form one (post_validate="inverse"; the order
+flips every round), each block between two barriers, a post-validated one settled before its closing barrier; a block's time per step is its wall time / steps, medians over the rounds.
 No barrier runs between the steps of a block: what one step boundary costs is in the time per step.
 
 Also per rank, from the step's own timing slots: the gap between the end of its last action of one step and
@@ -39,6 +39,8 @@ from tabulate import tabulate
 
 from _harness import finish, free_port, init_pg, load, med, spawn, write_results
 
+# step(post_validate=...) of each measured mode: synchronous, snapshot rollback, closed-form rollback
+MODES = {"sync": False, "post": True, "inverse": "inverse"}
 CFG = dict(model="gpt", vocab=2048, d=128, layers=8, heads=4, seq=32, seed=0, mbs=1, threads_per_rank=1,
            steps=6, warmup=2, max_norm=1e6)
 
@@ -61,26 +63,26 @@ def worker(rank: int, world: int, cfg: dict, schedule: str, port: int, outdir: s
                                  example=(x[:cfg["mbs"]], y[:cfg["mbs"]]), timeout=300)
         opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
 
-        def step(post: bool):
-            return pipe.step(x, y, optimizer=opt, max_norm=cfg["max_norm"], post_validate=post)
+        def step(mode: str):
+            return pipe.step(x, y, optimizer=opt, max_norm=cfg["max_norm"], post_validate=MODES[mode])
 
-        for post in (False, True):
+        for mode in MODES:
             for _ in range(cfg["warmup"]):
-                step(post)
+                step(mode)
         pipe.settle()
         out["opt_ms"] = _optimizer_ms(pipe, opt, x, y)
         pipe.step(x, y)   # a plain step: every rank's action times, for the simulator
         out["actions"] = [list(row) for row in pipe.last_step.actions]
         opt.zero_grad(set_to_none=True)
-        blocks: dict = {"sync": [], "post": []}
-        gaps: dict = {"sync": [], "post": []}
+        blocks: dict = {mode: [] for mode in MODES}
+        gaps: dict = {mode: [] for mode in MODES}
         for k in range(cfg["rounds"]):
-            for mode in (("sync", "post") if k % 2 == 0 else ("post", "sync")):
+            for mode in (list(MODES) if k % 2 == 0 else list(MODES)[::-1]):
                 dist.barrier()
                 spans, t0 = [], time.perf_counter()
                 for _ in range(cfg["steps"]):
-                    step(mode == "post")
-                    spans.append(_span(pipe, mode == "post"))
+                    step(mode)
+                    spans.append(_span(pipe, mode != "sync"))
                 pipe.settle()
                 blocks[mode].append((time.perf_counter() - t0) / cfg["steps"])
                 gaps[mode] += [b[0] - a[1] for a, b in zip(spans, spans[1:])]
@@ -140,14 +142,16 @@ def run_config(cfg: dict, pp: int, schedule: str, outdir: str) -> dict:
                       None) if all(recs) else err or "a rank wrote no record"
     if bad:
         return dict(error=bad)
-    per_mode = {k: [max(b) for b in zip(*(r["blocks"][k] for r in recs))] for k in ("sync", "post")}
-    sync_ms, post_ms = (1e3 * med(per_mode[k]) for k in ("sync", "post"))
+    per_mode = {k: [max(b) for b in zip(*(r["blocks"][k] for r in recs))] for k in MODES}
+    sync_ms, post_ms, inverse_ms = (1e3 * med(per_mode[k]) for k in MODES)
     actions = recs[0]["actions"]
     last = max(range(pp), key=lambda r: max((e for _, _, e in actions[r]), default=0.0))
     opt_ms = max(r["opt_ms"] for r in recs)
     row = predict(schedule, pp, actions, opt_ms / 1e3)
     return dict(pp=pp, schedule=schedule, sync_ms=sync_ms, post_ms=post_ms, gain=1 - post_ms / sync_ms,
-                last_rank=last, gap_sync_ms=recs[last]["gap_ms"]["sync"], gap_post_ms=recs[last]["gap_ms"]["post"],
+                inverse_ms=inverse_ms, inverse_gain=1 - inverse_ms / sync_ms, last_rank=last,
+                gap_sync_ms=recs[last]["gap_ms"]["sync"], gap_post_ms=recs[last]["gap_ms"]["post"],
+                gap_inverse_ms=recs[last]["gap_ms"]["inverse"],
                 opt_ms=recs[last]["opt_ms"], predicted_sync_ms=1e3 * row.synchronous,
                 predicted_post_ms=1e3 * row.post_validated, predicted_gain=row.gain,
                 gaps={r: recs[r]["gap_ms"] for r in range(pp)}, blocks_ms={k: [1e3 * v for v in per_mode[k]]
@@ -177,10 +181,12 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(outdir, ignore_errors=True)
     rows = [[r["pp"], r["schedule"], f"{r['sync_ms']:.1f}", f"{r['post_ms']:.1f}", f"{100 * r['gain']:.1f}%",
-             f"{100 * r['predicted_gain']:.1f}%", r["last_rank"], f"{r['gap_sync_ms']:.1f}", f"{r['gap_post_ms']:.1f}",
+             f"{r['inverse_ms']:.1f}", f"{100 * r['inverse_gain']:.1f}%", f"{100 * r['predicted_gain']:.1f}%",
+             r["last_rank"], f"{r['gap_sync_ms']:.1f}", f"{r['gap_post_ms']:.1f}", f"{r['gap_inverse_ms']:.1f}",
              f"{r['opt_ms']:.1f}"] for r in results if "error" not in r]
-    print(tabulate(rows, headers=["pp", "schedule", "synchronous ms/step", "post-validated ms/step", "gain",
-                                  "predicted gain", "last rank", "its gap, sync ms", "its gap, post ms", "opt ms"]))
+    print(tabulate(rows, headers=["pp", "schedule", "sync ms/step", "snapshot ms/step", "gain", "inverse ms/step",
+                                  "gain", "predicted gain", "last rank", "its gap: sync", "snapshot", "inverse",
+                                  "opt ms"]))
     for r in results:
         if "error" in r:
             print(f"error: {r['error'][:2000]}")
