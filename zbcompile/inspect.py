@@ -17,7 +17,7 @@ from typing import Callable
 
 from zbcompile.errors import ZBCompileError
 
-__all__ = ["add_arguments", "run", "load_factory", "dp_table"]
+__all__ = ["add_arguments", "run", "load_factory", "dp_table", "boundary_table"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dp-shard", choices=("step", "microbatch"), default=None,
                         help="with --dp: sharded data parallelism (compile's dp_shard=True with dp_gather=...): "
                              "also shows where each parameter bucket's all-gather is posted and waited for")
+    parser.add_argument("--post-validate", action="store_true",
+                        help="the post-validated step (step(..., post_validate=True)): each rank's warm-up before "
+                             "its deadline and what a rollback drains, then the validating programs")
     parser.add_argument("--vocab-parallel", action="store_true",
                         help="shard the embedding and the output layer over every rank (vocabulary parallelism): "
                              "shows the vocabulary passes, their S / T / IF / IB actions and the collectives")
@@ -129,6 +132,12 @@ def run(args: argparse.Namespace) -> int:
     if replicas > 1:
         print(dp_table(programs, ranks))
         print()
+    if getattr(args, "post_validate", False):
+        from zbcompile.compiler import compile_boundary
+
+        programs = compile_boundary(compiled)[1]
+        print(boundary_table(programs, ranks))
+        print()
     for r in ranks:
         stages = [s for s, owner in enumerate(schedule.placement) if owner == r]
         print(f"# ---- rank {r}: stages {stages} " + "-" * 40)
@@ -161,6 +170,27 @@ def dp_table(programs, ranks) -> str:
         text += ("\n\n# parameter all-gathers (passes/lower/dp_shard.py)\n"
                  + tabulate(gathers, headers=["rank", "bucket", "parameters", "posted after", "waited for before"]))
     return text
+
+
+def boundary_table(programs, ranks) -> str:
+    """Per rank of the validating programs (passes/lower/step_boundary.py): the warm-up actions that run before
+    its VALIDATE on the optimistically updated parameters (run again after a rollback), and the messages of its
+    upstream's longer warm-up that a rollback drains."""
+    from tabulate import tabulate
+
+    from zbcompile.ir.program.ops import OpKind
+
+    rows = []
+    for r in ranks:
+        ops = programs[r].ops
+        at = next(i for i, op in enumerate(ops) if op.kind is OpKind.VALIDATE)
+        warm = [str(op.action) for op in ops[:at] if op.kind is OpKind.RUN]
+        drains = ops[at].args.drains
+        rows.append([r, len(warm), " ".join(warm) or "-", len(drains),
+                     ", ".join(sorted({f"from {m.peer}" for m in drains})) or "-"])
+    return ("# post-validation: the warm-up before each rank's deadline (passes/lower/step_boundary.py)\n"
+            + tabulate(rows, headers=["rank", "warm-up actions", "before VALIDATE", "drained on a rollback",
+                                      "upstream"]))
 
 
 def _gather_rows(programs, ranks) -> list[list]:

@@ -96,3 +96,19 @@ def test_inspect_dp_shard_shows_where_each_gather_lands():
     assert [r[-1] for r in rows] == ["0F0", "3F0"], table   # stage 0's parameters, then stage 3's
     assert rows[1][-2] == "0F1"   # posted one action before the one it serves
     assert "scatter over 2" in text and "wait_gather(h:ag1; bucket 1 over 2:" in text
+
+
+def test_inspect_post_validate_shows_each_ranks_warm_up_and_the_validating_program():
+    """--post-validate: per rank, the warm-up actions before its VALIDATE (zbv at pp=2 with 4 microbatches: rank
+    0 runs chunk 0's first three forwards, rank 1 one) and the messages a rollback drains; then the validating
+    programs, with the totals received, passed on and validated."""
+    out = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zbv",
+               "--microbatches", "4", "--post-validate", "--ops")
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    table = text[text.index("# post-validation"):text.index("# ---- rank 0")]
+    rows = [line.split() for line in table.splitlines()[3:] if line.strip()]
+    parsed = [(r[0], r[2:2 + int(r[1])], r[2 + int(r[1])], " ".join(r[3 + int(r[1]):])) for r in rows]
+    assert parsed == [("0", ["0F0", "0F1", "0F2"], "0", "-"), ("1", ["1F0"], "2", "from 0")], table
+    assert "pv.totals = totals()" in text and "validate(pv.totals; drain 0 tag" in text
+    assert "pv.totals = wait_recv(h:pv.totals)" in text and "pv.prefix = prefix(" in text
