@@ -85,6 +85,7 @@ class PipelineModule(nn.Module):
         self._forward: dict[tuple[bool, bool], RankRuntime] = {}
         self._failure: str | None = None   # the RuntimeFailure after which nothing more may run
         self._pv = None   # zbcompile.post_validation.PostValidated, made by the first step(post_validate=True)
+        self._post_validated_last = False   # the last step was post-validated (memory_plan is then its plan)
         self._dp = dp   # zbcompile.data_parallel.Replicas: this rank's data-parallel group, or None
         self._calls: dict[str, int] = {}   # step / evaluate / forward calls past the batch check (check_batch)
         self.offload_report = compiled.offload   # per rank, what activation offload chose (compile's offload=)
@@ -133,6 +134,7 @@ class PipelineModule(nn.Module):
         self._check_batch(local, "step")
         self._check_same_batch(batch, "step")
         loss = self.runtime.step_batch(local)   # with dp, the program averaged the gradients over the replicas
+        self._post_validated_last = False
         loss = loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
         if optimizer is not None:
             synchronous_step(self, optimizer, max_norm, grads.check_norm_type(norm_type), scaler)
@@ -163,6 +165,7 @@ class PipelineModule(nn.Module):
             pv.settle()
             pv.reset(self, optimizer, max_norm, norm_type, scaler, rollback)
         self.runtime.forget_last_step()   # it gathers no timings: last_step is None, not an older step's
+        self._post_validated_last = True
         return pv.step(local)
 
     @_unusable_after_a_failure
@@ -174,7 +177,10 @@ class PipelineModule(nn.Module):
             self._pv.settle()
 
     def state_dict(self, *args, **kwargs):
-        self.settle()
+        """nn.Module.state_dict, after the pending post-validated step (if any) is validated; after a failure the
+        state as it is (nothing more can be exchanged with the peers)."""
+        if self._failure is None:
+            self.settle()
         return super().state_dict(*args, **kwargs)
 
     @_unusable_after_a_failure
@@ -411,12 +417,12 @@ class PipelineModule(nn.Module):
     def memory_plan(self):
         """Every rank's device memory over one step, computed from the rank programs (passes/analysis/memory/):
         per rank the resident bytes, the bytes live after every op by category, and the peak and where it is.
-        `.table()` prints it; `.to_json()` is what `zbcompile inspect --memory --json` writes. After a
-        post-validated step: the plan of that step, which also holds the last step's gradients and the snapshot
+        `.table()` prints it; `.to_json()` is what `zbcompile inspect --memory --json` writes. When the last
+        step was post-validated: the plan of that step, which also holds the last step's gradients and the snapshot
         of its optimistic update until the deadline (zbcompile/post_validation.py)."""
         from zbcompile.passes.analysis.memory import memory_plan
 
-        if self._pv is not None:
+        if self._post_validated_last:
             return self._pv.memory_plan()
         if self._plan is None:
             self._plan = memory_plan(self.programs)
