@@ -15,7 +15,7 @@ from support.launch import Launches, pipeline_fixtures
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "loop_worker.py")
-run, _ = pipeline_fixtures(Launches(WORKER))
+run, run_pp2 = pipeline_fixtures(Launches(WORKER))
 
 
 def _case(results, tag: str):
@@ -116,13 +116,22 @@ def test_models_with_few_modules_cut_into_four_stages(run, name):
         assert _close(got["got"], got["want"], 1e-5) and got["grad_err"] <= 1e-5, (r, got)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv"])
-def test_post_validated_steps_equal_synchronous_ones_across_processes(run, schedule):
-    """20 AdamW steps (float64), max_norm at the median of eager's norms and a NaN batch: the synchronous step
-    follows eager, and step(..., post_validate=True) over gloo equals it bit for bit on every rank (losses and
-    parameters); the clipped steps and the skipped one are eager's, and exactly those were run again. A checkpoint
-    saved right after the last post-validated step (still pending) loads as the synchronous run's state."""
-    pp, results = run
+def test_post_validated_steps_equal_synchronous_ones_across_processes(run):
+    """zbv at pp=2 and pp=4: 20 AdamW steps (float64), max_norm at the median of eager's norms and a NaN batch.
+    The synchronous step follows eager, and step(..., post_validate=True) over gloo equals it bit for bit on every
+    rank (losses and parameters); the clipped steps and the skipped one are eager's, and exactly those were run
+    again. A checkpoint saved right after the last post-validated step (still pending) loads as the synchronous
+    run's state. (1f1b and zb-h1: below at pp=2; at pp=4 threaded, tests/e2e/test_post_validation.py.)"""
+    _post_validated_equals_synchronous(*run, "zbv")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_post_validated_1f1b_and_zb_h1_across_processes(run_pp2, schedule):
+    """The same for 1F1B and ZB-H1 at pp=2."""
+    _post_validated_equals_synchronous(*run_pp2, schedule)
+
+
+def _post_validated_equals_synchronous(pp, results, schedule):
     for r, got in _case(results, f"postval/{schedule}"):
         for a, b in zip(got["sync"], got["want"]):
             assert _close(a, b, 1e-9) or (math.isnan(a) and math.isnan(b)), (r, got)
