@@ -38,8 +38,8 @@ from zbcompile.ir.schedule import Kind, Schedule
 from zbcompile.ir.stages import StagedModel
 from zbcompile.options import CompileOptions
 
-__all__ = ["Compiled", "compile_programs", "compile_staged", "compile_forward", "compile_boundary", "schedule_for", "split_for", "lower", "check_fits",
-           "TIME_MODELS"]
+__all__ = ["Compiled", "compile_programs", "compile_staged", "compile_forward", "compile_boundary", "schedule_for",
+           "split_for", "lower", "check_fits", "TIME_MODELS"]
 
 log = logging.getLogger("zbcompile")
 

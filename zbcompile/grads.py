@@ -48,12 +48,12 @@ def total_norm(grads: Sequence[torch.Tensor], norm_type: float, gather: Gather, 
     p = float(norm_type)
     at = partial_device(grads, device)
     if shards is None:
-        partial = _partial(grads, p)
+        partial = partial_of(grads, p)
     elif p == 0:   # a tensor counts once if any replica's rows of it are nonzero
         nonzero = torch.tensor([float(bool(g.count_nonzero())) for g in grads], dtype=torch.float64, device=at)
         partial = float(shards(nonzero, "max").sum()) if grads else 0.0
     else:
-        partial = float(shards(torch.tensor([_partial(grads, p)], dtype=torch.float64, device=at),
+        partial = float(shards(torch.tensor([partial_of(grads, p)], dtype=torch.float64, device=at),
                                "max" if math.isinf(p) else "sum")[0])
     parts = gather(torch.tensor([partial], dtype=torch.float64, device=at))[:, 0].tolist()
     total = norm_from(functools.reduce(max if math.isinf(p) else operator.add, parts), p, dtype, at)
@@ -74,16 +74,21 @@ def norm_from(combined: float, p: float, dtype: torch.dtype, device) -> torch.Te
     return total.to(dtype)
 
 
-def partial_of(grads: Sequence[torch.Tensor], p: float) -> float:
-    """This rank's share of the total norm (see _partial)."""
-    return _partial(grads, p)
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (sharded data parallelism: this replica's rows), any other tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def norm_dtype(params: Iterable[torch.Tensor]) -> torch.dtype:
+    """The dtype of a total norm over `params`: their promoted dtype (at least float16), every rank the same."""
+    return functools.reduce(torch.promote_types, (p.dtype for p in params), torch.float16)
 
 
 def partial_device(grads: Sequence[torch.Tensor], device) -> torch.device:
     return grads[0].device if grads else torch.device(device or "cpu")
 
 
-def _partial(grads: Sequence[torch.Tensor], p: float) -> float:
+def partial_of(grads: Sequence[torch.Tensor], p: float) -> float:
     """This rank's share of the total: the max of the per-tensor norms (inf), the number of nonzero ones (0),
     or the sum of their p-th powers. The per-tensor norms as torch's get_total_norm takes them (one fused
     _foreach_norm per device and dtype where it supports the order)."""

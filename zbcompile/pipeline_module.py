@@ -320,7 +320,7 @@ class PipelineModule(nn.Module):
 
     def _counted_grads(self) -> list[torch.Tensor]:
         """The gradients this rank counts (sharded data parallelism: this replica's rows of them)."""
-        return [_local(p.grad) for p in self._counted if p.grad is not None]
+        return [grads.local(p.grad) for p in self._counted if p.grad is not None]
 
     @property
     def _sharded(self) -> bool:
@@ -331,7 +331,7 @@ class PipelineModule(nn.Module):
         """The norm of all the model's gradients over the whole pipeline (torch.nn.utils.get_total_norm's
         semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
         self.settle()
-        dtype = functools.reduce(torch.promote_types, (p.dtype for p in self.parameters()), torch.float16)
+        dtype = grads.norm_dtype(self.parameters())
         return grads.total_norm(self._counted_grads(), grads.check_norm_type(norm_type), self._gather, dtype=dtype,
                                 error_if_nonfinite=error_if_nonfinite, device=self.runtime.device,
                                 shards=self._dp.reduce if self._sharded else None)
@@ -450,11 +450,6 @@ class PipelineModule(nn.Module):
             raise UsageError("no step with timings has run: call step() first (a post-validated step gathers "
                              "no timings; run one synchronous step(...) to trace)")
         return self.runtime.last_step.save_chrome_trace(path)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (this replica's shard), any other tensor itself."""
-    return getattr(t, "_local_tensor", t)
 
 
 def _rebuild(flat: Sequence[torch.Tensor], outputs, m: int):

@@ -24,9 +24,9 @@ floats in the same order as the synchronous all-gather (grads.norm_from), the cl
 same total, and a step run again starts from the same RNG state and buffers. What it costs: the snapshot (a
 copy of this rank's parameters and optimizer state, `snapshot_bytes`), the last step's gradients kept until
 the verdict, and, when a step clips or skips, its warm-up forwards run twice. `post_validate="inverse"` undoes a
-wrong update in closed form instead of from the snapshot (zbcompile/rollback.py: no copy, exact to rounding). The loss of a step is known on
-every rank only once it is validated: step() returns a StepResult that fills in then (the next step, or
-`pipe.settle()`, which every other call of the pipeline makes first).
+wrong update in closed form instead of from the snapshot (zbcompile/rollback.py: no copy, exact to rounding).
+The loss of a step is known on every rank only once it is validated: step() returns a StepResult that fills in
+then (the next step, or `pipe.settle()`, which every other call of the pipeline makes first).
 """
 
 from __future__ import annotations
@@ -104,18 +104,19 @@ def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | N
     mine = local_values(pipe._counted_grads(), norm_type, pipe._dp.reduce if pipe._sharded else None)
     rows = pipe._gather(torch.tensor(mine, dtype=torch.float64, device=device)).tolist()
     combined = functools.reduce(lambda a, b: combine(a, b, norm_type), rows)
-    dtype = functools.reduce(torch.promote_types, (p.dtype for p in pipe.parameters()), torch.float16)
-    kind, norm = verdict(combined, norm_type, max_norm, dtype, device)
+    kind, norm = verdict(combined, norm_type, max_norm, grads.norm_dtype(pipe.parameters()), device)
     apply(kind, norm, list(pipe.parameters()), max_norm, optimizer)
     optimizer.zero_grad(set_to_none=True)
 
 
 # ---- the verdict: the same arithmetic for the synchronous step and the prefix chain --------------------------
-def local_values(counted: Sequence[torch.Tensor], p: float, shards=None) -> list[float]:
+def local_values(counted: Sequence[torch.Tensor], p: float, shards=None,
+                 found: float | None = None) -> list[float]:
     """This rank's [norm partial, inf / NaN flag]: the partial of grads.partial_of, 1.0 where a gradient is not
-    finite; with `shards`, over this rank's replicas (sharded data parallelism)."""
+    finite (`found`: a check made already, a GradScaler's over every gradient of the rank); with `shards`, over
+    this rank's replicas (sharded data parallelism)."""
     partial = grads.partial_of(counted, p)
-    bad = float(_any_not_finite(counted))
+    bad = float(_any_not_finite(counted)) if found is None else found
     if shards is not None:
         partial = float(shards(torch.tensor([partial], dtype=torch.float64), "max" if math.isinf(p) else "sum")[0])
         bad = float(shards(torch.tensor([bad], dtype=torch.float64), "max")[0])
@@ -198,11 +199,8 @@ class Boundary:
 
     # ---- in the program --------------------------------------------------------------------------------
     def prefix(self, up: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor:
-        bad = self._unscale() if self.scaler is not None else None
-        values = local_values(self.counted(), self.p, self.shards)
-        if bad is not None:   # the scaler's check covers every gradient of this rank (its optimizer's)
-            values[1] = bad if self.shards is None else float(self.shards(torch.tensor([bad], dtype=torch.float64),
-                                                                          "max")[0])
+        found = self._unscale() if self.scaler is not None else None
+        values = local_values(self.counted(), self.p, self.shards, found)
         values.append(float(loss) if loss is not None else 0.0)
         if up is not None:
             values = combine(up.tolist(), values, self.p)
@@ -284,7 +282,7 @@ class Boundary:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         state = self.optimizer.state
         keys = [(p, k) for p in params if p in state for k, v in state[p].items() if isinstance(v, torch.Tensor)]
-        sources = [_local(p.detach()) for p in params] + [_local(state[p][k]) for p, k in keys]
+        sources = [grads.local(p.detach()) for p in params] + [grads.local(state[p][k]) for p, k in keys]
         kept = self._snapshot_buffers = [t.clone() for t in sources]
         others = {p: {k: copy.deepcopy(v) for k, v in state[p].items() if not isinstance(v, torch.Tensor)}
                   for p in params if p in state}
@@ -297,22 +295,17 @@ class Boundary:
         for p in params:
             if p not in others:   # no state before this update (its first): none after the rollback
                 state.pop(p, None)
-        live = [_local(p.detach()) for p in params] + [_local(state[p][k]) for p, k in keys]
+        live = [grads.local(p.detach()) for p in params] + [grads.local(state[p][k]) for p, k in keys]
         with torch.no_grad():
             torch._foreach_copy_(live, self._snapshot_buffers)
         for p, values in others.items():
             state[p].update(values)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (sharded data parallelism), any other tensor itself."""
-    return getattr(t, "_local_tensor", t)
-
-
 def _nbytes(value) -> int:
     if not isinstance(value, torch.Tensor):
         return 0
-    local = _local(value)
+    local = grads.local(value)
     return local.numel() * local.element_size()
 
 
@@ -348,13 +341,13 @@ class PostValidated:
     def reset(self, pipe, optimizer, max_norm, norm_type, scaler=None, rollback: str = "snapshot") -> None:
         """A Boundary for these arguments (after the pending step was settled)."""
         dp = pipe._dp
-        dtype = functools.reduce(torch.promote_types, (p.dtype for p in pipe.parameters()), torch.float16)
         self.key = key(optimizer, max_norm, norm_type, scaler, rollback)
         self.reseed(pipe._seed_for(scaler))
         self.boundary = Boundary(
             rank=self.rank, ranks=self.ranks, microbatches=pipe.schedule.num_microbatches, optimizer=optimizer,
             params=list(pipe.parameters()), counted=pipe._counted_grads, max_norm=max_norm, norm_type=norm_type,
-            dtype=dtype, device=self.first.device, shards=dp.reduce if pipe._sharded else None,
+            dtype=grads.norm_dtype(pipe.parameters()), device=self.first.device,
+            shards=dp.reduce if pipe._sharded else None,
             mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)),
             scaler=scaler, reseed=self.reseed, rollback=rollback)
         self.first.ctx.boundary = self.validating.ctx.boundary = self.boundary

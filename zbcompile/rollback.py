@@ -24,6 +24,7 @@ import math
 import torch
 
 from zbcompile.errors import UsageError
+from zbcompile.grads import local
 
 __all__ = ["Inverse", "check_invertible"]
 
@@ -78,7 +79,7 @@ class Inverse:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = _local(p.grad)
+                g = local(p.grad)
                 g = -g if group.get("maximize") else g
                 if self.kind == "adam":
                     self._adam(p, g, group)
@@ -89,7 +90,7 @@ class Inverse:
         state = self.optimizer.state[p]
         lr, (b1, b2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
         step = float(state["step"])
-        m, v, x = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), _local(p)
+        m, v, x = local(state["exp_avg"]), local(state["exp_avg_sq"]), local(p)
         denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
         x.addcdiv_(m, denom, value=lr / (1 - b1 ** step))
         if wd and _decoupled(self.optimizer, group):
@@ -106,12 +107,12 @@ class Inverse:
 
     def _sgd(self, p, g, group) -> None:
         lr, mu, damp, wd = float(group["lr"]), group["momentum"], group["dampening"], group["weight_decay"]
-        x = _local(p)
+        x = local(p)
         if mu == 0:   # p' = p - lr (g + wd p)
             x.add_(g, alpha=lr).div_(1 - lr * wd)
             return
         state = self.optimizer.state[p]
-        buf = _local(state["momentum_buffer"])
+        buf = local(state["momentum_buffer"])
         if group["nesterov"]:   # p' = p - lr (g + wd p + mu buf')
             x.add_(g, alpha=lr).add_(buf, alpha=lr * mu).div_(1 - lr * wd)
         else:                   # p' = p - lr buf'
@@ -120,7 +121,3 @@ class Inverse:
             del state["momentum_buffer"]
             return
         buf.sub_(g + wd * x if wd else g, alpha=1 - damp).div_(mu)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)

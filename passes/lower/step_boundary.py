@@ -73,8 +73,8 @@ def boundary_programs(programs: Sequence[RankProgram]) -> tuple[Programs, Progra
 
     tags = free_tags(programs)
     first = tuple(_with_prefix(q, len(programs), tags.prefix) for q in programs)
-    cut = deadlines(first)
     sent_at = _sent_at(first)
+    cut = deadlines(first, sent_at)
     validating = tuple(_validating(q, len(programs), cut, sent_at, tags.totals) for q in first)
     for variant in (first, validating):
         for q in variant:
@@ -114,10 +114,11 @@ def _with_prefix(q: RankProgram, ranks: int, tag: int) -> RankProgram:
 
 
 # ---- the deadlines ---------------------------------------------------------------------------------------------
-def deadlines(programs: Sequence[RankProgram]) -> list[int]:
-    """Per rank, the index of the first op that is not part of its warm-up (see the module docstring)."""
+def deadlines(programs: Sequence[RankProgram], sent_at: dict | None = None) -> list[int]:
+    """Per rank, the index of the first op that is not part of its warm-up (see the module docstring). sent_at:
+    _sent_at(programs), where the caller has it."""
     cut = [_natural_deadline(q) for q in programs]
-    sent_at = _sent_at(programs)
+    sent_at = _sent_at(programs) if sent_at is None else sent_at
     waits = [_waited_messages(q) for q in programs]
     changed = True
     while changed:   # a warm-up may only wait for what its sender sends before the sender's own deadline
