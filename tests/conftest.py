@@ -16,21 +16,32 @@
 
 Tiers:
 
-    python -m pytest -q                                             everything (CI: .ci/run)
+    python -m pytest -q -n 2                                        everything, on both cores (CI: .ci/run)
     python -m pytest -q -m "not slow"                               the edit loop (every dist test is slow too)
     python -m pytest -q tests/ir tests/split tests/schedule tests/lower   the compiler's layers on a CPU
-    python -m pytest -q -m dist                                     the multi-process tests alone
+    python -m pytest -q -n 2 -m dist                                the multi-process tests alone
+
+`-n 2` (pytest-xdist) runs two test processes; `--dist loadfile` (in pyproject.toml) keeps each module in one, so
+that its launches and caches are made once. Under `-n 2` two launches may run side by side: a launch whose
+master port another took in between is run again on a new one (support/launch.py).
 
 Markers (declared in pyproject.toml, --strict-markers): dist (launches several processes), slow (over a second
-here: marked by hand, and by the timings in durations.json, see below), gpu (needs CUDA). Refresh the timings
-after adding slow tests: `python -m pytest -q --record-durations` (the whole suite, on this kind of machine).
-Every test has a timeout (pytest-timeout, 1500 s); every launch kills all its ranks on a failure or its own
-timeout (support/launch.py).
+here: marked by hand, and by the timings in durations.json, see below), gpu (needs CUDA), fresh_split (never
+from the split memo). Refresh the timings after adding slow tests: `python -m pytest -q -n 2 --record-durations`
+(the whole suite, on this kind of machine). Every test has a timeout (pytest-timeout, 1500 s); every launch kills
+all its ranks on a failure or its own timeout (support/launch.py).
+
+Tracing and splitting are most of the suite's time, so the session splits each distinct request once
+(support/split_memo.py): in each process's memory, and in a directory of the session's own that the test
+processes and every launched rank share (the four ranks of a launch make one split, not four). The tests under
+tests/split/ always split anew: there the split is what is tested.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -41,6 +52,46 @@ import pytest
 # timings; a test the file does not know yet runs in the edit loop until the next recording.
 DURATIONS = Path(__file__).with_name("durations.json")
 SLOW_SECONDS = 1.0
+SPLIT_TESTS = Path(__file__).with_name("split")
+
+
+def pytest_configure(config):
+    # one trace and split per distinct request in the whole session (support/split_memo.py: in memory, and in a
+    # directory of this session's own that the test processes under -n and every launched rank share), installed
+    # before any test module imports split_model; every process of the suite runs its torch ops on one thread,
+    # as each rank of a launch does (pytest -n runs two test processes on the two cores)
+    import torch
+
+    from support import split_memo
+
+    torch.set_num_threads(1)
+    if hasattr(config, "workerinput"):   # a test process of pytest -n: the controller's directory
+        directory = config.workerinput["zb_split_dir"]
+    else:
+        directory = config._zb_split_dir = tempfile.mkdtemp(prefix="zbcompile-splits-")
+    split_memo.install_shared(directory)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest -n: each test process shares the controller's split directory."""
+    node.workerinput["zb_split_dir"] = node.config._zb_split_dir
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_zb_split_dir", None):
+        shutil.rmtree(config._zb_split_dir, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _split_memo(request):
+    """The memo is off where the split is what is tested: tests/split/ and tests marked fresh_split."""
+    from support import split_memo
+
+    fresh = request.node.get_closest_marker("fresh_split") is not None or SPLIT_TESTS in request.path.parents
+    split_memo.enabled(not fresh)
+    yield
+    split_memo.enabled(True)
 
 
 def pytest_addoption(parser):
@@ -64,7 +115,9 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    if session.config.getoption("--record-durations") and _measured:
+    # under pytest -n, the controller hears every worker's reports: only it writes the file
+    worker = hasattr(session.config, "workerinput")
+    if session.config.getoption("--record-durations") and _measured and not worker:
         known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
         known.update({k: round(v, 2) for k, v in _measured.items()})
         DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")

@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from support.launch import free_port, run_command
+from support.launch import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAIN_JOB = ("pip install torch==2.13.0 -e . && torchrun --nproc-per-node 2 -m zbcompile.examples.train_gpt "
             "--schedule zb-h1")
-TESTS = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q'
+TESTS = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q -n 2'
 
 
 def fences(text: str) -> list[tuple[str, str, int, list[str]]]:
@@ -115,9 +114,7 @@ def test_readme_section_runs(section, tmp_path, monkeypatch):
 def test_readme_section_runs_under_torchrun(section, tmp_path):
     script = tmp_path / f"readme_{slug(section).replace('-', '_')}.py"
     script.write_text(PROGRAMS[section])
-    out = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                       "127.0.0.1", "--master-port", str(free_port()), str(script)],
-                      cwd=tmp_path, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = torchrun([str(script)], cwd=tmp_path, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     # on failure, the ranks' own tracebacks (their line numbers are README.md's) without torchrun's summary
     assert out.returncode == 0, f"README.md, section {section!r} under torchrun:\n" + out.stdout[-2000:] + "\n".join(
         line for line in out.stderr.splitlines() if "torch/distributed/elastic" not in line)[-6000:]

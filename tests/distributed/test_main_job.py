@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-from support.launch import free_port, run_command
+from support.launch import torchrun
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def _run(*args: str, timeout: int = 300):
-    """`python *args` in a process group of its own (torchrun and its ranks), killed whole on timeout."""
-    return run_command([sys.executable, *args], timeout=timeout, env=ENV)
-
-
 def test_main_job_trains_under_torchrun():
-    out = _run("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "-m", "zbcompile.examples.train_gpt", "--schedule", "zb-h1",
-               "--steps", "6", "--dim", "64", "--layers", "2", "--seq", "32", "--clip-grad", "1.0",
-               "--eval-every", "3")
+    out = torchrun(["-m", "zbcompile.examples.train_gpt", "--schedule", "zb-h1", "--steps", "6", "--dim", "64",
+                    "--layers", "2", "--seq", "32", "--clip-grad", "1.0", "--eval-every", "3"],
+                   timeout=300, env=ENV)
     # on failure show the ranks' own last words (a C++ abort message comes before torchrun's summary)
     assert out.returncode == 0, out.stdout[-2000:] + "\n".join(
         line for line in out.stderr.splitlines() if "torch/distributed/elastic" not in line)[-6000:]

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from support.launch import free_port, run_command
+from support.launch import run_command, torchrun
 from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
 from zbcompile.examples.train_gpt import batches, corpus_tokens
 
@@ -20,9 +20,8 @@ JOB = ["--microbatches", "4", "--microbatch-size", "2", "--seq", "16", "--dim", 
 
 
 def _job(*args: str) -> list[float]:
-    out = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                       "127.0.0.1", "--master-port", str(free_port()), "-m", "zbcompile.examples.train_gpt",
-                       *JOB, *args], timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = torchrun(["-m", "zbcompile.examples.train_gpt", *JOB, *args], timeout=300,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return [float(line.split("loss ")[1].split()[0]) for line in out.stdout.splitlines() if line.startswith("[")]
 

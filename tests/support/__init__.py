@@ -14,3 +14,13 @@ starts. Nothing here is a test.
     ckpt.py          the models, batches and eager reference of the checkpoint tests and their workers
     dist_cases.py    what a multi-process test module parametrizes over and its worker runs
 """
+
+import os as _os
+import sys as _sys
+
+if _os.environ.get("ZB_TEST_SPLIT_DIR") and "pytest" not in _sys.modules:
+    # a rank launched by support/launch.py: share the test session's splits (split_memo.py), before the worker
+    # imports split_model
+    from support import split_memo as _split_memo
+
+    _split_memo.install_shared(_os.environ["ZB_TEST_SPLIT_DIR"])

@@ -33,9 +33,16 @@ def free_port() -> int:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """os.environ with `tests/` first on PYTHONPATH (the helpers' package `support`), plus `extra`."""
+    """os.environ with `tests/` first on PYTHONPATH (the helpers' package `support`), the session's split
+    directory (support/split_memo.py: the child shares this process's splits), plus `extra`."""
+    from support import split_memo
+
     path = os.environ.get("PYTHONPATH")
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), *([path] if path else [])]), **extra)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), *([path] if path else [])]), **extra)
+    env.pop(split_memo.DIRECTORY, None)
+    if split_memo.shared_directory():
+        env[split_memo.DIRECTORY] = split_memo.shared_directory()
+    return env
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -63,8 +70,34 @@ def _tail(path: Path, chars: int = 3000) -> str:
 def launch(worker: str, pp: int, out, *args: str, timeout: float = 1200) -> list[dict]:
     """Run `worker --out OUT *args` as ranks 0..pp-1; returns each rank's JSON. A rank that wrote nothing fails
     the test with the end of its output. The first rank to exit with an error, or the timeout (seconds, for the
-    whole launch), ends every rank."""
+    whole launch), ends every rank. A launch whose master port was taken between `free_port` and rank 0's
+    listen (another launch running beside it, under pytest -n) is run again on a new port, at most twice."""
     out = Path(out)
+    for attempt in range(3):
+        procs, logs, failed, timed_out = _run_ranks(worker, pp, out, args, timeout)
+        if failed is None or attempt == 2 or not _port_taken(logs[failed]):
+            break
+        for r in range(pp):   # the attempt's files, so that the next one's are read, never these
+            (out / f"rank{r}.json").unlink(missing_ok=True)
+    codes = ", ".join(f"rank {r}: {p.returncode}" for r, p in enumerate(procs))
+    if timed_out:
+        pytest.fail(f"{worker}: the launch ran past {timeout} s; every rank killed (exit codes {codes})\n"
+                    + "\n".join(f"---- rank {r}:\n{_tail(logs[r])}" for r in range(pp)), pytrace=False)
+    first = "" if failed is None else f"rank {failed} failed first (exit codes {codes}):\n{_tail(logs[failed])}\n"
+    results = []
+    for r in range(pp):
+        path = out / f"rank{r}.json"
+        assert path.exists(), f"{first}rank {r} wrote no results:\n{_tail(logs[r])}"
+        try:
+            results.append(json.loads(path.read_text()))
+        except ValueError as e:
+            raise AssertionError(f"{first}rank {r} wrote no whole results ({e}):\n{_tail(logs[r])}") from None
+    return results
+
+
+def _run_ranks(worker: str, pp: int, out: Path, args, timeout: float):
+    """One attempt of `launch`: (the rank processes, their log files, the first rank that failed or None, whether
+    the launch ran past `timeout`); every rank's process group is killed before it returns."""
     port = free_port()
     procs: list[subprocess.Popen] = []
     logs = [out / f"rank{r}.log" for r in range(pp)]
@@ -90,20 +123,12 @@ def launch(worker: str, pp: int, out, *args: str, timeout: float = 1200) -> list
     finally:
         for p in procs:   # the ranks still running, and whatever any rank started
             _kill_group(p)
-    codes = ", ".join(f"rank {r}: {p.returncode}" for r, p in enumerate(procs))
-    if timed_out:
-        pytest.fail(f"{worker}: the launch ran past {timeout} s; every rank killed (exit codes {codes})\n"
-                    + "\n".join(f"---- rank {r}:\n{_tail(logs[r])}" for r in range(pp)), pytrace=False)
-    first = "" if failed is None else f"rank {failed} failed first (exit codes {codes}):\n{_tail(logs[failed])}\n"
-    results = []
-    for r in range(pp):
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"{first}rank {r} wrote no results:\n{_tail(logs[r])}"
-        try:
-            results.append(json.loads(path.read_text()))
-        except ValueError as e:
-            raise AssertionError(f"{first}rank {r} wrote no whole results ({e}):\n{_tail(logs[r])}") from None
-    return results
+    return procs, logs, failed, timed_out
+
+
+def _port_taken(log: Path) -> bool:
+    """Did this rank fail because its TCPStore could not listen on the master port (EADDRINUSE)?"""
+    return "EADDRINUSE" in _tail(log, 20000)
 
 
 def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
@@ -124,6 +149,21 @@ def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = 
         stdout.seek(0)
         stderr.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, _text(stdout.read()), _text(stderr.read()))
+
+
+def torchrun(args, *, nproc: int = 2, timeout: float, env: dict[str, str] | None = None,
+             cwd=None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node NPROC --master-addr 127.0.0.1 --master-port <a free port> *args` through
+    `run_command`. A run whose master port was taken before torchrun listened on it (another launch beside it,
+    under pytest -n) fails at start-up, before any rank did anything, and is run again on a new port, twice at
+    most."""
+    for attempt in range(3):
+        out = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args],
+                          timeout=timeout, env=env, cwd=cwd)
+        if out.returncode == 0 or "EADDRINUSE" not in out.stdout + out.stderr:
+            return out
+    return out
 
 
 def _text(data: bytes) -> str:
