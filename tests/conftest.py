@@ -17,7 +17,7 @@
 Tiers:
 
     python -m pytest -q -n 2                                        everything, on both cores (CI: .ci/run)
-    python -m pytest -q -m "not slow"                               the edit loop (every dist test is slow too)
+    python -m pytest -q -n 2 -m "not slow"                          the edit loop (every dist test is slow too)
     python -m pytest -q tests/ir tests/split tests/schedule tests/lower   the compiler's layers on a CPU
     python -m pytest -q -n 2 -m dist                                the multi-process tests alone
 
