@@ -83,15 +83,14 @@ def pytest_unconfigure(config):
         shutil.rmtree(config._zb_split_dir, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True)
-def _split_memo(request):
-    """The memo is off where the split is what is tested: tests/split/ and tests marked fresh_split."""
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The memo is off while a test under tests/split/ or marked fresh_split sets up (its module's fixtures too,
+    which set up with its first test), runs and tears down: there the split is what is tested."""
     from support import split_memo
 
-    fresh = request.node.get_closest_marker("fresh_split") is not None or SPLIT_TESTS in request.path.parents
+    fresh = item.get_closest_marker("fresh_split") is not None or SPLIT_TESTS in item.path.parents
     split_memo.enabled(not fresh)
-    yield
-    split_memo.enabled(True)
 
 
 def pytest_addoption(parser):

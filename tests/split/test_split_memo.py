@@ -156,3 +156,11 @@ def test_the_disk_memo_is_shared_between_processes_and_never_names_a_local_objec
 
     key = split_memo.fingerprint(Local(), case.loss_fn, case.example, {})
     assert key is not None and split_memo.digest(key) is None
+
+
+def test_the_memo_is_off_here():
+    """tests/conftest.py: under tests/split/ every split is made anew (the split is what these tests test)."""
+    import zbcompile.split as split
+
+    assert getattr(split.split_model, "__wrapped__", None) is not None   # installed for the session
+    assert split_memo._state["enabled"] is False

@@ -75,7 +75,7 @@ def launch(worker: str, pp: int, out, *args: str, timeout: float = 1200) -> list
     out = Path(out)
     for attempt in range(3):
         procs, logs, failed, timed_out = _run_ranks(worker, pp, out, args, timeout)
-        if failed is None or attempt == 2 or not _port_taken(logs[failed]):
+        if failed is None or attempt == 2 or not any(_port_taken(log) for log in logs):
             break
         for r in range(pp):   # the attempt's files, so that the next one's are read, never these
             (out / f"rank{r}.json").unlink(missing_ok=True)
@@ -127,7 +127,7 @@ def _run_ranks(worker: str, pp: int, out: Path, args, timeout: float):
 
 
 def _port_taken(log: Path) -> bool:
-    """Did this rank fail because its TCPStore could not listen on the master port (EADDRINUSE)?"""
+    """Did this rank's TCPStore fail to listen on the master port (EADDRINUSE)?"""
     return "EADDRINUSE" in _tail(log, 20000)
 
 

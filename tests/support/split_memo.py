@@ -101,7 +101,7 @@ def fingerprint(model: nn.Module, loss_fn, example, kwargs: dict) -> tuple | Non
     try:
         return (_model(model), _callable(loss_fn), _tree(example), _value(kwargs), autocast_state(),
                 torch.get_default_dtype(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
-    except RecursionError:   # an attribute that reaches back to the model: no content key
+    except Exception:   # a repr that fails, an attribute that reaches back to the model: no content key
         return None
 
 
