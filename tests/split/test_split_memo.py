@@ -22,7 +22,7 @@ def test_a_repeated_split_is_a_copy_whose_programs_equal_a_fresh_splits():
         calls.append(1)
         return split_model(*args, **kwargs)
 
-    once = split_memo.memoized(counted, {})
+    once = split_memo.memoized(counted, split_memo.Memo())
     sched = generate("zbv", 2, 4)
     first, again = (once(c.model, c.loss_fn, c.example, num_stages=4, placement=(0, 1, 1, 0))
                     for c in (gpt(layers=4), gpt(layers=4)))
@@ -102,7 +102,7 @@ def test_a_failed_split_is_not_kept():
         calls.append(1)
         raise ValueError("bad split")
 
-    once = split_memo.memoized(failing, {})
+    once = split_memo.memoized(failing, split_memo.Memo())
     case = mlp(layers=2)
     for _ in range(2):
         try:
@@ -134,7 +134,7 @@ def test_a_split_through_a_file_lowers_and_trains_as_the_split_itself(tmp_path):
 
 
 def test_the_disk_memo_is_shared_between_processes_and_never_names_a_local_object(tmp_path):
-    shared = split_memo._OnDisk(str(tmp_path))
+    shared = split_memo.OnDisk(str(tmp_path))
     calls = []
 
     def counted(*args, **kwargs):
@@ -144,7 +144,7 @@ def test_the_disk_memo_is_shared_between_processes_and_never_names_a_local_objec
     case = mlp(layers=2)
     first = split_memo.memoized(counted, shared)(case.model, case.loss_fn, case.example, num_stages=2)
     assert len(list(tmp_path.glob("*.pkl"))) == 1
-    other_process = split_memo.memoized(counted, split_memo._OnDisk(str(tmp_path)))
+    other_process = split_memo.memoized(counted, split_memo.OnDisk(str(tmp_path)))
     again = other_process(case.model, case.loss_fn, case.example, num_stages=2)
     assert len(calls) == 1
     sched = generate("1f1b", 2, 2)

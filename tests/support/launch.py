@@ -24,6 +24,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parents[1]   # the folder holding `support`: the children's PYTHONPATH
 POLL = 0.1   # seconds between looks at the ranks
+PORT_TAKEN = "EADDRINUSE"   # in the error of a TCPStore that cannot listen on its port
 
 
 def free_port() -> int:
@@ -128,7 +129,7 @@ def _run_ranks(worker: str, pp: int, out: Path, args, timeout: float):
 
 def _port_taken(log: Path) -> bool:
     """Did this rank's TCPStore fail to listen on the master port (EADDRINUSE)?"""
-    return "EADDRINUSE" in _tail(log, 20000)
+    return PORT_TAKEN in _tail(log, 20000)
 
 
 def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
@@ -157,11 +158,11 @@ def torchrun(args, *, nproc: int = 2, timeout: float, env: dict[str, str] | None
     `run_command`. A run whose master port was taken before torchrun listened on it (another launch beside it,
     under pytest -n) fails at start-up, before any rank did anything, and is run again on a new port, twice at
     most."""
-    for attempt in range(3):
+    for _ in range(3):
         out = run_command([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args],
                           timeout=timeout, env=env, cwd=cwd)
-        if out.returncode == 0 or "EADDRINUSE" not in out.stdout + out.stderr:
+        if out.returncode == 0 or PORT_TAKEN not in out.stdout + out.stderr:
             return out
     return out
 

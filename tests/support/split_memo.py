@@ -52,7 +52,7 @@ def install_shared(directory: str) -> None:
     import zbcompile.split as split
 
     if getattr(split.split_model, "__wrapped__", None) is None:
-        split.split_model = memoized(split.split_model, _OnDisk(directory), lambda: _state["enabled"])
+        split.split_model = memoized(split.split_model, OnDisk(directory), lambda: _state["enabled"])
         _state["directory"] = directory
 
 
@@ -66,24 +66,31 @@ def enabled(on: bool) -> None:
     _state["enabled"] = on
 
 
-def memoized(split_model, memo: dict, active=lambda: True):
+def memoized(split_model, memo: "Memo", active=lambda: True):
     """`split_model` keeping its results in `memo` while `active()` says so."""
     @functools.wraps(split_model)
     def split_once(model, loss_fn, example, **kwargs):
         key = fingerprint(model, loss_fn, example, kwargs) if active() else None
         if key is None:
             return split_model(model, loss_fn, example, **kwargs)
-        if key in memo:
-            return _copy(memo[key])
-        try:
-            staged = split_model(model, loss_fn, example, **kwargs)
-        except BaseException:
-            getattr(memo, "release", lambda key: None)(key)
-            raise
-        memo[key] = _copy(staged)
-        return staged
+        return memo.fetch(key, lambda: split_model(model, loss_fn, example, **kwargs))
 
     return split_once
+
+
+class Memo:
+    """Splits by fingerprint, in this process's memory: the first request gets the split it made, every later one
+    a deep copy of it (so no test sees what another did to its split). A failed split is not kept."""
+
+    def __init__(self):
+        self.kept: dict = {}
+
+    def fetch(self, key, make):
+        if key in self.kept:
+            return _copy(self.kept[key])
+        staged = make()
+        self.kept[key] = _copy(staged)
+        return staged
 
 
 def _copy(staged):
@@ -207,52 +214,40 @@ def _tree(example) -> tuple:
 # node by node with each node's meta, and the fake tensors in the meta come back as fake tensors of the same layout
 # and the same sharing of storage (one FakeTensorMode per load).
 
-class _OnDisk(dict):
-    """The memo dict of `memoized`, backed by files: `key in memo` makes or waits for the file of a key with a
-    stable digest (holding the key's lock until `memo[key] = ...` stores it), and loads it."""
+class OnDisk(Memo):
+    """`Memo`, with each split whose key has a stable digest also kept in `directory` for the other processes."""
 
     def __init__(self, directory: str):
         super().__init__()
-        self.directory, self.held = directory, {}
+        self.directory = directory
 
-    def __contains__(self, key) -> bool:
-        if dict.__contains__(self, key):
-            return True
-        name = digest(key)
+    def fetch(self, key, make):
+        name = None if key in self.kept else digest(key)
         if name is None:
-            return False
-        lock = open(os.path.join(self.directory, name + ".lock"), "w")
-        fcntl.flock(lock, fcntl.LOCK_EX)   # whoever holds it is making this very split
-        path = os.path.join(self.directory, name + ".pkl")
-        if os.path.exists(path + ".none"):   # it does not pickle: every process makes its own
-            lock.close()
-            return False
-        if os.path.exists(path):
-            with open(path, "rb") as fh:
-                dict.__setitem__(self, key, loads(fh.read()))
-            lock.close()
-            return True
-        self.held[key] = (lock, path)      # released once the split is stored, or failed (below)
-        return False
+            return super().fetch(key, make)
+        path = os.path.join(self.directory, name)
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # whoever holds it is making this very split; closing releases it
+            if os.path.exists(path + ".pkl"):
+                with open(path + ".pkl", "rb") as fh:
+                    self.kept[key] = loads(fh.read())
+            elif not os.path.exists(path + ".none"):   # .none: it does not pickle, every process makes its own
+                staged = super().fetch(key, make)
+                self._store(path, self.kept[key])
+                return staged
+        return super().fetch(key, make)
 
-    def __setitem__(self, key, staged) -> None:
-        dict.__setitem__(self, key, staged)
-        lock, path = self.held.pop(key, (None, None))
-        if lock is None:
-            return
+    @staticmethod
+    def _store(path: str, staged) -> None:
+        """`path`.pkl, written whole (another process may read it as soon as the lock is released), or an empty
+        `path`.none where the split does not pickle."""
         try:
             data = dumps(staged)
-        except Exception:   # something in the split that does not pickle: this process keeps it alone
+        except Exception:
             data = None
         with open(path + ".part", "wb") as fh:
             fh.write(data or b"")
-        os.replace(path + ".part", path if data is not None else path + ".none")
-        lock.close()
-
-    def release(self, key) -> None:
-        lock, _ = self.held.pop(key, (None, None))
-        if lock is not None:
-            lock.close()
+        os.replace(path + ".part", path + (".pkl" if data is not None else ".none"))
 
 
 def digest(key) -> str | None:
