@@ -34,7 +34,9 @@ all its ranks on a failure or its own timeout (support/launch.py).
 Tracing and splitting are most of the suite's time, so the session splits each distinct request once
 (support/split_memo.py): in each process's memory, and in a directory of the session's own that the test
 processes and every launched rank share (the four ranks of a launch make one split, not four). The tests under
-tests/split/ always split anew: there the split is what is tested.
+tests/split/ always split anew: there the split is what is tested. Launched ranks and the CLI runs of
+`zbcompile inspect` are forked from a warm interpreter that imported torch and zbcompile once per test process
+(support/forked.py; ZB_TEST_COLD_RANKS=1 starts each cold); the torchrun tests start every rank cold.
 """
 
 from __future__ import annotations
@@ -104,6 +106,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if known.get(item.nodeid, 0.0) > SLOW_SECONDS and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+    # the longest modules first (each keeps its own order): under -n 2 --dist loadfile the test processes take
+    # modules in this order (--no-loadscope-reorder, pyproject.toml), so the run ends on short ones, not with one
+    # process idle while the other works through a two-minute launch
+    seconds: dict = {}
+    for item in items:
+        seconds[item.path] = seconds.get(item.path, 0.0) + known.get(item.nodeid, 0.0)
+    first = {path: i for i, path in enumerate(seconds)}
+    items.sort(key=lambda item: (-seconds[item.path], first[item.path]))
 
 
 _measured: dict[str, float] = {}

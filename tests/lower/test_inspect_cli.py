@@ -1,21 +1,20 @@
-"""`zbcompile inspect`, run as a user runs it (one process: tests/distributed/test_main_job.py runs the torchrun
-main job)."""
+"""`zbcompile inspect`, run as a user runs it (`python -m zbcompile inspect ...`, one process, forked from the test
+process's warm interpreter: support/launch.run_python; tests/distributed/test_main_job.py runs the torchrun main
+job)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow   # each test starts the CLI, which traces and lowers in a fresh interpreter
+from support.launch import run_python
 
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+pytestmark = pytest.mark.slow   # each test starts the CLI, which traces and lowers in a process of its own
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+    return run_python(list(args), timeout=timeout)
 
 
 def test_inspect_prints_every_rank_program_with_p2p_and_frees():

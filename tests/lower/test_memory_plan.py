@@ -11,12 +11,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from support.launch import run_python
 from support.models import gpt, mlp
 from support.threaded import run_threaded
 from zbcompile.compiler import split_for
@@ -109,9 +108,8 @@ def test_storage_tracker_counts_a_known_pattern():
 @pytest.mark.slow
 def test_inspect_memory_cli(tmp_path):
     svg, js = tmp_path / "mem.svg", tmp_path / "mem.json"
-    out = subprocess.run([sys.executable, "-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny",
-                          "--pp", "2", "--schedule", "zbv", "--memory", "--svg", str(svg), "--json", str(js)],
-                         capture_output=True, text=True, timeout=300)
+    out = run_python(["-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule",
+                      "zbv", "--memory", "--svg", str(svg), "--json", str(js)], timeout=300)
     assert out.returncode == 0, out.stderr
     assert "peak total MiB" in out.stdout and "op " in out.stdout
     doc = json.loads(js.read_text())

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from support.launch import run_python
 from support.models import gpt
 from zbcompile.compiler import split_for
 from zbcompile.passes.analysis.memory import rank_memory
@@ -100,13 +98,11 @@ def test_time_model_stalls_on_slow_copies(programs):
 
 @pytest.mark.slow
 def test_inspect_offload_cli():
-    out = subprocess.run([sys.executable, "-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp",
-                          "2", "--schedule", "zb-h1", "--memory", "--offload", "2200000"],
-                         capture_output=True, text=True, timeout=300)
+    out = run_python(["-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule",
+                      "zb-h1", "--memory", "--offload", "2200000"], timeout=300)
     assert out.returncode == 0, out.stderr
     assert "activation offload for 2200000" in out.stdout and "k = To/Tc" in out.stdout
     assert "peak total MiB" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp",
-                          "2", "--schedule", "zb-h1", "--offload", "1000"], capture_output=True, text=True,
-                         timeout=300)
+    bad = run_python(["-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule",
+                      "zb-h1", "--offload", "1000"], timeout=300)
     assert bad.returncode != 0 and "smallest" not in bad.stdout and "at least" in bad.stderr

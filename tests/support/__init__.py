@@ -11,6 +11,7 @@ starts. Nothing here is a test.
     threaded.py      every rank's program as a thread of this process (the loopback world)
     graph_standin.py a CPU stand-in for the CUDA graph API
     launch.py        multi-process launches (gloo on 127.0.0.1): ranks, timeouts, killing
+    forked.py        the warm interpreter launched ranks and CLI runs are forked from (no imports per rank)
     ckpt.py          the models, batches and eager reference of the checkpoint tests and their workers
     dist_cases.py    what a multi-process test module parametrizes over and its worker runs
 """

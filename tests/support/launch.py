@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from support import forked
+
 TESTS = Path(__file__).resolve().parents[1]   # the folder holding `support`: the children's PYTHONPATH
 POLL = 0.1   # seconds between looks at the ranks
 PORT_TAKEN = "EADDRINUSE"   # in the error of a TCPStore that cannot listen on its port
@@ -107,10 +109,7 @@ def _run_ranks(worker: str, pp: int, out: Path, args, timeout: float):
         for r in range(pp):
             env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
                             WORLD_SIZE=str(pp), OMP_NUM_THREADS="1")
-            with open(logs[r], "wb") as log:
-                procs.append(subprocess.Popen([sys.executable, str(worker), "--out", str(out), *args], env=env,
-                                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
+            procs.append(_start_rank([str(worker), "--out", str(out), *args], env, logs[r]))
         deadline = time.monotonic() + timeout
         while True:
             running = [p.poll() is None for p in procs]
@@ -125,6 +124,17 @@ def _run_ranks(worker: str, pp: int, out: Path, args, timeout: float):
         for p in procs:   # the ranks still running, and whatever any rank started
             _kill_group(p)
     return procs, logs, failed, timed_out
+
+
+def _start_rank(argv: list[str], env: dict[str, str], log: Path):
+    """`python *argv` as one rank, in a session of its own, output into `log`: forked from the test process's
+    warm interpreter (support/forked.py: no 3.5 s of imports per rank), or started cold with ZB_TEST_COLD_RANKS=1."""
+    rank = forked.start(argv, env, log)
+    if rank is not None:
+        return rank
+    with open(log, "wb") as fh:
+        return subprocess.Popen([sys.executable, *argv], env=env, stdin=subprocess.DEVNULL, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _port_taken(log: Path) -> bool:
@@ -151,6 +161,26 @@ def run_command(cmd: list[str], *, timeout: float, env: dict[str, str] | None = 
         stderr.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, _text(stdout.read()), _text(stderr.read()))
 
+
+def run_python(args: list[str], *, timeout: float, cwd=None, **extra: str) -> subprocess.CompletedProcess:
+    """`subprocess.run([sys.executable, *args], capture_output=True, text=True, env=child_env(**extra), ...)` with
+    OMP_NUM_THREADS=1 unless `extra` says otherwise, forked from the test process's warm interpreter
+    (support/forked.py): `-m MODULE ARGS` or `SCRIPT ARGS` run as a fresh interpreter runs them, less what only a
+    cold start shows (a warning printed at import is not in its stderr); cold with ZB_TEST_COLD_RANKS=1. On
+    timeout its process group is killed and subprocess.TimeoutExpired raised."""
+    cmd, env = [sys.executable, *args], child_env(**{"OMP_NUM_THREADS": "1", **extra})
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        proc = forked.start(list(args), env, out, stderr=err, cwd=cwd)
+        if proc is None:
+            return run_command(cmd, timeout=timeout, env=env, cwd=cwd)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise subprocess.TimeoutExpired(cmd, timeout) from None
+        with open(out, "rb") as o, open(err, "rb") as e:
+            return subprocess.CompletedProcess(cmd, proc.returncode, _text(o.read()), _text(e.read()))
 
 def torchrun(args, *, nproc: int = 2, timeout: float, env: dict[str, str] | None = None,
              cwd=None) -> subprocess.CompletedProcess:
