@@ -44,11 +44,12 @@ def eager(case, xb, yb):
 
 def one(case, staged, schedule, xb, yb, ref, rank: int) -> dict:
     programs = lower_all(schedule, staged)
-    plain = memory_plan(programs)[rank]
+    plan = memory_plan(programs)
+    plain = plan[rank]
     floor = least_peaks(programs)
     # half the no-offload peak, or the least any choice reaches where offload cannot halve it (a last stage
     # whose backward follows each forward has nothing to move)
-    budgets = [max(p.peak_total_bytes // 2, f) for f, p in zip(floor, memory_plan(programs).ranks)]
+    budgets = [max(p.peak_total_bytes // 2, f) for f, p in zip(floor, plan.ranks)]
     pipe = PipelineModule.from_staged(copy.deepcopy(case.model), staged, schedule, offload=budgets)
     loss = pipe.step(xb, yb)
     grad_err = max(rel(p.grad, ref[1][n]) for n, p in pipe.named_parameters())
