@@ -4,7 +4,9 @@ process per rank) and read what each rank wrote to `<out>/rank<r>.json`. Shared 
 Every rank starts in a process group of its own (a new session), with `tests/` on its PYTHONPATH so that a
 worker imports the same helpers as the tests (`from support.models import gpt`). Its stdout and stderr go to
 `<out>/rank<r>.log` (a file, never a pipe nobody reads). As soon as one rank exits with an error, or the
-launch runs past its timeout, every rank's whole process group is killed: no rank outlives its launch.
+launch runs past its timeout, every rank's whole process group is killed: no rank outlives its launch. Ranks
+are forked from the test process's warm interpreter (support/forked.py), which imported torch and zbcompile
+once, rather than started cold (ZB_TEST_COLD_RANKS=1); `run_python` runs a CLI the same way.
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ def run_python(args: list[str], *, timeout: float, cwd=None, **extra: str) -> su
             raise subprocess.TimeoutExpired(cmd, timeout) from None
         with open(out, "rb") as o, open(err, "rb") as e:
             return subprocess.CompletedProcess(cmd, proc.returncode, _text(o.read()), _text(e.read()))
+
 
 def torchrun(args, *, nproc: int = 2, timeout: float, env: dict[str, str] | None = None,
              cwd=None) -> subprocess.CompletedProcess:
