@@ -211,8 +211,8 @@ class Server:
         request = {"argv": argv, "env": env, "log": str(log), **{k: str(v) for k, v in more.items() if v}}
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        while not self.pids:
-            if not self.read(60):
+        while not self.pids:   # the first answer comes after the preload: seconds, more on a loaded machine
+            if not self.read(300):
                 raise RuntimeError("the warm interpreter of support/forked.py stopped answering")
         return Rank(self, self.pids.pop(0))
 
