@@ -1,7 +1,8 @@
 """The launcher of the multi-process tests (support/launch.py), with ranks forked from the test process's warm
 interpreter (support/forked.py) and started cold (ZB_TEST_COLD_RANKS=1): a forked rank starts as `python worker.py`
 would, its end is reported as Popen reports it, and a failure or a timeout ends every rank with what it started.
-Ranks of tests/distributed/workers/launch_probe_worker.py (no torch: they start in a fraction of a second)."""
+Ranks of tests/distributed/workers/launch_probe_worker.py, which imports no torch of its own (only its report
+mode does, through `support`'s split memo), so that even a cold one starts in a fraction of a second."""
 
 from __future__ import annotations
 
