@@ -24,4 +24,4 @@ if _os.environ.get("ZB_TEST_SPLIT_DIR") and "pytest" not in _sys.modules:
     # imports split_model
     from support import split_memo as _split_memo
 
-    _split_memo.install_shared(_os.environ["ZB_TEST_SPLIT_DIR"])
+    _split_memo.install_from_environment()

@@ -119,7 +119,9 @@ def _become(request: dict) -> None:
         _redirect(request["log"], request.get("stderr"))
         os.environ.clear()
         os.environ.update(request["env"])
-        _share_splits()
+        from support import split_memo
+
+        split_memo.install_from_environment()   # what support/__init__.py does in a cold rank
         argv = list(request["argv"])
         if argv[0] == "-m":   # python -m MODULE ARGS: sys.path[0] the working directory, sys.argv[0] the file
             sys.argv, sys.path[0] = argv[1:], os.getcwd()
@@ -153,14 +155,6 @@ def _redirect(log: str, stderr: str | None = None) -> None:
         os.dup2(fd, target)
     for fd in {null, out, err}:
         os.close(fd)
-
-
-def _share_splits() -> None:
-    """What support/__init__.py does in a cold rank: share the test session's splits (split_memo.py)."""
-    from support import split_memo
-
-    if os.environ.get(split_memo.DIRECTORY):
-        split_memo.install_shared(os.environ[split_memo.DIRECTORY])
 
 
 def _exit_code(code) -> int:
@@ -246,7 +240,7 @@ class Server:
             self.proc.kill()
 
 
-_servers: dict[str, Server] = {}
+_server: Server | None = None   # this test process's, started by the first `start`
 
 
 def start(argv: list[str], env: dict[str, str], log, **more) -> Rank | None:
@@ -254,22 +248,22 @@ def start(argv: list[str], env: dict[str, str], log, **more) -> Rank | None:
     `log` (`more`: Server.start's); None where ranks are to start cold (ZB_TEST_COLD_RANKS=1). One server per test
     process, started anew when the environment it was started with (less the per-rank variables) is not this
     rank's."""
+    global _server
     if os.environ.get(COLD) == "1":
         return None
     base = {k: v for k, v in env.items() if k not in PER_RANK}
-    server = _servers.get("server")
-    if server is None or server.env != base or not server.alive():
-        if server is not None:
-            server.close()
-        server = _servers["server"] = Server(base)
-    return server.start(argv, env, log, **more)
+    if _server is None or _server.env != base or not _server.alive():
+        close()
+        _server = Server(base)
+    return _server.start(argv, env, log, **more)
 
 
 def close() -> None:
-    """End this process's server, if any (tests/conftest.py, at the end of the session)."""
-    server = _servers.pop("server", None)
-    if server is not None:
-        server.close()
+    """End this process's server, if any (at exit, or before one with another environment replaces it)."""
+    global _server
+    if _server is not None:
+        _server.close()
+        _server = None
 
 
 atexit.register(close)

@@ -56,6 +56,12 @@ def install_shared(directory: str) -> None:
         _state["directory"] = directory
 
 
+def install_from_environment() -> None:
+    """In a launched rank: `install_shared` with the directory its environment names (DIRECTORY), if any."""
+    if os.environ.get(DIRECTORY):
+        install_shared(os.environ[DIRECTORY])
+
+
 def shared_directory() -> str | None:
     """The directory this process keeps its splits in (None: not installed)."""
     return _state["directory"]
