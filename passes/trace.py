@@ -32,6 +32,7 @@ from zbcompile._torch_private import tree_map
 from zbcompile.errors import TraceError
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Traced, module_path
+from zbcompile.passes.functions import functions_as_ops
 
 __all__ = ["trace", "flatten_example", "input_keywords", "retarget_device", "retarget_stages"]
 
@@ -135,20 +136,27 @@ def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
             keywords: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
     step = _Step(model, loss_fn, num_inputs, keywords)
     try:
-        try:
-            # the model's call signature kept: which graph values are the model's outputs (forward outputs of an
-            # evaluation step, PipelineModule.forward); the graph itself is the same as without it
-            ep = torch.export.export(step, tuple(flat), strict=False, preserve_module_call_signature=(_WRAPPED,))
-        except Exception:   # a model whose call signature export cannot keep still trains
-            ep = torch.export.export(step, tuple(flat), strict=False)
-        with warnings.catch_warnings():
-            # torch 2.13's own run_decompositions trips its LeafSpec deprecation; nothing a user can act on
-            warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
-            return ep.run_decompositions({})
+        with functions_as_ops():   # a custom autograd.Function keeps its backward (passes/functions.py)
+            return _export_step(step, flat)
     except TraceError:
         raise
     except Exception as exc:  # torch raises many types here; ours names the module and the fix
         raise TraceError(_explain_export_failure(exc, model)) from exc
+
+
+def _export_step(step: nn.Module, flat) -> torch.export.ExportedProgram:
+    try:
+        # the model's call signature kept: which graph values are the model's outputs (forward outputs of an
+        # evaluation step, PipelineModule.forward); the graph itself is the same as without it
+        ep = torch.export.export(step, tuple(flat), strict=False, preserve_module_call_signature=(_WRAPPED,))
+    except TraceError:
+        raise
+    except Exception:   # a model whose call signature export cannot keep still trains
+        ep = torch.export.export(step, tuple(flat), strict=False)
+    with warnings.catch_warnings():
+        # torch 2.13's own run_decompositions trips its LeafSpec deprecation; nothing a user can act on
+        warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
+        return ep.run_decompositions({})
 
 
 def _model_outputs(ep, graph: Graph) -> ModelOutputs | None:

@@ -32,6 +32,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 # private and has no public twin on 2.11-2.13, its functions are stable there.
 from torch.utils._pytree import tree_leaves, tree_map
 
+# TorchDispatchMode: the base class of a mode that sees every aten op run under it (passes/functions.py notes a
+# custom Function's random ops with one); torch.utils._python_dispatch, unchanged on 2.11-2.13.
+from torch.utils._python_dispatch import TorchDispatchMode
+
 __all__ = [
     "aot_export_joint_simple",
     "min_cut_rematerialization_partition",
@@ -39,6 +43,7 @@ __all__ = [
     "StorageWeakRef",
     "tree_leaves",
     "tree_map",
+    "TorchDispatchMode",
     "OpOverload",
     "op_schema",
     "BoxedCodeGen",

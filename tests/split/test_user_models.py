@@ -16,60 +16,14 @@ import torch
 
 from support import models
 from support.reference import check_against_eager
-from support.threaded import assert_graded_where_eager_is, max_grad_error, param_holders, run_threaded
+from support.threaded import (assert_graded_where_eager_is, distinct_microbatches, eager_microbatches, max_grad_error,
+                              param_holders, run_threaded, threaded_step_matches_eager)
 from zbcompile.compiler import split_for
 from zbcompile.errors import PartitionError
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
 
 torch.set_num_threads(1)
-
-
-def distinct_microbatches(tensors, m: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
-    """m microbatches shaped like each example tensor (one microbatch), concatenated on dim 0: each a shuffle of
-    the example's own values (token ids stay in the vocabulary, a mask stays 0/1) by a fixed generator, so no two
-    are equal and a pipeline that mixed microbatches up (fed one twice, paired one's targets with another's
-    inputs, summed a gradient into the wrong step) would differ from eager."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for t in tensors:
-        flat = t.reshape(-1)
-        out.append(torch.cat([flat[torch.randperm(flat.numel(), generator=g)].view_as(t) for _ in range(m)]))
-    for t in out[:1]:
-        assert len({tuple(c.flatten().tolist()) for c in t.chunk(m)}) == m, "two microbatches are equal"
-    return tuple(out)
-
-
-def eager_microbatches(model, loss_fn, batch, n: int, m: int, *, keywords=()):
-    """Eager autograd on a copy of `model`, microbatch by microbatch as the pipeline cuts the batch (inputs then
-    targets; `keywords` names the first inputs passed by keyword): each loss / m, backward, summed. Returns
-    (the copy with its gradients, the step's loss)."""
-    ref = copy.deepcopy(model)
-    total = 0.0
-    for mb in zip(*(t.chunk(m) for t in batch)):
-        kwargs = dict(zip(keywords, mb))
-        loss = loss_fn(ref(*mb[len(keywords):n], **kwargs), *mb[n:]) / m
-        loss.backward()
-        total += loss.item()
-    return ref, total
-
-
-def threaded_step_matches_eager(case, schedule: str, pp: int, *, split_points=None) -> None:
-    """One pipelined step over 2*pp distinct microbatches (ranks as threads) against eager autograd on the same
-    microbatches: losses and every gradient within 1e-5 relative, a gradient exactly where eager has one."""
-    sched = generate(schedule, pp, 2 * pp)
-    inputs, targets = [(x,) if isinstance(x, torch.Tensor) else tuple(x) for x in case.example]
-    staged = split_for(case.model, case.loss_fn, (inputs, targets), sched, split_points=split_points)
-    batch = distinct_microbatches(inputs + targets, 2 * pp)
-    n = len(inputs)
-    ref, want = eager_microbatches(case.model, case.loss_fn, batch, n, 2 * pp)
-    losses, ranks, _ = run_threaded(case.model, staged, sched, batch)
-    assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (losses, want)
-    eager = {name for name, p in ref.named_parameters() if p.grad is not None}
-    graded = [{name for name, p in mdl.named_parameters() if p.grad is not None} for mdl in ranks]
-    owned = assert_graded_where_eager_is(eager, param_holders(sched, staged), graded)
-    err, where = max_grad_error(ref, ranks, owned)
-    assert err <= 1e-5, where
 
 
 # (1) blocks in an nn.ModuleDict: the repeated units come from the traced graph, whatever holds them

@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from zbcompile._torch_private import FakeTensorMode, StorageWeakRef
+from zbcompile.passes.functions import op_from_parts, op_parts
 
 DIRECTORY = "ZB_TEST_SPLIT_DIR"   # a launched rank's environment: the session's directory
 _state = {"enabled": True, "directory": None}
@@ -325,6 +326,11 @@ class _GraphPickler(pickle.Pickler):
                            obj.dtype, str(obj.device), obj.requires_grad)
         if isinstance(obj, fx.GraphModule):
             return _graph_module, _graph_module_state(obj)
+        if isinstance(obj, torch._ops.OpOverload) and obj.namespace == "zbfn":
+            parts = op_parts(obj)   # a custom autograd.Function's op: made again where it is loaded
+            if parts is None:
+                raise pickle.PicklingError(f"{obj} holds objects only this process can tell apart")
+            return op_from_parts, parts
         if isinstance(obj, torch._ops.OpOverload):
             return _op, (obj._schema.name, obj._overloadname)
         if isinstance(obj, torch._ops.OpOverloadPacket):

@@ -6,11 +6,15 @@ without starting processes; tests/distributed/test_dist.py runs the same under t
 
 from __future__ import annotations
 
+import copy
 import threading
 
-from zbcompile.compiler import compile_staged
+import torch
+
+from zbcompile.compiler import compile_staged, split_for
 from zbcompile.options import CompileOptions
 from zbcompile.passes.lower import OffloadChoice, emit_fx
+from zbcompile.passes.schedules import generate
 from zbcompile.runtime.loopback import LoopbackWorld, rank_runtime
 
 
@@ -150,3 +154,50 @@ def run_pipes(fn, pp: int, *, world=None) -> list:
 
     run_ranks(run, pp, errors)
     return results
+
+
+def distinct_microbatches(tensors, m: int, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """m microbatches shaped like each example tensor (one microbatch), concatenated on dim 0: each a shuffle of
+    the example's own values (token ids stay in the vocabulary, a mask stays 0/1) by a fixed generator, so no two
+    are equal and a pipeline that mixed microbatches up (fed one twice, paired one's targets with another's
+    inputs, summed a gradient into the wrong step) would differ from eager."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        out.append(torch.cat([flat[torch.randperm(flat.numel(), generator=g)].view_as(t) for _ in range(m)]))
+    for t in out[:1]:
+        assert len({tuple(c.flatten().tolist()) for c in t.chunk(m)}) == m, "two microbatches are equal"
+    return tuple(out)
+
+
+def eager_microbatches(model, loss_fn, batch, n: int, m: int, *, keywords=()):
+    """Eager autograd on a copy of `model`, microbatch by microbatch as the pipeline cuts the batch (inputs then
+    targets; `keywords` names the first inputs passed by keyword): each loss / m, backward, summed. Returns
+    (the copy with its gradients, the step's loss)."""
+    ref = copy.deepcopy(model)
+    total = 0.0
+    for mb in zip(*(t.chunk(m) for t in batch)):
+        kwargs = dict(zip(keywords, mb))
+        loss = loss_fn(ref(*mb[len(keywords):n], **kwargs), *mb[n:]) / m
+        loss.backward()
+        total += loss.item()
+    return ref, total
+
+
+def threaded_step_matches_eager(case, schedule: str, pp: int, *, split_points=None) -> None:
+    """One pipelined step over 2*pp distinct microbatches (ranks as threads) against eager autograd on the same
+    microbatches: losses and every gradient within 1e-5 relative, a gradient exactly where eager has one."""
+    sched = generate(schedule, pp, 2 * pp)
+    inputs, targets = [(x,) if isinstance(x, torch.Tensor) else tuple(x) for x in case.example]
+    staged = split_for(case.model, case.loss_fn, (inputs, targets), sched, split_points=split_points)
+    batch = distinct_microbatches(inputs + targets, 2 * pp)
+    n = len(inputs)
+    ref, want = eager_microbatches(case.model, case.loss_fn, batch, n, 2 * pp)
+    losses, ranks, _ = run_threaded(case.model, staged, sched, batch)
+    assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (losses, want)
+    eager = {name for name, p in ref.named_parameters() if p.grad is not None}
+    graded = [{name for name, p in mdl.named_parameters() if p.grad is not None} for mdl in ranks]
+    owned = assert_graded_where_eager_is(eager, param_holders(sched, staged), graded)
+    err, where = max_grad_error(ref, ranks, owned)
+    assert err <= 1e-5, where
