@@ -2,9 +2,11 @@
 
     model, loss_fn, example  ->  Traced(graph=Graph(gm, inputs, outputs), tied, frozen, ...)   (zbcompile.ir.stages)
 
-Route (see the F/B/W notes): non-strict `torch.export.export` of a wrapper module, then
-`run_decompositions({})`, which only functionalizes: BatchNorm statistic updates become graph outputs while
-linear / SDPA / layer_norm stay high level. Every placeholder of the result is named by its value name:
+Route (see the F/B/W notes): non-strict `torch.export.export` of a wrapper module, then `run_decompositions`,
+which only functionalizes (and writes out instance_norm): BatchNorm statistic updates become graph outputs while
+linear / SDPA / layer_norm stay high level. Before it, what a `torch.no_grad()` region computes is detached where
+the step reads it, and while exporting a custom autograd.Function becomes an op that keeps its backward
+(passes/functions.py). Every placeholder of the result is named by its value name:
 
     param:<fqn>    one placeholder per Parameter *object*; tied aliases are merged onto the canonical
                    (first registered) name and recorded in `Traced.tied`
@@ -153,10 +155,57 @@ def _export_step(step: nn.Module, flat) -> torch.export.ExportedProgram:
         raise
     except Exception:   # a model whose call signature export cannot keep still trains
         ep = torch.export.export(step, tuple(flat), strict=False)
+    _detach_no_grad_regions(ep.graph_module)
     with warnings.catch_warnings():
         # torch 2.13's own run_decompositions trips its LeafSpec deprecation; nothing a user can act on
         warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
-        return ep.run_decompositions({})
+        return ep.run_decompositions({torch.ops.aten.instance_norm.default: _instance_norm})
+
+
+def _instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled):
+    """aten.instance_norm as ATen's own composite computes it (a batch norm over the (1, B*C, ...) view of the
+    input), written out for the trace: the composite updates the running statistics through an alias its schema
+    does not declare, so export neither saw the update (running stats never changed) nor could a stage graph
+    carry it (aot refuses the hidden input mutation). Here it is a copy into the buffer, which export makes a
+    buffer update of the step, as it does BatchNorm's."""
+    b, c = input.shape[0], input.shape[1]
+
+    def per_sample(t):
+        return None if t is None else t.repeat(b)
+
+    mean, var = per_sample(running_mean), per_sample(running_var)
+    out = torch.batch_norm(input.contiguous().view(1, b * c, *input.shape[2:]), per_sample(weight),
+                           per_sample(bias), mean, var, use_input_stats, momentum, eps, cudnn_enabled)
+    if use_input_stats and running_mean is not None:
+        running_mean.copy_(mean.view(b, c).mean(0))
+    if use_input_stats and running_var is not None:
+        running_var.copy_(var.view(b, c).mean(0))
+    return out.view_as(input)
+
+
+def _detach_no_grad_regions(gm: fx.GraphModule) -> None:
+    """Every value a `with torch.no_grad():` region of the step computes, detached where the step reads it.
+
+    Export keeps such a region as a `wrap_with_set_grad_enabled(False, ...)` call, but `run_decompositions`
+    inlines it and the grad mode is gone: the joint trace of a stage would then differentiate through it (a
+    scale or a mask computed under no_grad, an EMA buffer read back) where eager does not. A detach says the
+    same thing in a graph that has no grad mode. The step's outputs (a buffer's new value) stay as they are:
+    export names them in its signature, and split_fbw detaches a buffer's new value anyway."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    for node in list(gm.graph.nodes):
+        if hop is None or node.target is not hop or node.args[0] is not False:
+            continue
+        for item in list(node.users):
+            readers = [u for u in item.users if u.op != "output"]
+            if not readers:
+                continue
+            with gm.graph.inserting_after(item):
+                detached = gm.graph.call_function(torch.ops.aten.detach.default, (item,))
+            if isinstance(item.meta.get("val"), torch.Tensor):
+                detached.meta["val"] = item.meta["val"].detach()
+            for user in readers:
+                user.replace_input_with(item, detached)
+    gm.recompile()
 
 
 def _model_outputs(ep, graph: Graph) -> ModelOutputs | None:

@@ -52,6 +52,7 @@ from zbcompile.ir.names import VOCAB_EMB, Role, key_of, role_of
 from zbcompile.ir.stages import Graph, Partition, Stage, StagedModel, TensorSpec
 from zbcompile.passes.forward_only import output_graph
 from zbcompile.passes.split_fbw.b_w import _split_b_w
+from zbcompile.passes.split_fbw.common import _aten
 from zbcompile.passes.split_fbw.diagnose import _explain_joint_failure
 from zbcompile.passes.split_fbw.fbw import _backward_graph, _forward_graph
 from zbcompile.passes.split_fbw.joint import _differentiable_forward, _fake_arg, _trivial_program
@@ -131,6 +132,10 @@ def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torc
     with mode, torch.enable_grad():
         outs = diff_gm(*args)
     out_rg = {name: bool(o.requires_grad) for name, o in zip(diff_names, outs)}
+    graded_buffers = [n for n in diff_names if role_of(n) is Role.BUFFER and out_rg[n]]
+    if graded_buffers:
+        diff_gm = _detach_outputs(diff_gm, [diff_names.index(n) for n in graded_buffers])
+        out_rg.update(dict.fromkeys(graded_buffers, False))
     in_rg = {name: bool(a.requires_grad) for name, a in zip(stage.inputs, args)}
     rg = {**in_rg, **out_rg, **{p: in_rg[p] for p in stage.passthrough}}
     if not any(in_rg.values()) or not diff_names:
@@ -148,6 +153,23 @@ def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torc
     bw_graph = _backward_graph(stage, bw, saved, tangents, in_rg)
     b, w = _split_b_w(bw_graph)
     return _stage(stage, f, b, w, bw_graph, rg)
+
+
+def _detach_outputs(gm: fx.GraphModule, positions: Sequence[int]) -> fx.GraphModule:
+    """`gm` with the outputs at `positions` detached: a buffer's new value computed from values that require grad
+    (an update written under torch.no_grad(), whose region the trace does not keep, as spectral_norm's power
+    iteration or a running average of activations). No gradient flows into a buffer's next value in eager
+    either; reads of the new value later in the same step keep theirs (they read the value, not the output)."""
+    out = gm.graph.output_node()
+    results = list(out.args[0])
+    with gm.graph.inserting_before(out):
+        for i in positions:
+            node = gm.graph.call_function(_aten.detach.default, (results[i],))
+            node.meta["val"] = results[i].meta["val"].detach()
+            results[i] = node
+    out.args = (tuple(results),)
+    gm.recompile()
+    return gm
 
 
 def _stage(sg: Graph, f: Graph, b: Graph, w: Graph, bw: Graph, rg: Mapping[str, bool]) -> Stage:

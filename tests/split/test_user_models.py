@@ -13,6 +13,8 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from support import models
 from support.reference import check_against_eager
@@ -254,6 +256,62 @@ def test_keyword_only_model_trains_equal_to_eager_pipelined():
                                           for mdl in ranks])
     err, where = max_grad_error(ref, ranks, owned)
     assert err <= 1e-5, where
+
+
+# (8) what a torch.no_grad() region computes carries no gradient, as in eager: a scale, a running average of
+# activations read back in the same step, spectral_norm's power iteration; InstanceNorm's running statistics
+
+class NoGradNet(nn.Module):
+    """A scale computed under no_grad divides the activations; an EMA buffer of the activations is updated under
+    no_grad and read back. Differentiating through either (as a trace without grad modes would) changes every
+    gradient before it."""
+
+    def __init__(self, width: int = 8, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(layers)])
+        self.register_buffer("ema", torch.zeros(width))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 0:
+                with torch.no_grad():
+                    scale = x.abs().amax() + 1.0
+                x = x / scale
+            if i == 1:
+                with torch.no_grad():
+                    self.ema.mul_(0.9).add_(0.1 * x.mean(0))
+                x = x + self.ema
+        return x
+
+
+def _case(model: nn.Module, example) -> models.Case:
+    return models.Case(model, F.mse_loss if example[1].is_floating_point() else F.cross_entropy, example, 4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_values_computed_under_no_grad_carry_no_gradient(schedule):
+    torch.manual_seed(0)
+    threaded_step_matches_eager(_case(NoGradNet(), (torch.randn(2, 8), torch.randn(2, 8))), schedule, 2)
+
+
+def test_spectral_norm_trains_equal_to_eager():
+    torch.manual_seed(0)
+    sn = nn.utils.parametrizations.spectral_norm
+    model = nn.Sequential(*[m for _ in range(4) for m in (sn(nn.Linear(8, 8)), nn.Tanh())])
+    threaded_step_matches_eager(_case(model, (torch.randn(2, 8), torch.randn(2, 8))), "zb-h1", 2)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_instance_norm_running_statistics_update_as_in_eager(affine):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=affine, track_running_stats=True),
+                          nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.InstanceNorm2d(4, track_running_stats=True),
+                          nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    case = _case(model, (torch.randn(2, 3, 6, 6), torch.randint(0, 5, (2,))))
+    staged = split_model(case.model, case.loss_fn, case.example, num_stages=2)
+    assert any(b.endswith("running_mean") for st in staged.stages for b in st.buffers)
+    threaded_step_matches_eager(case, "1f1b", 2)
 
 
 # what still cannot work: one clear error naming the module, the op and the fix

@@ -187,7 +187,8 @@ def eager_microbatches(model, loss_fn, batch, n: int, m: int, *, keywords=()):
 
 def threaded_step_matches_eager(case, schedule: str, pp: int, *, split_points=None) -> None:
     """One pipelined step over 2*pp distinct microbatches (ranks as threads) against eager autograd on the same
-    microbatches: losses and every gradient within 1e-5 relative, a gradient exactly where eager has one."""
+    microbatches: losses and every gradient within 1e-5 relative, a gradient exactly where eager has one, and
+    every buffer the step updates (on the rank whose stage holds it) as eager left it."""
     sched = generate(schedule, pp, 2 * pp)
     inputs, targets = [(x,) if isinstance(x, torch.Tensor) else tuple(x) for x in case.example]
     staged = split_for(case.model, case.loss_fn, (inputs, targets), sched, split_points=split_points)
@@ -201,3 +202,15 @@ def threaded_step_matches_eager(case, schedule: str, pp: int, *, split_points=No
     owned = assert_graded_where_eager_is(eager, param_holders(sched, staged), graded)
     err, where = max_grad_error(ref, ranks, owned)
     assert err <= 1e-5, where
+    assert_buffers_match(ref, ranks, sched, staged)
+
+
+def assert_buffers_match(ref, ranks, sched, staged) -> None:
+    """Each rank's buffers of its own stages equal eager's (`ref`) after the same microbatches, in order."""
+    want = dict(ref.named_buffers())
+    for r, mdl in enumerate(ranks):
+        mine = {n for s, rank in enumerate(sched.placement) if rank == r
+                for n in staged.stages[sched.model_stage(s)].buffers}
+        for name, buf in mdl.named_buffers():
+            if name in mine:
+                torch.testing.assert_close(buf, want[name], rtol=1e-5, atol=1e-6, msg=f"rank {r}: buffer {name}")
