@@ -27,6 +27,7 @@ the checkpoint holds whole tables and any layout reads back the rows it holds.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import warnings
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
@@ -136,8 +138,9 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     Crash-safe (zbcompile/checkpoint_files.py): the files go to a staging directory beside `path`, which
     replaces `path` in one commit once every rank has written; a checkpoint already at `path` survives a crash
     at any moment of the save. A failure (a peer killed mid-save, a full disk) raises CheckpointError on the
-    ranks that see it, saying that the previous checkpoint is intact. `extra`: JSON-able values committed with
-    the checkpoint (a training loop's step count, its data position), which `load` returns."""
+    ranks that see it, saying that the previous checkpoint is intact (a failure in DCP's writes: on every rank).
+    `extra`: JSON-able values committed with the checkpoint (a training loop's step count, its data position),
+    checksummed with it, which `load` returns."""
     _settle(module)
     dp = getattr(module, "_dp", None)
     # replicated data-parallel replicas hold the same state: replica 0 writes it; sharded ones each write their
@@ -147,6 +150,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     path = Path(path)
     stage = files.staging(path)
     _check_optimizer(module, optimizer)
+    _check_extra(extra)
     if dp is not None and not dp.sharded and dp.rank != 0:
         dp.barrier("waiting for replica 0 to save the checkpoint")
         return
@@ -165,12 +169,12 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
         _exchange(pg, None)   # every rank returns once the checkpoint is in place
         if dp is not None and not dp.sharded:
             dp.barrier("telling the replicas the checkpoint is saved")
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:   # DCP's CheckpointException is a BaseException
         raise CheckpointError(
-            f"rank {rank}: saving the checkpoint {os.fspath(path)!r} failed ({type(exc).__name__}: "
-            f"{str(exc)[:300]}). The checkpoint that was there before this save, if any, is intact; the partial "
-            f"save is only in {os.fspath(stage)!r}, which the next save clears. After a peer failed the process "
-            "group is unusable: restart the job (it resumes from the checkpoint)") from exc
+            f"rank {rank}: saving the checkpoint {os.fspath(path)!r} failed ({_reason(exc)}). The checkpoint that "
+            f"was there before this save, if any, is intact; the partial save is only in {os.fspath(stage)!r}, "
+            "which the next save clears. Free disk space if it is full; after a peer failed the process group is "
+            "unusable: restart the job (it resumes from the checkpoint)") from exc
 
 
 def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -198,9 +202,10 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     _agree_or_raise(pg, files.metadata_problems(path), path, "damaged")
     _check_checkpoint(path, module, optimizer, pg)
     _agree_or_raise(pg, files.data_problems(path, rank, ranks), path, "damaged")
-    state, whole = _state_dict(module, optimizer, copies=True)
-    with _single_process_is_meant():
-        dcp.load(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
+    extra = files.extra(path)
+    with _fresh_on_failure(optimizer):
+        state, whole = _state_dict(module, optimizer, copies=True)
+        _read(path, state, pg)
     # row shards were read in place through their views: hand the module its whole tensors back (as this
     # replica's shard of them where the data-parallel replicas shard them)
     state = {part: {k: as_live(whole[part, k]) if (part, k) in whole else v for k, v in entries.items()}
@@ -210,7 +215,58 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     else:
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=OPTIONS)
-    return files.extra(path)
+    return extra
+
+
+def _read(path: Path, state: dict, pg) -> None:
+    """DCP's read of the checkpoint into `state` (copies); a failure is a CheckpointError, with the same reason on
+    every rank (DCP gathers every rank's failure before raising). Only a checkpoint without a manifest gets here
+    damaged: the checksums found the rest."""
+    try:
+        with _single_process_is_meant():
+            dcp.load(state, checkpoint_id=path, process_group=pg, no_dist=not _distributed(pg))
+    except (Exception, CheckpointException) as exc:   # DCP's CheckpointException is a BaseException
+        unverified = "" if (path / files.MANIFEST).exists() else f", and without {files.MANIFEST} it was not verified"
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r}: damaged, nothing was loaded:\n  reading it failed "
+                              f"({_reason(exc)}){unverified}\nload an earlier checkpoint; the model and the "
+                              "optimizer were not changed") from exc
+
+
+@contextlib.contextmanager
+def _fresh_on_failure(optimizer):
+    """torch's get_state_dict creates a fresh optimizer's state by stepping it once with lr 0 (its
+    _init_optim_state: AdamW's step count becomes 1); a load failing after that empties the state again, so the
+    optimizer is as it was."""
+    fresh = optimizer is not None and not optimizer.state
+    try:
+        yield
+    except BaseException:
+        if fresh:
+            optimizer.state.clear()
+        raise
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception in a line: for DCP's CheckpointException (whose text is every failed rank's traceback), each
+    failed rank's exception."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return "; ".join(f"rank {r}: {_line(f[0] if isinstance(f, tuple) else f)}"
+                         for r, f in sorted(exc.failures.items()))
+    return _line(exc)
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+def _check_extra(extra) -> None:
+    """CheckpointError before anything is written where `extra` is not JSON (it goes into the manifest)."""
+    try:
+        json.dumps(dict(extra or {}))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"save(..., extra=...) takes a dict of JSON values (numbers, strings, lists, dicts), "
+                              f"and this one is not ({type(exc).__name__}: {exc}); nothing was written") from None
 
 
 def _check_optimizer(module: nn.Module, optimizer) -> None:

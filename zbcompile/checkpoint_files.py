@@ -11,8 +11,12 @@ complete checkpoint, and `recover` (run before every save and load) puts .previo
 between the two renames. A crash before the commit leaves <dir> as it was.
 
 MANIFEST holds a SHA-256 of .metadata and of every item's bytes (a tensor, or a pickled value: DCP's
-storage_data, file / offset / length); `problems` re-reads them, so a flipped byte, a truncated or missing file
-is named with the tensor it damages. A checkpoint without MANIFEST (written by torch.distributed.checkpoint
+storage_data, file / offset / length); `data_problems` re-reads them, so a flipped byte, a truncated or missing
+file is named with the tensor it damages. MANIFEST also holds the JSON values saved with the checkpoint
+(`extra`: a training loop's step) and, since format 2, a SHA-256 of its own content ("checksum", over the
+canonical JSON of every other field), so an edited step or a damaged manifest is refused like a damaged tensor.
+Formats read: 2 (written now) and 1 (written before the manifest checksummed itself: it loads, its tensors and
+index verified, its `extra` values not). A checkpoint without MANIFEST (written by torch.distributed.checkpoint
 itself) loads unverified.
 """
 
@@ -29,6 +33,7 @@ __all__ = ["MANIFEST", "staging", "previous", "recover", "clear", "exists", "ite
 
 MANIFEST = "zbcompile-manifest.json"
 METADATA = ".metadata"   # DCP's index of the checkpoint
+FORMAT = 2               # the manifest's format: 2 checksums the manifest itself (extra included); 1 does not
 _CHUNK = 1 << 20
 
 
@@ -93,14 +98,23 @@ def item_checksums(path: Path, part: int, parts: int) -> dict[str, list]:
 
 def write_manifest(path: Path, items: dict[str, list], extra: dict | None = None) -> None:
     files = {f: (path / f).stat().st_size for f, *_ in items.values()}
-    body = {"format": 1, "metadata": _sha(path / METADATA), "files": files, "items": dict(sorted(items.items())),
-            "extra": extra or {}}
+    body = {"format": FORMAT, "metadata": _sha(path / METADATA), "files": files,
+            "items": dict(sorted(items.items())), "extra": extra or {}}
+    body = json.loads(json.dumps(body))   # as load parses it (tuples as lists, keys as strings): what is summed
+    body["checksum"] = _digest(body)
     tmp = path / (MANIFEST + ".tmp")
     with open(tmp, "w") as fh:
         json.dump(body, fh, indent=0)
         fh.flush()
         os.fsync(fh.fileno())
     os.rename(tmp, path / MANIFEST)
+
+
+def _digest(body: dict) -> str:
+    """SHA-256 of the manifest's fields but "checksum", as canonical JSON (sorted keys, no spaces): independent of
+    how the file is laid out, so only a change of a value fails it."""
+    fields = {k: v for k, v in body.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def commit(stage: Path, path: Path) -> None:
@@ -127,23 +141,61 @@ def _sync_dir(path: Path) -> None:
 
 def _manifest(path: Path) -> dict | None:
     """The manifest, None where there is none (a checkpoint torch.distributed.checkpoint wrote itself);
-    ValueError where it cannot be read."""
+    ValueError, saying what is wrong, where it cannot be read, is not what `write_manifest` writes, or its
+    content differs from its checksum (required from format 2 on). Every reader goes through here, so the rest
+    may trust its shape."""
     f = path / MANIFEST
     if not f.exists():
         return None
     try:
         body = json.loads(f.read_text())
-        if body.get("format") != 1:
-            raise ValueError(f"format {body.get('format')!r}")
-        return body
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:   # ValueError: not JSON, or not UTF-8
         raise ValueError(f"{MANIFEST} cannot be read ({type(exc).__name__}: {exc})") from exc
+    problem = _shape_problem(body)
+    if problem:
+        raise ValueError(f"{MANIFEST} is malformed ({problem})")
+    # checked wherever there is one, whatever "format" says: a damaged "format" must not turn the check off
+    if "checksum" in body and _digest(body) != body["checksum"]:
+        raise ValueError(f"{MANIFEST} differs from its checksum (edited or corrupted after the save: its saved "
+                         "values, such as the step, cannot be trusted)")
+    return body
+
+
+def _shape_problem(body) -> str | None:
+    """What makes `body` other than a manifest `write_manifest` writes (the first thing found), None if nothing."""
+    if not isinstance(body, dict):
+        return f"a JSON {type(body).__name__}, not an object"
+    if type(body.get("format")) is not int or body["format"] not in (1, 2):
+        return f"format {body.get('format')!r}, where this zbcompile reads 1 and 2: a newer one wrote it, or damage"
+    fields = {"metadata": str, "files": dict, "items": dict, "extra": dict} | (
+        {"checksum": str} if body["format"] >= 2 or "checksum" in body else {})
+    for key, kind in fields.items():
+        if key not in body:
+            return f'"{key}" is missing'
+        if not isinstance(body[key], kind):
+            return f'"{key}" is a {type(body[key]).__name__}, not a {"string" if kind is str else "JSON object"}'
+    size = next((f for f, n in body["files"].items() if not _count(n)), None)
+    if size is not None:
+        return f'"files": {size!r} has no byte count'
+    item = next((k for k, v in body["items"].items() if not _item(v, body["files"])), None)
+    if item is not None:
+        return f'"items": {item!r} is not [file of "files", offset, length, checksum]'
+    return None
+
+
+def _count(n) -> bool:
+    return type(n) is int and n >= 0   # not a bool, which JSON's true would give
+
+
+def _item(value, files: dict) -> bool:
+    return (isinstance(value, list) and len(value) == 4 and isinstance(value[0], str) and value[0] in files
+            and _count(value[1]) and _count(value[2]) and isinstance(value[3], str))
 
 
 def extra(path: Path) -> dict:
     """The values saved with the checkpoint (`save(..., extra=)`); {} without a manifest."""
     body = _manifest(path)
-    return dict(body.get("extra", {})) if body else {}
+    return dict(body["extra"]) if body else {}
 
 
 def metadata_problems(path: Path) -> list[str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from zbcompile.errors import ZBCompileError
+from zbcompile.plan import positive_int
 
 __all__ = ["add_arguments", "run", "load_factory", "dp_table", "boundary_table"]
 
@@ -23,10 +24,11 @@ __all__ = ["add_arguments", "run", "load_factory", "dp_table", "boundary_table"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", metavar="MODULE:FACTORY",
                         help="a no-argument callable returning (model, loss_fn, example)")
-    parser.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    parser.add_argument("--pp", type=positive_int, required=True, help="pipeline ranks")
     parser.add_argument("--schedule", required=True, help="schedule name (see `zbcompile plan --compare`)")
-    parser.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 2*pp)")
-    parser.add_argument("--chunks", type=int, default=None, help="stages per rank for interleaved-1f1b")
+    parser.add_argument("--microbatches", type=positive_int, default=None,
+                        help="microbatches per step (default 2*pp)")
+    parser.add_argument("--chunks", type=positive_int, default=None, help="stages per rank for interleaved-1f1b")
     parser.add_argument("--split-points", default=None,
                         help="comma-separated module names to cut before (default: balanced by cost)")
     parser.add_argument("--rank", type=int, default=None, help="print only this rank's program")
@@ -53,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of every rank's capture-ready program in threads of this process, on the example repeated into a batch, and check "
                              "that from step 2 on each step touches the same static memory and posts the same "
                              "messages, and that nothing it allocates outlives it (runtime/replay_check.py)")
-    parser.add_argument("--dp", type=int, default=1, metavar="N",
+    parser.add_argument("--dp", type=positive_int, default=1, metavar="N",
                         help="lower for N data-parallel replicas: shows where each gradient bucket's all-reduce is "
                              "posted and how much of the step's compute is left to hide it")
     parser.add_argument("--dp-bucket-mb", type=float, default=None, metavar="MIB",
@@ -105,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
                              **({} if getattr(args, "dp_shard", None) is None else
                                 {"dp_shard": True, "dp_gather": args.dp_shard}))
     replicas = getattr(args, "dp", 1)
-    if replicas < 1:
-        raise ZBCompileError(f"inspect: --dp {replicas}: give the number of data-parallel replicas (>= 1)")
     if options.offload is not None:
         print(f"# activation offload for {args.offload} (time model: {args.device})")
     # the programs zb.compile would make; capture problems are printed per rank below, not raised

@@ -35,7 +35,7 @@ from zbcompile.timeline import ascii_timeline, svg_timeline
 
 __all__ = [
     "PlanRow", "build_schedule", "load_schedule", "compare", "compare_table", "summary_table",
-    "result_json", "parse_bytes", "add_arguments", "run",
+    "result_json", "parse_bytes", "positive_int", "add_arguments", "run",
 ]
 
 
@@ -230,7 +230,8 @@ def parse_bytes(text: str) -> float:
 
 
 # ---- command line --------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a count of 1 or more, else the one-line usage error (`plan`, `inspect`)."""
     try:
         value = int(text)
     except ValueError:
@@ -266,9 +267,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--schedule", metavar="NAME", help="schedule to generate (see --compare for the list)")
     what.add_argument("--compare", action="store_true", help="every schedule side by side")
     what.add_argument("--load", metavar="FILE", help="simulate a saved schedule: torch's CSV or our text form")
-    parser.add_argument("--pp", type=_positive_int, metavar="P", help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=_positive_int, metavar="M", help="microbatches per step")
-    parser.add_argument("--chunks", type=_positive_int, metavar="V",
+    parser.add_argument("--pp", type=positive_int, metavar="P", help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=positive_int, metavar="M", help="microbatches per step")
+    parser.add_argument("--chunks", type=positive_int, metavar="V",
                         help="stages per rank for interleaved-1f1b (with --compare, schedules that hold a "
                              "fixed number per rank say so in their row)")
     parser.add_argument("--costs", type=_arg(Costs.parse), default=Costs(), metavar="F=..,B=..,W=..,comm=..",
@@ -279,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of an F's activations its B frees (default 0: W frees everything)")
     parser.add_argument("--act-bytes", type=_arg(parse_bytes), metavar="SIZE",
                         help="bytes of one 1F1B stage's activations per microbatch, e.g. 1.5GiB")
-    parser.add_argument("--width", type=_positive_int, metavar="COLS", help="ASCII timeline width")
+    parser.add_argument("--width", type=positive_int, metavar="COLS", help="ASCII timeline width")
     parser.add_argument("--csv", metavar="FILE", help="write torch's compute-only CSV")
     parser.add_argument("--svg", metavar="FILE", help="write the timeline as SVG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -288,7 +289,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="time to all-reduce one 1F1B stage's gradients over the replicas (cost units): prints the "
                          "step with the reductions at the end, placed where each stage's gradients are final, and "
                          "with the cooldown's W's in gradient groups (zbcompile/plan_dp.py)")
-    dp.add_argument("--dp-pieces", type=_positive_int, default=4, metavar="K",
+    dp.add_argument("--dp-pieces", type=positive_int, default=4, metavar="K",
                     help="gradient groups per deferred W for --dp-comm (compile's dp_w_pieces; default 4)")
     boundary = parser.add_argument_group("the step boundary (optimizer step)")
     boundary.add_argument("--step-boundary", type=_non_negative_float, metavar="OPT",
@@ -305,7 +306,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     vocab.add_argument("--vocab-ratio", type=_non_negative_float, default=4.6, metavar="R",
                        help="the output layer's F+B+W time in transformer blocks' (V/(12h+2s); default 4.6, "
                             "about Gemma-2-9B)")
-    vocab.add_argument("--layers", type=_positive_int, metavar="N",
+    vocab.add_argument("--layers", type=positive_int, metavar="N",
                        help="transformer blocks in the model, to convert the ratio into stages (default 8 per "
                             "rank)")
     vocab.add_argument("--vocab-act-ratio", type=_non_negative_float, metavar="R",

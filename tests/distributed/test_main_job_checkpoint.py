@@ -56,17 +56,21 @@ def test_a_job_whose_rank_dies_restarts_itself_and_ends_as_the_uninterrupted_one
     """torchrun --max-restarts with --save-every 2 --resume auto: rank 1 kills itself (SIGKILL) after step 3 of
     the first attempt; rank 0 fails fast (the process group is unusable: it says so and exits 1), torchrun starts
     both again, they resume from the checkpoint of step 2 and run steps 3-6 on the data stream where it stopped:
-    every step's loss equals the uninterrupted eager run's (float32, 1e-5)."""
+    every step's loss equals the uninterrupted eager run's (float32, 1e-5). Rank 0 of that second attempt kills
+    itself after its last save (a death in the teardown): the third attempt resumes after step 6, finds nothing
+    left to train and ends the job with 0."""
     metrics = tmp_path / "metrics.jsonl"
     # --standalone: torchrun's own rendezvous on a free port (the restarted attempt registers with it again)
     out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                        "--max-restarts", "2", "--monitor-interval", "0.2", "-m", "zbcompile.examples.train_gpt", *JOB[:-2], "--steps", "6",
                        "--save", str(tmp_path / "ckpt"), "--save-every", "2", "--resume", "auto",
-                       "--kill-rank-at", "1:3", "--metrics", str(metrics)],
+                       "--kill-rank-at", "1:3", "--kill-rank-at", "0:6:1", "--metrics", str(metrics)],
                       timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-4000:]
     assert "the job must restart" in out.stderr, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "after step 2" in out.stdout, out.stdout[-2000:]
+    assert "nothing left to train: the checkpoint in" in out.stdout, out.stdout[-2000:]
+    assert "is after step 6, and --steps 6 ends the job at step 6" in out.stdout, out.stdout[-2000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r["step"] for r in rows]
     restart = max(i for i, s in enumerate(steps) if s == 3)   # the second attempt's steps start at its last 3

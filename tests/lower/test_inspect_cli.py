@@ -50,6 +50,19 @@ def test_inspect_ops_view_and_bad_rank():
     assert missing.returncode == 2 and "cannot import module 'no_such_module'" in missing.stderr
 
 
+@pytest.mark.parametrize("flags, named", [
+    (("--pp", "0"), "argument --pp: expected a positive integer, got '0'"),
+    (("--pp", "-1"), "argument --pp: expected a positive integer, got '-1'"),
+    (("--pp", "2", "--microbatches", "0"), "argument --microbatches: expected a positive integer, got '0'"),
+], ids=["pp-0", "pp-negative", "microbatches-0"])
+def test_inspect_names_a_bad_count_as_zbcompile_plan_does(flags, named):
+    """One line naming the argument (not the microbatches a bad --pp makes), status 2, before any tracing; a zero
+    --microbatches is refused, not replaced by the default."""
+    bad = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", *flags, "--schedule", "zbv")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert f"\nzbcompile: error: {named}" in "\n" + bad.stderr, bad.stderr
+
+
 def test_inspect_vocab_parallel_shows_the_passes_and_the_collectives():
     out = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "1f1b",
                "--vocab-parallel", "--ops")
@@ -80,7 +93,8 @@ def test_inspect_dp_shows_where_each_reduction_lands():
     assert "dp_reduce(" in text and "wait_dp(h:dp0)" in text and "gradient group 1 of" in text
     bad = _run("-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "zbv",
                "--dp", "0")
-    assert bad.returncode != 0 and "--dp 0" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "argument --dp: expected a positive integer, got '0'" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def test_inspect_dp_shard_shows_where_each_gather_lands():

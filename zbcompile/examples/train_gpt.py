@@ -13,7 +13,8 @@ names, any layout can load it, crash-safe) with the number of steps done, and ev
 stream, so a resumed run continues the uninterrupted one exactly, at any pp, schedule or split. `--resume auto`
 resumes from the --save directory where a checkpoint is there (else starts afresh), and --steps is then the
 job's total: under `torchrun --max-restarts N` a job whose rank died restarts from its newest complete
-checkpoint by itself and ends where the uninterrupted job would have.
+checkpoint by itself and ends where the uninterrupted job would have (a job restarted after its last save, a
+rank having died in the teardown, finds nothing left to train and ends with 0).
 A failed step or save (a peer died) leaves the process group unusable: every rank says so and exits with 1.
 """
 
@@ -98,18 +99,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="start from the checkpoint in DIR and train --steps more; auto: from --save's directory "
                         "where one is there, --steps in all")
     p.add_argument("--metrics", type=Path, default=None, help="rank 0 appends a JSON line per step (step, loss)")
-    p.add_argument("--kill-rank-at", default=None, metavar="RANK:STEP",
-                   help="to try restarts: that rank kills itself (SIGKILL) after that step, in a job's first "
-                        "attempt only (torchrun's TORCHELASTIC_RESTART_COUNT=0)")
+    p.add_argument("--kill-rank-at", type=_kill_at, action="append", default=None, metavar="RANK:STEP[:ATTEMPT]",
+                   help="to try restarts: that rank kills itself (SIGKILL) after that step (and its save), in the "
+                        "job's attempt ATTEMPT only (torchrun's TORCHELASTIC_RESTART_COUNT; default 0, the first); "
+                        "may be repeated")
     p.add_argument("--vocab-parallel", action="store_true",
                    help="shard the embedding and the output layer over every rank (vocabulary parallelism)")
     p.add_argument("--offload", default=None, metavar="BYTES|auto",
                    help="activation offload: a per-rank device-memory budget in bytes, or 'auto'")
     p.add_argument("--memory", action="store_true", help="print every rank's memory plan before training")
     args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps {args.steps}: give the number of steps to train (at least 1)")
     if (args.resume == "auto" or args.save_every) and args.save is None:
         p.error("--resume auto and --save-every need --save DIR (where the checkpoints go)")
     return args
+
+
+def _kill_at(text: str) -> tuple[int, int, int]:
+    """--kill-rank-at RANK:STEP[:ATTEMPT] as (rank, step, attempt)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give RANK:STEP or RANK:STEP:ATTEMPT, e.g. 1:3")
+    rank, step, attempt = (*map(int, parts), 0)[:3]
+    return rank, step, attempt
 
 
 def _budget(text: str | None):
@@ -173,8 +186,14 @@ def main(argv=None) -> int:
         return 2
     if done:
         say(f"resumed from {where} after step {done}")
+    total = args.steps if args.resume == "auto" else done + args.steps   # auto: a restart finishes the same job
+    if done >= total:   # restarted after the last save (a rank died in the teardown): the job is done
+        say(f"nothing left to train: the checkpoint in {where} is after step {done}, and --steps {args.steps} ends "
+            f"the job at step {total}")
+        _close()
+        return 0
     try:
-        _train(args, model, opt, data, x, y, say, rank, world, batch, done)
+        _train(args, model, opt, data, x, y, say, rank, world, batch, done, total)
     except (RuntimeFailure, CheckpointError) as e:
         # a peer died or stalled: the process group cannot be used again, so end this process now (a clean
         # teardown would wait on the dead peer); torchrun --max-restarts starts the job again
@@ -182,9 +201,13 @@ def main(argv=None) -> int:
               "restart (torchrun --max-restarts N with --save DIR --resume auto resumes from the newest complete "
               "checkpoint)", file=sys.stderr, flush=True)
         os._exit(1)
+    _close()
+    return 0
+
+
+def _close() -> None:
     dist.barrier()  # tear the groups down together: a rank closing its sockets under a busy peer is a race
     dist.destroy_process_group()
-    return 0
 
 
 def _init_process_group(backend: str) -> None:
@@ -202,14 +225,12 @@ def _init_process_group(backend: str) -> None:
                             world_size=world, timeout=setup)
 
 
-def _train(args, model, opt, data, x, y, say, rank: int, world: int, batch: int, done: int) -> None:
-    """Train args.steps steps after the `done` ones (saving as asked), then print the summary."""
+def _train(args, model, opt, data, x, y, say, rank: int, world: int, batch: int, done: int, total: int) -> None:
+    """Train steps done+1 .. total (at least one; saving as asked), then print the summary."""
     for _ in range(done):   # the batches the saved run trained on; x, y become the next one
         x, y = next(data)
-    kill = tuple(map(int, args.kill_rank_at.split(":"))) if args.kill_rank_at else None
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rows = []
-    total = args.steps if args.resume == "auto" else done + args.steps   # auto: a restart finishes the same job
     for step in range(done + 1, total + 1):
         start = time.perf_counter()
         loss = model.step(x, y)
@@ -229,7 +250,7 @@ def _train(args, model, opt, data, x, y, say, rank: int, world: int, batch: int,
         if args.save and (step == total or (args.save_every and step % args.save_every == 0)):
             checkpoint.save(args.save, model, opt, extra={"step": step})
             say(f"saved the model and optimizer after step {step} to {args.save}", flush=True)
-        if kill and first_attempt and (rank, step) == kill:
+        if (rank, step, attempt) in (args.kill_rank_at or ()):
             os.kill(os.getpid(), signal.SIGKILL)
     if args.trace:
         model.chrome_trace(args.trace)

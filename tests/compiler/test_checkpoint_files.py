@@ -1,0 +1,138 @@
+"""A checkpoint's failures in one process, into the plain model (zbcompile/checkpoint.py, checkpoint_files.py): a
+failed write, a damaged checkpoint without a manifest, a malformed or edited manifest. Each is a CheckpointError
+that says what is wrong, with the model, the optimizer and the previous checkpoint untouched.
+tests/distributed/test_checkpoint_faults.py crashes and damages checkpoints across ranks."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint.filesystem as dcp_files
+
+from zbcompile import checkpoint
+from zbcompile import checkpoint_files as files
+from zbcompile.errors import CheckpointError, ZBCompileError
+from zbcompile.examples.gpt import GPT, GPTConfig
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=64, seq=8, d=16, heads=2, layers=2))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of a model and its AdamW state after one step, saved with extra={"step": 2}."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+    opt.step()
+    path = tmp_path_factory.mktemp("saved") / "ckpt"
+    checkpoint.save(path, model, opt, extra={"step": 2})
+    return path
+
+
+def _copy(saved, tmp_path):
+    return shutil.copytree(saved, tmp_path / "ckpt")
+
+
+def _manifest(path) -> dict:
+    return json.loads((path / files.MANIFEST).read_text())
+
+
+def _load(path) -> dict:
+    model = _model()
+    return checkpoint.load(path, model, torch.optim.AdamW(model.parameters()))
+
+
+def _refused(path, match: str) -> str:
+    """Load `path` into a fresh model and optimizer: the CheckpointError's text, both left untouched."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=match) as err:
+        checkpoint.load(path, model, opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not opt.state
+    return str(err.value)
+
+
+def test_a_failed_write_is_a_checkpoint_error_and_the_previous_checkpoint_stays(saved, tmp_path, monkeypatch):
+    """A full disk: DCP raises its CheckpointException, a BaseException that `except Exception` misses."""
+    path = _copy(saved, tmp_path)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_files, "_write_item", full)
+    with pytest.raises(ZBCompileError) as err:
+        checkpoint.save(path, _model(), extra={"step": 3})
+    assert isinstance(err.value, CheckpointError)
+    text = str(err.value)
+    assert "failed (rank 0: OSError: [Errno 28] No space left on device)" in text and "is intact" in text, text
+    monkeypatch.undo()
+    assert _load(path) == {"step": 2}
+
+
+def test_a_damaged_checkpoint_without_a_manifest_is_refused_unchanged(saved, tmp_path):
+    """DCP's own format loads unverified, but a failed read is still our error, with nothing changed."""
+    path = _copy(saved, tmp_path)
+    (path / files.MANIFEST).unlink()
+    with open(next(path.glob("*.distcp")), "r+b") as fh:
+        fh.truncate(100)
+    text = _refused(path, "reading it failed")
+    assert "rank 0: EOFError" in text and "it was not verified" in text, text
+
+
+@pytest.mark.parametrize("edit, problem", [
+    (lambda m: {"format": 1}, '"metadata" is missing'),
+    (lambda m: [1], "a JSON list, not an object"),
+    (lambda m: {**m, "format": 3}, "format 3, where this zbcompile reads 1 and 2"),
+    (lambda m: {**m, "format": True}, "format True"),
+    (lambda m: {**m, "extra": [2]}, '"extra" is a list, not a JSON object'),
+    (lambda m: {**m, "files": {f: "many" for f in m["files"]}}, "has no byte count"),
+    (lambda m: {**m, "items": {k: v[:3] for k, v in m["items"].items()}}, 'is not [file of "files"'),
+    (lambda m: {**m, "items": {k: ["other.distcp", *v[1:]] for k, v in m["items"].items()}},
+     'is not [file of "files"'),
+], ids=["format-only", "list", "newer-format", "bool-format", "extra-list", "sizes", "short-items",
+        "unknown-file"])
+def test_a_malformed_manifest_is_refused_by_name(saved, tmp_path, edit, problem):
+    path = _copy(saved, tmp_path)
+    (path / files.MANIFEST).write_text(json.dumps(edit(_manifest(path))))
+    text = _refused(path, "damaged, nothing was loaded")
+    assert f"damaged: {files.MANIFEST} is malformed" in text and problem in text, text
+
+
+def test_the_saved_values_are_checksummed(saved, tmp_path):
+    """The step the main job resumes from: edited, it would skip data silently."""
+    path = _copy(saved, tmp_path)
+    text = (path / files.MANIFEST).read_text()
+    assert '"step": 2' in text   # readable JSON
+    (path / files.MANIFEST).write_text(text.replace('"step": 2', '"step": 3'))
+    assert "differs from its checksum" in _refused(path, "damaged, nothing was loaded")
+
+
+def test_the_manifest_checksum_is_of_its_values_not_its_layout(saved, tmp_path):
+    path = _copy(saved, tmp_path)
+    (path / files.MANIFEST).write_text(json.dumps(_manifest(path), indent=4, sort_keys=True))
+    assert _load(path) == {"step": 2}
+
+
+def test_a_format_1_manifest_loads_with_its_values_unverified(saved, tmp_path):
+    """Written before the manifest checksummed itself: it loads as it did (its tensors verified), while a
+    checksum that is there is checked whatever the format says."""
+    path = _copy(saved, tmp_path)
+    old = {k: v for k, v in _manifest(path).items() if k != "checksum"} | {"format": 1}
+    (path / files.MANIFEST).write_text(json.dumps(old | {"extra": {"step": 5}}))
+    assert _load(path) == {"step": 5}
+    (path / files.MANIFEST).write_text(json.dumps(_manifest(saved) | {"format": 1, "extra": {"step": 5}}))
+    assert "differs from its checksum" in _refused(path, "damaged")
+
+
+def test_values_that_are_not_json_are_refused_before_writing(tmp_path):
+    with pytest.raises(CheckpointError, match="takes a dict of JSON values"):
+        checkpoint.save(tmp_path / "ckpt", _model(), extra={"step": torch.tensor(2)})
+    assert not list(tmp_path.iterdir())
