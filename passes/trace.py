@@ -241,6 +241,14 @@ def _explain_export_failure(exc: BaseException, model: nn.Module) -> str:
         "data-dependent" in str(e) or "data dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
         for e in chain
     )
+    cumulative = _cumulative_average_norms(model, where)
+    if data_dependent and cumulative:
+        return (
+            f"data-dependent control flow in {where}: {cumulative} has momentum=None, a cumulative moving "
+            "average of its statistics, whose factor 1/num_batches_tracked torch reads as a Python number every "
+            "step; the pipeline needs one static graph per stage. Give it a momentum (e.g. 0.1, the default), or "
+            "update the statistics outside the training step."
+        )
     if data_dependent:
         return (
             f"data-dependent control flow in {where}: {text}\n"
@@ -249,6 +257,16 @@ def _explain_export_failure(exc: BaseException, model: nn.Module) -> str:
             "model (compute the condition once from the data and pass it in as a plain Python value)."
         )
     return f"could not capture the training step ({where}): {type(exc).__name__}: {text}"
+
+
+def _cumulative_average_norms(model: nn.Module, where: str) -> str:
+    """The normalization module named in `where` that keeps a cumulative average (momentum=None), as
+    '`path`', or ''."""
+    for name, m in model.named_modules():
+        if (f"module `{name}`" in where and getattr(m, "momentum", 0.0) is None
+                and getattr(m, "track_running_stats", False) and m.training):
+            return f"`{name}` ({type(m).__name__})"
+    return ""
 
 
 def _exception_chain(exc: BaseException) -> list[BaseException]:

@@ -355,3 +355,11 @@ def test_in_place_writes_the_pipeline_cannot_carry_name_module_op_and_fix(block,
     model = _Holder(block())
     with pytest.raises(TraceError, match=text):
         split_model(model, torch.nn.functional.mse_loss, (torch.randn(2, 4), torch.randn(2, 4)), num_stages=2)
+
+
+def test_batch_norm_with_a_cumulative_average_says_to_give_it_a_momentum():
+    from zbcompile.errors import TraceError
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 8))
+    with pytest.raises(TraceError, match=r"`1` \(BatchNorm1d\) has momentum=None.*Give it a momentum"):
+        split_model(model, F.mse_loss, (torch.randn(4, 8), torch.randn(4, 8)), num_stages=2)
