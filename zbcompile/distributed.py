@@ -81,7 +81,18 @@ def resolve_group(group, timeout: float):
         group = dist.group.WORLD
     if group is dist.group.WORLD:
         group = default_group()
+    if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
+        raise _not_a_group(group)
     return group, group.rank(), group.size()
+
+
+def _not_a_group(group) -> UsageError:
+    backend = (" A backend name is not a group: call dist.init_process_group(backend) and leave group out, or "
+               "pass dist.new_group(ranks, backend=...)." if isinstance(group, str) else "")
+    return UsageError(f"group={group!r} ({type(group).__name__}) is not a process group: compile's group takes a "
+                      "ProcessGroup (e.g. dist.new_group(ranks)), a 1-D DeviceMesh (or mesh['pp'] of a larger one), "
+                      "a 2-D DeviceMesh whose dimensions are named ('dp', 'pp'), or None (the default group of "
+                      f"torchrun's environment).{backend}")
 
 
 _SIDE_GROUPS: dict[tuple, tuple] = {}

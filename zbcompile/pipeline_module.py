@@ -35,7 +35,9 @@ _RESTART = ("The pipeline's process groups cannot be used after this (a peer is 
 
 def _unusable_after_a_failure(method):
     """A RuntimeFailure leaves the pipeline's process groups unusable: say so, and refuse every later call at
-    once instead of waiting on a dead peer again."""
+    once instead of waiting on a dead peer again. So does any error raised while a program ran (an IndexError
+    from an embedding, a KeyboardInterrupt): it is raised as it is, but its step stopped with messages posted
+    that no later step matches, so the next call must not wait on the peers for the timeout."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
         if self._failure is not None:
@@ -45,6 +47,11 @@ def _unusable_after_a_failure(method):
         except RuntimeFailure as e:
             self._failure = str(e).splitlines()[0][:300]
             raise RuntimeFailure(f"{e}\n{_RESTART}") from e
+        except BaseException:
+            failed = next((r.failed for r in self._runtimes if r.failed is not None), None)
+            if failed is not None:
+                self._failure = f"an earlier call failed on this rank while its program ran: {failed}"
+            raise
     return call
 
 
@@ -80,8 +87,10 @@ class PipelineModule(nn.Module):
         self._fx: dict[int, fx.GraphModule] = {rank: runtime.program}
         self._plan = None
         # runtime_for(programs) -> this rank's RankRuntime of other programs (the evaluation steps, made when first
-        # asked for, one per mode)
-        self._runtime_for = runtime_for
+        # asked for, one per mode; post-validation's two); every runtime made is kept in _runtimes, whose `failed`
+        # says whether a program stopped half-way (_unusable_after_a_failure)
+        self._runtimes = [runtime]
+        self._runtime_for = None if runtime_for is None else functools.partial(self._new_runtime, runtime_for)
         self._forward: dict[tuple[bool, bool], RankRuntime] = {}
         self._failure: str | None = None   # the RuntimeFailure after which nothing more may run
         self._pv = None   # zbcompile.post_validation.PostValidated, made by the first step(post_validate=True)
@@ -96,6 +105,20 @@ class PipelineModule(nn.Module):
         self._seed_value = 1.0 / compiled.schedule.num_microbatches
         attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
         self.__dict__["_counted"] = [model.get_parameter(n) for n in compiled.counted_params(rank)]
+        # requires_grad as traced: a parameter frozen then has no gradient in the graphs, so unfreezing it is
+        # refused; one frozen since is honoured by the runtime's set_grad (except in a captured CUDA graph)
+        owned_params = [(n, model.get_parameter(n)) for n in owned]
+        self.__dict__["_frozen"] = [(n, p) for n, p in owned_params if not p.requires_grad]
+        self.__dict__["_trained"] = [(n, p) for n, p in owned_params if p.requires_grad]
+        # the dtype and device of every tensor as compiled: a conversion that bypassed _apply (the original model
+        # object's .double(), a sub-container's .half()) is refused at the next step instead of killing a rank
+        self.__dict__["_layouts"] = [(n, t, t.dtype, t.device) for n, t in [*self.named_parameters(),
+                                                                            *self.named_buffers()]]
+
+    def _new_runtime(self, runtime_for, programs, **kwargs) -> RankRuntime:
+        runtime = runtime_for(programs, **kwargs)
+        self._runtimes.append(runtime)
+        return runtime
 
     @classmethod
     def from_staged(cls, model: nn.Module, staged: StagedModel, schedule: Schedule, **options) -> PipelineModule:
@@ -130,8 +153,7 @@ class PipelineModule(nn.Module):
             return self._post_validated(batch, optimizer, max_norm, norm_type, scaler, post_validate)
         self.settle()
         self._seed(scaler)
-        local = self._share(batch, "step")
-        self._check_batch(local, "step")
+        local = self._checked(batch, "step")
         self._check_same_batch(batch, "step")
         loss = self.runtime.step_batch(local)   # with dp, the program averaged the gradients over the replicas
         self._post_validated_last = False
@@ -155,8 +177,7 @@ class PipelineModule(nn.Module):
                              "optimizer over pipe.parameters())")
         norm_type = grads.check_norm_type(norm_type)
         self._seed_for(scaler)   # refuses a scaler of another pipeline before anything runs
-        local = self._share(batch, "step")
-        self._check_batch(local, "step")
+        local = self._checked(batch, "step")
         self._check_same_batch(batch, "step")
         rollback, pv = ROLLBACKS[how], self._pv
         if pv is None:
@@ -192,8 +213,7 @@ class PipelineModule(nn.Module):
         None on the others (as torch.distributed.pipelining's eval). Call it on every rank; `pipe(*inputs)`
         calls it."""
         self.settle()
-        local = self._share(inputs, "forward")
-        self._check_batch(local, "forward", targets=False)
+        local = self._checked(inputs, "forward", targets=False)
         runtime = self._forward.get((self.training, True)) or self._forward_runtime(self.training, outputs=True)
         self._check_same_batch(inputs, "forward")
         with torch.inference_mode(False):
@@ -216,8 +236,7 @@ class PipelineModule(nn.Module):
         forward of a training step (what `with torch.no_grad(): loss_fn(model(x), y)` does). The forward-only
         programs are lowered from the same split when first asked for. Call it on every rank."""
         self.settle()
-        local = self._share(batch, "evaluate")
-        self._check_batch(local, "evaluate")
+        local = self._checked(batch, "evaluate")
         runtime = self._forward.get((self.training, False)) or self._forward_runtime(self.training)
         self._check_same_batch(batch, "evaluate")
         with torch.inference_mode(False):   # the step's buffers must stay usable outside inference_mode too
@@ -228,6 +247,30 @@ class PipelineModule(nn.Module):
     def _local_batches(self) -> bool:
         """Whether each data-parallel replica is handed its own rows (options.dp_batch="local")."""
         return self.compiled.options.dp_batch == "local"
+
+    def _checked(self, batch: Sequence[torch.Tensor], what: str, targets: bool = True) -> Sequence[torch.Tensor]:
+        """This rank's share of a batch (_share), refused with UsageError unless it is what the compiled step
+        takes: flat tensors with data, as many as it has arguments, each of the traced shape and dtype."""
+        self._check_kinds(batch, what)
+        local = self._share(batch, what)
+        self._check_batch(local, what, targets)
+        return local
+
+    def _check_kinds(self, batch, what: str) -> None:
+        """Every argument a tensor with data (the shape checks read .shape; the runtime copies from it)."""
+        call = "pipe(*inputs)" if what == "forward" else f"{what}(*inputs, *targets)"
+        for i, t in enumerate(batch):
+            if not isinstance(t, torch.Tensor):
+                nested = isinstance(t, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in t)
+                fix = ("unpack the nested inputs and targets: the batch is flat, not (inputs, targets) as in "
+                       "`example`" if nested else "pass a torch.Tensor (torch.as_tensor(...))")
+                raise UsageError(f"{what}() takes the whole batch as flat tensors, {call}; batch argument {i} is a "
+                                 f"{type(t).__name__}: {fix}")
+            if t.is_meta:
+                device = self.runtime.device
+                where = f"on {device} (where the model runs)" + (" or on the CPU" if device.type != "cpu" else "")
+                raise UsageError(f"{what}() got batch argument {i} on the meta device, which holds no data: pass "
+                                 f"the batch's tensors {where}")
 
     def _share(self, batch: Sequence[torch.Tensor], what: str) -> Sequence[torch.Tensor]:
         """This data-parallel replica's rows of the global batch (the batch itself without data parallelism, or
@@ -254,6 +297,30 @@ class PipelineModule(nn.Module):
             raise UsageError(f"train(mode) takes a bool, got {mode!r}")
         self.training = mode
         return self
+
+    def _apply(self, fn, recurse: bool = True):
+        """nn.Module.to / double / half / float / cuda / cpu (and share_memory()) all convert through here: a
+        conversion that would change a parameter's or buffer's dtype or device is refused before any tensor is
+        touched (the stage graphs, P2P buffers and messages are fixed to what was compiled; a rank converted
+        alone dies in the next step's collectives). fn is tried on an empty tensor of each (dtype, device)
+        present to learn what it would do."""
+        for (dtype, device), name in self._placements().items():
+            out = fn(torch.empty(0, dtype=dtype, device=device))
+            if isinstance(out, torch.Tensor) and (out.dtype != dtype or out.device != device):
+                raise UsageError(
+                    f"rank {self.rank}: this conversion (.to / .double / .half / .cuda ...) would turn {name} from "
+                    f"{dtype} on {device} into {out.dtype} on {out.device}, but a compiled pipeline's graphs and "
+                    "messages are fixed to the dtypes and device it was compiled with; nothing was changed. Convert "
+                    "the model before compiling (model.double(), then zbcompile.compile(model, ...)); for another "
+                    "device, build and compile the model where it runs")
+        return super()._apply(fn, recurse)
+
+    def _placements(self) -> dict[tuple[torch.dtype, torch.device], str]:
+        """(dtype, device) -> the first parameter or buffer of this rank's share that has it."""
+        found: dict[tuple[torch.dtype, torch.device], str] = {}
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            found.setdefault((t.dtype, t.device), name)
+        return found
 
     def _check_batch(self, batch: Sequence[torch.Tensor], what: str, targets: bool = True) -> None:
         specs = self._batch_specs if targets else self._batch_specs[:self.staged.num_inputs]
@@ -289,6 +356,8 @@ class PipelineModule(nn.Module):
             raise UsageError("step() trains (it writes .grad) but was called under torch.no_grad() or "
                              "torch.inference_mode(); for a forward pass without gradients call evaluate(*batch) "
                              "(the loss) or run step() with gradients enabled")
+        self._check_requires_grad()
+        self._check_unconverted()
         now = autocast_state()
         if now != self._autocast:
             traced = ", ".join(f"{d}: {t}" for d, t in self._autocast) or "no autocast"
@@ -296,6 +365,32 @@ class PipelineModule(nn.Module):
             raise UsageError(f"step() runs under {found} but the step was compiled under {traced}: a compiled "
                              "step's casts are fixed when it is traced. Call zbcompile.compile(...) inside the same "
                              "torch.autocast region you train in (and call step() there too, or outside any)")
+
+    def _check_unconverted(self) -> None:
+        """UsageError where a parameter or buffer is no longer of the dtype or on the device it was compiled with
+        (converted through the original model or a part of it: _apply refuses a conversion of the pipeline)."""
+        for name, t, dtype, device in self._layouts:
+            if t.dtype != dtype or t.device != device:
+                raise UsageError(f"rank {self.rank}: {name} was converted after compiling, from {dtype} on {device} "
+                                 f"to {t.dtype} on {t.device} (through the original model, or a part of it); a "
+                                 "compiled pipeline's graphs and messages are fixed to what it was compiled with. "
+                                 "Convert the model before compiling (model.double(), then zbcompile.compile)")
+
+    def _check_requires_grad(self) -> None:
+        """A parameter frozen when the step was traced has no gradient in its graphs: unfreezing it needs a new
+        compile. Freezing one since is honoured (set_grad leaves its .grad alone), but not by a captured CUDA
+        graph, whose replays add into every .grad it captured."""
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise UsageError(f"{name} had requires_grad=False when the pipeline was compiled, so the compiled "
+                                 "step never computes its gradient; it requires grad now. Compile again "
+                                 "(zbcompile.compile) with it trainable to train it, or freeze it again")
+        if self.compiled.options.capture:
+            for name, p in self._trained:
+                if not p.requires_grad:
+                    raise UsageError(f"{name} was frozen (requires_grad_(False)) after the pipeline was compiled "
+                                     "with cuda_graphs, whose captured step writes every gradient it traced; "
+                                     "freeze it before zbcompile.compile (or compile without cuda_graphs)")
 
     def _seed(self, scaler: PipelineGradScaler | None) -> None:
         """The backward's seed for this step: 1 / microbatches, times the scaler's scale."""

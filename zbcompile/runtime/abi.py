@@ -469,7 +469,11 @@ def free(*tensors: torch.Tensor) -> None:
 @fx.node.has_side_effect
 def set_grad(param: torch.Tensor, grad: torch.Tensor, owned: bool) -> None:
     """Accumulate a finished gradient into param.grad (taking the tensor when this step owns it). A DTensor
-    Parameter (sharded data parallelism) gets its replica's shard `grad` as a DTensor like itself."""
+    Parameter (sharded data parallelism) gets its replica's shard `grad` as a DTensor like itself. A parameter
+    frozen since compile (requires_grad_(False)) keeps its .grad as it was, as in eager: the traced graphs still
+    compute its gradient (and the replicas still average it), it just goes nowhere."""
+    if not param.requires_grad:
+        return
     if isinstance(param, DTensor):
         if param.grad is None:
             param.grad = DTensor.from_local(grad if owned else grad.clone(), param.device_mesh, param.placements,

@@ -19,7 +19,7 @@ from torch import fx
 from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.values import Role, key_of, parse
-from zbcompile.runtime.abi import StepContext, wait
+from zbcompile.runtime.abi import Redo, StepContext, wait
 from zbcompile.runtime.host import retain_freed_cpu_memory
 
 __all__ = ["RankRuntime", "StepTimings", "data_specs"]
@@ -139,6 +139,9 @@ class RankRuntime:
         else:
             self._rows = [torch.zeros_like(self._send_row) for _ in range(self.num_ranks)]
         self._stepped = False
+        # why a program run stopped half-way (its messages posted, the peers' not matched), or None: the process
+        # groups are then in an unknown state (PipelineModule refuses every later call at once)
+        self.failed: str | None = None
         self.captured = self._captured_step(graph_api, warmup) if cuda_graphs else None
 
     def _captured_step(self, api, warmup: int):
@@ -283,11 +286,14 @@ class RankRuntime:
                 loss = self._profiled_program.forward(ctx, *args)
             else:
                 loss = self.program.forward(ctx, *args)  # the emitted program has no hooks to run
-        except BaseException:
+        except BaseException as e:
             # receives of the failed step may still land in the old buffers; a captured graph, though, holds
             # their addresses, and replacing them would free memory it writes into
             if self.captured is None or not self.captured.captured:
                 ctx.renew_buffers()
+            # Redo: post-validation runs the step again; CaptureError: refused before any device work
+            if not isinstance(e, (Redo, CaptureError)):
+                self.failed = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             raise
         finally:
             torch._C._set_grad_enabled(grad_was)
