@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from zbcompile import agreement, grads
+from zbcompile import agreement, call_checks, grads
 from zbcompile.compiler import Compiled
 from zbcompile.errors import RuntimeFailure, UsageError
 from zbcompile.grads import PipelineGradScaler
@@ -105,15 +105,8 @@ class PipelineModule(nn.Module):
         self._seed_value = 1.0 / compiled.schedule.num_microbatches
         attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
         self.__dict__["_counted"] = [model.get_parameter(n) for n in compiled.counted_params(rank)]
-        # requires_grad as traced: a parameter frozen then has no gradient in the graphs, so unfreezing it is
-        # refused; one frozen since is honoured by the runtime's set_grad (except in a captured CUDA graph)
-        owned_params = [(n, model.get_parameter(n)) for n in owned]
-        self.__dict__["_frozen"] = [(n, p) for n, p in owned_params if not p.requires_grad]
-        self.__dict__["_trained"] = [(n, p) for n, p in owned_params if p.requires_grad]
-        # the dtype and device of every tensor as compiled: a conversion that bypassed _apply (the original model
-        # object's .double(), a sub-container's .half()) is refused at the next step instead of killing a rank
-        self.__dict__["_layouts"] = [(n, t, t.dtype, t.device) for n, t in [*self.named_parameters(),
-                                                                            *self.named_buffers()]]
+        # what later calls are compared against: which parameters have a gradient, every tensor's dtype and device
+        self.__dict__["_traced"] = call_checks.Traced.of(self, [(n, model.get_parameter(n)) for n in owned])
 
     def _new_runtime(self, runtime_for, programs, **kwargs) -> RankRuntime:
         runtime = runtime_for(programs, **kwargs)
@@ -251,26 +244,13 @@ class PipelineModule(nn.Module):
     def _checked(self, batch: Sequence[torch.Tensor], what: str, targets: bool = True) -> Sequence[torch.Tensor]:
         """This rank's share of a batch (_share), refused with UsageError unless it is what the compiled step
         takes: flat tensors with data, as many as it has arguments, each of the traced shape and dtype."""
-        self._check_kinds(batch, what)
+        call_checks.check_kinds(batch, what, self.runtime.device)
         local = self._share(batch, what)
-        self._check_batch(local, what, targets)
+        staged = self.staged
+        call_checks.check_shapes(local, self._batch_specs, self.runtime.data_specs,
+                                 (staged.num_inputs, staged.num_targets), self.schedule.num_microbatches, what,
+                                 targets)
         return local
-
-    def _check_kinds(self, batch, what: str) -> None:
-        """Every argument a tensor with data (the shape checks read .shape; the runtime copies from it)."""
-        call = "pipe(*inputs)" if what == "forward" else f"{what}(*inputs, *targets)"
-        for i, t in enumerate(batch):
-            if not isinstance(t, torch.Tensor):
-                nested = isinstance(t, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in t)
-                fix = ("unpack the nested inputs and targets: the batch is flat, not (inputs, targets) as in "
-                       "`example`" if nested else "pass a torch.Tensor (torch.as_tensor(...))")
-                raise UsageError(f"{what}() takes the whole batch as flat tensors, {call}; batch argument {i} is a "
-                                 f"{type(t).__name__}: {fix}")
-            if t.is_meta:
-                device = self.runtime.device
-                where = f"on {device} (where the model runs)" + (" or on the CPU" if device.type != "cpu" else "")
-                raise UsageError(f"{what}() got batch argument {i} on the meta device, which holds no data: pass "
-                                 f"the batch's tensors {where}")
 
     def _share(self, batch: Sequence[torch.Tensor], what: str) -> Sequence[torch.Tensor]:
         """This data-parallel replica's rows of the global batch (the batch itself without data parallelism, or
@@ -299,39 +279,12 @@ class PipelineModule(nn.Module):
         return self
 
     def _apply(self, fn, recurse: bool = True):
-        """nn.Module.to / double / half / float / cuda / cpu (and share_memory()) all convert through here: a
-        conversion that would change a parameter's or buffer's dtype or device is refused before any tensor is
-        touched (the stage graphs, P2P buffers and messages are fixed to what was compiled; a rank converted
-        alone dies in the next step's collectives). fn is tried on an empty tensor of each (dtype, device)
-        present to learn what it would do."""
-        for (dtype, device), name in self._placements().items():
-            out = fn(torch.empty(0, dtype=dtype, device=device))
-            if isinstance(out, torch.Tensor) and (out.dtype != dtype or out.device != device):
-                raise UsageError(
-                    f"rank {self.rank}: this conversion (.to / .double / .half / .cuda ...) would turn {name} from "
-                    f"{dtype} on {device} into {out.dtype} on {out.device}, but a compiled pipeline's graphs and "
-                    "messages are fixed to the dtypes and device it was compiled with; nothing was changed. Convert "
-                    "the model before compiling (model.double(), then zbcompile.compile(model, ...)); for another "
-                    "device, build and compile the model where it runs")
+        """nn.Module.to / double / half / float / cuda / cpu (and share_memory()) all convert through here: one
+        that would change a tensor's dtype or device is refused before any tensor is touched (the stage graphs,
+        P2P buffers and messages are fixed to what was compiled; a rank converted alone dies in the next step's
+        collectives)."""
+        call_checks.check_conversion(self, fn, self.rank)
         return super()._apply(fn, recurse)
-
-    def _placements(self) -> dict[tuple[torch.dtype, torch.device], str]:
-        """(dtype, device) -> the first parameter or buffer of this rank's share that has it."""
-        found: dict[tuple[torch.dtype, torch.device], str] = {}
-        for name, t in [*self.named_parameters(), *self.named_buffers()]:
-            found.setdefault((t.dtype, t.device), name)
-        return found
-
-    def _check_batch(self, batch: Sequence[torch.Tensor], what: str, targets: bool = True) -> None:
-        specs = self._batch_specs if targets else self._batch_specs[:self.staged.num_inputs]
-        if len(batch) != len(specs):
-            wanted = f" then {self.staged.num_targets} target(s)" if targets else " (no targets)"
-            raise UsageError(f"{what}() takes {self.staged.num_inputs} model input(s){wanted}, {len(specs)} "
-                             f"tensors; got {len(batch)}")
-        for t, spec in zip(batch, specs):
-            if spec is None or t.shape != spec[0] or t.dtype != spec[1]:
-                self._check_microbatch_shapes(batch, self.schedule.num_microbatches)   # raises what is wrong
-                break
 
     def _check_same_batch(self, batch: Sequence[torch.Tensor], what: str) -> None:
         """Every rank was handed the same batch (options.check_batch: on the first call of each kind, and every
@@ -346,51 +299,10 @@ class PipelineModule(nn.Module):
         self._calls[what] = calls + 1
 
     def _check_step_context(self) -> None:
-        """Refuse what a compiled training step cannot honour: no_grad / inference_mode (the step would write
-        gradients all the same) and an autocast region other than the one the step was traced under (its casts
-        are fixed in the graphs)."""
-        if not self.training:
-            raise UsageError("step() trains, but this PipelineModule is in eval mode (eval() was called): call "
-                             "train() before training, and evaluate(*batch) for the eval-mode loss")
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            raise UsageError("step() trains (it writes .grad) but was called under torch.no_grad() or "
-                             "torch.inference_mode(); for a forward pass without gradients call evaluate(*batch) "
-                             "(the loss) or run step() with gradients enabled")
-        self._check_requires_grad()
-        self._check_unconverted()
-        now = autocast_state()
-        if now != self._autocast:
-            traced = ", ".join(f"{d}: {t}" for d, t in self._autocast) or "no autocast"
-            found = ", ".join(f"{d}: {t}" for d, t in now) or "no autocast"
-            raise UsageError(f"step() runs under {found} but the step was compiled under {traced}: a compiled "
-                             "step's casts are fixed when it is traced. Call zbcompile.compile(...) inside the same "
-                             "torch.autocast region you train in (and call step() there too, or outside any)")
-
-    def _check_unconverted(self) -> None:
-        """UsageError where a parameter or buffer is no longer of the dtype or on the device it was compiled with
-        (converted through the original model or a part of it: _apply refuses a conversion of the pipeline)."""
-        for name, t, dtype, device in self._layouts:
-            if t.dtype != dtype or t.device != device:
-                raise UsageError(f"rank {self.rank}: {name} was converted after compiling, from {dtype} on {device} "
-                                 f"to {t.dtype} on {t.device} (through the original model, or a part of it); a "
-                                 "compiled pipeline's graphs and messages are fixed to what it was compiled with. "
-                                 "Convert the model before compiling (model.double(), then zbcompile.compile)")
-
-    def _check_requires_grad(self) -> None:
-        """A parameter frozen when the step was traced has no gradient in its graphs: unfreezing it needs a new
-        compile. Freezing one since is honoured (set_grad leaves its .grad alone), but not by a captured CUDA
-        graph, whose replays add into every .grad it captured."""
-        for name, p in self._frozen:
-            if p.requires_grad:
-                raise UsageError(f"{name} had requires_grad=False when the pipeline was compiled, so the compiled "
-                                 "step never computes its gradient; it requires grad now. Compile again "
-                                 "(zbcompile.compile) with it trainable to train it, or freeze it again")
-        if self.compiled.options.capture:
-            for name, p in self._trained:
-                if not p.requires_grad:
-                    raise UsageError(f"{name} was frozen (requires_grad_(False)) after the pipeline was compiled "
-                                     "with cuda_graphs, whose captured step writes every gradient it traced; "
-                                     "freeze it before zbcompile.compile (or compile without cuda_graphs)")
+        """What a compiled training step cannot honour (zbcompile/call_checks.py): eval mode, no_grad, another
+        autocast region; a parameter unfrozen or a tensor converted since compile."""
+        call_checks.check_step_context(self.training, self._autocast, autocast_state())
+        self._traced.check(self.rank, bool(self.compiled.options.capture))
 
     def _seed(self, scaler: PipelineGradScaler | None) -> None:
         """The backward's seed for this step: 1 / microbatches, times the scaler's scale."""
@@ -460,26 +372,6 @@ class PipelineModule(nn.Module):
         if self._sharded:
             values = self._dp.reduce(values, "max")
         return self._gather(values)
-
-    def _check_microbatch_shapes(self, batch: Sequence[torch.Tensor], m: int) -> None:
-        """Every argument splits into m microbatches of the shape the programs were traced for (static
-        shapes, fixed P2P buffer sizes)."""
-        specs = self.runtime.data_specs
-        for i, t in enumerate(batch):
-            if t.dim() == 0 or t.shape[0] % m:
-                rows = t.shape[0] if t.dim() else 0
-                raise UsageError(f"batch argument {i} has {rows} rows, which do not split into {m} equal "
-                                     f"microbatches; use a batch size that is a multiple of {m}")
-            spec = specs.get(i)
-            if spec is None:
-                continue
-            shape, dtype = spec
-            if t.dtype != dtype or t.shape[0] // m != shape[0] or t.shape[1:] != shape[1:]:
-                got = (t.shape[0] // m, *t.shape[1:])
-                raise UsageError(
-                    f"batch argument {i}: {m} microbatches of shape {list(got)} ({t.dtype}), but the model was "
-                    f"compiled for microbatches of shape {list(shape)} ({dtype}) from `example`; pass a batch of "
-                    f"{m} x {shape[0]} rows with the example's other sizes, or compile again for this shape")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module.load_state_dict, but all or nothing: keys and shapes are checked against this rank's share

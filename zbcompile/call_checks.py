@@ -1,0 +1,141 @@
+"""What a call of a PipelineModule is refused for before anything runs, each with a UsageError that says why and
+what to do: a batch that is not what the compiled step takes, a step in a context it cannot honour, and the
+model's tensors changed since compile (converted, unfrozen).
+
+The compiled step is fixed when it is traced: the batch's shapes and dtypes (static P2P buffers), the autocast
+region (the casts are in the graphs), which parameters have a gradient, every tensor's dtype and device (the
+graphs and the messages). `Traced` keeps what a later call is compared against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from zbcompile.errors import UsageError
+
+__all__ = ["Traced", "check_kinds", "check_shapes", "check_step_context", "check_conversion"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A rank's share of the model as compiled: its parameters by requires_grad, every tensor's dtype and device."""
+
+    frozen: tuple      # (name, parameter) without a gradient in the graphs
+    trained: tuple     # (name, parameter) with one
+    layouts: tuple     # (name, tensor, dtype, device) of every parameter and buffer
+
+    @classmethod
+    def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]]) -> Traced:
+        tensors = [*module.named_parameters(), *module.named_buffers()]
+        return cls(tuple((n, p) for n, p in params if not p.requires_grad),
+                   tuple((n, p) for n, p in params if p.requires_grad),
+                   tuple((n, t, t.dtype, t.device) for n, t in tensors))
+
+    def check(self, rank: int, captured: bool) -> None:
+        """UsageError for a parameter unfrozen since compile (its gradient was never traced), one frozen since
+        under CUDA graphs (a captured step writes every gradient it traced; without capture the runtime's
+        set_grad leaves a frozen parameter's .grad alone, as eager does), and a tensor converted since compile
+        (through the original model or a part of it: PipelineModule._apply refuses a conversion of itself)."""
+        for name, p in self.frozen:
+            if p.requires_grad:
+                raise UsageError(f"{name} had requires_grad=False when the pipeline was compiled, so the compiled "
+                                 "step never computes its gradient; it requires grad now. Compile again "
+                                 "(zbcompile.compile) with it trainable to train it, or freeze it again")
+        for name, p in self.trained if captured else ():
+            if not p.requires_grad:
+                raise UsageError(f"{name} was frozen (requires_grad_(False)) after the pipeline was compiled with "
+                                 "cuda_graphs, whose captured step writes every gradient it traced; freeze it "
+                                 "before zbcompile.compile (or compile without cuda_graphs)")
+        for name, t, dtype, device in self.layouts:
+            if t.dtype != dtype or t.device != device:
+                raise UsageError(f"rank {rank}: {name} was converted after compiling, from {dtype} on {device} to "
+                                 f"{t.dtype} on {t.device} (through the original model, or a part of it); a "
+                                 "compiled pipeline's graphs and messages are fixed to what it was compiled with. "
+                                 "Convert the model before compiling (model.double(), then zbcompile.compile)")
+
+
+def check_conversion(module: nn.Module, fn, rank: int) -> None:
+    """UsageError, before any tensor is touched, where nn.Module._apply(fn) (to / double / half / cuda ...)
+    would change a parameter's or buffer's dtype or device: fn is tried on an empty tensor of each (dtype,
+    device) present to learn what it would do."""
+    seen: dict[tuple[torch.dtype, torch.device], str] = {}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        seen.setdefault((t.dtype, t.device), name)
+    for (dtype, device), name in seen.items():
+        out = fn(torch.empty(0, dtype=dtype, device=device))
+        if isinstance(out, torch.Tensor) and (out.dtype != dtype or out.device != device):
+            raise UsageError(
+                f"rank {rank}: this conversion (.to / .double / .half / .cuda ...) would turn {name} from {dtype} "
+                f"on {device} into {out.dtype} on {out.device}, but a compiled pipeline's graphs and messages are "
+                "fixed to the dtypes and device it was compiled with; nothing was changed. Convert the model "
+                "before compiling (model.double(), then zbcompile.compile(model, ...)); for another device, build "
+                "and compile the model where it runs")
+
+
+def check_kinds(batch, what: str, device: torch.device) -> None:
+    """Every argument a tensor with data (the shape checks read .shape; the runtime copies from it)."""
+    call = "pipe(*inputs)" if what == "forward" else f"{what}(*inputs, *targets)"
+    for i, t in enumerate(batch):
+        if not isinstance(t, torch.Tensor):
+            nested = isinstance(t, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in t)
+            fix = ("unpack the nested inputs and targets: the batch is flat, not (inputs, targets) as in `example`"
+                   if nested else "pass a torch.Tensor (torch.as_tensor(...))")
+            raise UsageError(f"{what}() takes the whole batch as flat tensors, {call}; batch argument {i} is a "
+                             f"{type(t).__name__}: {fix}")
+        if t.is_meta:
+            where = f"on {device} (where the model runs)" + (" or on the CPU" if device.type != "cpu" else "")
+            raise UsageError(f"{what}() got batch argument {i} on the meta device, which holds no data: pass the "
+                             f"batch's tensors {where}")
+
+
+def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts: tuple[int, int], m: int,
+                 what: str, targets: bool = True) -> None:
+    """As many arguments as the step takes (counts: model inputs, targets), each splitting into m microbatches
+    of the traced shape and dtype (static shapes, fixed P2P buffer sizes). `specs`: per flat argument the whole
+    batch's (shape, dtype) as traced, for the one-comparison fast path; `data_specs`: per argument one
+    microbatch's."""
+    num_inputs, num_targets = counts
+    specs = specs if targets else specs[:num_inputs]
+    if len(batch) != len(specs):
+        wanted = f" then {num_targets} target(s)" if targets else " (no targets)"
+        raise UsageError(f"{what}() takes {num_inputs} model input(s){wanted}, {len(specs)} tensors; got "
+                         f"{len(batch)}")
+    if all(s is not None and t.shape == s[0] and t.dtype == s[1] for t, s in zip(batch, specs)):
+        return
+    for i, t in enumerate(batch):
+        if t.dim() == 0 or t.shape[0] % m:
+            rows = t.shape[0] if t.dim() else 0
+            raise UsageError(f"batch argument {i} has {rows} rows, which do not split into {m} equal microbatches; "
+                             f"use a batch size that is a multiple of {m}")
+        spec = data_specs.get(i)
+        if spec is None:
+            continue
+        shape, dtype = spec
+        if t.dtype != dtype or t.shape[0] // m != shape[0] or t.shape[1:] != shape[1:]:
+            got = (t.shape[0] // m, *t.shape[1:])
+            raise UsageError(
+                f"batch argument {i}: {m} microbatches of shape {list(got)} ({t.dtype}), but the model was compiled "
+                f"for microbatches of shape {list(shape)} ({dtype}) from `example`; pass a batch of {m} x "
+                f"{shape[0]} rows with the example's other sizes, or compile again for this shape")
+
+
+def check_step_context(training: bool, traced_autocast, now_autocast) -> None:
+    """Refuse what a compiled training step cannot honour: eval mode, no_grad / inference_mode (the step would
+    write gradients all the same) and an autocast region other than the one the step was traced under."""
+    if not training:
+        raise UsageError("step() trains, but this PipelineModule is in eval mode (eval() was called): call train() "
+                         "before training, and evaluate(*batch) for the eval-mode loss")
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        raise UsageError("step() trains (it writes .grad) but was called under torch.no_grad() or "
+                         "torch.inference_mode(); for a forward pass without gradients call evaluate(*batch) (the "
+                         "loss) or run step() with gradients enabled")
+    if now_autocast != traced_autocast:
+        traced = ", ".join(f"{d}: {t}" for d, t in traced_autocast) or "no autocast"
+        found = ", ".join(f"{d}: {t}" for d, t in now_autocast) or "no autocast"
+        raise UsageError(f"step() runs under {found} but the step was compiled under {traced}: a compiled step's "
+                         "casts are fixed when it is traced. Call zbcompile.compile(...) inside the same "
+                         "torch.autocast region you train in (and call step() there too, or outside any)")
