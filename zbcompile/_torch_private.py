@@ -53,6 +53,7 @@ __all__ = [
     "default_group",
     "inductor_decompositions",
     "inductor_lowers",
+    "inductor_eager_random",
     "decompositions",
     "inductor_compile",
     "static_fake_mode",
@@ -106,6 +107,16 @@ def inductor_decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
+
+
+def inductor_eager_random():
+    """`torch._inductor.config.patch(fallback_random=True)` (2.11-2.13): inductor runs random ops (dropout,
+    rand) as the aten ops themselves, on torch's generator, instead of asserting that its own random-number
+    pass (replace_random, which only torch.compile's full path runs) rewrote them; the decomposition table it
+    selects then keeps them too. Dropout masks come out as eager's and the plain backend's."""
+    import torch._inductor.config as config
+
+    return config.patch(fallback_random=True)
 
 
 def inductor_lowers(op) -> bool:

@@ -34,6 +34,7 @@ import torch
 from torch import fx, nn
 
 from zbcompile._torch_private import (OpOverload, decompositions, inductor_compile, inductor_decompositions,
+                                      inductor_eager_random,
                                       inductor_lowers, make_fx, static_fake_mode, tracing_context)
 from zbcompile.errors import LoweringError, UsageError
 from zbcompile.ir.program import ProgramGraph, RankProgram
@@ -132,7 +133,7 @@ def _inductor(gm: fx.GraphModule, vals: list[torch.Tensor], where: str):
     with mode:   # fresh fakes of this mode: the graph's own vals belong to the split's fake modes
         fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device) for v in vals]
     try:
-        with tracing_context(mode):
+        with tracing_context(mode), inductor_eager_random():   # dropout: eager's RNG, no rewrite pass needed
             return inductor_compile(_decomposed(gm, fakes), fakes)
     except Exception as e:
         raise LoweringError(f"{where}: inductor could not compile the stage graph ({type(e).__name__}: {e}); "

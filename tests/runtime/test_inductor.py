@@ -203,3 +203,32 @@ def test_accumulating_graphs_compile_cold_where_ci_is_set(monkeypatch):
     for k in range(2):
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
         assert got[k] is sums[k], f"output {k} is not the acc: input summed in place"
+
+
+def test_dropout_compiles_and_draws_the_aten_graphs_masks(monkeypatch):
+    """A stage graph with dropout (aten.native_dropout, as F carries it; SDPA's dropout becomes aten.rand the
+    same way) compiles, with CI set and the cache off as on a fresh machine, and draws its masks from torch's
+    generator as the aten graph does: the same seed gives the same outputs and masks."""
+    import torch._inductor.config as inductor_config
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from zbcompile.ir.program import ProgramGraph
+
+    def f(x, w):
+        h, mask = torch.ops.aten.native_dropout(torch.mm(x, w), 0.5, True)
+        return h * 2.0, mask, torch.rand(x.shape[0]) + x.sum()
+
+    args = (torch.randn(8, 5), torch.randn(5, 16))
+    g = ProgramGraph(make_fx(f, tracing_mode="fake")(*args), ("data:0", "param:w"), ("act:h", "act:m", "act:r"))
+    g = dataclasses.replace(g, boxed=True, backend="inductor")
+    monkeypatch.setenv("CI", "true")
+    monkeypatch.setattr(compiled, "_COMPILED", {})
+    with inductor_config.patch(fx_graph_cache=False):
+        fn = compiled.compiled_module(g, "hand-made stage0_f").forward
+    torch.manual_seed(5)
+    want = g.gm(*args)
+    torch.manual_seed(5)
+    got = fn(list(args))
+    assert 0 < int(got[1].sum()) < got[1].numel(), "dropout dropped all or nothing"
+    for k, (a, b) in enumerate(zip(want, got)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"output {k}")
