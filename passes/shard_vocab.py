@@ -72,6 +72,7 @@ class VocabPattern:
     ignore_index: int
     padding_idx: int
     logits_dtype: torch.dtype
+    compute_dtype: torch.dtype | None = None   # W (and b) cast to this before the linear (autocast), else None
 
 
 def shard_vocab(cut: Partition, *, shards: int) -> Partition:
@@ -125,16 +126,17 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
         chain.append(node)
         node = node.args[0]
     linear = node
+    weight, compute_dtype = _through_cast(linear.args[1]) if isinstance(linear, fx.Node) else (None, None)
     if not (isinstance(linear, fx.Node) and linear.target is _aten.linear.default
-            and _placeholder_name(last, linear.args[1]) is not None):
+            and _placeholder_name(last, weight) is not None):
         what = linear.format_node() if isinstance(linear, fx.Node) else repr(linear)
         raise VocabError(f"vocab_parallel=True expects {_EXPECTED}; the cross-entropy's logits come from "
                          f"`{what}`, not from a linear layer with a parameter weight.\n"
                          "fix: compute the logits with an nn.Linear (or F.linear) on the model's parameter")
-    weight_name = _placeholder_name(last, linear.args[1])
+    weight_name = _placeholder_name(last, weight)
     bias_arg = linear.args[2] if len(linear.args) > 2 else None
-    bias_name = _placeholder_name(last, bias_arg) if bias_arg is not None else None
-    size = int(linear.args[1].meta["val"].shape[0])
+    bias_name = _placeholder_name(last, _through_cast(bias_arg)[0]) if bias_arg is not None else None
+    size = int(weight.meta["val"].shape[0])
     logits = loss.args[0].meta["val"]
     if logits.dim() != 2 or int(logits.shape[-1]) != size:
         raise VocabError(f"vocab_parallel=True expects the cross-entropy's input as [tokens, V={size}]; it is "
@@ -159,7 +161,17 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
     _check_from_data(first, embedding.args[1], "the embedding's ids")
     _check_from_data(last, loss.args[1], "the cross-entropy's targets")
     return VocabPattern(embedding, linear, tuple(reversed(chain)), loss, table, weight_name, bias_name, size,
-                        reduction, ignore_index, _arg(embedding, 2, "padding_idx", -1), logits.dtype)
+                        reduction, ignore_index, _arg(embedding, 2, "padding_idx", -1), logits.dtype, compute_dtype)
+
+
+def _through_cast(node):
+    """(the parameter placeholder, the dtype) where `node` is a cast of one to another dtype read by the linear
+    alone (what autocast makes of `linear(x, W)`); (node, None) otherwise."""
+    if (isinstance(node, fx.Node) and node.target is _CAST and set(node.kwargs) <= {"dtype"}
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder"
+            and len([u for u in node.users if u.target not in _CHECKS]) == 1):
+        return node.args[0], node.kwargs.get("dtype")
+    return node, None
 
 
 def _arg(node: fx.Node, i: int, name: str, default=None):
@@ -328,8 +340,8 @@ def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, rows: int, shards:
     id_inputs, ids_fn = _data_fn(first, p.embedding.args[1])
     target_inputs, target_fn = _data_fn(last, p.loss.args[1])
     table_val = p.embedding.args[0].meta["val"]
-    weight_val = p.linear.args[1].meta["val"]
-    bias_val = p.linear.args[2].meta["val"] if p.bias else None
+    weight_val = _through_cast(p.linear.args[1])[0].meta["val"]
+    bias_val = _through_cast(p.linear.args[2])[0].meta["val"] if p.bias else None
     data_vals = {**{n: ph.meta["val"] for n, ph in first.input_nodes().items()},
                  **{n: ph.meta["val"] for n, ph in last.input_nodes().items()}}
     padded = rows * shards != p.size
@@ -345,9 +357,11 @@ def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, rows: int, shards:
     fx_if = functools.partial(_input_forward, ids_fn=ids_fn, rows=rows)
     fx_ib = functools.partial(_input_backward, ids_fn=ids_fn, rows=rows, padding_idx=p.padding_idx)
     fx_s = functools.partial(_output_forward, target_fn=target_fn, rows=rows, size=p.size if padded else None,
-                             logits_dtype=p.logits_dtype, n_data=len(target_inputs), has_bias=bool(p.bias))
+                             logits_dtype=p.logits_dtype, n_data=len(target_inputs), has_bias=bool(p.bias),
+                             compute_dtype=p.compute_dtype)
     fx_t = functools.partial(_output_backward, target_fn=target_fn, rows=rows, reduction=p.reduction,
-                             ignore_index=p.ignore_index, logits_dtype=p.logits_dtype, has_bias=bool(p.bias))
+                             ignore_index=p.ignore_index, logits_dtype=p.logits_dtype, has_bias=bool(p.bias),
+                             compute_dtype=p.compute_dtype)
     ids = tuple(fake(data_vals[n]) for n in id_inputs)
     targets = tuple(fake(data_vals[n]) for n in target_inputs)
     head_vals = (fake(weight_val, (rows, d)),) + ((fake(bias_val, (rows,)),) if p.bias else ())
@@ -399,8 +413,13 @@ def _input_backward(demb, offset, *data, ids_fn, rows, padding_idx):
     return (torch.ops.aten.embedding_dense_backward(grad, safe, rows, -1, False),)
 
 
-def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias):
-    weight, bias = args[0], (args[1] if has_bias else None)
+def _cast(t, dtype):
+    """A head parameter as the linear reads it: cast as autocast cast it (dtype), or as it is (None)."""
+    return t if t is None or dtype is None else t.to(dtype)
+
+
+def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias, compute_dtype=None):
+    weight, bias = _cast(args[0], compute_dtype), _cast(args[1] if has_bias else None, compute_dtype)
     x, offset = args[1 + has_bias], args[2 + has_bias]
     data = args[3 + has_bias:]
     y = torch.nn.functional.linear(x, weight, bias).to(logits_dtype)
@@ -422,8 +441,9 @@ def _stat_dtype(logits_dtype: torch.dtype) -> torch.dtype:
 
 
 def _output_backward(gathered, e, top_local, x, *args, target_fn, rows, reduction, ignore_index, logits_dtype,
-                     has_bias):
-    weight = args[0]
+                     has_bias, compute_dtype=None):
+    param = args[0]   # the gradients go back in the parameters' dtypes; the matmuls run in the linear's
+    weight = _cast(param, compute_dtype)
     offset, seed = args[1 + has_bias], args[2 + has_bias]
     data = args[3 + has_bias:]
     top = gathered[..., 0].amax(0)
@@ -444,7 +464,7 @@ def _output_backward(gathered, e, top_local, x, *args, target_fn, rows, reductio
     dy = (e * (torch.exp(top_local - lse) * g).unsqueeze(-1)).to(weight.dtype)
     safe, inside = _shard_local(target, offset, rows)
     hit = torch.where(inside, g, 0.0).to(weight.dtype).unsqueeze(-1)
-    dw = dy.t().mm(x).index_add(0, safe, -(hit * x))
-    grads = (dw,) + ((dy.sum(0).index_add(0, safe, -hit.squeeze(-1)),) if has_bias else ())
+    dw = dy.t().mm(x).index_add(0, safe, -(hit * x)).to(param.dtype)
+    grads = (dw,) + ((dy.sum(0).index_add(0, safe, -hit.squeeze(-1)).to(args[1].dtype),) if has_bias else ())
     dx = dy.mm(weight) - hit * torch.nn.functional.embedding(safe, weight)
     return (*grads, dx, loss.to(logits_dtype))

@@ -93,6 +93,43 @@ def test_shard_graphs_reproduce_cross_entropy(shards, reduction):
     assert not ib[V:].any()
 
 
+def test_shard_graphs_under_autocast_compute_as_the_autocast_linear_does():
+    """Compiled inside torch.autocast (bfloat16), the output layer's weight reaches the linear through a cast:
+    S and T run the matmuls on the cast shard (as autocast's linear does), the softmax statistics in float32,
+    and hand back the weight's gradient in the parameter's float32, the input's in bfloat16; against autograd
+    through autocast's own linear and cross-entropy."""
+    torch.manual_seed(0)
+    V, d, shards = 61, 16, 2
+    model, x, y = _Tiny(V, d), torch.randint(0, V, (3, 4)), torch.randint(0, V, (3, 4))
+    loss_fn = lambda logits, t: F.cross_entropy(logits.view(-1, V), t.view(-1))  # noqa: E731
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        staged = split_model(copy.deepcopy(model), loss_fn, (x, y), num_stages=1, vocab_shards=shards)
+    vocab, g = staged.vocab, staged.vocab.graphs
+    head_w = model.head.weight.detach()
+    hidden = torch.randn(12, d).to(torch.bfloat16)
+    assert vocab.x.dtype == torch.bfloat16
+    rows = [head_w[r * vocab.rows:(r + 1) * vocab.rows] for r in range(shards)]
+    rows = [torch.cat([w, w.new_zeros(vocab.rows - w.shape[0], d)]) for w in rows]
+    seed = torch.tensor(1.0)
+    outs = [g["s"]({"param:head.weight": rows[r], "vocab:x": hidden, "vocab:offset": torch.tensor(r * vocab.rows),
+                    "data:1": y}) for r in range(shards)]
+    gathered = torch.stack([o["vocab:stats"] for o in outs])
+    backs = [g["t"]({"vocab:gathered": gathered, "vocab:saved:0": o["vocab:saved:0"],
+                     "vocab:saved:1": o["vocab:saved:1"], "vocab:x": hidden, "param:head.weight": rows[r],
+                     "vocab:offset": torch.tensor(r * vocab.rows), "grad:loss": seed, "data:1": y})
+             for r, o in enumerate(outs)]
+    h, w = hidden.clone().requires_grad_(), head_w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(F.linear(h, w), y.view(-1))
+    ref.backward()
+    dw = torch.cat([b["grad:param:head.weight"] for b in backs])
+    dx = sum(b["vocab:dx"] for b in backs)
+    assert dw.dtype == torch.float32 and dx.dtype == torch.bfloat16
+    torch.testing.assert_close(backs[0]["loss"], ref.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(dw[:V], w.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(dx.float(), h.grad.float(), rtol=2e-2, atol=2e-3)
+
+
 class _Tiny(nn.Module):
     def __init__(self, V: int, d: int, tied: bool = False) -> None:
         super().__init__()
