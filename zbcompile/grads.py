@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -38,25 +37,24 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 Shards = Callable[[torch.Tensor, str], torch.Tensor]
 
 
-def total_norm(grads: Sequence[torch.Tensor], norm_type: float, gather: Gather, *, dtype: torch.dtype,
-               error_if_nonfinite: bool = False, device: torch.device | None = None,
-               shards: Shards | None = None) -> torch.Tensor:
+def total_norm(grads: Sequence[torch.Tensor], norm_type: float, gather: Gather, *, error_if_nonfinite: bool = False,
+               device: torch.device | None = None, shards: Shards | None = None) -> torch.Tensor:
     """The norm of every counted gradient of the pipeline, as torch.nn.utils.get_total_norm over all of them:
-    the `norm_type` norm of the per-tensor norms, in `dtype` (the parameters'; a rank that counts no gradient
-    returns the same dtype as its peers). `grads`: the gradients this rank counts; with `shards`, this
-    replica's rows of them, whose partial sums (or maxima) are first combined over the replicas."""
+    the `norm_type` norm of the per-tensor norms, in the dtype torch.stack gives them (the gradients' dtypes
+    promoted over every rank: each rank sends its own with its partial), and torch's 0.0 where no rank counts a
+    gradient. `grads`: the gradients this rank counts; with `shards`, this replica's rows of them, whose partials
+    are first combined over the replicas."""
     p = float(norm_type)
     at = partial_device(grads, device)
-    if shards is None:
-        partial = partial_of(grads, p)
-    elif p == 0:   # a tensor counts once if any replica's rows of it are nonzero
-        nonzero = torch.tensor([float(bool(g.count_nonzero())) for g in grads], dtype=torch.float64, device=at)
-        partial = float(shards(nonzero, "max").sum()) if grads else 0.0
+    here = norm_dtype(grads)
+    mine = [partial(grads, p, shards, at), -1.0 if here is None else float(_DTYPES.index(here))]
+    rows = gather(torch.tensor(mine, dtype=torch.float64, device=at)).tolist()
+    codes = [int(code) for _, code in rows if code >= 0]
+    if not codes:   # no gradient anywhere: get_total_norm of no tensors
+        total = torch.tensor(0.0, device=at)
     else:
-        partial = float(shards(torch.tensor([partial_of(grads, p)], dtype=torch.float64, device=at),
-                               "max" if math.isinf(p) else "sum")[0])
-    parts = gather(torch.tensor([partial], dtype=torch.float64, device=at))[:, 0].tolist()
-    total = norm_from(functools.reduce(max if math.isinf(p) else operator.add, parts), p, dtype, at)
+        combined = functools.reduce(lambda a, b: merge(a, b, p), (value for value, _ in rows))
+        total = norm_from(combined, p, promoted(_DTYPES[c] for c in codes), at)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {p} for gradients from the whole pipeline is non-finite, so it "
                            "cannot be clipped. To disable this error and scale the gradients by the non-finite "
@@ -64,10 +62,27 @@ def total_norm(grads: Sequence[torch.Tensor], norm_type: float, gather: Gather, 
     return total
 
 
+def identity(p: float) -> float:
+    """The partial of a rank that counts no gradient: the identity of merge (a min's is +inf; a max over norms,
+    which are never negative, and a sum start from 0)."""
+    return math.inf if p == -math.inf else 0.0
+
+
+def merge(a: float, b: float, p: float) -> float:
+    """Two partials in rank order: added, or the max (inf) / min (-inf) with a NaN kept, as torch's max / min keep
+    it (Python's max(1.0, nan) is 1.0, so a NaN on a later rank would vanish)."""
+    if not math.isinf(p):
+        return a + b
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return max(a, b) if p > 0 else min(a, b)
+
+
 def norm_from(combined: float, p: float, dtype: torch.dtype, device) -> torch.Tensor:
-    """The total norm from the ranks' partials combined in rank order (a sum of p-th powers from left to right, a
-    maximum, or a count of nonzero tensors, the 0-"norm"): the synchronous path and post-validation's prefix
-    chain (zbcompile/post_validation.py) combine the same floats in the same order, so they get the same bits."""
+    """The total norm from the ranks' partials merged in rank order (a sum of p-th powers from left to right, a
+    maximum or minimum, or a count of nonzero tensors, the 0-"norm"): the synchronous path and post-validation's
+    prefix chain (zbcompile/post_validation.py) merge the same floats in the same order, so they get the same
+    bits. Rounded once to `dtype`, as torch's vector_norm of the stacked per-tensor norms is."""
     total = torch.tensor(combined, dtype=torch.float64, device=device)
     if not (math.isinf(p) or p == 0):
         total = total ** (1.0 / p)
@@ -79,24 +94,53 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-def norm_dtype(params: Iterable[torch.Tensor]) -> torch.dtype:
-    """The dtype of a total norm over `params`: their promoted dtype (at least float16), every rank the same."""
-    return functools.reduce(torch.promote_types, (p.dtype for p in params), torch.float16)
+# every dtype a gradient can have, in an order every rank agrees on: a rank sends its gradients' as an index
+_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)
+                        and (d.is_floating_point or d.is_complex)}, key=str))
+
+
+def promoted(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
+    """torch.stack's promotion of 0-dim tensors of `dtypes` (bfloat16 and float16 give float32); None for none."""
+    dtypes = list(dtypes)
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else None
+
+
+def norm_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """The dtype of torch's get_total_norm over `tensors`: it stacks one norm per tensor, each in the tensor's
+    dtype, so their promotion (a bfloat16 model's norm is bfloat16); None for no tensors."""
+    return promoted(t.dtype for t in tensors)
 
 
 def partial_device(grads: Sequence[torch.Tensor], device) -> torch.device:
     return grads[0].device if grads else torch.device(device or "cpu")
 
 
+def partial(grads: Sequence[torch.Tensor], p: float, shards: Shards | None = None, device=None) -> float:
+    """This rank's share of the total (partial_of); with `shards`, over the data-parallel replicas that each hold
+    rows of the same gradients (sharded data parallelism)."""
+    if shards is None:
+        return partial_of(grads, p)
+    at = partial_device(grads, device)
+    if p == 0:   # a tensor counts once if any replica's rows of it are nonzero
+        nonzero = torch.tensor([float(bool(g.count_nonzero())) for g in grads], dtype=torch.float64, device=at)
+        return float(shards(nonzero, "max").sum()) if grads else 0.0
+    held = partial_of([g for g in grads if g.numel()], p)   # a replica without rows of a tensor: none of it
+    if p == -math.inf:   # the replicas' min, as the max of the negated
+        return -float(shards(torch.tensor([-held], dtype=torch.float64, device=at), "max")[0])
+    return float(shards(torch.tensor([held], dtype=torch.float64, device=at), "max" if p == math.inf else "sum")[0])
+
+
 def partial_of(grads: Sequence[torch.Tensor], p: float) -> float:
-    """This rank's share of the total: the max of the per-tensor norms (inf), the number of nonzero ones (0),
-    or the sum of their p-th powers. The per-tensor norms as torch's get_total_norm takes them (one fused
-    _foreach_norm per device and dtype where it supports the order)."""
+    """This rank's share of the total: the max (inf) or min (-inf) of the per-tensor norms, the number of nonzero
+    ones (0), or the sum of their p-th powers; identity(p) for no gradients. The per-tensor norms as torch's
+    get_total_norm takes them (one fused _foreach_norm per device and dtype where it supports the order)."""
     if not grads:
-        return 0.0
+        return identity(p)
     norms = torch.stack([n.to(torch.float64) for n in _tensor_norms(grads, p)])
-    if math.isinf(p):
+    if p == math.inf:
         return float(norms.max())
+    if p == -math.inf:
+        return float(norms.min())
     if p == 0:
         return float((norms != 0).sum())
     return float((norms ** p).sum())

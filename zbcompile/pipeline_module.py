@@ -338,8 +338,7 @@ class PipelineModule(nn.Module):
         """The norm of all the model's gradients over the whole pipeline (torch.nn.utils.get_total_norm's
         semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
         self.settle()
-        dtype = grads.norm_dtype(self.parameters())
-        return grads.total_norm(self._counted_grads(), grads.check_norm_type(norm_type), self._gather, dtype=dtype,
+        return grads.total_norm(self._counted_grads(), grads.check_norm_type(norm_type), self._gather,
                                 error_if_nonfinite=error_if_nonfinite, device=self.runtime.device,
                                 shards=self._dp.reduce if self._sharded else None)
 

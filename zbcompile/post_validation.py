@@ -7,17 +7,19 @@ check (one all-gather over every rank), clipping, `opt.step()` unless a gradient
 With `post_validate=True` the same step runs without that wait (the Zero Bubble paper's post-validation):
 
 1. the step's program ends with a prefix chain (passes/lower/step_boundary.py): each rank adds its partial
-   values (the norm's power sum or maximum, an inf / NaN flag, its loss sum) to what rank r-1 sent and sends
-   the sum to r+1, so rank p-1 ends with the totals;
+   values (the norm's power sum, maximum or minimum, an inf / NaN flag, its loss sum) to what rank r-1 sent and
+   sends the sum to r+1, so rank p-1 ends with the totals;
 2. each rank decides at once on its prefix, which only grows along the chain: an inf or a norm over max_norm
-   there is certain to be in the totals, so the rank waits for them; otherwise it updates optimistically
+   there is certain to be in the totals, so the rank waits for them (a negative norm_type's norm shrinks along
+   the chain instead: only an inf proves anything there); otherwise it updates optimistically
    (without clipping), keeping a snapshot of what the update changes (its parameters and their optimizer
-   state). Rank p-1 holds the totals and applies the right update at once;
+   state) and the hyperparameters it used. Rank p-1 holds the totals and applies the right update at once;
 3. the next step's program starts its warm-up forwards on the updated parameters while the totals travel
    back (p-1 -> 0); at its deadline it validates: if the totals show neither an inf nor clipping, every
    optimistic update was right and the step goes on. Otherwise (the same verdict on every rank) each rank
-   restores its snapshot, applies the right update (clipped, or none), drops its warm-up (the messages in
-   flight are drained) and runs the step again from the start.
+   restores its snapshot, applies the right update (clipped, or none) under the hyperparameters of the
+   update it replaces (an LR scheduler stepped in between changed the param_groups' lr, momentum, betas: they
+   are put back after), drops its warm-up (the messages in flight are drained) and runs the step again.
 
 Losses, norms and parameters equal the synchronous step's bit for bit: the prefix chain adds the same
 floats in the same order as the synchronous all-gather (grads.norm_from), the clip coefficient comes from the
@@ -31,15 +33,16 @@ then (the next step, or `pipe.settle()`, which every other call of the pipeline 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
-import math
 from typing import Callable, Sequence
 
 import torch
 
 from zbcompile import grads
 from zbcompile.errors import UsageError
+from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.program.ops import OpKind
 from zbcompile.ir.program.ops.step_boundary import VALUES
 from zbcompile.rollback import Inverse
@@ -104,21 +107,31 @@ def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | N
     mine = local_values(pipe._counted_grads(), norm_type, pipe._dp.reduce if pipe._sharded else None)
     rows = pipe._gather(torch.tensor(mine, dtype=torch.float64, device=device)).tolist()
     combined = functools.reduce(lambda a, b: combine(a, b, norm_type), rows)
-    kind, norm = verdict(combined, norm_type, max_norm, grads.norm_dtype(pipe.parameters()), device)
+    kind, norm = verdict(combined, norm_type, max_norm, norm_dtype(pipe), device)
     apply(kind, norm, list(pipe.parameters()), max_norm, optimizer)
     optimizer.zero_grad(set_to_none=True)
 
 
 # ---- the verdict: the same arithmetic for the synchronous step and the prefix chain --------------------------
+def norm_dtype(pipe) -> torch.dtype:
+    """The dtype of the pipeline's total norm as torch.nn.utils.get_total_norm gives it (torch.stack's promotion of
+    every gradient's dtype: bfloat16 for a bfloat16 model), the same on every rank without an exchange: read from
+    every stage's gradient outputs (their traced dtypes), not from this rank's parameters alone."""
+    staged = pipe.compiled.staged
+    graphs = [st.w for st in staged.stages] + [staged.vocab.graphs[k] for k in ("t", "ib") if staged.vocab]
+    dtypes = [node.meta["val"].dtype for g in graphs for name, node in g.output_nodes().items()
+              if role_of(name) is Role.GRAD_PARAM and isinstance(node, torch.fx.Node) and "val" in node.meta]
+    return grads.promoted(dtypes) or torch.get_default_dtype()
+
+
 def local_values(counted: Sequence[torch.Tensor], p: float, shards=None,
                  found: float | None = None) -> list[float]:
-    """This rank's [norm partial, inf / NaN flag]: the partial of grads.partial_of, 1.0 where a gradient is not
-    finite (`found`: a check made already, a GradScaler's over every gradient of the rank); with `shards`, over
-    this rank's replicas (sharded data parallelism)."""
-    partial = grads.partial_of(counted, p)
+    """This rank's [norm partial, inf / NaN flag]: grads.partial (with `shards`, over this rank's replicas:
+    sharded data parallelism), 1.0 where a gradient is not finite (`found`: a check made already, a GradScaler's
+    over every gradient of the rank; with `shards`, over the replicas too)."""
+    partial = grads.partial(counted, p, shards)
     bad = float(_any_not_finite(counted)) if found is None else found
     if shards is not None:
-        partial = float(shards(torch.tensor([partial], dtype=torch.float64), "max" if math.isinf(p) else "sum")[0])
         bad = float(shards(torch.tensor([bad], dtype=torch.float64), "max")[0])
     return [partial, bad]
 
@@ -138,21 +151,30 @@ def _any_not_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def combine(a: Sequence[float], b: Sequence[float], p: float) -> list[float]:
-    """Two prefixes (or rows) in rank order: norm partials added (maxed for the inf-norm), flags maxed, the rest
-    (a loss sum) added."""
-    return [max(a[0], b[0]) if math.isinf(p) else a[0] + b[0], max(a[1], b[1]), *(x + y for x, y in zip(a[2:], b[2:]))]
+    """Two prefixes (or rows) in rank order: norm partials merged (grads.merge: added, the max or min for the
+    infinite orders), flags maxed, the rest (a loss sum) added."""
+    return [grads.merge(a[0], b[0], p), max(a[1], b[1]), *(x + y for x, y in zip(a[2:], b[2:]))]
 
 
 def verdict(values: Sequence[float], p: float, max_norm: float | None, dtype: torch.dtype,
             device) -> tuple[str, torch.Tensor | None]:
     """"skip" (a gradient is not finite), "clip" (clip_grads_with_norm_'s coefficient is below 1) or "step", and
     the total norm (None without max_norm)."""
-    norm = None if max_norm is None else grads.norm_from(values[0], p, dtype, device)
+    norm = None if max_norm is None else _norm(values, p, dtype, device)
     if values[1]:
         return "skip", norm
     if norm is not None and float(max_norm / (norm + 1e-6)) < 1.0:
         return "clip", norm
     return "step", norm
+
+
+def _norm(values: Sequence[float], p: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """The total norm of the merged values. For a negative order the partial of no gradient (+inf for -inf, 0 for a
+    sum of negative powers) would give inf where torch's norm of nothing is 0; a gradient gives that partial only
+    where it holds an inf, which sets the flag: without it, no rank counted a gradient."""
+    if p < 0 and values[0] == grads.identity(p) and not values[1]:
+        return torch.zeros((), dtype=dtype, device=device)
+    return grads.norm_from(values[0], p, dtype, device)
 
 
 def apply(kind: str, norm: torch.Tensor | None, params: Sequence[torch.nn.Parameter], max_norm: float | None,
@@ -190,6 +212,7 @@ class Boundary:
         self.stepped = False                     # this rank updated optimistically (the snapshot holds the before)
         self._snapshot = None
         self._snapshot_buffers: list | None = None
+        self._hyper: list[dict] | None = None    # the param_groups' hyperparameters of the pending update
         self._prefix: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None   # rank p-1: the last step's totals
         self.snapshot_bytes = 0
@@ -218,11 +241,12 @@ class Boundary:
             right = verdict == "step"
         else:
             right = verdict == "step" and self.stepped
-            if not right:
-                if self.stepped:
-                    self._inverse.undo() if self._inverse is not None else self._restore()
-                self._apply(verdict, norm)
-        self._snapshot, self._snapshot_buffers, self.stepped = None, None, False
+            if not right:   # undone and redone as the step made it, whatever a scheduler has set since
+                with _in_force(self.optimizer, self._hyper):
+                    if self.stepped:
+                        self._inverse.undo() if self._inverse is not None else self._restore()
+                    self._apply(verdict, norm)
+        self._snapshot, self._snapshot_buffers, self._hyper, self.stepped = None, None, None, False
         values = totals.tolist()
         if self.scaler is not None:   # the scale for the next backward, as scaler.update() makes it
             self._update_scale(values[1])
@@ -241,8 +265,12 @@ class Boundary:
             verdict, norm = self._verdict(prefix)
             self._apply(verdict, norm)
             return
+        self._hyper = _hyperparameters(self.optimizer)
         verdict, _ = self._verdict(prefix)
-        if verdict == "step":   # the totals may still clip or hold an inf: keep what the update changes
+        # wait only where the prefix proves the totals' verdict, as it grows along the chain: an inf does, and a
+        # norm over max_norm for norm_type >= 0. A negative order's norm shrinks along the chain: its prefix
+        # clipping proves nothing, and every rank must redo exactly when the totals do not say "step"
+        if verdict == "step" or (verdict == "clip" and self.p < 0):   # keep what the update changes
             if self._inverse is not None:
                 self._inverse.before_step()
             else:
@@ -302,6 +330,30 @@ class Boundary:
             state[p].update(values)
 
 
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """A copy of each param_group's entries but its parameters: what an LR scheduler (or the user) may change
+    before the verdict, lr and, with OneCycleLR / CyclicLR, momentum or betas. The user's loop steps the
+    scheduler right after step(), so a rank that redoes the update at the next step's deadline would otherwise
+    use the next step's values, and rank p-1 (which updated at once) this step's."""
+    return [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
+
+
+@contextlib.contextmanager
+def _in_force(optimizer: torch.optim.Optimizer, kept: list[dict]):
+    """The optimizer with the hyperparameters `kept` while the block undoes or redoes the update made under
+    them; afterwards each group holds the user's current entries again, the very objects (a scheduler that fills
+    a tensor lr in place keeps its tensor), and no scheduler's state (last_epoch, _last_lr) was touched."""
+    groups = optimizer.param_groups
+    current = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    for group, entries in zip(groups, kept):
+        group.update(entries)
+    try:
+        yield
+    finally:
+        for group, entries in zip(groups, current):
+            group.update(entries)
+
+
 def _nbytes(value) -> int:
     if not isinstance(value, torch.Tensor):
         return 0
@@ -346,7 +398,7 @@ class PostValidated:
         self.boundary = Boundary(
             rank=self.rank, ranks=self.ranks, microbatches=pipe.schedule.num_microbatches, optimizer=optimizer,
             params=list(pipe.parameters()), counted=pipe._counted_grads, max_norm=max_norm, norm_type=norm_type,
-            dtype=grads.norm_dtype(pipe.parameters()), device=self.first.device,
+            dtype=norm_dtype(pipe), device=self.first.device,
             shards=dp.reduce if pipe._sharded else None,
             mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)),
             scaler=scaler, reseed=self.reseed, rollback=rollback)

@@ -60,7 +60,9 @@ def _decoupled(optimizer, group) -> bool:
 
 class Inverse:
     """Undo the optimizer's next step: `before_step()` notes which parameters have no state yet (their first
-    step creates it), `undo()` runs the step backwards from the state after it and each parameter's .grad."""
+    step creates it), `undo()` runs the step backwards from the state after it and each parameter's .grad, with
+    the hyperparameters the param_groups hold then: the caller puts back those the step ran with (an LR
+    scheduler may have changed them since; post_validation._in_force)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         check_invertible(optimizer)

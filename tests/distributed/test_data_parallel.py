@@ -92,11 +92,11 @@ def test_uneven_shards_and_a_0_dim_parameter_train_equal_to_eager(ranks, gather)
 
 @pytest.mark.parametrize("case", ["clip", "clip/sharded"])
 def test_gradient_norms_and_the_finite_check_cover_both_axes(ranks, case):
-    """Replicated, every replica holds the whole gradients; sharded, each its rows of them: the norms (2, inf
-    and torch's 0, the count of nonzero gradients) add the replicas' shards exactly once."""
+    """Replicated, every replica holds the whole gradients; sharded, each its rows of them: the norms (2, inf,
+    torch's 0, the count of nonzero gradients, and -inf, the min |g|) add the replicas' shards exactly once."""
     for r, got in _case(ranks, case):
         assert got["clean"], (r, got)
-        for norm in ("2.0", "inf", "0.0"):
+        for norm in ("2.0", "inf", "0.0", "-inf"):
             a, b = got[norm]
             assert abs(a - b) <= 1e-9 * b, (r, norm, got)
         assert got["clipped"][1] <= 1e-9, (r, got)

@@ -9,12 +9,13 @@ updates are both kept and rolled back, and the steps after a rollback are run ag
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
-from support.loops import NAN_STEP, batches_with_nan, eager_clipped, median_norm, rel
+from support.loops import NAN_STEP, batches_with_nan, eager_clipped, eager_step, median_norm, rel
 from support.models import gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
 from zbcompile.compiler import compile_programs, compile_staged
@@ -93,6 +94,56 @@ def test_post_validated_training_equals_the_synchronous_step(schedule, pp):
         assert pipe._pv.boundary.redone == len(clipping) + 1   # a wrong optimistic update: the next step again
 
 
+def _eager(model, loss_fn, batches, m: int, max_norm: float, norm_type: float):
+    """eager_clipped with clip_grad_norm_ of `norm_type`: losses, norms and the trained copy."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    losses, norms = [], []
+    for x, y in batches:
+        losses.append(eager_step(ref, loss_fn, x, y, m))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)))
+        if math.isfinite(norms[-1]):
+            opt.step()
+        opt.zero_grad()
+    return losses, norms, ref
+
+
+@pytest.mark.parametrize("norm_type", [-math.inf, 3.0])
+def test_other_norm_orders_through_the_prefix_chain(norm_type):
+    """step(..., max_norm=, norm_type=-inf) clips by torch's -inf norm, the min |g| over every gradient: the prefix
+    chain merges the ranks' minima (they shrink along the chain, so a prefix over max_norm proves nothing: the
+    rank waits for the totals). pp=4, 12 steps, max_norm at the median of eager's norms, a NaN step: the
+    synchronous step follows eager (norms, clipping, parameters), the post-validated one equals it bit for bit.
+    3.0: a sum of cubes, through the same chain."""
+    torch.manual_seed(0)
+    case = mlp(layers=8, batch=2)
+    model = case.model.double()
+    case = case._replace(model=model, example=tuple(t.double() for t in case.example))
+    pp, m = 4, 8
+    batches = batches_with_nan(case, m, steps=12)
+    # the median norm, and clip's 1e-6 on top: min |g| is far below 1e-6 here, and a step clips where its norm
+    # is over the median
+    max_norm = sorted(n for n in _eager(model, case.loss_fn, batches, m, math.inf, norm_type)[1]
+                      if math.isfinite(n))[5] + 1e-6
+    want_losses, want_norms, ref = _eager(model, case.loss_fn, batches, m, max_norm, norm_type)
+    clipping = [i for i, n in enumerate(want_norms) if math.isfinite(n) and max_norm / (n + 1e-6) < 1]
+    assert 0 < len(clipping) < len(batches) - 1, want_norms
+    options = CompileOptions(schedule="1f1b", microbatches=m, loss_fn=case.loss_fn, example=case.example)
+    compiled = compile_programs(model, options, pp)
+    sync = _train(model, compiled, batches, pp, max_norm=max_norm, norm_type=norm_type)
+    post = _train(model, compiled, batches, pp, max_norm=max_norm, norm_type=norm_type, post_validate=True)
+    ref_params = dict(ref.named_parameters())
+    for r in range(pp):
+        (losses, state, _), (results, pv_state, _) = sync[r], post[r]
+        assert all(_same(a, b) or abs(a - b) <= 1e-9 * abs(b) for a, b in zip(losses, want_losses)), r
+        assert all(rel(p, ref_params[n].detach()) <= 1e-9 for n, p in state.items() if n in ref_params), r
+        assert all(_same(float(x), want) for x, want in zip(results, losses)), (r, results, losses)
+        assert all(torch.equal(state[k], pv_state[k]) for k in state), r
+        assert all(_same(x.norm, n) or abs(x.norm - n) <= 1e-9 * n for x, n in zip(results, want_norms)), r
+        assert [i for i, x in enumerate(results) if x.clipped] == clipping
+        assert [i for i, x in enumerate(results) if x.skipped] == [NAN_STEP]
+
+
 @pytest.mark.parametrize("variant", ["vocab", "offload"])
 def test_post_validation_with_vocabulary_parallelism_and_offload(variant):
     """The GPT with its vocabulary layers sharded over the ranks (1f1b), or zbv with every saved activation
@@ -168,6 +219,62 @@ def test_closed_form_rollback_follows_the_synchronous_step(schedule, pp, name, d
         assert all(rel(pv_state[k], state[k]) <= tol for k in state), r
         assert sum(x.clipped for x in results) > 2 and [i for i, x in enumerate(results) if x.skipped] == [NAN_STEP]
         assert pipe._pv.boundary.snapshot_bytes == 0
+
+
+_LR = torch.optim.lr_scheduler
+SCHEDULED = {   # an optimizer and a scheduler that changes its hyperparameters after every step
+    "sgd-lambda": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+                   lambda opt: _LR.LambdaLR(opt, lambda k: (1.0, 3.0, 0.1, 2.0, 0.5)[k % 5])),
+    "sgd-onecycle": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),   # lr and momentum
+                     lambda opt: _LR.OneCycleLR(opt, max_lr=0.1, total_steps=STEPS + 1)),
+    "adamw-steplr": (lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.1),
+                     lambda opt: _LR.StepLR(opt, step_size=1, gamma=0.8)),
+    "adamw-onecycle": (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),   # lr and betas
+                       lambda opt: _LR.OneCycleLR(opt, max_lr=0.02, total_steps=STEPS + 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULED))
+def test_a_scheduler_stepped_after_each_step_changes_no_redone_update(name):
+    """The usual loop, `pipe.step(..., post_validate=...)` then `sched.step()`: a wrong optimistic update is undone
+    and redone at the next step's deadline, after the scheduler changed lr (and momentum / betas), and must use the
+    values of its own step, as the synchronous step and rank p-1 did. 20 float64 steps with clipping and a NaN
+    step: post_validate=True equals the synchronous step bit for bit, "inverse" to rounding, and the optimizer's
+    hyperparameters and the scheduler's state end as the synchronous run's."""
+    torch.manual_seed(0)
+    case = mlp(layers=8, batch=2)
+    case = case._replace(model=case.model.double(), example=tuple(t.double() for t in case.example))
+    pp, m = 2, 4
+    batches = batches_with_nan(case, m)
+    max_norm = median_norm(case.model, case.loss_fn, batches, m)
+    options = CompileOptions(schedule="zbv", microbatches=m, loss_fn=case.loss_fn, example=case.example)
+    compiled = compile_programs(case.model, options, pp)
+    optimizer, scheduler = SCHEDULED[name]
+
+    def train(post_validate):
+        pipes = loopback_pipes(case.model, options, pp, compiled=compiled)
+
+        def run(r):
+            opt = optimizer(pipes[r].parameters())
+            sched = scheduler(opt)
+            results = []
+            for x, y in batches:
+                results.append(pipes[r].step(x, y, optimizer=opt, max_norm=max_norm, post_validate=post_validate))
+                sched.step()
+            pipes[r].settle()
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            return [float(x) for x in results], [p.detach().clone() for p in pipes[r].parameters()], (
+                groups, sched.state_dict()), results
+        return run_pipes(run, pp)
+
+    sync, post, inverse = train(False), train(True), train("inverse")
+    for r in range(pp):
+        assert all(_same(a, b) for a, b in zip(sync[r][0], post[r][0])), (r, sync[r][0], post[r][0])
+        assert all(torch.equal(a, b) for a, b in zip(sync[r][1], post[r][1])), f"rank {r}: post_validate=True"
+        assert all(rel(b, a) <= 1e-12 for a, b in zip(sync[r][1], inverse[r][1])), f"rank {r}: 'inverse'"
+        assert sync[r][2] == post[r][2] == inverse[r][2]   # lr, momentum / betas, the scheduler's own state
+        results = post[r][3]
+        assert sum(x.clipped for x in results) > 2 and [i for i, x in enumerate(results) if x.skipped] == [NAN_STEP]
 
 
 @pytest.mark.parametrize("schedule,pp", [("zbv", 2), ("1f1b", 4)])

@@ -128,12 +128,16 @@ def test_eval_turns_dropout_off_and_train_mode_keeps_it():
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_every_floating_dtype_trains_equal_to_eager(dtype, tol):
     """A float64, bfloat16 or float16 GPT: the loss and every gradient equal eager's in the same dtype, within
-    what the dtype's rounding allows (the pipeline sums microbatch gradients in another order)."""
+    what the dtype's rounding allows (the pipeline sums microbatch gradients in another order); the total norm
+    too, in the dtype torch's get_total_norm returns (the model's)."""
     model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), "zbv", dtype=dtype)
     ref = copy.deepcopy(model)
     want = eager_step(ref, loss_fn, x, y, M)
     losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
     assert all(abs(loss - want) <= tol * abs(want) for loss in losses), (losses, want)
+    want_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    for norm in run_pipes(lambda r: pipes[r].get_total_norm(), PP):
+        assert norm.dtype == want_norm.dtype == dtype and rel(norm, want_norm) <= tol, (norm, want_norm)
     for r, pipe in enumerate(pipes):
         for n, p in pipe.named_parameters():
             assert p.grad.dtype == dtype and rel(p.grad, dict(ref.named_parameters())[n].grad) <= 10 * tol, n
@@ -166,34 +170,113 @@ def test_autocast_around_compile_and_step():
             assert rel(p.grad, dict(ref.named_parameters())[n].grad) <= 1e-5, n
 
 
+ORDERS = (2.0, 1.0, 3.0, 0.5, 0.0, math.inf, -math.inf, -1.0)
+SHIFT = 1e-4   # added to every gradient element, as eager's
+
+
+def _assert_norms_are_torchs(got: dict, grads: list, what: str) -> None:
+    """get_total_norm of every order against torch.nn.utils.get_total_norm over eager's `grads`: the same dtype, and
+    the same value up to the pipeline's other summation order. A negative order's norm is at most the smallest
+    |g| (the -inf norm is the min |g|): it moves by at most as much as the gradients do, so it is held to that,
+    not to a relative bound, which a tiny min |g| would not meet; the 0-"norm" counts nonzero tensors: exactly."""
+    scale = float(torch.nn.utils.get_total_norm(grads, math.inf)) if grads else 0.0
+    for p, norm in got.items():
+        want = torch.nn.utils.get_total_norm(grads, p)
+        assert norm.dtype == want.dtype, (what, p, norm, want)
+        bound = 0.0 if p == 0 else 1e-12 * (scale if p < 0 else abs(want.item()))
+        assert abs(norm.item() - want.item()) <= bound, (what, p, norm, want)
+
+
 @pytest.mark.parametrize("schedule,vocab", [("1f1b", False), ("zbv", False), ("dualpipe", False), ("zbv", True)])
-@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), -float("inf")])
 def test_clip_grad_norm_over_the_pipeline_matches_eager(schedule, vocab, norm_type):
     """pipe.clip_grad_norm_ returns eager's total norm on every rank and leaves eager's clipped gradients, with a
     tied embedding / head (one parameter on two ranks), DualPipe's mirrored stages (every parameter on both
-    ranks) and vocabulary row shards; AdamW after the clip then agrees as well."""
+    ranks) and vocabulary row shards; AdamW after the clip then agrees as well. get_total_norm of every order
+    (0, negative, -inf: torch's min |g|) is torch's, and stays so where rank 0's gradients are gone (a rank that
+    counts none; with DualPipe, which counts every parameter on rank 0, no gradient at all: torch's 0.0)."""
     model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), schedule, dtype=torch.float64,
                                          vocab_parallel=vocab)
     ref = copy.deepcopy(model)
     eager_step(ref, loss_fn, x, y, M)
-    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5, norm_type)
+    for p in ref.parameters():   # no element exactly 0 (unused embedding rows are): else min |g| is 0 everywhere
+        p.grad.add_(SHIFT)
+    unclipped = [p.grad.clone() for p in ref.parameters()]
+    max_norm = 0.5 if norm_type > 0 else 0.5 * float(torch.nn.utils.get_total_norm(unclipped, norm_type))
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
     torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3).step()
+
+    # the 0-"norm" (nonzero tensors) counts each vocabulary shard as a tensor of its own: not checked there
+    orders = [p for p in ORDERS if not (vocab and p == 0)]
 
     def run(r):
         pipes[r].step(x, y)
-        norm = pipes[r].clip_grad_norm_(0.5, norm_type)
+        for p in pipes[r].parameters():   # every copy of a tied or mirrored gradient, every row of a shard
+            p.grad.add_(SHIFT)
+        norms = {p: pipes[r].get_total_norm(p) for p in orders}
+        norm = pipes[r].clip_grad_norm_(max_norm, norm_type)
         grads = {n: p.grad.clone() for n, p in pipes[r].named_parameters()}
         torch.optim.AdamW(pipes[r].parameters(), lr=1e-2, eps=1e-3).step()
-        return norm, grads
+        if r == 0 and not vocab:   # its vocabulary rows aside, eager could not drop them as well
+            for p in pipes[r].parameters():
+                p.grad = None
+        without = {p: pipes[r].get_total_norm(p) for p in orders}
+        return norm, grads, norms, without, [n for n, _ in pipes[r].named_parameters()]
 
     refp = dict(ref.named_parameters())
-    for r, (norm, grads) in enumerate(run_pipes(run, PP)):
+    out = run_pipes(run, PP)
+    gone = {id(refp[n]) for n in out[0][4]}
+    for r, (norm, grads, norms, without, _) in enumerate(out):
         assert norm.dtype == torch.float64 and abs(norm.item() - want.item()) <= 1e-12 * want.item(), (norm, want)
+        _assert_norms_are_torchs(norms, unclipped, f"rank {r}")
+        if not vocab:
+            kept = [p.grad for p in ref.parameters() if id(p) not in gone]
+            _assert_norms_are_torchs(without, kept, f"rank {r}, rank 0 without gradients")
         for n, g in grads.items():
             assert rel(g, shard_of(refp[n].grad, g, r)) <= 1e-10, f"rank {r} {n}"
     for r, pipe in enumerate(pipes):
         for n, p in pipe.named_parameters():
             assert rel(p.detach(), shard_of(refp[n].detach(), p, r)) <= 1e-9, f"rank {r} {n}"
+
+
+class _To(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+def test_the_norm_of_mixed_dtypes_is_torchs_on_every_rank():
+    """float32 layers on rank 0, float64 ones on rank 1: torch's get_total_norm stacks the per-tensor norms, so
+    the total is float64, on rank 0 too, whose own gradients are all float32. get_total_norm of every order and
+    the post-validated step's norm (the same dtype, known on every rank without an exchange) are eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(16, 16), torch.nn.Tanh())],
+                                _To(torch.float64), torch.nn.Linear(16, 16).double(), torch.nn.Tanh(),
+                                torch.nn.Linear(16, 16).double())
+    x, y = torch.randn(8, 16), torch.randn(8, 16, dtype=torch.float64)
+    _, loss_fn, x, y, pipes = _pipes((model, F.mse_loss, (x, y), None), "1f1b")
+    ref = copy.deepcopy(model)
+    eager_step(ref, loss_fn, x, y, M)
+    grads = [p.grad for p in ref.parameters()]
+
+    def run(r):
+        pipes[r].step(x, y)
+        norms = {p: pipes[r].get_total_norm(p) for p in ORDERS}
+        opt = torch.optim.SGD(pipes[r].parameters(), lr=0.1)
+        opt.zero_grad()
+        result = pipes[r].step(x, y, optimizer=opt, max_norm=1e-3, post_validate=True)
+        pipes[r].settle()
+        return {p.dtype for p in pipes[r].parameters()}, norms, result.norm
+
+    out = run_pipes(run, PP)
+    assert out[0][0] == {torch.float32} and torch.float64 in out[1][0], "the split is not the one meant"
+    for r, (_, norms, post_norm) in enumerate(out):
+        _assert_norms_are_torchs(norms, grads, f"rank {r}")
+        want = torch.nn.utils.get_total_norm(grads)
+        assert abs(post_norm - want.item()) <= 1e-12 * want.item(), (r, post_norm, want)
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank():

@@ -7,14 +7,14 @@
                        gradient (dp_bucket_mb=0), each replica handed its own rows (dp_batch="local"),
                        DualPipeV's mirrored stages
     eval               evaluate() and pipe(x) on the global batch, against eager in eval mode
-    clip               get_total_norm (2 and inf) and clip_grad_norm_ after a step equal eager's on the global batch;
-                       a NaN in the gradients of one rank of one replica makes grads_finite() False on every rank
+    clip               get_total_norm (2, inf, 0, -inf) and clip_grad_norm_ after a step equal eager's on the global
+                       batch; a NaN in the gradients of one rank of one replica makes grads_finite() False on every rank
     checkpoint         saved at pp=2 x dp=2 (replica 0 writes), loaded at pp=4 x dp=1 on all four processes and
                        into the plain model in one process (rank 0): the next step equals the uninterrupted run's
     sharded            dp_shard=True (parameters DTensor shards over dp): the train cases (gathered gradients and
                        parameters against eager), both gather policies, vocabulary parallelism, float32 (the one
                        float32 run: the reductions' arithmetic is the replicated one's), the norms (2, inf,
-                       0) and clipping, and a sharded checkpoint loaded at four layouts (two steps after it)
+                       0, -inf) and clipping, and a sharded checkpoint loaded at four layouts (two steps after it)
     errors             a mesh without "pp", a 3-D mesh, a batch that does not split into dp x microbatches,
                        dp_shard without a "dp" dimension
     die                last: rank 3 (replica 1's second pipeline rank) dies inside a step, in its trailing W; the
@@ -171,8 +171,13 @@ def clip_case(mesh, **options) -> dict:
     x, y = batches(0)
     eager_accumulated(ref, loss_fn, x, y, DP * M)
     pipe.step(x, y)
+    # no gradient element exactly 0 (unused embedding rows are): else -inf's min |g| would be 0 whatever the ranks
+    # and replicas combine
+    for g in [p.grad for p in ref.parameters()] + [p.grad for p in pipe.parameters()]:
+        if g is not None:
+            getattr(g, "_local_tensor", g).add_(1e-4)
     out = dict(clean=pipe.grads_finite())
-    for norm in (2.0, float("inf"), 0.0):
+    for norm in (2.0, float("inf"), 0.0, -float("inf")):   # -inf: the min |g|, a min over the replicas' rows
         got = pipe.get_total_norm(norm).item()
         want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], norm).item()
         out[str(norm)] = (got, want)
