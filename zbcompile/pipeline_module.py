@@ -105,6 +105,12 @@ class PipelineModule(nn.Module):
         self._seed_value = 1.0 / compiled.schedule.num_microbatches
         attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
         self.__dict__["_counted"] = [model.get_parameter(n) for n in compiled.counted_params(rank)]
+        # per counted parameter, its rows that hold vocabulary entries (None: all): the last shard's padding rows
+        # never get a gradient, and would count as zeros in a norm that takes the minimum (norm_type=-inf)
+        vocab = compiled.staged.vocab
+        real = None if vocab is None else max(0, min(vocab.rows, vocab.size - rank * vocab.rows))
+        self.__dict__["_counted_rows"] = [real if vocab is not None and n in vocab.params else None
+                                          for n in compiled.counted_params(rank)]
         # what later calls are compared against: which parameters have a gradient, every tensor's dtype and device
         self.__dict__["_traced"] = call_checks.Traced.of(self, [(n, model.get_parameter(n)) for n in owned])
 
@@ -327,7 +333,9 @@ class PipelineModule(nn.Module):
 
     def _counted_grads(self) -> list[torch.Tensor]:
         """The gradients this rank counts (sharded data parallelism: this replica's rows of them)."""
-        return [grads.local(p.grad) for p in self._counted if p.grad is not None]
+        whole = not self._sharded   # (a sharded replica's rows are a slice of its own)
+        return [grads.local(p.grad)[:rows] if rows is not None and whole else grads.local(p.grad)
+                for p, rows in zip(self._counted, self._counted_rows) if p.grad is not None]
 
     @property
     def _sharded(self) -> bool:

@@ -187,6 +187,35 @@ def _assert_norms_are_torchs(got: dict, grads: list, what: str) -> None:
         assert abs(norm.item() - want.item()) <= bound, (what, p, norm, want)
 
 
+def test_the_minimum_norm_skips_the_padding_rows_of_the_last_vocabulary_shard():
+    """V=63 over 2 ranks: the last shard has a padding row, whose gradient is always 0 and is no gradient of the
+    model; get_total_norm(-inf) (torch's min |g|) and (-1) must not count it."""
+    from support.models import Case
+    from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=63, seq=16, d=32, heads=2, layers=4)).double()
+    x, y = torch.randint(0, 63, (8, 8)), torch.randint(0, 63, (8, 8))
+    model, loss_fn, x, y, pipes = _pipes(Case(model, loss_fn, (x, y), 4), "zbv", vocab_parallel=True)
+    ref = copy.deepcopy(model)
+    eager_step(ref, loss_fn, x, y, M)
+    for p in ref.parameters():
+        p.grad.add_(SHIFT)
+    rows = pipes[0].staged.vocab.rows
+    assert rows * PP > 63, "no padding row to check"
+
+    def run(r):
+        pipes[r].step(x, y)
+        for n, p in pipes[r].named_parameters():
+            p.grad.add_(SHIFT)
+            if n in pipes[r].staged.vocab.params and r == PP - 1:
+                p.grad[63 - r * rows:] = 0.0   # the padding rows, as the runtime leaves them
+        return {p: pipes[r].get_total_norm(p) for p in (-math.inf, -1.0, 2.0)}
+
+    for r, norms in enumerate(run_pipes(run, PP)):
+        _assert_norms_are_torchs(norms, [p.grad for p in ref.parameters()], f"rank {r}")
+
+
 @pytest.mark.parametrize("schedule,vocab", [("1f1b", False), ("zbv", False), ("dualpipe", False), ("zbv", True)])
 @pytest.mark.parametrize("norm_type", [2.0, float("inf"), -float("inf")])
 def test_clip_grad_norm_over_the_pipeline_matches_eager(schedule, vocab, norm_type):
