@@ -73,7 +73,19 @@ def flatten_example(example) -> tuple[tuple[torch.Tensor, ...], int, int]:
     for i, x in enumerate(flat):
         if not isinstance(x, torch.Tensor):
             raise TraceError(f"example argument data:{i} is a {type(x).__name__}, not a tensor")
-    return flat, len(parts[0]), len(parts[1])
+    return _distinct(flat), len(parts[0]), len(parts[1])
+
+
+def _distinct(flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The example's tensors, a copy where one object comes again (`example=(x, x)`): export makes one graph input
+    of a repeated object, so the step would read one batch argument where the model reads the other (the targets
+    fed to the model). Each argument of a step is its own tensor; only the example's values are shared."""
+    seen: set[int] = set()
+    out = []
+    for x in flat:
+        out.append(x.clone() if id(x) in seen else x)
+        seen.add(id(x))
+    return tuple(out)
 
 
 def input_keywords(example) -> tuple[str, ...]:

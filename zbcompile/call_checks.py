@@ -86,6 +86,11 @@ def check_kinds(batch, what: str, device: torch.device) -> None:
                    if nested else "pass a torch.Tensor (torch.as_tensor(...))")
             raise UsageError(f"{what}() takes the whole batch as flat tensors, {call}; batch argument {i} is a "
                              f"{type(t).__name__}: {fix}")
+        if t.requires_grad and what == "step":   # (evaluate and pipe(x) compute no gradient, as under no_grad)
+            raise UsageError(f"{what}() got batch argument {i} requiring grad: the pipeline computes gradients for "
+                             "the model's parameters only, so its .grad would stay None (input gradients, as for "
+                             "saliency maps or adversarial examples, are not supported); pass it detached "
+                             "(x.detach())")
         if t.is_meta:
             where = f"on {device} (where the model runs)" + (" or on the CPU" if device.type != "cpu" else "")
             raise UsageError(f"{what}() got batch argument {i} on the meta device, which holds no data: pass the "
@@ -115,6 +120,9 @@ def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts:
         if spec is None:
             continue
         shape, dtype = spec
+        if t.dtype != dtype and t.shape[0] // m == shape[0] and t.shape[1:] == shape[1:]:
+            raise UsageError(f"batch argument {i} is {t.dtype}, but the model was compiled for {dtype} from "
+                             f"`example`: pass it as .to({dtype}), or compile again with an example of this dtype")
         if t.dtype != dtype or t.shape[0] // m != shape[0] or t.shape[1:] != shape[1:]:
             got = (t.shape[0] // m, *t.shape[1:])
             raise UsageError(

@@ -163,8 +163,9 @@ def test_a_conversion_that_changes_nothing_and_state_loading_still_work(mlp_pipe
 
 # ---- batches and groups of the wrong kind ----------------------------------------------------------------------
 def test_a_batch_that_is_not_flat_tensors_is_refused_and_the_pipeline_still_trains(mlp_pipes):
-    """(inputs,), (targets,) as in `example`, a list of numbers, the meta device: UsageError saying what step()
-    takes, before any message; evaluate() and pipe(x) alike. The pipeline then trains as before."""
+    """(inputs,), (targets,) as in `example`, a list of numbers, the meta device, a tensor requiring grad (its
+    .grad would stay None), another dtype: UsageError saying what step() takes, before any message; evaluate()
+    and pipe(x) alike. The pipeline then trains as before."""
     _, _, x, y, pipes = mlp_pipes
     pipe = pipes[0]
     cases = [(pipe.step, ((x,), (y,)), r"step\(\) takes the whole batch as flat tensors, step\(\*inputs, "
@@ -172,7 +173,10 @@ def test_a_batch_that_is_not_flat_tensors_is_refused_and_the_pipeline_still_trai
              (pipe.step, (x.tolist(), y), r"batch argument 0 is a list: pass a torch.Tensor"),
              (pipe.step, (x.to("meta"), y.to("meta")), r"step\(\) got batch argument 0 on the meta device.*on cpu"),
              (pipe.evaluate, ((x,), (y,)), r"evaluate\(\*inputs, \*targets\); batch argument 0 is a tuple"),
-             (pipe, ([x],), r"pipe\(\*inputs\); batch argument 0 is a list: unpack")]
+             (pipe, ([x],), r"pipe\(\*inputs\); batch argument 0 is a list: unpack"),
+             (pipe.step, (x.clone().requires_grad_(), y), r"batch argument 0 requiring grad.*pass it detached"),
+             (pipe.step, (x.double(), y), r"batch argument 0 is torch.float64, but the model was compiled for "
+                                          r"torch.float32 from `example`: pass it as .to\(torch.float32\)")]
     for call, batch, message in cases:
         with pytest.raises(UsageError, match=message):
             call(*batch)

@@ -363,3 +363,12 @@ def test_batch_norm_with_a_cumulative_average_says_to_give_it_a_momentum():
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Linear(8, 8))
     with pytest.raises(TraceError, match=r"`1` \(BatchNorm1d\) has momentum=None.*Give it a momentum"):
         split_model(model, F.mse_loss, (torch.randn(4, 8), torch.randn(4, 8)), num_stages=2)
+
+
+def test_one_tensor_given_twice_in_the_example_is_two_arguments():
+    """example=(x, x) (inputs and targets of one shape, one placeholder tensor): each batch argument of the step is
+    its own, so the model reads the inputs and the loss the targets (export alone would merge the two)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.Tanh())])
+    x = torch.randn(2, 8)
+    threaded_step_matches_eager(models.Case(model, F.mse_loss, (x, x), 4), "1f1b", 2)
