@@ -15,8 +15,10 @@ a class not from torch itself calls an op `zbfn::<Class>_<digest>` instead (torc
                other backward op.
 
 Recomputing instead of saving keeps the stage graph's values plain tensors; the price is the forward's ops again
-in the backward, and two refusals, as TraceError at trace time: a forward that draws random numbers (the recompute
-would draw others) and one that writes an input in place (ctx.mark_dirty).
+in the backward, and three refusals, as TraceError at trace time: a forward that draws random numbers (the
+recompute would draw others), one that writes an input in place (ctx.mark_dirty), and one that reads a tensor
+requiring grad it was not passed (a module's parameters, as a hand-written checkpoint does: only the op's inputs
+get gradients).
 
 Non-tensor arguments (numbers, strings, dtypes, None, or any object) are constants of the op: one op per class
 and distinct constants. Torch's own Functions are traced through as before, their backward being the derivative
@@ -206,13 +208,19 @@ class _FunctionOp:
         return self._run(ts)
 
     def _fake(self, ts: list[torch.Tensor]) -> list[torch.Tensor]:
-        with _RandomOps() as random:
+        with _ForwardWatch(ts) as watch:
             out = self._run(ts)
-        if random.found:
-            raise TraceError(f"torch.autograd.Function `{self.cls.__qualname__}` draws random numbers in its "
-                             f"forward ({random.found}); its backward runs the forward again to rebuild ctx and "
-                             "would see other numbers. Draw them outside the Function and pass them in as an "
-                             "argument")
+        name = f"torch.autograd.Function `{self.cls.__qualname__}`"
+        if watch.random:
+            raise TraceError(f"{name} draws random numbers in its forward ({watch.random}); its backward runs the "
+                             "forward again to rebuild ctx and would see other numbers. Draw them outside the "
+                             "Function and pass them in as an argument")
+        if watch.captured:
+            raise TraceError(f"{name} reads a tensor that requires grad without taking it as an argument "
+                             f"({watch.captured}, e.g. the parameters of a module it calls): only its tensor "
+                             "arguments get gradients in a pipeline stage, so these would get none. Pass them as "
+                             "arguments (and return their gradients from backward), or use "
+                             "torch.utils.checkpoint.checkpoint for recomputation")
         return out
 
     @staticmethod
@@ -261,14 +269,21 @@ class _Wants:
         self.value = value
 
 
-class _RandomOps(TorchDispatchMode):
-    """Notes the random ops (tagged nondeterministic_seeded) run under it."""
+class _ForwardWatch(TorchDispatchMode):
+    """What a Function's forward does that its op cannot carry, seen op by op: a random op (tagged
+    nondeterministic_seeded), and a tensor that requires grad read without being an argument (nor made inside)."""
 
-    def __enter__(self):
-        self.found = ""
-        return super().__enter__()
+    def __init__(self, inputs) -> None:
+        super().__init__()
+        self.known = {id(t) for t in inputs}
+        self.random = self.captured = ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) and not self.found:
-            self.found = str(func)
-        return func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) and not self.random:
+            self.random = str(func)
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and id(t) not in self.known and t.requires_grad and not self.captured:
+                self.captured = f"{list(t.shape)} {t.dtype}, read by {func}"
+        out = func(*args, **(kwargs or {}))
+        self.known.update(id(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out

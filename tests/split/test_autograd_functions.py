@@ -167,6 +167,25 @@ class DoubleInPlace(torch.autograd.Function):
         return grad * 2
 
 
+class RecomputeBlock(torch.autograd.Function):
+    """A hand-written checkpoint: runs a module (a constant) under no_grad; its backward re-runs it and calls
+    autograd.backward, which accumulates into the module's parameters behind autograd's back."""
+
+    @staticmethod
+    def forward(ctx, block, x):
+        ctx.block = block
+        ctx.save_for_backward(x)
+        return block(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            torch.autograd.backward(ctx.block(x), grad)
+        return None, x.grad
+
+
 class Applies(nn.Module):
     def __init__(self, fn) -> None:
         super().__init__()
@@ -174,12 +193,15 @@ class Applies(nn.Module):
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x):
+        if self.fn is RecomputeBlock:
+            return self.fn.apply(self.b, self.a(x))
         return self.b(self.fn.apply(self.a(x)))
 
 
 @pytest.mark.parametrize("fn,text", [
     (RandomMask, "`RandomMask` draws random numbers in its forward (aten.rand_like"),
     (DoubleInPlace, "`DoubleInPlace` marks an input dirty"),
+    (RecomputeBlock, "`RecomputeBlock` reads a tensor that requires grad without taking it as an argument"),
 ])
 def test_functions_the_pipeline_cannot_run_are_refused_by_name(fn, text):
     with pytest.raises(TraceError, match=text.replace("(", r"\(")):
