@@ -121,7 +121,9 @@ def output_graph(cut: Partition) -> OutputGraph | str:
     if cut.vocab is not None:
         return "its output layer is sharded over the ranks (vocab_parallel=True)"
     if outputs is None:
-        return "torch.export could not keep the model's call signature, so the trace does not know its outputs"
+        return ("torch.export could not keep the model's call signature, so the trace does not know its outputs "
+                "(the usual cause: an output export cannot describe, such as a HuggingFace model's key-value cache; "
+                "compile it with use_cache=False)")
     if outputs.missing:
         return (f"the loss does not read every output of the model ({', '.join(outputs.missing)}), so the "
                 "traced step never computes those")
