@@ -59,8 +59,10 @@ def ascii_timeline(result: SimResult, width: int | None = None) -> str:
     legend = "F forward, B input backward, W weight backward, BW fused backward, . idle"
     if schedule.vocab_shards:
         legend += "; S/T vocab output shard, IF/IB vocab input shard"
-    if max(chunks.values(), default=0) > 0:
-        legend += "; lower case = second chunk on the rank"
+    most = max(chunks.values(), default=0)
+    if most > 0:   # the chunks alternate case: 2 of them read at a glance, more by their order
+        legend += ("; lower case = second chunk on the rank" if most == 1 else
+                   "; the rank's chunks alternate upper / lower case, from its first chunk (upper)")
     lines.append(legend)
     return "\n".join(lines)
 
