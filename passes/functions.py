@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils import _pytree as pytree
 
-from zbcompile._torch_private import StorageWeakRef, TorchDispatchMode
+from zbcompile._torch_private import OpOverload, StorageWeakRef, TorchDispatchMode
 from zbcompile.errors import TraceError
 
 __all__ = ["functions_as_ops", "op_parts", "op_from_parts"]
@@ -79,7 +79,7 @@ def op_parts(target) -> tuple | None:
     """What makes the op `target` (an fx node's target) again in another process, by `op_from_parts`: (class,
     argument tree, tensor mask, constants); None for any other op, and for one whose constants are objects told
     apart by identity (they mean nothing elsewhere)."""
-    name = target.name() if isinstance(target, torch._ops.OpOverload) else ""
+    name = target.name() if isinstance(target, OpOverload) else ""
     key = _names.get(name.split("::")[-1]) if name.startswith(_LIBRARY + "::") else None
     op = _ops.get(key) if key is not None else None
     if op is None or not all(isinstance(c, _PLAIN) for c in op.consts):

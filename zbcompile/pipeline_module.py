@@ -104,13 +104,13 @@ class PipelineModule(nn.Module):
         self._autocast = compiled.staged.meta.get("autocast", ())
         self._seed_value = 1.0 / compiled.schedule.num_microbatches
         attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
-        self.__dict__["_counted"] = [model.get_parameter(n) for n in compiled.counted_params(rank)]
+        counted = compiled.counted_params(rank)
+        self.__dict__["_counted"] = [model.get_parameter(n) for n in counted]
         # per counted parameter, its rows that hold vocabulary entries (None: all): the last shard's padding rows
         # never get a gradient, and would count as zeros in a norm that takes the minimum (norm_type=-inf)
         vocab = compiled.staged.vocab
         real = None if vocab is None else max(0, min(vocab.rows, vocab.size - rank * vocab.rows))
-        self.__dict__["_counted_rows"] = [real if vocab is not None and n in vocab.params else None
-                                          for n in compiled.counted_params(rank)]
+        self.__dict__["_counted_rows"] = [real if vocab is not None and n in vocab.params else None for n in counted]
         # what later calls are compared against: which parameters have a gradient, every tensor's dtype and device
         self.__dict__["_traced"] = call_checks.Traced.of(self, [(n, model.get_parameter(n)) for n in owned])
 

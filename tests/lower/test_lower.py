@@ -21,7 +21,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from support.models import convnet, gpt, mlp
-from support.threaded import max_grad_error, param_holders, run_threaded
+from support.threaded import assert_buffers_match, max_grad_error, param_holders, run_threaded
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower import LOWERING, build_compute, emit_fx, lower_all, validate_programs
 from zbcompile.passes.lower.reduce import grad_holders
@@ -401,15 +401,10 @@ def test_threaded_step_updates_buffers_as_eager_microbatches(name, pp):
     for xm, ym in zip(x.chunk(2 * pp), y.chunk(2 * pp)):
         loss_fn(ref(xm), ym).backward()
     _, models, _ = run_threaded(model, staged, sched, (x, y))
-    want = dict(ref.named_buffers())
-    for r in range(pp):
-        mine = {n for s, rank in enumerate(sched.placement) if rank == r
-                for n in staged.stages[sched.model_stage(s)].buffers}
+    for r, mine in enumerate(assert_buffers_match(ref, models, sched, staged)):
         assert mine
         for n, buf in models[r].named_buffers():
-            if n in mine:
-                torch.testing.assert_close(buf, want[n], rtol=1e-5, atol=1e-6, msg=f"{name} rank {r}: {n}")
-            else:
+            if n not in mine:
                 assert torch.equal(buf, dict(model.named_buffers())[n]), f"rank {r} changed {n}, not its own"
 
 

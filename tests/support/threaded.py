@@ -205,12 +205,16 @@ def threaded_step_matches_eager(case, schedule: str, pp: int, *, split_points=No
     assert_buffers_match(ref, ranks, sched, staged)
 
 
-def assert_buffers_match(ref, ranks, sched, staged) -> None:
-    """Each rank's buffers of its own stages equal eager's (`ref`) after the same microbatches, in order."""
+def assert_buffers_match(ref, ranks, sched, staged) -> list[set[str]]:
+    """Each rank's buffers of its own stages equal eager's (`ref`) after the same microbatches, in order; returns
+    per rank the names of those buffers."""
     want = dict(ref.named_buffers())
+    owned = []
     for r, mdl in enumerate(ranks):
         mine = {n for s, rank in enumerate(sched.placement) if rank == r
                 for n in staged.stages[sched.model_stage(s)].buffers}
         for name, buf in mdl.named_buffers():
             if name in mine:
                 torch.testing.assert_close(buf, want[name], rtol=1e-5, atol=1e-6, msg=f"rank {r}: buffer {name}")
+        owned.append(mine)
+    return owned
