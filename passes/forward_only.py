@@ -16,6 +16,11 @@ kept for a backward; dead-code elimination removes what computed only them). In 
 
 The backward graphs are left as they are (a forward-only program never calls them).
 
+With vocabulary parallelism (forward_vocab) the sharded output layer runs forward only as well: every rank's S
+returns just its softmax statistics, and T, reading the gathered statistics and the targets, just the loss (the
+online-softmax combine without the gradients, so neither saved logits nor a reduce of input gradients). IF is
+the training step's; IB never runs.
+
     output_graph(partition)                   -> OutputGraph (or why there is none), kept in StagedModel.meta
     output_stages(staged, training)           -> StagedModel whose loss stage returns the model's outputs
 
@@ -37,9 +42,9 @@ from torch import fx
 
 from zbcompile.errors import UsageError
 from zbcompile.ir.names import Role, key_of, role_of
-from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Stage, StagedModel
+from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Stage, StagedModel, VocabLayers
 
-__all__ = ["forward_stages", "forward_graph", "output_graph", "output_stages", "OutputGraph", "TRAINING_ARGUMENT",
+__all__ = ["forward_stages", "forward_graph", "forward_vocab", "output_graph", "output_stages", "OutputGraph", "TRAINING_ARGUMENT",
            "OUTPUT"]
 
 OUTPUT = Role.OUTPUT.value   # out:<k>: the k-th tensor leaf of the model's outputs, from the loss stage
@@ -69,13 +74,11 @@ _RANDOM = ("bernoulli", "rand", "randn", "randint", "randperm", "normal", "unifo
 
 
 def forward_stages(staged: StagedModel, training: bool) -> StagedModel:
-    """`staged` with every stage's F replaced by forward_graph(F, training); see the module docstring."""
-    if staged.vocab is not None:
-        raise UsageError("a forward-only step (evaluate) is not built for vocabulary parallelism yet: its sharded "
-                         "output layer and loss run inside the training schedule's vocabulary passes; evaluate "
-                         "with a copy compiled without vocab_parallel, or on the plain model")
+    """`staged` with every stage's F replaced by forward_graph(F, training), and its vocabulary layers (if any)
+    by forward_vocab(vocab, training); see the module docstring."""
     stages = tuple(dataclasses.replace(st, f=forward_graph(st, training)) for st in staged.stages)
-    return dataclasses.replace(staged, stages=stages)
+    vocab = None if staged.vocab is None else forward_vocab(staged.vocab, training)
+    return dataclasses.replace(staged, stages=stages, vocab=vocab)
 
 
 def forward_graph(stage: Stage, training: bool) -> Graph:
@@ -83,10 +86,35 @@ def forward_graph(stage: Stage, training: bool) -> Graph:
     f = stage.f
     keep = [i for i, n in enumerate(f.outputs)
             if role_of(n) in (Role.ACT, Role.LOSS) or (training and role_of(n) is Role.BUFFER)]
-    return _forward_copy(f, keep, training, stage.index)
+    return _forward_copy(f, keep, training, f"stage {stage.index}")
 
 
-def _forward_copy(f: Graph, keep: list[int], training: bool, stage: int) -> Graph:
+def forward_vocab(vocab: VocabLayers, training: bool) -> VocabLayers:
+    """The vocabulary passes of a forward-only step: S returns only the softmax statistics (nothing is saved
+    for T's gradients), T only the loss, read off the gathered statistics and the targets (no grad:loss, no
+    weight or input gradient, so no reduce of them); IF as it is. IB is never run (no backward)."""
+    graphs = dict(vocab.graphs)
+    for key, kept in (("s", lambda n: n == "vocab:stats"), ("t", lambda n: role_of(n) is Role.LOSS)):
+        g = graphs[key]
+        keep = [i for i, n in enumerate(g.outputs) if kept(n)]
+        graphs[key] = _without_unread_inputs(_forward_copy(g, keep, training, f"vocabulary pass {key.upper()}"))
+    return dataclasses.replace(vocab, graphs=graphs).check("forward-only vocabulary layers")
+
+
+def _without_unread_inputs(g: Graph) -> Graph:
+    """`g` without the inputs nothing reads any more (a trimmed graph must not ask for values a forward-only
+    program never makes: grad:loss, the saved tensors of a backward)."""
+    gm = g.gm
+    inputs = list(g.inputs)
+    for name, node in zip(g.inputs, list(gm.graph.find_nodes(op="placeholder"))):
+        if not node.users:
+            gm.graph.erase_node(node)
+            inputs.remove(name)
+    gm.recompile()
+    return dataclasses.replace(g, inputs=tuple(inputs))
+
+
+def _forward_copy(f: Graph, keep: list[int], training: bool, where: str) -> Graph:
     """A copy of `f` returning its outputs at `keep`, in eval mode unless `training`, with what computed only
     the others removed."""
     gm = fx.GraphModule(f.gm, copy.deepcopy(f.gm.graph))
@@ -94,13 +122,13 @@ def _forward_copy(f: Graph, keep: list[int], training: bool, stage: int) -> Grap
     out = graph.output_node()
     out.args = (tuple(out.args[0][i] for i in keep),)
     if not training:
-        _to_eval_mode(graph, stage)
+        _to_eval_mode(graph, where)
     graph.eliminate_dead_code(is_impure_node=_impure)
     gm.recompile()
     outputs = tuple(f.outputs[i] for i in keep)
     return dataclasses.replace(f, gm=gm, outputs=outputs,
                                passthrough=tuple(n for n in f.passthrough if n in outputs)).check(
-        f"forward-only stage {stage}")
+        f"forward-only {where}")
 
 
 # ---- forward outputs --------------------------------------------------------------------------------------
@@ -167,14 +195,14 @@ def output_stages(staged: StagedModel, training: bool) -> StagedModel:
     fwd = forward_stages(staged, training)
     g = og.graph
     keep = [i for i, n in enumerate(g.outputs) if role_of(n) is not Role.BUFFER or training]
-    f = _forward_copy(g, keep, training, og.stage)
+    f = _forward_copy(g, keep, training, f"stage {og.stage}")
     data = tuple(int(key_of(n)) for n in f.inputs if role_of(n) is Role.DATA)
     stages = list(fwd.stages)
     stages[og.stage] = dataclasses.replace(stages[og.stage], f=f, data=data, has_loss=False)
     return dataclasses.replace(fwd, stages=tuple(stages))
 
 
-def _to_eval_mode(graph: fx.Graph, stage: int) -> None:
+def _to_eval_mode(graph: fx.Graph, where: str) -> None:
     """Every op's `training` argument set False; UsageError for a random op that still draws."""
     for node in graph.nodes:
         if node.op != "call_function":
@@ -202,7 +230,7 @@ def _to_eval_mode(graph: fx.Graph, stage: int) -> None:
                 and node.target not in DROPOUT_PROBABILITY and _draws(node.target)):
             module = _module_of(node)
             raise UsageError(
-                f"stage {stage}: the traced forward draws random numbers in {module} ({node.target}), which "
+                f"{where}: the traced forward draws random numbers in {module} ({node.target}), which "
                 "evaluation cannot switch off: dropout and BatchNorm are switched by their ops, but this path was "
                 "fixed when the step was traced in train mode (a hand-written dropout, or an `if self.training:` "
                 "branch). Use nn.Dropout / F.dropout(training=self.training) there, or evaluate the plain model")

@@ -152,7 +152,7 @@ class _Collectives:
         elif kind is Kind.S:
             ops += self._post(Coll.ALL_GATHER, -1, mb, vocab_value(mb, "vocab:stats"), "vocab:gathered",
                               self.vocab.stats.shape, self.vocab.stats.dtype)
-        elif kind is Kind.T:
+        elif kind is Kind.T and vocab_value(mb, "vocab:dx") in run.outs:   # not in a forward-only step's T
             ops += self._post(Coll.REDUCE, last, mb, vocab_value(mb, "vocab:dx"), _SUMMED_GRAD,
                               self.vocab.x.shape, self.vocab.x.dtype)
         return ops

@@ -27,8 +27,8 @@ CASES = [(m, s, "float64") for m in ("tied", "untied", "hf") for s in SCHEDULES]
 
 @pytest.mark.parametrize("model,schedule,dtype", CASES)
 def test_trains_equal_to_eager(run, model, schedule, dtype):
-    """Losses of 3 steps and the first step's gradients within 1e-5 relative; the parameters after 3 AdamW steps
-    too in float64 (in float32 Adam turns summation-order noise in tiny gradients into ~1e-3 of a step, for
+    """Losses of 3 steps, the first step's gradients and the eval-mode evaluate() after the steps within 1e-5
+    relative (evaluate() writing no gradient); the parameters after 3 AdamW steps too in float64 (in float32 Adam turns summation-order noise in tiny gradients into ~1e-3 of a step, for
     eager against itself as well; tests/distributed/workers/vocab_worker.py)."""
     pp, ranks = run
     for r, res in enumerate(ranks):
@@ -39,6 +39,9 @@ def test_trains_equal_to_eager(run, model, schedule, dtype):
         assert got["grad_err"] <= TOL, (r, got["where"], got["grad_err"])
         if dtype == "float64":
             assert got["param_err"] <= TOL, (r, got["param_err"])
+        assert abs(got["evaluated"] - got["ref_evaluated"]) <= TOL * abs(got["ref_evaluated"]), \
+            (r, got["evaluated"], got["ref_evaluated"])
+        assert got["untouched"], f"rank {r}: evaluate() wrote a gradient"
 
 
 @pytest.mark.parametrize("model", ["tied", "untied", "hf"])

@@ -125,6 +125,55 @@ def test_eval_turns_dropout_off_and_train_mode_keeps_it():
         assert math.isfinite(out["step"]) and out["graded"]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "dualpipe"])
+def test_evaluate_with_vocabulary_parallelism_between_steps_matches_eager(schedule):
+    """vocab_parallel=True: evaluate() runs the sharded output layer forward only (IF, F, S, and T for the loss
+    alone). Between SGD steps its losses, and the steps' own, equal eager's; it writes no gradient and leaves
+    the next step exact (its collectives are numbered apart from the training step's)."""
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), schedule, dtype=torch.float64,
+                                         vocab_parallel=True)
+    ref = copy.deepcopy(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for xb, yb in [(x, y), (x.flip(0), y.flip(0)), (x, y.flip(0))]:
+        with torch.no_grad():
+            want.append(sum(loss_fn(ref(a), b).item() for a, b in zip(xb.chunk(M), yb.chunk(M))) / M)
+        opt_ref.zero_grad()
+        want.append(eager_step(ref, loss_fn, xb, yb, M))
+        opt_ref.step()
+
+    def run(r):
+        pipe, got = pipes[r], []
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for xb, yb in [(x, y), (x.flip(0), y.flip(0)), (x, y.flip(0))]:
+            opt.zero_grad(set_to_none=True)
+            got.append(pipe.eval().evaluate(xb, yb))
+            assert all(p.grad is None for p in pipe.parameters()), "evaluate() wrote a gradient"
+            got.append(pipe.train().step(xb, yb))
+            opt.step()
+        return got
+
+    for got in run_pipes(run, PP):
+        assert got == pytest.approx(want, rel=1e-12), (got, want)
+    _assert_state_equal(pipes, ref, 1e-12, "after steps and evaluations")
+
+
+def test_evaluate_with_vocabulary_parallelism_switches_dropout():
+    """A vocabulary-parallel GPT with dropout 0.3 and ignored targets (-100): after eval() evaluate() equals
+    eager's eval loss on every rank; in train mode it is the forward of a training step (dropout draws: another
+    loss on each call)."""
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, dropout=0.3, batch=8), "zbv", vocab_parallel=True)
+    y = y.clone()
+    y[:, :3] = -100
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        want = sum(loss_fn(ref(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M
+    for out in run_pipes(lambda r: (pipes[r].eval().evaluate(x, y), pipes[r].train().evaluate(x, y),
+                                    pipes[r].evaluate(x, y)), PP):
+        assert abs(out[0] - want) <= 1e-6 * want, (out, want)
+        assert len(set(out)) == 3 and all(math.isfinite(v) for v in out), out
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_every_floating_dtype_trains_equal_to_eager(dtype, tol):
     """A float64, bfloat16 or float16 GPT: the loss and every gradient equal eager's in the same dtype, within

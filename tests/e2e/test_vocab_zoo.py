@@ -13,8 +13,10 @@ import torch
 
 from support import zoo
 from support.zoo import MICROBATCHES, batch
-from support.threaded import run_threaded
+from support.threaded import loopback_pipes, run_pipes, run_threaded
+from zbcompile.compiler import compile_staged
 from zbcompile.errors import VocabError
+from zbcompile.options import CompileOptions
 from zbcompile.passes.schedules import generate
 from zbcompile.split import split_model
 
@@ -66,6 +68,26 @@ def test_zoo_with_vocabulary_parallelism_matches_eager(arch, schedule):
             got = p.grad[:want_grad.shape[0]]
             err = ((got - want_grad).abs().max() / want_grad.abs().max().clamp_min(floor)).item()
             assert err <= 1e-5, (arch, r, name, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom", "opt", "bert_mlm", "mixtral"])
+def test_zoo_evaluates_with_vocabulary_parallelism_as_eager_does(arch):
+    """PipelineModule.evaluate() in eval mode, on zbv+vocab: the mean loss eager's eval-mode model gives under
+    no_grad, on every rank, and no gradient written. (Positions: rotary, learned, ALiBi; tied and untied heads, a
+    biased decoder, experts.)"""
+    sched = generate("zbv", 2, MICROBATCHES, vocab=True)
+    case, staged = zoo.split(arch, sched)
+    inputs, targets = batch(case)
+    n, ref = len(inputs), copy.deepcopy(case.model).eval()
+    with torch.no_grad():
+        want = sum(case.loss_fn(ref(*mb[:n]), *mb[n:]).item()
+                   for mb in zip(*(t.chunk(MICROBATCHES) for t in inputs + targets))) / MICROBATCHES
+    options = CompileOptions(schedule=sched, microbatches=MICROBATCHES)
+    pipes = loopback_pipes(case.model, options, 2, compiled=compile_staged(staged, sched, options))
+    losses = run_pipes(lambda r: pipes[r].eval().evaluate(*inputs, *targets), 2)
+    assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (arch, losses, want)
+    assert all(p.grad is None for pipe in pipes for p in pipe.parameters())
 
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))

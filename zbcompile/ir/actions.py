@@ -97,6 +97,8 @@ class KindSpec:
     in_cell   whether the kind counts in `Schedule.validate`'s per-(stage, microbatch) check against CELL_FORMS
     sharded   run by every rank on its own vocabulary shard: the action's stage field is the shard (= the rank),
               and each comes with a collective every rank joins in the same order (vocabulary parallelism)
+    forward   kept in a forward-only (evaluation) step, `Schedule.forward_only`: F, and with vocabulary
+              parallelism IF, S and T (there T computes the loss only, from the gathered statistics)
     """
 
     meaning: str
@@ -108,6 +110,7 @@ class KindSpec:
     memory: Callable[[MemoryRates, float], float]
     in_cell: bool = True
     sharded: bool = False
+    forward: bool = False
 
 
 def _all_shards(ctx: DepContext, kind: Kind, mb: int) -> tuple[Action, ...]:
@@ -157,7 +160,7 @@ def _input_backward_deps(ctx: DepContext, shard: int, mb: int) -> tuple[Action, 
 KIND_SPECS: dict[Kind, KindSpec] = {
     Kind.F: KindSpec(
         meaning="forward: stage inputs -> stage outputs, saving what the backward needs", label="forward",
-        code="F", torch="F", deps=_forward_deps, cost=("f",), memory=lambda rates, scale: scale),
+        code="F", torch="F", deps=_forward_deps, cost=("f",), memory=lambda rates, scale: scale, forward=True),
     Kind.B: KindSpec(
         meaning="backward for the stage input only (on the critical path)", label="backward (input)",
         code="B", torch="I", deps=_input_grad_deps, cost=("b",), memory=lambda rates, scale: -rates.b_frees * scale),
@@ -172,16 +175,16 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         meaning="output layer forward on this rank's vocabulary shard: local logits and softmax statistics "
                 "(after the last stage's output is broadcast; its statistics are then gathered by every rank)",
         label="vocab output (S)", code="S", torch=None, deps=_output_forward_deps, cost=("s",),
-        memory=lambda rates, scale: rates.vocab, in_cell=False, sharded=True),
+        memory=lambda rates, scale: rates.vocab, in_cell=False, sharded=True, forward=True),
     Kind.T: KindSpec(
         meaning="output layer backward on this rank's shard: the loss, the shard's weight gradient and its share "
                 "of the last stage's output gradient (summed onto the last stage's rank)",
         label="vocab output (T)", code="T", torch=None, deps=_output_backward_deps, cost=("t",),
-        memory=lambda rates, scale: -rates.vocab, in_cell=False, sharded=True),
+        memory=lambda rates, scale: -rates.vocab, in_cell=False, sharded=True, forward=True),
     Kind.IF: KindSpec(
         meaning="input embedding forward on this rank's shard: a partial lookup, summed onto the first stage's rank",
         label="vocab input (IF)", code="IF", torch=None, deps=_input_forward_deps, cost=("i",),
-        memory=lambda rates, scale: 0.0, in_cell=False, sharded=True),
+        memory=lambda rates, scale: 0.0, in_cell=False, sharded=True, forward=True),
     Kind.IB: KindSpec(
         meaning="input embedding backward on this rank's shard: the first stage's input gradient (broadcast) "
                 "scattered into the shard's rows",

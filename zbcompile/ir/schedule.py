@@ -178,10 +178,12 @@ class Schedule:
                         tuple(tuple(_expand(row)) for row in self.ranks), self.pipelines)
 
     def forward_only(self) -> Schedule:
-        """The F actions of `flatten()`, in each rank's order: an evaluation step's schedule (forward-only
-        programs, no backward). Its F dependencies are those of this schedule, so a schedule that runs without
-        deadlock keeps running without one. Not for `validate` (its cells have no backward by design)."""
-        rows = tuple(tuple(a for a in row if a.kind is Kind.F) for row in self.flatten().ranks)
+        """The forward actions of `flatten()` (F; with vocabulary parallelism IF, S and T too: KindSpec.forward),
+        in each rank's order: an evaluation step's schedule (forward-only programs, no backward). Their
+        dependencies are among themselves and those of this schedule, and every rank drops the same sharded
+        actions (IB), so a schedule that runs without deadlock keeps running without one. Not for `validate`
+        (its cells have no backward by design)."""
+        rows = tuple(tuple(a for a in row if KIND_SPECS[a.kind].forward) for row in self.flatten().ranks)
         return Schedule(f"{self.name}/forward", self.num_microbatches, self.placement, rows, self.pipelines)
 
     # ---- checks -------------------------------------------------------------------------------

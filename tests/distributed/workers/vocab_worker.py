@@ -4,10 +4,11 @@ For each model (a GPT with tied embeddings, an untied one whose vocabulary does 
 targets ignore some tokens, a HuggingFace GPT-2) and each schedule, compile with vocab_parallel=True (one split
 per stage layout, shared by the schedules that use it), train 3 AdamW steps and compare with eager training of
 a copy in one process (accumulating the microbatches' gradients, as the pipeline does): the loss of every step,
-the first step's gradients (this rank's rows of each vocabulary parameter against the same rows of eager's) and
-the parameters after the 3 steps; in float64 for every schedule, and in float32 (the default dtype) for 1f1b on
-the tied GPT without the parameters (Adam divides each gradient by its running magnitude, so float32 summation-order noise in
-tiny gradients becomes ~1e-3 of a step in the parameters, for eager against itself too). Writes `<out>/rank<r>.json`.
+the first step's gradients (this rank's rows of each vocabulary parameter against the same rows of eager's),
+the parameters after the 3 steps and the eval-mode evaluate() loss after them; in float64 for every schedule, and
+in float32 (the default dtype) for 1f1b on the tied GPT without the parameters (Adam divides each gradient by its
+running magnitude, so float32 summation-order noise in tiny gradients becomes ~1e-3 of a step in the parameters,
+for eager against itself too). Writes `<out>/rank<r>.json`.
 """
 
 from __future__ import annotations
@@ -89,7 +90,10 @@ def eager(case, xb, yb, m: int):
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return losses, grads, model
+    model.eval()
+    with torch.no_grad():   # the evaluation after the steps
+        evaluated = sum(case.loss_fn(model(x), y).item() for x, y in zip(xb.chunk(m), yb.chunk(m))) / m
+    return losses, grads, model.train(), evaluated
 
 
 def pipelined(case, staged, schedule, xb, yb, ref_grads, ref_model, rank: int) -> dict:
@@ -117,12 +121,14 @@ def pipelined(case, staged, schedule, xb, yb, ref_grads, ref_model, rank: int) -
                     grad_err = max(grad_err, p.grad[keep.stop:].abs().max().item())
         opt.step()
         opt.zero_grad()
+    evaluated = pipe.eval().evaluate(xb, yb)
+    untouched = all(p.grad is None for p in pipe.parameters())
     param_err = max(rel(p.detach()[mine(n, ref_model.get_parameter(n))[1]], mine(n, ref_model.get_parameter(n))[0])
                     for n, p in pipe.named_parameters())
     shapes = {n: list(p.shape) for n, p in pipe.named_parameters() if n in vocab}
     param_bytes = sum(p.numel() * p.element_size() for p in pipe.parameters())
     return dict(losses=losses, grad_err=grad_err, where=where, param_err=param_err, shapes=shapes,
-                param_bytes=param_bytes)
+                param_bytes=param_bytes, evaluated=evaluated, untouched=untouched)
 
 
 def held_bytes(pp: int, vocab_parallel: bool) -> int:
@@ -149,7 +155,7 @@ def run(rank: int, pp: int, out: str) -> dict:
             continue
         case = case._replace(model=case.model.to(dtype))
         xb, yb = batch_of(case, m)
-        ref_losses, ref_grads, ref_model = eager(case, xb, yb, m)
+        ref_losses, ref_grads, ref_model, ref_evaluated = eager(case, xb, yb, m)
         splits = {}
         for name in SCHEDULES if dtype == torch.float64 else FLOAT32[1:]:
             key = f"{tag}/{name}/{str(dtype).removeprefix('torch.')}"
@@ -159,8 +165,8 @@ def run(rank: int, pp: int, out: str) -> dict:
                 if layout not in splits:
                     splits[layout] = split_for(copy.deepcopy(case.model), case.loss_fn, case.example, schedule)
                 got = pipelined(case, splits[layout], schedule, xb, yb, ref_grads, ref_model, rank)
-                results[key] = dict(got, ref_losses=ref_losses, vocab=splits[layout].vocab.size,
-                                    rows=splits[layout].vocab.rows)
+                results[key] = dict(got, ref_losses=ref_losses, ref_evaluated=ref_evaluated,
+                                    vocab=splits[layout].vocab.size, rows=splits[layout].vocab.rows)
             except Exception:
                 results[key] = dict(error=traceback.format_exc())
     results["bytes"] = {"vocab": held_bytes(pp, True), "plain": held_bytes(pp, False)}
