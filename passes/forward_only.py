@@ -41,11 +41,12 @@ import torch
 from torch import fx
 
 from zbcompile.errors import UsageError
-from zbcompile.ir.names import Role, key_of, role_of
-from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Stage, StagedModel, VocabLayers
+from zbcompile.ir.names import VOCAB_WHOLE, Role, key_of, role_of
+from zbcompile.ir.stages import (Constant, Graph, ModelOutputs, Partition, Stage, StagedModel, TensorSpec,
+                                  VocabLayers)
 
-__all__ = ["forward_stages", "forward_graph", "forward_vocab", "output_graph", "output_stages", "OutputGraph", "TRAINING_ARGUMENT",
-           "OUTPUT"]
+__all__ = ["forward_stages", "forward_graph", "forward_vocab", "output_graph", "output_stages", "OutputGraph",
+           "TRAINING_ARGUMENT", "OUTPUT"]
 
 OUTPUT = Role.OUTPUT.value   # out:<k>: the k-th tensor leaf of the model's outputs, from the loss stage
 
@@ -140,14 +141,15 @@ class OutputGraph:
     stage: int
     graph: Graph
     outputs: ModelOutputs
+    whole: tuple[TensorSpec, ...] = ()   # vocabulary parameters the graph reads whole (VocabLayers.whole)
 
 
 def output_graph(cut: Partition) -> OutputGraph | str:
     """The OutputGraph of `cut`, or why the model has none (kept in StagedModel.meta["outputs"] by the split,
     so that asking for the model's outputs costs no second trace)."""
     outputs = cut.traced.outputs
-    if cut.vocab is not None:
-        return "its output layer is sharded over the ranks (vocab_parallel=True)"
+    if cut.vocab is not None and cut.vocab.last is None:
+        return "its output layer is sharded over the ranks (vocab_parallel=True) and the split kept no whole copy"
     if outputs is None:
         return ("torch.export could not keep the model's call signature, so the trace does not know its outputs "
                 "(the usual cause: an output export cannot describe, such as a HuggingFace model's key-value cache; "
@@ -155,8 +157,11 @@ def output_graph(cut: Partition) -> OutputGraph | str:
     if outputs.missing:
         return (f"the loss does not read every output of the model ({', '.join(outputs.missing)}), so the "
                 "traced step never computes those")
-    stage = next(i for i, st in enumerate(cut.stages) if "loss" in st.outputs)
-    g = cut.stages[stage]
+    if cut.vocab is not None:   # the last stage as cut, before its output layer was sharded
+        stage, g = len(cut.stages) - 1, cut.vocab.last
+    else:
+        stage = next(i for i, st in enumerate(cut.stages) if "loss" in st.outputs)
+        g = cut.stages[stage]
     gm = fx.GraphModule(g.gm, copy.deepcopy(g.gm.graph))
     graph = gm.graph
     by_value = dict(zip(g.inputs, graph.find_nodes(op="placeholder")))
@@ -180,8 +185,33 @@ def output_graph(cut: Partition) -> OutputGraph | str:
         if role_of(name) is Role.DATA and not node.users:
             graph.erase_node(node)
             inputs.remove(name)
+    whole = () if cut.vocab is None else _read_whole(graph, inputs, cut.vocab)
     gm.recompile()
-    return OutputGraph(stage, Graph(gm, tuple(inputs), names, index=g.index, modules=g.modules), outputs)
+    return OutputGraph(stage, Graph(gm, tuple(inputs), names, index=g.index, modules=g.modules), outputs, whole)
+
+
+def _read_whole(graph: fx.Graph, inputs: list[str], vocab: VocabLayers) -> tuple[TensorSpec, ...]:
+    """Make `graph` read each vocabulary parameter whole from the all-gather of every rank's rows
+    (`vocab:whole:<fqn>`, [shards, rows, ...]) instead of the parameter, which on a rank holds only its rows:
+    the placeholder is renamed in `inputs`, and a view and a slice drop the last shard's padding rows.
+    Returns the specs of what is gathered (one rank's rows each)."""
+    specs = []
+    for i, (name, node) in enumerate(zip(list(inputs), list(graph.find_nodes(op="placeholder")))):
+        if role_of(name) is not Role.PARAM or key_of(name) not in vocab.params or not node.users:
+            continue
+        full = node.meta["val"]
+        rest = tuple(full.shape[1:])
+        with graph.inserting_after(node):
+            rows = graph.call_function(aten.view.default, (node, [vocab.shards * vocab.rows, *rest]))
+        with graph.inserting_after(rows):
+            kept = graph.call_function(aten.slice.Tensor, (rows, 0, 0, vocab.size))
+        node.replace_all_uses_with(kept, delete_user_cb=lambda user: user is not rows)
+        gathered = torch.empty((vocab.shards, vocab.rows, *rest), dtype=full.dtype, device="meta")
+        node.meta["val"], rows.meta["val"] = gathered, gathered.view(-1, *rest)
+        kept.meta["val"] = rows.meta["val"][:vocab.size]
+        inputs[i] = VOCAB_WHOLE + key_of(name)
+        specs.append(TensorSpec(inputs[i], (vocab.rows, *rest), full.dtype, requires_grad=False))
+    return tuple(specs)
 
 
 def output_stages(staged: StagedModel, training: bool) -> StagedModel:
@@ -193,6 +223,8 @@ def output_stages(staged: StagedModel, training: bool) -> StagedModel:
         raise UsageError(f"this model's outputs cannot be returned by the pipeline: {why}; use evaluate(*batch) "
                          "for the loss, or run the plain model")
     fwd = forward_stages(staged, training)
+    if og.whole:
+        fwd = dataclasses.replace(fwd, vocab=dataclasses.replace(fwd.vocab, whole=og.whole))
     g = og.graph
     keep = [i for i, n in enumerate(g.outputs) if role_of(n) is not Role.BUFFER or training]
     f = _forward_copy(g, keep, training, f"stage {og.stage}")
@@ -237,8 +269,10 @@ def _to_eval_mode(graph: fx.Graph, where: str) -> None:
 
 
 def _impure(node: fx.Node) -> bool:
-    """fx's rule, except that a random op whose result nobody reads is dead (a dropout mask kept for B)."""
-    return node.is_impure(impure_random=False)
+    """fx's rule, except that a random op whose result nobody reads is dead (a dropout mask kept for B), and so
+    is a metadata check export put beside a cast (`y.float()` in the loss): kept, it would keep the targets it
+    checks an input of a forward that is not given them (pipe(x))."""
+    return node.is_impure(impure_random=False) and node.target is not aten._assert_tensor_metadata.default
 
 
 def _draws(target) -> bool:

@@ -100,7 +100,7 @@ def shard_vocab(cut: Partition, *, shards: int) -> Partition:
         emb=TensorSpec(VOCAB_EMB, tuple(emb_val.shape), emb_val.dtype),
         stats=TensorSpec("vocab:stats", (int(x_val.shape[0]), 3), _stat_dtype(pattern.logits_dtype),
                          requires_grad=False),
-        pattern=_describe(pattern))
+        pattern=_describe(pattern), last=last)
     return dataclasses.replace(cut, stages=tuple(stages), vocab=vocab)
 
 
@@ -255,12 +255,16 @@ def _output_layer_input(last: Graph, p: VocabPattern) -> tuple[torch.Tensor, Gra
             continue
         args = list(n.args)
         args[0] = x
+        target = n.target
         if n.target in _RESHAPES:
             shape = list(args[1])
             shape[-1] = -1 if shape[-1] == -1 else int(p.linear.args[0].meta["val"].shape[-1])
             args[1] = shape
-        x = graph.call_function(n.target, tuple(args), dict(n.kwargs))
-        x.meta = {**n.meta, "val": n.target(*fx.node.map_arg(tuple(args), lambda a: a.meta["val"]), **n.kwargs)}
+            # the logits' `.contiguous()` before the view is not replayed, so x may be a strided slice (a causal
+            # LM's shift, `logits[:, :-1]`): reshape copies where a view could not
+            target = _aten.reshape.default
+        x = graph.call_function(target, tuple(args), dict(n.kwargs))
+        x.meta = {**n.meta, "val": target(*fx.node.map_arg(tuple(args), lambda a: a.meta["val"]), **n.kwargs)}
     outs = dict(zip(last.outputs, out if isinstance(out, (tuple, list)) else (out,)))
     x = graph.call_function(_aten.contiguous.default, (x,))   # sent as [tokens, d], contiguous on the wire
     x.meta = {"val": x.args[0].meta["val"].contiguous()}
@@ -369,7 +373,9 @@ def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, rows: int, shards:
     saved = fake(None, (tokens, rows), _stat_dtype(p.logits_dtype))
     top = fake(None, (tokens,), _stat_dtype(p.logits_dtype))
     gathered = fake(None, (shards, tokens, 3), _stat_dtype(p.logits_dtype))
-    seed = fake(None, (), torch.float32)
+    # the loss gradient in the statistics' dtype: float64 logits take a float64 seed (1/m in float32 would scale
+    # every gradient by float32's rounding of it), half-precision ones a float32 one
+    seed = fake(None, (), _stat_dtype(p.logits_dtype))
     grads = tuple("grad:" + n for n in heads)
     return {
         "if": _traced(fx_if, ("param:" + key_of(p.table), "vocab:offset") + id_inputs, ("vocab:part",),
@@ -427,7 +433,9 @@ def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias
         valid = torch.arange(rows, device=y.device) + offset < size
         y = torch.where(valid, y, float("-inf"))
     yf = y.to(_stat_dtype(logits_dtype))
-    top = yf.amax(-1)
+    # a shard of padding rows only (V <= (p - 1) * rows) has max -inf: held at the dtype's lowest finite value,
+    # its e = exp(-inf) = 0 and its statistics drop out of the combine, instead of exp(-inf + inf) = NaN
+    top = yf.amax(-1).clamp_min(torch.finfo(yf.dtype).min)
     # kept for T (its softmax is e * exp(top - lse), one pass); exp in place: one [tokens, V/p] buffer less
     e = (yf - top.unsqueeze(-1)).exp_()
     safe, inside = _shard_local(target_fn(*data), offset, rows)

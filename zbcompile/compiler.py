@@ -127,7 +127,7 @@ def compile_forward(compiled: Compiled, training: bool, outputs: bool = False) -
     from zbcompile.passes.forward_only import forward_stages, output_stages
 
     staged = (output_stages if outputs else forward_stages)(compiled.staged, training)
-    schedule = compiled.schedule.forward_only()
+    schedule = compiled.schedule.forward_only(loss=not outputs)
     if outputs:
         _check_one_output_rank(compiled.schedule, staged)
     with _phase("lower", f"{schedule.name} ({'train' if training else 'eval'} mode)"):

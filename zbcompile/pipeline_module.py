@@ -332,10 +332,11 @@ class PipelineModule(nn.Module):
         return self.runtime.allgather(values, "reducing gradient statistics over the pipeline")
 
     def _counted_grads(self) -> list[torch.Tensor]:
-        """The gradients this rank counts (sharded data parallelism: this replica's rows of them)."""
+        """The gradients this rank counts (sharded data parallelism: this replica's rows of them); none of a
+        vocabulary parameter whose shard here holds only padding rows (a small vocabulary over many ranks)."""
         whole = not self._sharded   # (a sharded replica's rows are a slice of its own)
         return [grads.local(p.grad)[:rows] if rows is not None and whole else grads.local(p.grad)
-                for p, rows in zip(self._counted, self._counted_rows) if p.grad is not None]
+                for p, rows in zip(self._counted, self._counted_rows) if p.grad is not None and rows != 0]
 
     @property
     def _sharded(self) -> bool:

@@ -28,7 +28,7 @@ import dataclasses
 from typing import Sequence
 
 from zbcompile.errors import LoweringError
-from zbcompile.passes.lower.reduce import grad_types
+from zbcompile.passes.lower.reduce import check_dense, grad_types
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.ops import DPArgs, Op, OpKind, SetGradArgs, TensorType
 from zbcompile.ir.program.values import handle, parse
@@ -68,6 +68,7 @@ def reduce_over_replicas(choice: DataParallel):
     """The pass over all programs for `choice` (named reduce_over_replicas)."""
     def run(programs: Sequence[RankProgram]) -> tuple[RankProgram, ...]:
         types = grad_types(programs)
+        check_dense(programs, dict.fromkeys(types, "the data-parallel replicas each hold a copy of it"))
         return tuple(_reduce(p, types, choice) for p in programs)
     run.__name__ = "reduce_over_replicas"
     return run

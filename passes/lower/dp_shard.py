@@ -22,6 +22,10 @@ weight): kept, each microbatch's would hold its own gathered copy until its back
 the pass makes the backward read the parameter again instead and redo the view there (`_views_read_again`), so
 its gather for that action serves.
 
+Besides the RUN ops, a COLLECTIVE may read a parameter: a vocabulary-parallel forward returning the logits
+all-gathers the pipeline ranks' rows of the output layer (passes/lower/vocab.py); it reads the replicas'
+gathered rows, as a RUN op would.
+
 A 0-dim (or empty) parameter stays whole on every replica (`param:fqn` as before); its gradient is
 all-reduced. Every SET_GRAD targets the Parameter itself (`zero.param:`), whose .grad is the replica's shard.
 """
@@ -60,23 +64,32 @@ def _gather(program: RankProgram, choice: DataParallel) -> RankProgram:
     renamed: dict[str, str] = {}   # param:fqn -> the gathered value the RUN ops from here on read
     for i, op in enumerate(program.ops):
         ops += posts.get(i, []) + waits.get(i, [])
-        if op.kind is OpKind.RUN:
+        if op.kind in _READERS:
             renamed = plan.get(i, {}) if per_action else {**renamed, **plan.get(i, {})}
             op = op._replace(ins=tuple(renamed.get(v, v) for v in op.ins))
         elif any(parse(v).scope == "state" and parse(v).key in sharded for v in op.ins):
             raise LoweringError(f"rank {program.rank}: op {i} ({op}) reads a sharded parameter outside a stage "
-                                "graph; gather_params knows only RUN ops as readers of the whole parameters")
+                                "graph; gather_params knows only RUN ops and collectives as readers of the whole "
+                                "parameters")
         ops.append(op)
     return program.replace(ops=tuple(ops), inputs=_inputs(program, sharded))
 
 
+# the ops that may read a whole parameter: a stage graph's RUN, the all-gather of a vocabulary parameter's rows
+_READERS = (OpKind.RUN, OpKind.COLLECTIVE)
+
+
+def _reader(op: Op) -> str:
+    return f"[{op.action}]" if op.kind is OpKind.RUN else op.spec.text
+
+
 def _reads(program: RankProgram, sharded: set[str], once: bool) -> dict[int, list[str]]:
-    """Per RUN op (by index): the sharded parameters it reads, in the order it reads them; with `once`, only
-    those no earlier RUN op reads."""
+    """Per reading op (by index: RUN, COLLECTIVE): the sharded parameters it reads, in the order it reads them;
+    with `once`, only those no earlier op reads."""
     seen: set[str] = set()
     out = {}
     for i, op in enumerate(program.ops):
-        if op.kind is OpKind.RUN:
+        if op.kind in _READERS:
             read = dict.fromkeys(parse(v).key for v in op.ins if parse(v).scope == "state" and parse(v).key in sharded)
             out[i] = [fqn for fqn in read if not (once and fqn in seen)]
             seen.update(read)
@@ -102,7 +115,7 @@ def _place(program: RankProgram, reads: dict[int, list[str]], types, choice: Dat
             at = runs[j - 1] if j and choice.gather == "step" else i
             posts.setdefault(at, []).append(Op(OpKind.DP_GATHER, tuple(f"zero.param:{fqn}" for fqn, _ in bucket),
                                                (handle(f"ag{count}"),), args,
-                                               note=f"{what} for [{program.ops[i].action}]"))
+                                               note=f"{what} for {_reader(program.ops[i])}"))
             waits.setdefault(i, []).append(Op(OpKind.WAIT_GATHER, (handle(f"ag{count}"),), gathered, args))
             plan.setdefault(i, {}).update((f"param:{fqn}", g) for (fqn, _), g in zip(bucket, gathered))
             count += 1
@@ -125,6 +138,9 @@ def _param_types(program: RankProgram) -> dict[str, TensorType]:
     """fqn -> the whole parameter's type, from the placeholders of the stage graphs that read it."""
     out: dict[str, TensorType] = {}
     for op in program.ops:
+        if op.kind is OpKind.COLLECTIVE:   # a collective's type is its input's: each pipeline rank's whole rows
+            out.update((parse(v).key, op.args.type) for v in op.ins
+                       if parse(v).scope == "state" and parse(v).role is Role.PARAM)
         if op.kind is not OpKind.RUN:
             continue
         g = program.graph(op)

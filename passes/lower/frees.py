@@ -29,7 +29,7 @@ def insert_frees(program: RankProgram) -> RankProgram:
     for i, op in enumerate(program.ops):
         for v in op.ins:
             value = parse(v)
-            if value.scope in ("stage", "vocab") and value.role.is_activation_memory:
+            if value.scope in ("stage", "vocab", "whole") and value.role.is_activation_memory:
                 last[v] = i
     at: dict[int, list[str]] = {}
     for v, i in last.items():

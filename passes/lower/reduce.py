@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
 from zbcompile.errors import LoweringError
 from zbcompile.passes.lower.p2p import TagSpace
 from zbcompile.ir.program import RankProgram
@@ -28,7 +30,7 @@ from zbcompile.ir.program.ops import Message, Op, OpKind, RecvArgs, SendArgs, Se
 from zbcompile.ir.program.values import Role, handle, key_of, parse, role_of
 from zbcompile.ir.schedule import KIND_SPECS
 
-__all__ = ["reduce_shared_grads", "grad_holders", "grad_types"]
+__all__ = ["reduce_shared_grads", "grad_holders", "grad_types", "check_dense"]
 
 
 def grad_holders(programs: Sequence[RankProgram]) -> dict[str, tuple[int, ...]]:
@@ -46,6 +48,8 @@ def grad_holders(programs: Sequence[RankProgram]) -> dict[str, tuple[int, ...]]:
 
 def reduce_shared_grads(programs: Sequence[RankProgram]) -> tuple[RankProgram, ...]:
     holders = grad_holders(programs)
+    check_dense(programs, {fqn: f"ranks {list(r)} each hold a copy of it (a tied weight, or DualPipe's mirrored "
+                                f"stages)" for fqn, r in holders.items() if len(r) > 1})
     base = TagSpace.of(programs).end
     tags = {fqn: base + i for i, fqn in enumerate(holders)}
     types = grad_types(programs)
@@ -84,6 +88,24 @@ def _reduce(program: RankProgram, holders, tags, types) -> RankProgram:
         tail_sum.append(Op(OpKind.SET_GRAD, (op.ins[0], total), args=SetGradArgs(True)))
         tail_send.append(Op(OpKind.WAIT_SEND, (send,)))
     return program.replace(ops=tuple(ops + tail_recv + tail_sum + tail_send))
+
+
+def check_dense(programs: Sequence[RankProgram], summed: dict[str, str]) -> None:
+    """LoweringError where a parameter of `summed` (fqn -> whose gradients are summed) gets a sparse gradient
+    (an embedding with sparse=True): sparse tensors are neither sent nor summed between ranks."""
+    for p in programs:
+        for g in p.graphs.values():
+            if g.gm is None:
+                continue
+            for name, node in zip(g.outputs, g.gm.graph.output_node().args[0]):
+                val = getattr(node, "meta", {}).get("val")
+                fqn = key_of(name) if role_of(name) is Role.GRAD_PARAM else None
+                if fqn in summed and val is not None and val.layout is not torch.strided:
+                    raise LoweringError(
+                        f"parameter {fqn!r} gets a sparse gradient (nn.Embedding(sparse=True) or "
+                        f"F.embedding(..., sparse=True)) and {summed[fqn]}, so its gradients must be summed "
+                        "between ranks, which sparse gradients cannot be. fix: sparse=False for it, or keep it on "
+                        "one rank (untie it; a schedule without mirrored stages; no data parallelism)")
 
 
 def grad_types(programs: Sequence[RankProgram]) -> dict[str, TensorType]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from zbcompile.errors import LoweringError
-from zbcompile.ir.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, key_of, role_of
+from zbcompile.ir.names import VOCAB_EMB, VOCAB_WHOLE, VOCAB_X, Role, is_vocab_boundary, key_of, role_of
 from zbcompile.ir.program import ProgramGraph, RankProgram
 from zbcompile.ir.program.ops import Coll, CollArgs, Op, OpKind, RunArgs, TensorType
 from zbcompile.ir.program.values import GRAD_LOSS, VOCAB_OFFSET, data_value, handle, stage_value, vocab_value
@@ -49,7 +49,10 @@ _SUMMED_EMB, _SUMMED_GRAD = "vocab:emb", "vocab:gx"
 
 
 def vocab_input(name: str, microbatch: int) -> str | None:
-    """The value a first / last stage graph reads for a vocabulary boundary (None for other names)."""
+    """The value a first / last stage graph reads for a vocabulary boundary, or for a vocabulary parameter
+    gathered whole (one value for the whole step); None for other names."""
+    if name.startswith(VOCAB_WHOLE):
+        return name
     if not is_vocab_boundary(name):
         return None
     if name == VOCAB_EMB:
@@ -119,7 +122,8 @@ class _Collectives:
     def rewrite(self, program: RankProgram) -> RankProgram:
         """The program with every collective posted after (S, IB: before) its action, and each wait before
         the first op reading its result; waits still pending go before the loss sum, or last."""
-        ops: list[Op] = []
+        ops: list[Op] = self._gather_whole(program)
+        program = _with_inputs(program, [op.ins[0] for op in ops if op.kind is OpKind.COLLECTIVE])
         for op in program.ops:
             if op.kind is OpKind.ADD_LOSS:
                 ops += self.finish()
@@ -157,6 +161,24 @@ class _Collectives:
                               self.vocab.x.shape, self.vocab.x.dtype)
         return ops
 
+    def _gather_whole(self, program: RankProgram) -> list[Op]:
+        """The all-gathers of the vocabulary parameters read whole (VocabLayers.whole: a forward returning the
+        logits), first on every rank; a rank that does not read one waits for it at once and keeps nothing."""
+        reads = {v for op in program.ops for v in op.ins}
+        ops = []
+        for spec in self.vocab.whole:
+            h = handle(f"c{self.seq}")
+            args = CollArgs(Coll.ALL_GATHER, -1, self.seq, TensorType(tuple(spec.shape), spec.dtype))
+            self.seq += 1
+            ops.append(Op(OpKind.COLLECTIVE, ("param:" + spec.name.removeprefix(VOCAB_WHOLE),), (h,), args,
+                          note="the whole parameter"))
+            wait = Op(OpKind.WAIT_COLL, (h,), (spec.name,) if spec.name in reads else ())
+            if wait.outs:
+                self.pending.append(wait)
+            else:
+                ops.append(wait)
+        return ops
+
     def finish(self) -> list[Op]:
         """Every wait still pending."""
         ops, self.pending = self.pending, []
@@ -190,6 +212,17 @@ class _Collectives:
         due = [w for w in self.pending if not w.outs]
         self.pending = [w for w in self.pending if w.outs]
         return due
+
+
+def _with_inputs(program: RankProgram, params: list[str]) -> RankProgram:
+    """`program` taking `params` too (after its own parameters): a rank gathers its rows of a vocabulary
+    parameter whole even where none of its actions reads them."""
+    missing = [p for p in params if p not in program.inputs]
+    if not missing:
+        return program
+    inputs = list(program.inputs)
+    at = max((i + 1 for i, v in enumerate(inputs) if role_of(v) is Role.PARAM), default=0)
+    return program.replace(inputs=tuple(inputs[:at] + missing + inputs[at:]))
 
 
 def _output_types(g) -> tuple[TensorType | None, ...]:

@@ -58,9 +58,13 @@ def test_sharded_data_parallel_trains_equal_to_eager(ranks, schedule):
         assert got["sharded"], (r, got)
 
 
-def test_evaluate_and_outputs_cover_the_global_batch(ranks):
+@pytest.mark.parametrize("case", ["eval", "eval/vocab", "eval/sharded-vocab"])
+def test_evaluate_and_outputs_cover_the_global_batch(ranks, case):
+    """evaluate() is the global batch's mean loss on every rank, pipe(x) its whole outputs on the last stage's
+    rank of each replica, both equal to eager's in eval mode: plain, and vocabulary-parallel with the replicas'
+    parameters replicated and sharded (the output layer gathered whole for pipe(x))."""
     holders = []
-    for r, got in _case(ranks, "eval"):
+    for r, got in _case(ranks, case):
         assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], (r, got)
         if got["holds"]:
             holders.append(r)

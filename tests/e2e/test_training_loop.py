@@ -465,6 +465,68 @@ def test_vocab_parallel_takes_a_loss_that_casts_the_logits(dtype, tol):
             assert rel(p.grad, shard_of(refp[n].grad, p, r)) <= 5 * tol, f"rank {r} {n}"
 
 
+def _vocab_step_matches_eager(model, loss_fn, x, y, pp: int, m: int, schedule: str = "1f1b", tol: float = 1e-12):
+    """One vocabulary-parallel step against eager's: the loss on every rank and every gradient (a shard's rows
+    against eager's rows); returns the pipes."""
+    opts = CompileOptions.from_kwargs(None, schedule=schedule, microbatches=m, loss_fn=loss_fn,
+                                      example=((x[:x.shape[0] // m],), (y[:y.shape[0] // m],)), vocab_parallel=True)
+    pipes = loopback_pipes(model, opts, pp)
+    ref = copy.deepcopy(model)
+    want = eager_step(ref, loss_fn, x, y, m)
+    losses = run_pipes(lambda r: pipes[r].step(x, y), pp)
+    assert losses == pytest.approx([want] * pp, rel=tol), (losses, want)
+    refp = dict(ref.named_parameters())
+    for r, pipe in enumerate(pipes):
+        for n, p in pipe.named_parameters():
+            if p.grad is not None or refp[n].grad is not None:
+                assert rel(p.grad, shard_of(refp[n].grad, p, r)) <= tol, f"rank {r} {n}"
+    return pipes, ref
+
+
+def test_vocab_parallel_float64_gradients_are_exact_for_three_microbatches():
+    """float64 with vocab_parallel=True and 3 microbatches: every gradient equals eager's to float64 precision.
+    (The sharded loss took a float32 gradient seed, so 1/3 was float32's: every gradient was off by 3e-8.)"""
+    model, loss_fn, (x, y), _ = gpt(layers=4, batch=6)
+    _vocab_step_matches_eager(model.double(), loss_fn, x, y, PP, 3)
+
+
+def test_a_vocabulary_shard_holding_only_padding_rows():
+    """V = 9 over 4 ranks: 3 rows per shard, the last shard all padding. Loss, evaluate() and gradients equal
+    eager's (its softmax statistics were NaN: the max of no logits is -inf), and the pipeline-wide norms, which
+    count nothing of the empty shard, equal torch's on eager's gradients (the empty shard raised in the inf norm)."""
+    case = _untied_gpt(vocab=9, dropout=0.0)
+    model, loss_fn, (x, y) = case.model.double(), case.loss_fn, case.example
+    x, y = torch.cat([x] * 2), torch.cat([y.flip(0)] * 2)
+    pipes, ref = _vocab_step_matches_eager(model, loss_fn, x, y, 4, 4)
+    with torch.no_grad():
+        want = sum(loss_fn(ref(a), b).item() for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+    grads = [p.grad for p in ref.parameters()]
+    norms = {q: torch.nn.utils.get_total_norm(grads, q).item() for q in (2.0, math.inf, -math.inf)}
+    for out in run_pipes(lambda r: (pipes[r].eval().evaluate(x, y),
+                                    {q: pipes[r].get_total_norm(q).item() for q in norms}), 4):
+        assert out[0] == pytest.approx(want, rel=1e-12)
+        assert out[1] == pytest.approx(norms, rel=1e-12), (out[1], norms)
+
+
+def _shifted_loss(logits, labels):
+    """A causal LM's loss as HuggingFace writes it: position t predicts token t + 1."""
+    v = logits.shape[-1]
+    return F.cross_entropy(logits[..., :-1, :].contiguous().view(-1, v), labels[..., 1:].contiguous().view(-1))
+
+
+def _shifted_loss_reshaped(logits, labels):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("loss_fn", [_shifted_loss, _shifted_loss_reshaped])
+def test_vocab_parallel_takes_a_shifted_causal_lm_loss(loss_fn):
+    """The logits sliced to drop the last position, then viewed (after .contiguous()) or reshaped to
+    [tokens, V]: the slice and the view are replayed on the layer's input, where the view must copy (it raised
+    'cannot view a tensor with shape ...' at compile)."""
+    model, _, (x, y), _ = gpt(layers=4, batch=8)
+    _vocab_step_matches_eager(model.double(), loss_fn, x, y, PP, M)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_aux_loss_from_every_stage_matches_eager(schedule):
     """A mixture-of-experts model whose loss adds a router load-balancing term computed from every layer's router
@@ -561,6 +623,58 @@ def test_forward_rebuilds_an_output_tree_with_a_scalar_per_microbatch():
     assert aux.shape == (M,) and rel(aux, torch.stack([w[1] for w in want])) <= 1e-6
 
 
+def _untied_gpt(vocab: int = 61, dropout: float = 0.3):
+    """The tests' GPT with a head of its own over `vocab` tokens (61: the last vocabulary shard is padded)."""
+    case = gpt(layers=4, batch=8)
+    cfg = case.model.cfg
+    torch.manual_seed(3)
+    model = type(case.model)(type(cfg)(vocab=vocab, seq=cfg.seq, d=cfg.d, heads=cfg.heads, layers=4,
+                                       dropout=dropout))
+    model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach() * 0.5)
+    x, y = case.example
+    return case._replace(model=model, example=(x % vocab, y % vocab))
+
+
+@pytest.mark.parametrize("schedule,tied", [("1f1b", False), ("zbv", True), ("interleaved-1f1b", False),
+                                           ("dualpipev", False)])
+def test_forward_with_vocabulary_parallelism_returns_the_whole_logits(schedule, tied):
+    """pipe(x) of a vocabulary-parallel model: the output layer runs whole on the rank of the last stage, its
+    weight all-gathered from every rank's rows (the padding rows of the last shard dropped), so the logits equal
+    eager's, [batch, seq, V], in eval mode; in train mode dropout draws. A tied table and an untied head over
+    61 tokens (not a multiple of the ranks)."""
+    case = gpt(layers=4, batch=8, dropout=0.3) if tied else _untied_gpt()
+    model, loss_fn, x, y, pipes = _pipes(case, schedule, vocab_parallel=True)
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        want = ref(x)
+    outs = run_pipes(lambda r: (pipes[r].eval()(x), pipes[r].train()(x)), PP)
+    rank, got = _outputs([o[0] for o in outs])
+    assert {rank} == pipes[0].schedule.stage_ranks()[-1], "not the rank of the last stage"
+    assert got.shape == want.shape and rel(got, want) <= 1e-5
+    drawn = outs[rank][1]
+    assert drawn.shape == want.shape and rel(drawn, want) > 1e-3, "train mode: dropout did not draw"
+    assert all(p.grad is None for pipe in pipes for p in pipe.parameters())
+
+
+def test_forward_where_the_loss_casts_and_compares_the_targets():
+    """pipe(x) for a loss that casts its targets (`y.float()`: export puts a metadata check on them beside the
+    cast) and masks with them: the forward returning the outputs reads no targets (it asked for them, and
+    failed with an IndexError)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randint(0, 2, (8, 8))
+
+    def loss_fn(out, t):
+        mask = (t != 0).float()
+        return (F.binary_cross_entropy_with_logits(out, t.float(), reduction="none") * mask).sum() / mask.sum()
+
+    model, loss_fn, x, y, pipes = _pipes(type(gpt())(net, loss_fn, (x, y), 4), "zbv")
+    with torch.no_grad():
+        want = copy.deepcopy(model).eval()(x)
+    _, got = _outputs(run_pipes(lambda r: pipes[r].eval()(x), PP))
+    assert rel(got, want) <= 1e-6
+
+
 class _TwoHeads(torch.nn.Module):
     """Returns (main, side); the loss reads only `main`, so the traced step never computes `side`."""
 
@@ -574,11 +688,11 @@ class _TwoHeads(torch.nn.Module):
 
 
 def test_forward_is_refused_where_the_outputs_cannot_come_back_whole():
-    """Our errors, before any message is sent: DualPipe ends in a copy of the last stage on both ranks, a
-    vocabulary-parallel output layer is sharded, an output the loss never reads is never computed; and pipe(x, y)
+    """Our errors, before any message is sent: DualPipe ends in a copy of the last stage on both ranks (with
+    vocabulary parallelism too), an output the loss never reads is never computed; and pipe(x, y)
     (targets handed to forward) is named as such."""
     cases = [(mlp(layers=4, batch=8), "dualpipe", {}, "runs the last stage on ranks"),
-             (gpt(layers=4, batch=8), "1f1b", {"vocab_parallel": True}, "sharded over the ranks"),
+             (gpt(layers=4, batch=8), "dualpipe", {"vocab_parallel": True}, "runs the last stage on ranks"),
              (type(gpt())(_TwoHeads(), lambda out, t: F.mse_loss(out[0], t),
                           (torch.randn(8, 16), torch.randn(8, 4)), 4), "1f1b", {}, "does not read every output")]
     for case, schedule, options, message in cases:

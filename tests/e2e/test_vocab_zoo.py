@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from support import zoo
+from support.loops import rel
 from support.zoo import MICROBATCHES, batch
 from support.threaded import loopback_pipes, run_pipes, run_threaded
 from zbcompile.compiler import compile_staged
@@ -73,8 +74,9 @@ def test_zoo_with_vocabulary_parallelism_matches_eager(arch, schedule):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom", "opt", "bert_mlm", "mixtral"])
 def test_zoo_evaluates_with_vocabulary_parallelism_as_eager_does(arch):
-    """PipelineModule.evaluate() in eval mode, on zbv+vocab: the mean loss eager's eval-mode model gives under
-    no_grad, on every rank, and no gradient written. (Positions: rotary, learned, ALiBi; tied and untied heads, a
+    """PipelineModule.evaluate() and pipe(x) in eval mode, on zbv+vocab: the mean loss and the whole logits
+    eager's eval-mode model gives under no_grad (the loss on every rank, the logits on the last stage's), and no
+    gradient written. (Positions: rotary, learned, ALiBi; tied and untied heads, a
     biased decoder, experts.)"""
     sched = generate("zbv", 2, MICROBATCHES, vocab=True)
     case, staged = zoo.split(arch, sched)
@@ -85,8 +87,12 @@ def test_zoo_evaluates_with_vocabulary_parallelism_as_eager_does(arch):
                    for mb in zip(*(t.chunk(MICROBATCHES) for t in inputs + targets))) / MICROBATCHES
     options = CompileOptions(schedule=sched, microbatches=MICROBATCHES)
     pipes = loopback_pipes(case.model, options, 2, compiled=compile_staged(staged, sched, options))
-    losses = run_pipes(lambda r: pipes[r].eval().evaluate(*inputs, *targets), 2)
-    assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (arch, losses, want)
+    with torch.no_grad():
+        logits = ref(*inputs)
+    got = run_pipes(lambda r: (pipes[r].eval().evaluate(*inputs, *targets), pipes[r](*inputs)), 2)
+    assert all(abs(v - want) <= 1e-5 * abs(want) for v, _ in got), (arch, got, want)
+    (held,) = [out for _, out in got if out is not None]
+    assert held.shape == logits.shape and rel(held, logits) <= 1e-5, arch
     assert all(p.grad is None for pipe in pipes for p in pipe.parameters())
 
 

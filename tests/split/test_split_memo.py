@@ -133,6 +133,26 @@ def test_a_split_through_a_file_lowers_and_trains_as_the_split_itself(tmp_path):
                 assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), n
 
 
+def test_a_vocabulary_split_through_a_file_keeps_its_last_stage_whole():
+    """A vocabulary-parallel split keeps the last stage as cut (for a forward returning the logits), whose targets
+    export left with a symbolic storage size: the pickle stores the size's value (it pickled the shape
+    environment, which did not load, and a launch's ranks that loaded the split fell out of step with the one that
+    made it). The loaded split's training and forward programs equal the split's own."""
+    from zbcompile.compiler import Compiled, compile_forward
+    from zbcompile.options import CompileOptions
+
+    case = gpt(layers=4)
+    (x, y) = case.example
+    sched = generate("1f1b", 2, 4, vocab=True)
+    staged = split_model(case.model, case.loss_fn, ((x[:1],), (y[:1],)), num_stages=2, vocab_shards=2)
+    loaded = split_memo.loads(split_memo.dumps(staged))
+    options = CompileOptions(schedule=sched, microbatches=4)
+    for training, outputs in ((False, False), (False, True), (True, True)):
+        made = [compile_forward(Compiled(options, s, sched, ()), training, outputs) for s in (staged, loaded)]
+        assert [p.to_text() for p in made[0]] == [p.to_text() for p in made[1]]
+    assert [p.to_text() for p in lower_all(sched, loaded)] == [p.to_text() for p in lower_all(sched, staged)]
+
+
 def test_the_disk_memo_is_shared_between_processes_and_never_names_a_local_object(tmp_path):
     shared = split_memo.OnDisk(str(tmp_path))
     calls = []

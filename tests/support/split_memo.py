@@ -237,7 +237,11 @@ class OnDisk(Memo):
             fcntl.flock(lock, fcntl.LOCK_EX)   # whoever holds it is making this very split; closing releases it
             if os.path.exists(path + ".pkl"):
                 with open(path + ".pkl", "rb") as fh:
-                    self.kept[key] = loads(fh.read())
+                    data = fh.read()
+                try:
+                    self.kept[key] = loads(data)
+                except Exception as e:   # make it here: a rank that fails where its peers do not desyncs a launch
+                    warnings.warn(f"split memo: {path}.pkl does not load ({type(e).__name__}: {e}); splitting anew")
             elif not os.path.exists(path + ".none"):   # .none: it does not pickle, every process makes its own
                 staged = super().fetch(key, make)
                 self._store(path, self.kept[key])
@@ -322,8 +326,8 @@ class _GraphPickler(pickle.Pickler):
             # views of one storage stay views of one storage: the alias analyses compare storages
             storage = obj.untyped_storage()
             number = self.storages.setdefault(StorageWeakRef(storage), len(self.storages))
-            return _fake, (number, storage.nbytes(), tuple(obj.shape), tuple(obj.stride()), obj.storage_offset(),
-                           obj.dtype, str(obj.device), obj.requires_grad)
+            return _fake, (number, _concrete(storage.nbytes()), tuple(obj.shape), tuple(obj.stride()),
+                           obj.storage_offset(), obj.dtype, str(obj.device), obj.requires_grad)
         if isinstance(obj, fx.GraphModule):
             return _graph_module, _graph_module_state(obj)
         if isinstance(obj, torch._ops.OpOverload) and obj.namespace == "zbfn":
@@ -392,6 +396,17 @@ def _resolve(v, env):
     if isinstance(v, slice):
         return slice(_resolve(v.start, env), _resolve(v.stop, env), _resolve(v.step, env))
     return v
+
+
+def _concrete(n) -> int:
+    """A size as a plain int: export can leave an input's storage size symbolic (a SymInt of its shape
+    environment, which does not pickle) even where every shape is static; its hint is the value."""
+    if isinstance(n, int):
+        return n
+    hint = getattr(n.node, "hint", None)
+    if hint is None:
+        raise pickle.PicklingError(f"a fake storage of symbolic size {n} without a value")
+    return int(hint)
 
 
 def _op(name: str, overload: str | None):

@@ -99,6 +99,8 @@ class KindSpec:
               and each comes with a collective every rank joins in the same order (vocabulary parallelism)
     forward   kept in a forward-only (evaluation) step, `Schedule.forward_only`: F, and with vocabulary
               parallelism IF, S and T (there T computes the loss only, from the gathered statistics)
+    loss_only of the forward kinds, computes toward the loss alone (S, T): left out of a forward-only step that
+              returns the model's outputs instead
     """
 
     meaning: str
@@ -111,6 +113,7 @@ class KindSpec:
     in_cell: bool = True
     sharded: bool = False
     forward: bool = False
+    loss_only: bool = False
 
 
 def _all_shards(ctx: DepContext, kind: Kind, mb: int) -> tuple[Action, ...]:
@@ -175,12 +178,14 @@ KIND_SPECS: dict[Kind, KindSpec] = {
         meaning="output layer forward on this rank's vocabulary shard: local logits and softmax statistics "
                 "(after the last stage's output is broadcast; its statistics are then gathered by every rank)",
         label="vocab output (S)", code="S", torch=None, deps=_output_forward_deps, cost=("s",),
-        memory=lambda rates, scale: rates.vocab, in_cell=False, sharded=True, forward=True),
+        memory=lambda rates, scale: rates.vocab, in_cell=False, sharded=True, forward=True,
+        loss_only=True),
     Kind.T: KindSpec(
         meaning="output layer backward on this rank's shard: the loss, the shard's weight gradient and its share "
                 "of the last stage's output gradient (summed onto the last stage's rank)",
         label="vocab output (T)", code="T", torch=None, deps=_output_backward_deps, cost=("t",),
-        memory=lambda rates, scale: -rates.vocab, in_cell=False, sharded=True, forward=True),
+        memory=lambda rates, scale: -rates.vocab, in_cell=False, sharded=True, forward=True,
+        loss_only=True),
     Kind.IF: KindSpec(
         meaning="input embedding forward on this rank's shard: a partial lookup, summed onto the first stage's rank",
         label="vocab input (IF)", code="IF", torch=None, deps=_input_forward_deps, cost=("i",),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["Role", "role_of", "key_of", "primal_of", "VOCAB_X", "VOCAB_EMB", "is_vocab_boundary"]
+__all__ = ["Role", "role_of", "key_of", "primal_of", "VOCAB_X", "VOCAB_EMB", "VOCAB_WHOLE", "is_vocab_boundary"]
 
 # With vocabulary parallelism (passes/shard_vocab.py) the first stage receives the summed embedding and the last
 # stage sends the output layer's input, each through a collective over all ranks instead of a neighbour's P2P.
@@ -15,6 +15,9 @@ __all__ = ["Role", "role_of", "key_of", "primal_of", "VOCAB_X", "VOCAB_EMB", "is
 # a dot, so they cannot collide with a boundary the partition names.
 VOCAB_EMB = "act:vocab.emb"
 VOCAB_X = "act:vocab.x"
+# A vocabulary parameter gathered whole from every rank's rows, `vocab:whole:<fqn>` ([shards, rows, ...]), for a
+# forward that returns the model's logits (passes/forward_only.py, output_graph)
+VOCAB_WHOLE = "vocab:whole:"
 
 
 class Role(enum.Enum):

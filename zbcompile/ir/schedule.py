@@ -177,13 +177,15 @@ class Schedule:
         return Schedule(self.name, self.num_microbatches, self.placement,
                         tuple(tuple(_expand(row)) for row in self.ranks), self.pipelines)
 
-    def forward_only(self) -> Schedule:
+    def forward_only(self, loss: bool = True) -> Schedule:
         """The forward actions of `flatten()` (F; with vocabulary parallelism IF, S and T too: KindSpec.forward),
         in each rank's order: an evaluation step's schedule (forward-only programs, no backward). Their
         dependencies are among themselves and those of this schedule, and every rank drops the same sharded
-        actions (IB), so a schedule that runs without deadlock keeps running without one. Not for `validate`
+        actions (IB), so a schedule that runs without deadlock keeps running without one. loss=False (a step
+        returning the model's outputs): without the kinds that only compute the loss (S, T). Not for `validate`
         (its cells have no backward by design)."""
-        rows = tuple(tuple(a for a in row if KIND_SPECS[a.kind].forward) for row in self.flatten().ranks)
+        keep = {k for k, spec in KIND_SPECS.items() if spec.forward and (loss or not spec.loss_only)}
+        rows = tuple(tuple(a for a in row if a.kind in keep) for row in self.flatten().ranks)
         return Schedule(f"{self.name}/forward", self.num_microbatches, self.placement, rows, self.pipelines)
 
     # ---- checks -------------------------------------------------------------------------------

@@ -322,6 +322,12 @@ class VocabLayers:
     emb: TensorSpec                  # act:vocab.emb: the embedding lookup's output
     stats: TensorSpec                # vocab:stats, per shard
     pattern: str = ""                # what was found, for reports: "wte.weight[ids] ... lm_head -> cross_entropy"
+    # the last stage's forward as the partition cut it, the output layer and the loss in it: what a forward
+    # returning the model's logits runs (passes/forward_only.py, output_graph); None where it was not kept
+    last: Graph | None = None
+    # the parameters such a forward reads whole: each rank's rows of them are all-gathered at the start of its
+    # step into `vocab:whole:<fqn>` (the specs: the name and one rank's rows); () in every other program
+    whole: tuple[TensorSpec, ...] = ()
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -333,6 +339,8 @@ class VocabLayers:
             raise SplitError(f"{where}: the vocabulary layers lack graphs {sorted(missing)}")
         for key, g in self.graphs.items():
             g.check(f"{where}, vocabulary pass {key.upper()}")
+        if self.last is not None:
+            self.last.check(f"{where}, the last stage with its output layer")
         if self.rows * self.shards < self.size:
             raise SplitError(f"{where}: {self.shards} shards of {self.rows} rows do not hold {self.size} rows")
         return self

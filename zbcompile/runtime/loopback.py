@@ -53,8 +53,9 @@ class _Work:
 class LoopbackWorld:
     """Shared state of one fake world; `group(rank)` is that rank's ProcessGroup stand-in."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, timeout: float = 300.0):
         self.size = size
+        self.timeout = timeout   # how long the untimed all-gather (gradient statistics) waits for its peers
         self.lock = threading.Lock()
         # per (source, destination, tag): the messages sent and not yet matched, and the posted receives still
         # waiting for one, each matched first come first served, as gloo matches them
@@ -170,12 +171,21 @@ class LoopbackGroup:
 
     def allgather(self, outputs, inputs):
         self.world.gathered[self.rank_] = _wire_copy(inputs[0])
-        self.world.barrier.wait()
+        self._meet()
         with _disable_current_modes():
             for out, val in zip(outputs[0], self.world.gathered):
                 out.copy_(val)
-        self.world.barrier.wait()
+        self._meet()
         return _Work()
+
+    def _meet(self) -> None:
+        """Every rank at the barrier, or RuntimeError after the world's timeout (a peer that failed before it
+        joined leaves the others there, as a dead process leaves gloo's all-gather) or an abort."""
+        try:
+            self.world.barrier.wait(self.world.timeout)
+        except threading.BrokenBarrierError:
+            raise RuntimeError(f"loopback group: rank {self.rank_}'s all-gather ended without every peer (one "
+                               f"failed, or did not join within {self.world.timeout:g} s)") from None
 
 
 class LoopbackCollectives(LoopbackGroup):

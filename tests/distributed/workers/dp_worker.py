@@ -6,7 +6,8 @@
                        variants: the reductions at the end of the step (dp_overlap=False), one all-reduce per
                        gradient (dp_bucket_mb=0), each replica handed its own rows (dp_batch="local"),
                        DualPipeV's mirrored stages
-    eval               evaluate() and pipe(x) on the global batch, against eager in eval mode
+    eval               evaluate() and pipe(x) on the global batch, against eager in eval mode (eval/vocab,
+                       eval/sharded-vocab: vocabulary-parallel, with replicated and sharded parameters)
     clip               get_total_norm (2, inf, 0, -inf) and clip_grad_norm_ after a step equal eager's on the global
                        batch; a NaN in the gradients of one rank of one replica makes grads_finite() False on every rank
     checkpoint         saved at pp=2 x dp=2 (replica 0 writes), loaded at pp=4 x dp=1 on all four processes and
@@ -151,8 +152,8 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def eval_case(mesh) -> dict:
-    model, loss_fn, pipe = compile_on(mesh, "zbv")
+def eval_case(mesh, schedule: str = "zbv", **options) -> dict:
+    model, loss_fn, pipe = compile_on(mesh, schedule, **options)
     x, y = batches(0)
     ref = copy.deepcopy(model).eval()
     with torch.no_grad():
@@ -345,6 +346,8 @@ def run(rank: int, pp: int, out: str) -> dict:
     cases["train/zbv-local"] = lambda: train_case(mesh, "zbv", local=True)
     cases["train/dualpipev"] = lambda: train_case(mesh, "dualpipev")
     cases["eval"] = lambda: eval_case(mesh)
+    cases["eval/vocab"] = lambda: eval_case(mesh, "1f1b", vocab_parallel=True)
+    cases["eval/sharded-vocab"] = lambda: eval_case(mesh, "zbv", vocab_parallel=True, dp_shard=True)
     cases["clip"] = lambda: clip_case(mesh)
     cases["checkpoint"] = lambda: checkpoint_case(mesh, f"{out}/ckpt")
     for s in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b"):

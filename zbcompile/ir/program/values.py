@@ -10,6 +10,8 @@ boundary (the receiver's receive defines the same name the sender's compute defi
                                 (zbcompile.ir.stages.VocabLayers): `v.mb0.vocab:x`, `v.mb0.grad:param:wte.weight`;
                                 `vi.mb{mb}.` for the input layer's gradient (IB), beside the head's (T)
     vocab:offset                the first vocabulary row of this rank's shard (a program input)
+    vocab:whole:<fqn>           a vocabulary parameter all-gathered from every rank's rows, [shards, rows, ...],
+                                for a forward returning the model's logits (one value for the whole step)
     param:{fqn} / buffer:{fqn}  the live Parameter / buffer (program inputs; canonical names)
     grad_loss                   the seed gradient 1 / num_microbatches (a program input)
     acc{k}.grad:param:{fqn}     the k-th running sum of a parameter's gradient on this rank
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from zbcompile.ir.names import Role, key_of, role_of
+from zbcompile.ir.names import VOCAB_WHOLE, Role, key_of, role_of
 
 __all__ = ["Role", "Value", "parse", "role_of", "key_of", "stage_value", "data_value", "acc_value", "handle",
            "vocab_value", "reloaded_value", "python_name", "GRAD_LOSS", "LOSS", "OUTPUTS", "VOCAB_OFFSET"]
@@ -52,9 +54,9 @@ RELOADED = "re"   # the head of a reloaded value's name
 
 class Value(NamedTuple):
     """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "vocab" (v.mb{mb}.local), "data", "state"
-    (param:/buffer:), "shard" (vocab:offset), "acc", "copy" (r{q}.), "sum", "dp", "zero" (a parameter's
-    data-parallel shard), "gather" (ag{k}.), "reload" (re.s{s}.mb{mb}.local, re.re.s{s}...), "handle", "seed"
-    (grad_loss), "loss" or "other"; stage / microbatch / index are -1 where the scope has none (index: data
+    (param:/buffer:), "shard" (vocab:offset), "whole" (vocab:whole:<fqn>), "acc", "copy" (r{q}.), "sum", "dp",
+    "zero" (a parameter's data-parallel shard), "gather" (ag{k}.), "reload" (re.s{s}.mb{mb}.local,
+    re.re.s{s}...), "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are -1 where the scope has none (index: data
     argument, accumulation step, source rank, gather or how many times a reloaded value was reloaded)."""
 
     scope: str
@@ -90,6 +92,8 @@ def _parse(vid: str) -> Value:
         return Value("loss", Role.LOSS, vid)
     if vid == VOCAB_OFFSET:
         return Value("shard", Role.VOCAB, vid)
+    if vid.startswith(VOCAB_WHOLE):
+        return Value("whole", Role.VOCAB, vid)
     head, dot, rest = vid.partition(".")
     if dot and head[:1] == "s" and head[1:].isdigit():
         mb, dot2, local = rest.partition(".")
