@@ -29,6 +29,9 @@ on the loss stage: there it runs the stage's forward as the partition cut it (be
 renames values), returning `out:<k>` for each tensor leaf of the model's outputs instead of the loss, which
 with the targets it reads is dropped. The trace knows which values those are from the model's call signature
 (passes/trace.py); a model output the loss never reads is never computed, so such a model gets no forward.
+With vocabulary parallelism that forward is the last stage as cut before its output layer was sharded
+(VocabLayers.last), reading each vocabulary parameter whole as `vocab:whole:<fqn>`, which the lowering
+all-gathers from every rank's rows (passes/lower/vocab.py).
 """
 
 from __future__ import annotations

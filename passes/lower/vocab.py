@@ -24,6 +24,15 @@ rank; Schedule.validate), numbered by `seq`:
     v.mb3.vocab:demb = wait_coll(h:c11)
     [0IB3] vi.mb3.grad:param:wte = vocab_ib(v.mb3.vocab:demb, vocab:offset, mb3.data:0)
 
+A forward returning the model's logits (VocabLayers.whole) reads the output layer whole: every rank first posts
+one all-gather of its rows per such parameter,
+
+    h:c0 = collective(param:wte.weight; all_gather root -1 seq 0 [32, 64] float32)    # the whole parameter
+    ...                                        (on the last stage's rank, right before its first F:)
+    vocab:whole:wte.weight = wait_coll(h:c0)
+
+and a rank that does not read it waits at once, keeping nothing.
+
 A wait goes right before the first op that reads its result; a wait whose result this rank does not get (a
 reduce off its root) goes before the rank's next sharded action, so at most one such collective is in flight.
 """
