@@ -385,14 +385,17 @@ class PipelineModule(nn.Module):
         """nn.Module.load_state_dict, but all or nothing: keys and shapes are checked against this rank's share
         first (`zbcompile.checkpoint.check_state_dict`), so a state dict of another model raises CheckpointError
         naming the first mismatches before any tensor is written. Tensors are copied in place (assign=True is
-        refused: the compiled program holds the live parameters and buffers). With dp_shard, a parameter's entry
-        may be its DTensor (what state_dict() gives) or the whole tensor, of which this replica keeps its rows."""
+        refused: the compiled program holds the live parameters and buffers). A vocabulary parameter's entry
+        may be this rank's rows (what state_dict() gives) or the whole table, of which this rank keeps its rows
+        (the plain model's state dict loads as it is); with dp_shard, a parameter's entry may be its DTensor
+        (what state_dict() gives) or the whole tensor, of which this replica keeps its rows."""
         from zbcompile.checkpoint import check_state_dict
 
         if assign:
             raise UsageError("PipelineModule.load_state_dict(assign=True): the compiled step holds this rank's "
                              "parameters and buffers, so they are loaded in place; call it with assign=False")
         live = self.state_dict(keep_vars=True)
+        state_dict = self._vocab_rows_of(state_dict, live)
         check_state_dict(state_dict, live, strict=strict, where=f"rank {self.rank}")
         if self._sharded:   # a whole tensor for a sharded parameter: this replica's rows of it
             from zbcompile.checkpoint import as_live
@@ -400,6 +403,25 @@ class PipelineModule(nn.Module):
             state_dict = {k: as_live((v, live[k])) if k in live and hasattr(live[k], "device_mesh")
                           and not hasattr(v, "device_mesh") else v for k, v in state_dict.items()}
         return super().load_state_dict(state_dict, strict=strict)
+
+    def _vocab_rows_of(self, state_dict, live):
+        """`state_dict` with each whole table of a vocabulary parameter ([V, ...] where this rank holds
+        [rows, ...]) cut to this rank's rows, zero rows past the vocabulary, as the split sharded it."""
+        vocab = self.staged.vocab
+        if vocab is None:
+            return state_dict
+        sharded = {id(self.get_parameter(n)) for n in vocab.params}
+        lo = self.rank * vocab.rows
+        out = dict(state_dict)
+        for key, value in state_dict.items():
+            mine = live.get(key)
+            if (id(mine) not in sharded or not isinstance(value, torch.Tensor) or value.dim() == 0
+                    or value.shape[0] != vocab.size or tuple(value.shape[1:]) != tuple(mine.shape[1:])
+                    or vocab.size == vocab.rows):
+                continue
+            rows = value[lo:lo + vocab.rows]
+            out[key] = torch.cat([rows, rows.new_zeros((vocab.rows - rows.shape[0], *rows.shape[1:]))])
+        return out
 
     # ---- inspection ----------------------------------------------------------------------------
     def rank_program(self, rank: int | None = None) -> fx.GraphModule:

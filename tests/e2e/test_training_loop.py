@@ -508,6 +508,38 @@ def test_a_vocabulary_shard_holding_only_padding_rows():
         assert out[1] == pytest.approx(norms, rel=1e-12), (out[1], norms)
 
 
+def test_load_state_dict_takes_the_whole_vocabulary_tables():
+    """A vocabulary-parallel pipe loads the plain model's state dict (whole [V, d] tables, V = 61 over 2 ranks),
+    each rank keeping its rows: evaluate() and a step then equal eager's on that model, and state_dict() gives
+    the rows back. A table of another vocabulary size is still refused by name, before anything is written."""
+    from zbcompile.errors import CheckpointError
+
+    case = _untied_gpt(dropout=0.0)
+    model, loss_fn, x, y, pipes = _pipes(case, "zbv", dtype=torch.float64, vocab_parallel=True)
+    other = _untied_gpt(dropout=0.0).model.double()
+    for p in other.parameters():
+        torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = sum(loss_fn(other(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M
+    ref = copy.deepcopy(other)
+    want_step = eager_step(ref, loss_fn, x, y, M)
+    wrong = {k: v[:60] if k == "wte.weight" else v for k, v in other.state_dict().items()}
+
+    def run(r):
+        pipe = pipes[r]
+        with pytest.raises(CheckpointError, match="wte.weight"):
+            pipe.load_state_dict(wrong, strict=False)
+        pipe.load_state_dict(other.state_dict(), strict=False)   # (a rank holds its stages' entries only)
+        rows = {k: v.clone() for k, v in pipe.state_dict().items()}
+        return pipe.eval().evaluate(x, y), pipe.train().step(x, y), rows
+
+    for r, (got, step, rows) in enumerate(run_pipes(run, PP)):
+        assert got == pytest.approx(want, rel=1e-12) and step == pytest.approx(want_step, rel=1e-12)
+        for k, v in rows.items():
+            assert torch.equal(v, shard_of(other.state_dict()[k], v, r)), (r, k)
+    _assert_state_equal(pipes, ref, 1e-12, "after a step from the loaded state")
+
+
 def _shifted_loss(logits, labels):
     """A causal LM's loss as HuggingFace writes it: position t predicts token t + 1."""
     v = logits.shape[-1]

@@ -272,12 +272,13 @@ def sharded_checkpoint_case(mesh, where: str, vocab: bool) -> dict:
         for k in (2, 3):
             out[tag].append(loaded.step(*batches(k)))
             opt2.step(), opt2.zero_grad()
-    # a state dict of whole tensors (the plain model's) into a sharded pipe: each replica keeps its rows
+    # a state dict of whole tensors (the plain model's) into a sharded pipe: each replica keeps its rows (of its
+    # pipeline rank's rows of a vocabulary table)
     fresh = compile_on(mesh, schedule, dp_shard=True, vocab_parallel=vocab)[2]
-    if not vocab:   # (a vocabulary shard's entry is its rows, not the whole table)
-        refsd = ref.state_dict()
-        fresh.load_state_dict({k: refsd[k] for k in fresh.state_dict()})
-        out["load_state_dict"] = max(rel(whole(p.detach()), refsd[n]) for n, p in fresh.named_parameters())
+    refsd = ref.state_dict()
+    fresh.load_state_dict({k: refsd[k] for k in fresh.state_dict()})
+    out["load_state_dict"] = max(rel(whole(p.detach()), shard_of(refsd[n], whole(p), fresh.rank))
+                                 for n, p in fresh.named_parameters())
     if dist.get_rank() == 0:
         plain = copy.deepcopy(model)
         plain_opt = adamw(plain.parameters())
