@@ -338,6 +338,25 @@ class PipelineModule(nn.Module):
         return [grads.local(p.grad)[:rows] if rows is not None and whole else grads.local(p.grad)
                 for p, rows in zip(self._counted, self._counted_rows) if p.grad is not None and rows != 0]
 
+    def _counted_once(self) -> list[torch.Tensor]:
+        """The counted gradients for get_total_norm(0), which counts the tensors holding a nonzero: a vocabulary
+        parameter is one tensor, though every rank holds rows of it, so its rows become one 0-dim flag on rank 0,
+        nonzero where any rank's rows are (one all-gather over the pipeline)."""
+        plain, flags, dtypes = [], [], []
+        for p, rows in zip(self._counted, self._counted_rows):
+            if rows is None:   # not a vocabulary parameter
+                if p.grad is not None:
+                    plain.append(grads.local(p.grad))
+                continue
+            g = None if p.grad is None or rows == 0 else grads.local(p.grad)
+            flags.append(float(g is not None and bool((g if self._sharded else g[:rows]).count_nonzero())))
+            dtypes.append(p.dtype)
+        anywhere = self._gather(torch.tensor(flags, dtype=torch.float64, device=self.runtime.device)).amax(0)
+        if self.rank != 0:
+            return plain
+        return plain + [torch.full((), float(f), dtype=dt, device=self.runtime.device)
+                        for f, dt in zip(anywhere.tolist(), dtypes)]
+
     @property
     def _sharded(self) -> bool:
         return self._dp is not None and self._dp.sharded
@@ -347,7 +366,9 @@ class PipelineModule(nn.Module):
         """The norm of all the model's gradients over the whole pipeline (torch.nn.utils.get_total_norm's
         semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
         self.settle()
-        return grads.total_norm(self._counted_grads(), grads.check_norm_type(norm_type), self._gather,
+        p = grads.check_norm_type(norm_type)
+        counted = self._counted_grads() if p != 0 or self.staged.vocab is None else self._counted_once()
+        return grads.total_norm(counted, p, self._gather,
                                 error_if_nonfinite=error_if_nonfinite, device=self.runtime.device,
                                 shards=self._dp.reduce if self._sharded else None)
 
