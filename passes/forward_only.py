@@ -209,7 +209,7 @@ def _read_whole(graph: fx.Graph, inputs: list[str], vocab: VocabLayers) -> tuple
         with graph.inserting_after(rows):
             kept = graph.call_function(aten.slice.Tensor, (rows, 0, 0, vocab.size))
         node.replace_all_uses_with(kept, delete_user_cb=lambda user: user is not rows)
-        gathered = torch.empty((vocab.shards, vocab.rows, *rest), dtype=full.dtype, device="meta")
+        gathered = full.new_empty((vocab.shards, vocab.rows, *rest))   # in the trace's fake mode, on its device
         node.meta["val"], rows.meta["val"] = gathered, gathered.view(-1, *rest)
         kept.meta["val"] = rows.meta["val"][:vocab.size]
         inputs[i] = VOCAB_WHOLE + key_of(name)

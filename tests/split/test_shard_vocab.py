@@ -154,6 +154,23 @@ def test_stage_graphs_read_and_return_the_vocabulary_boundaries():
     assert all("wte.weight" not in st.params for st in staged.stages)
 
 
+def test_the_forward_returning_the_logits_reads_the_output_layer_whole():
+    """The split keeps the last stage as cut for pipe(x): its output layer reads vocab:whole:<fqn>, a [shards,
+    rows, d] value of the trace's own fake tensors on the model's device (inductor refused a meta tensor there
+    beside the CPU ones), viewed and sliced back to [V, d]; the forward reads no targets."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    case = gpt(layers=4)
+    staged = split_model(case.model, case.loss_fn, case.example, num_stages=2, vocab_shards=2)
+    og = staged.meta["outputs"]
+    assert og.stage == 1 and [s.name for s in og.whole] == ["vocab:whole:wte.weight"]
+    assert og.whole[0].shape == (staged.vocab.rows, 32)
+    nodes = dict(zip(og.graph.inputs, og.graph.gm.graph.find_nodes(op="placeholder")))
+    val = nodes["vocab:whole:wte.weight"].meta["val"]
+    assert isinstance(val, FakeTensor) and val.device == case.example[0].device and tuple(val.shape) == (2, 32, 32)
+    assert not [n for n in og.graph.inputs if n.startswith("param:wte") or n.startswith("data:1")]
+
+
 def test_cuts_balance_the_blocks_alone():
     """With the head's work on every rank, the automatic cuts split 4 blocks 2 / 2; without, the balancer
     gives the last stage fewer blocks to make up for the head."""
