@@ -100,7 +100,10 @@ def shard_vocab(cut: Partition, *, shards: int) -> Partition:
         emb=TensorSpec(VOCAB_EMB, tuple(emb_val.shape), emb_val.dtype),
         stats=TensorSpec("vocab:stats", (int(x_val.shape[0]), 3), _stat_dtype(pattern.logits_dtype),
                          requires_grad=False),
-        pattern=_describe(pattern), last=last)
+        pattern=_describe(pattern), last=last, ids=Graph(*_data_fn(first, pattern.embedding.args[1])[::-1],
+                                                         ("vocab:ids",)),
+        targets=Graph(*_data_fn(last, pattern.loss.args[1])[::-1], ("vocab:targets",)),
+        ignore_index=pattern.ignore_index)
     return dataclasses.replace(cut, stages=tuple(stages), vocab=vocab)
 
 

@@ -131,6 +131,34 @@ def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts:
                 f"{shape[0]} rows with the example's other sizes, or compile again for this shape")
 
 
+def check_vocabulary(batch: Sequence[torch.Tensor], vocab, m: int, what: str, targets: bool = True) -> None:
+    """UsageError where a token id the sharded embedding looks up, or a target the sharded loss reads, is
+    outside the vocabulary [0, V) (a target may also be the loss's ignore_index): no shard holds its row, so it
+    would be looked up as zeros or its logit missed, where eager raises. `batch`: the flat step arguments,
+    inputs then targets (inputs only without `targets`)."""
+    if vocab is None:
+        return
+    checks = [(vocab.ids, "token id", "the embedding looks up")]
+    if targets:
+        checks.append((vocab.targets, "target", "the loss reads"))
+    for graph, kind, reader in checks:
+        if graph is None:
+            continue
+        args = [batch[int(name.split(":")[1])].chunk(m) for name in graph.inputs]
+        for k, microbatch in enumerate(zip(*args)):
+            with torch.no_grad():
+                values = graph.gm(*microbatch)
+            bad = (values < 0) | (values >= vocab.size)
+            if kind == "target":
+                bad &= values != vocab.ignore_index
+            if bool(bad.any()):
+                raise UsageError(
+                    f"{what}: a {kind} {reader} is {values[bad][0].item()} (microbatch {k}), outside the vocabulary "
+                    f"[0, {vocab.size})" + (f" and not ignore_index={vocab.ignore_index}" if kind == "target" else "")
+                    + "; no vocabulary shard holds it (eager raises). Check the batch's ids against the tokenizer's "
+                    "vocabulary size")
+
+
 def check_step_context(training: bool, traced_autocast, now_autocast) -> None:
     """Refuse what a compiled training step cannot honour: eval mode, no_grad / inference_mode (the step would
     write gradients all the same) and an autocast region other than the one the step was traced under."""

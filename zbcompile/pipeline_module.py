@@ -256,6 +256,7 @@ class PipelineModule(nn.Module):
         call_checks.check_shapes(local, self._batch_specs, self.runtime.data_specs,
                                  (staged.num_inputs, staged.num_targets), self.schedule.num_microbatches, what,
                                  targets)
+        call_checks.check_vocabulary(local, staged.vocab, self.schedule.num_microbatches, what, targets)
         return local
 
     def _share(self, batch: Sequence[torch.Tensor], what: str) -> Sequence[torch.Tensor]:

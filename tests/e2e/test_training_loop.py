@@ -539,6 +539,30 @@ def test_load_state_dict_takes_the_whole_vocabulary_tables():
     _assert_state_equal(pipes, ref, 1e-12, "after a step from the loaded state")
 
 
+def test_ids_and_targets_outside_the_vocabulary_are_refused():
+    """vocab_parallel=True: a token id or a target outside [0, V) is looked up by no shard (zeros, a missed
+    logit) where eager raises: step, evaluate and pipe(x) refuse it by name on every rank, before anything is
+    sent, and the pipe trains normally afterwards. An ignored target (-100) is no such target."""
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), "zbv", vocab_parallel=True)
+    v = model.wte.num_embeddings
+    y = y.clone()
+    y[0, 0] = -100
+
+    def run(r):
+        pipe = pipes[r]
+        with pytest.raises(UsageError, match=f"step: a token id the embedding looks up is \\d+ .*\\[0, {v}\\)"):
+            pipe.step(x + v, y)
+        with pytest.raises(UsageError, match="evaluate: a target the loss reads is -1 .*not ignore_index=-100"):
+            pipe.evaluate(x, y.clamp_min(0) - 1)
+        with pytest.raises(UsageError, match="forward: a token id"):
+            pipe(x - v)
+        return pipe.step(x, y)
+
+    ref = copy.deepcopy(model)
+    want = eager_step(ref, loss_fn, x, y, M)
+    assert run_pipes(run, PP) == pytest.approx([want] * PP, rel=1e-5)
+
+
 def _shifted_loss(logits, labels):
     """A causal LM's loss as HuggingFace writes it: position t predicts token t + 1."""
     v = logits.shape[-1]

@@ -328,6 +328,12 @@ class VocabLayers:
     # the parameters such a forward reads whole: each rank's rows of them are all-gathered at the start of its
     # step into `vocab:whole:<fqn>` (the specs: the name and one rank's rows); () in every other program
     whole: tuple[TensorSpec, ...] = ()
+    # the token ids the lookup reads and the targets the loss reads, each computed from the step's data inputs
+    # (one microbatch's): what a call's batch is checked against [0, size) with (no shard looks an id outside it
+    # up, no shard holds such a target's logit: eager would raise); None where the split did not keep them
+    ids: Graph | None = None
+    targets: Graph | None = None
+    ignore_index: int = -100
 
     @property
     def params(self) -> tuple[str, ...]:
