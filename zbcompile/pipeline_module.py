@@ -204,13 +204,16 @@ class PipelineModule(nn.Module):
         return super().state_dict(*args, **kwargs)
 
     @_unusable_after_a_failure
-    def forward(self, *inputs: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor, **keywords):
         """The model's outputs for a whole batch of model inputs (no targets), from a forward-only step in the
         module's mode (eval(): dropout off, BatchNorm on its running statistics), as `model(*inputs)` under
         torch.no_grad() returns them: each tensor leaf the microbatches' outputs concatenated on dim 0 (a 0-dim
         leaf, e.g. an auxiliary loss, one value per microbatch). Returned on the rank that runs the loss stage,
         None on the others (as torch.distributed.pipelining's eval). Call it on every rank; `pipe(*inputs)`
         calls it."""
+        if keywords:
+            raise UsageError(f"forward() takes the model's inputs by position, flat, in the order of the example's "
+                             f"inputs; got keyword arguments {sorted(keywords)}")
         self.settle()
         local = self._checked(inputs, "forward", targets=False)
         runtime = self._forward.get((self.training, True)) or self._forward_runtime(self.training, outputs=True)

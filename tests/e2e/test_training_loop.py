@@ -756,3 +756,5 @@ def test_forward_is_refused_where_the_outputs_cannot_come_back_whole():
             pipes[0].eval()(x)
     with pytest.raises(UsageError, match=r"forward\(\) takes 1 model input\(s\) \(no targets\)"):
         pipes[0](x, y)
+    with pytest.raises(UsageError, match=r"by position.*keyword arguments \['x'\]"):
+        pipes[0](x=x)
