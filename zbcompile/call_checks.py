@@ -142,9 +142,10 @@ def check_vocabulary(batch: Sequence[torch.Tensor], vocab, m: int, what: str, ta
     if targets:
         checks.append((vocab.targets, "target", "the loss reads"))
     for graph, kind, reader in checks:
-        if graph is None:
+        where = [int(name.split(":")[1]) for name in (graph.inputs if graph is not None else ())]
+        if graph is None or any(i >= len(batch) for i in where):   # (ids computed from a target: no forward)
             continue
-        args = [batch[int(name.split(":")[1])].chunk(m) for name in graph.inputs]
+        args = [batch[i].chunk(m) for i in where]
         for k, microbatch in enumerate(zip(*args)):
             with torch.no_grad():
                 values = graph.gm(*microbatch)

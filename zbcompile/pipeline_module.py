@@ -8,6 +8,7 @@ generated code of any rank, the last step's timeline).
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Sequence
 
@@ -437,7 +438,7 @@ class PipelineModule(nn.Module):
             return state_dict
         sharded = {id(self.get_parameter(n)) for n in vocab.params}
         lo = self.rank * vocab.rows
-        out = dict(state_dict)
+        changed = {}
         for key, value in state_dict.items():
             mine = live.get(key)
             if (id(mine) not in sharded or not isinstance(value, torch.Tensor) or value.dim() == 0
@@ -445,7 +446,11 @@ class PipelineModule(nn.Module):
                     or vocab.size == vocab.rows):
                 continue
             rows = value[lo:lo + vocab.rows]
-            out[key] = torch.cat([rows, rows.new_zeros((vocab.rows - rows.shape[0], *rows.shape[1:]))])
+            changed[key] = torch.cat([rows, rows.new_zeros((vocab.rows - rows.shape[0], *rows.shape[1:]))])
+        if not changed:
+            return state_dict
+        out = copy.copy(state_dict)   # (an OrderedDict's copy keeps its _metadata: the modules' versions)
+        out.update(changed)
         return out
 
     # ---- inspection ----------------------------------------------------------------------------
