@@ -147,8 +147,8 @@ def check_vocabulary(batch: Sequence[torch.Tensor], vocab, m: int, what: str, ta
             continue
         args = [batch[i].chunk(m) for i in where]
         for k, microbatch in enumerate(zip(*args)):
-            with torch.no_grad():
-                values = graph.gm(*microbatch)
+            with torch.no_grad():   # contiguous, as the runtime stages each microbatch (the graph may view it)
+                values = graph.gm(*(t.contiguous() for t in microbatch))
             bad = (values < 0) | (values >= vocab.size)
             if kind == "target":
                 bad &= values != vocab.ignore_index

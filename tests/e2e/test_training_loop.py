@@ -543,7 +543,11 @@ def test_ids_and_targets_outside_the_vocabulary_are_refused():
     """vocab_parallel=True: a token id or a target outside [0, V) is looked up by no shard (zeros, a missed
     logit) where eager raises: step, evaluate and pipe(x) refuse it by name on every rank, before anything is
     sent, and the pipe trains normally afterwards. An ignored target (-100) is no such target."""
-    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), "zbv", vocab_parallel=True)
+    def viewed_loss(logits, targets):   # views the targets: the check must hand it contiguous microbatches
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8)._replace(loss_fn=viewed_loss), "zbv",
+                                         vocab_parallel=True)
     v = model.wte.num_embeddings
     y = y.clone()
     y[0, 0] = -100
@@ -552,6 +556,8 @@ def test_ids_and_targets_outside_the_vocabulary_are_refused():
         pipe = pipes[r]
         with pytest.raises(UsageError, match=f"step: a token id the embedding looks up is \\d+ .*\\[0, {v}\\)"):
             pipe.step(x + v, y)
+        wide = torch.cat([y, y], 1)   # targets whose microbatches are strided views (the README's data[:, 1:])
+        assert math.isfinite(pipe.evaluate(x, wide[:, :y.shape[1]]))
         with pytest.raises(UsageError, match="evaluate: a target the loss reads is -1 .*not ignore_index=-100"):
             pipe.evaluate(x, y.clamp_min(0) - 1)
         with pytest.raises(UsageError, match="forward: a token id"):
