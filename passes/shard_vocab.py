@@ -92,7 +92,9 @@ def shard_vocab(cut: Partition, *, shards: int) -> Partition:
     rows = -(-pattern.size // shards)
     emb_val = pattern.embedding.meta["val"]
     device = cut.traced.device or x_val.device
-    graphs = _shard_graphs(pattern, first, last, rows, shards, d, x_val, emb_val, device)
+    ids = _data_graph(first, pattern.embedding.args[1], "vocab:ids")
+    targets = _data_graph(last, pattern.loss.args[1], "vocab:targets")
+    graphs = _shard_graphs(pattern, first, last, ids, targets, rows, shards, d, x_val, emb_val, device)
     vocab = VocabLayers(
         shards=shards, size=pattern.size, rows=rows, embedding=key_of(pattern.table), head=key_of(pattern.weight),
         bias=key_of(pattern.bias) if pattern.bias else None, graphs=graphs,
@@ -100,10 +102,7 @@ def shard_vocab(cut: Partition, *, shards: int) -> Partition:
         emb=TensorSpec(VOCAB_EMB, tuple(emb_val.shape), emb_val.dtype),
         stats=TensorSpec("vocab:stats", (int(x_val.shape[0]), 3), _stat_dtype(pattern.logits_dtype),
                          requires_grad=False),
-        pattern=_describe(pattern), last=last, ids=Graph(*_data_fn(first, pattern.embedding.args[1])[::-1],
-                                                         ("vocab:ids",)),
-        targets=Graph(*_data_fn(last, pattern.loss.args[1])[::-1], ("vocab:targets",)),
-        ignore_index=pattern.ignore_index)
+        pattern=_describe(pattern), last=last, ids=ids, targets=targets, ignore_index=pattern.ignore_index)
     return dataclasses.replace(cut, stages=tuple(stages), vocab=vocab)
 
 
@@ -323,6 +322,12 @@ def _check_only_vocab_uses(stages: Sequence[Graph], p: VocabPattern) -> None:
 
 
 # ---- the shard graphs ---------------------------------------------------------------------------------------
+def _data_graph(g: Graph, node: fx.Node, output: str) -> Graph:
+    """`node` of `g` (computed from data inputs only) as a Graph of its own, reading those inputs."""
+    inputs, gm = _data_fn(g, node)
+    return Graph(gm, inputs, (output,))
+
+
 def _data_fn(g: Graph, node: fx.Node) -> tuple[tuple[str, ...], fx.GraphModule]:
     """The data inputs `node` is computed from and a GraphModule computing it from them."""
     names = dict(zip(g.input_nodes().values(), g.inputs))
@@ -342,10 +347,11 @@ def _data_fn(g: Graph, node: fx.Node) -> tuple[tuple[str, ...], fx.GraphModule]:
     return tuple(inputs), fx.GraphModule(g.gm, graph)
 
 
-def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, rows: int, shards: int, d: int,
-                  x_val: torch.Tensor, emb_val: torch.Tensor, device: torch.device) -> dict[str, Graph]:
-    id_inputs, ids_fn = _data_fn(first, p.embedding.args[1])
-    target_inputs, target_fn = _data_fn(last, p.loss.args[1])
+def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, ids_graph: Graph, targets_graph: Graph, rows: int,
+                  shards: int, d: int, x_val: torch.Tensor, emb_val: torch.Tensor,
+                  device: torch.device) -> dict[str, Graph]:
+    id_inputs, ids_fn = ids_graph.inputs, ids_graph.gm
+    target_inputs, target_fn = targets_graph.inputs, targets_graph.gm
     table_val = p.embedding.args[0].meta["val"]
     weight_val = _through_cast(p.linear.args[1])[0].meta["val"]
     bias_val = _through_cast(p.linear.args[2])[0].meta["val"] if p.bias else None

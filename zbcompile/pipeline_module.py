@@ -339,22 +339,26 @@ class PipelineModule(nn.Module):
     def _counted_grads(self) -> list[torch.Tensor]:
         """The gradients this rank counts (sharded data parallelism: this replica's rows of them); none of a
         vocabulary parameter whose shard here holds only padding rows (a small vocabulary over many ranks)."""
+        return [g for _, g, _ in self._counted_each() if g is not None]
+
+    def _counted_each(self):
+        """(parameter, the gradient rows this rank counts of it or None, whether it is a vocabulary parameter)
+        per counted parameter."""
         whole = not self._sharded   # (a sharded replica's rows are a slice of its own)
-        return [grads.local(p.grad)[:rows] if rows is not None and whole else grads.local(p.grad)
-                for p, rows in zip(self._counted, self._counted_rows) if p.grad is not None and rows != 0]
+        for p, rows in zip(self._counted, self._counted_rows):
+            g = None if p.grad is None or rows == 0 else grads.local(p.grad)
+            yield p, (g[:rows] if g is not None and rows is not None and whole else g), rows is not None
 
     def _counted_once(self) -> list[torch.Tensor]:
         """The counted gradients for get_total_norm(0), which counts the tensors holding a nonzero: a vocabulary
         parameter is one tensor, though every rank holds rows of it, so its rows become one 0-dim flag on rank 0,
         nonzero where any rank's rows are (one all-gather over the pipeline)."""
         plain, flags, dtypes = [], [], []
-        for p, rows in zip(self._counted, self._counted_rows):
-            if rows is None:   # not a vocabulary parameter
-                if p.grad is not None:
-                    plain.append(grads.local(p.grad))
+        for p, g, vocab in self._counted_each():
+            if not vocab:
+                plain += [g] if g is not None else []
                 continue
-            g = None if p.grad is None or rows == 0 else grads.local(p.grad)
-            flags.append(float(g is not None and bool((g if self._sharded else g[:rows]).count_nonzero())))
+            flags.append(float(g is not None and bool(g.count_nonzero())))
             dtypes.append(p.dtype)
         anywhere = self._gather(torch.tensor(flags, dtype=torch.float64, device=self.runtime.device)).amax(0)
         if self.rank != 0:

@@ -93,6 +93,8 @@ def _reduce(program: RankProgram, holders, tags, types) -> RankProgram:
 def check_dense(programs: Sequence[RankProgram], summed: dict[str, str]) -> None:
     """LoweringError where a parameter of `summed` (fqn -> whose gradients are summed) gets a sparse gradient
     (an embedding with sparse=True): sparse tensors are neither sent nor summed between ranks."""
+    if not summed:
+        return
     for p in programs:
         for g in p.graphs.values():
             if g.gm is None:

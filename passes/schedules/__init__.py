@@ -57,8 +57,9 @@ class ScheduleSpec:
                                 f"the generator accepts chunks")
 
 
-def _zero_once(p: int, m: int, peak: float) -> tuple[float | None, float]:
-    return (0.0 if m >= 2 * p else None), peak
+def _zero_once(p: int, m: int, peak: float, from_m: int | None = None) -> tuple[float | None, float]:
+    """(0 bubble once m >= from_m (default 2p), else no closed form; `peak`)."""
+    return (0.0 if m >= (2 * p if from_m is None else from_m) else None), peak
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -73,7 +74,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zb-h1": ScheduleSpec(zb_h1, "handcrafted zero bubble, B/W split; peak p, bubble (p-1)/(3m+p-1); any m >= 1",
                           closed_form=lambda p, m, v: ((p - 1) / (3 * m + p - 1), p)),
     "zb-h2": ScheduleSpec(zb_h2, "handcrafted zero bubble, B/W split; peak 2p-1, zero bubble once m >= 2p-1; any m >= 1",
-                          closed_form=lambda p, m, v: ((0.0 if m >= 2 * p - 1 else None), 2 * p - 1)),
+                          closed_form=lambda p, m, v: _zero_once(p, m, 2 * p - 1, from_m=2 * p - 1)),
     "zbv": ScheduleSpec(zbv, "handcrafted ZB-V on the V placement; peak p, zero bubble once m >= 2p; any m >= 1",
                         stages_per_rank=2, accepts=frozenset({"costs"}),
                         closed_form=lambda p, m, v: _zero_once(p, m, p)),

@@ -56,8 +56,9 @@ class Value(NamedTuple):
     """A parsed value name. scope: "stage" (s{s}.mb{mb}.local), "vocab" (v.mb{mb}.local), "data", "state"
     (param:/buffer:), "shard" (vocab:offset), "whole" (vocab:whole:<fqn>), "acc", "copy" (r{q}.), "sum", "dp",
     "zero" (a parameter's data-parallel shard), "gather" (ag{k}.), "reload" (re.s{s}.mb{mb}.local,
-    re.re.s{s}...), "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are -1 where the scope has none (index: data
-    argument, accumulation step, source rank, gather or how many times a reloaded value was reloaded)."""
+    re.re.s{s}...), "handle", "seed" (grad_loss), "loss" or "other"; stage / microbatch / index are -1 where the
+    scope has none (index: data argument, accumulation step, source rank, gather or how many times a reloaded
+    value was reloaded)."""
 
     scope: str
     role: Role
