@@ -104,34 +104,35 @@ def _budgets(budget, n: int) -> list[int | None]:
 
 def _plan_rank(program: RankProgram, budget: int | None, device: Device, min_bytes: int | None):
     kw = {} if min_bytes is None else {"min_bytes": min_bytes}
-    units = _by_lifespan(program, device, **kw)
+    found = offload_candidates(program, **kw)   # once: every choice tried below offloads some of them
+    units = _by_lifespan(program, device, found)
     base = rank_memory(program).peak_total_bytes
     base_time = compute_time(program, device)
     none = OffloadChoice(units=frozenset(), **kw)
     if budget is not None and base <= budget:
         return RankOffload(program.rank, none, 0, base, base, 0.0, 1.0)
     if budget is None:
-        return _free_prefix(program, units, device, base, base_time, kw)
+        return _free_prefix(program, found, units, device, base, base_time, kw)
     for prefetch, wait_after in _SETTINGS:
         def choice(k: int) -> OffloadChoice:
             return OffloadChoice(frozenset(units[:k]), prefetch, wait_after=wait_after, **kw)
 
         def fits(k: int) -> bool:
-            return _peak(program, choice(k)) <= budget
+            return _peak(program, choice(k), found) <= budget
         if fits(len(units)):
-            return _report(program, choice(_first_true(fits, len(units))), device, base, base_time)
+            return _report(program, found, choice(_first_true(fits, len(units))), device, base, base_time)
     return None
 
 
-def _free_prefix(program, units, device, base, base_time, kw) -> RankOffload:
+def _free_prefix(program, found, units, device, base, base_time, kw) -> RankOffload:
     """"auto": the longest prefix of units (longest-lived first) whose modelled slowdown is within 1%."""
     def choice(k: int) -> OffloadChoice:
         return OffloadChoice(frozenset(units[:k]), 1, wait_after=1, **kw)
 
     def slow(k: int) -> bool:
-        return compute_time(insert_offload(program, choice(k)), device) > _FREE * base_time
+        return compute_time(insert_offload(program, choice(k), found), device) > _FREE * base_time
     k = _first_true(slow, len(units)) - 1 if slow(len(units)) else len(units)
-    return _report(program, choice(max(k, 0)), device, base, base_time)
+    return _report(program, found, choice(max(k, 0)), device, base, base_time)
 
 
 def _first_true(pred, n: int) -> int:
@@ -146,23 +147,24 @@ def _first_true(pred, n: int) -> int:
     return lo
 
 
-def _peak(program: RankProgram, choice: OffloadChoice) -> int:
-    return rank_memory(insert_offload(program, choice)).peak_total_bytes
+def _peak(program: RankProgram, choice: OffloadChoice, found=None) -> int:
+    return rank_memory(insert_offload(program, choice, found)).peak_total_bytes
 
 
-def _report(program, choice, device, base, base_time) -> RankOffload:
-    after = insert_offload(program, choice)
+def _report(program, found, choice, device, base, base_time) -> RankOffload:
+    after = insert_offload(program, choice, found)
     moved = sum(op.args.type.nbytes for op in after.ops if op.kind is OpKind.OFFLOAD)
     return RankOffload(program.rank, choice, moved, base, rank_memory(after).peak_total_bytes,
-                       offload_ratio(program, choice, device), compute_time(after, device) / (base_time or 1.0))
+                       offload_ratio(program, choice, device, found),
+                       compute_time(after, device) / (base_time or 1.0))
 
 
-def _by_lifespan(program: RankProgram, device: Device, **kw) -> list[tuple[int, int]]:
-    """This rank's F units with something to offload, longest-lived first (modelled time from F's end to the
-    first reader's start; ties by stage, microbatch)."""
+def _by_lifespan(program: RankProgram, device: Device, found=None) -> list[tuple[int, int]]:
+    """This rank's F units with something to offload (`found`: its offload_candidates, where known),
+    longest-lived first (modelled time from F's end to the first reader's start; ties by stage, microbatch)."""
     times = _op_times(program, device)
     units = []
-    for unit, cands in offload_candidates(program, **kw).items():
+    for unit, cands in (offload_candidates(program) if found is None else found).items():
         if cands:
             life = max(times[c.reader_index][0] - times[c.f_index][1] for c in cands)
             units.append((-life, unit))
@@ -225,18 +227,20 @@ def compute_time(program: RankProgram, device: Device) -> float:
     return times[-1][1] if times else 0.0
 
 
-def offload_ratio(program: RankProgram, choice: OffloadChoice, device: Device) -> float:
+def offload_ratio(program: RankProgram, choice: OffloadChoice, device: Device, candidates=None) -> float:
     """k = T_o / T_c over the chosen units (the largest): the time to copy a unit's offloaded tensors out and
-    back over its F + B + W compute time (PipeOffload's criterion: k <= 1 hides the copies)."""
+    back over its F + B + W compute time (PipeOffload's criterion: k <= 1 hides the copies). `candidates`:
+    offload_candidates(program, choice.min_bytes), where the caller holds them already."""
     seconds = _run_seconds(program, device)
     by_unit: dict[tuple[int, int], float] = {}
     for op in program.ops:
         a = op.action
         if a is not None:
             by_unit[(a.stage, a.microbatch)] = by_unit.get((a.stage, a.microbatch), 0.0) + seconds[op.args.graph]
-    kw = {"min_bytes": choice.min_bytes}
+    if candidates is None:
+        candidates = offload_candidates(program, min_bytes=choice.min_bytes)
     k = 0.0
-    for unit, cands in offload_candidates(program, **kw).items():
+    for unit, cands in candidates.items():
         if choice.units is not None and unit not in choice.units or not cands:
             continue
         t_o = 2 * sum(c.nbytes for c in cands) / device.copy_bandwidth

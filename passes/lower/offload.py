@@ -160,13 +160,17 @@ def _f_candidates(program: RankProgram, min_bytes: int) -> dict[tuple[int, int],
     return out
 
 
-def insert_offload(program: RankProgram, choice: OffloadChoice = OffloadChoice()) -> RankProgram:
+def insert_offload(program: RankProgram, choice: OffloadChoice = OffloadChoice(),
+                   candidates: dict[tuple[int, int], tuple[Candidate, ...]] | None = None) -> RankProgram:
     """`program` with the chosen F's candidate storages offloaded after F and reloaded before their first reader
     and, with choice.after_b, then the chosen units' B -> W candidates (b_candidates, found on the program
     with the first phase in place, so a storage reloaded for B goes again) offloaded after B and reloaded
-    before W (see the module docstring); host slots assigned by assign_host_slots. Pure: returns a new
+    before W (see the module docstring); host slots assigned by assign_host_slots. `candidates`:
+    `offload_candidates(program, choice.min_bytes)` where the caller holds them already (the offload planner
+    tries many choices on one program; finding them is most of the cost of a try). Pure: returns a new
     program."""
-    out = _insert(program, _f_candidates(program, choice.min_bytes), choice)
+    found = _f_candidates(program, choice.min_bytes) if candidates is None else candidates
+    out = _insert(program, found, choice)
     if choice.after_b:
         out = _insert(out, b_candidates(out, choice.min_bytes), choice)
     return out

@@ -36,6 +36,34 @@ def test_a_repeated_split_is_a_copy_whose_programs_equal_a_fresh_splits():
     assert isinstance(node.meta["val"], torch.Tensor)   # the copy keeps the traced shapes
 
 
+def test_a_split_at_another_stage_count_or_placement_reuses_the_trace_and_equals_a_fresh_one(monkeypatch):
+    """The memo keeps the trace too (`zbcompile.split.trace`): splits of one step at pp=2, pp=4, in a V and with
+    vocabulary shards trace it once, and each lowers to the programs of a split traced anew."""
+    import zbcompile.split as split
+
+    calls = []
+    trace = split.trace.__wrapped__   # the session's memo (off here) wraps it
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return trace(*args, **kwargs)
+
+    wanted = [(generate("1f1b", 2, 4), {}), (generate("1f1b", 4, 4), {}), (generate("zbv", 2, 4), {}),
+              (generate("1f1b", 2, 4, vocab=True), {"vocab_shards": 2})]
+    fresh = []
+    for sched, more in wanted:
+        case = gpt(layers=4)
+        fresh.append(split_model(case.model, case.loss_fn, case.example, num_stages=sched.num_model_stages,
+                                 placement=sched.stage_groups(), **more))
+    monkeypatch.setattr(split, "trace", split_memo.memoized(counted, split_memo.Memo(), what="trace"))
+    for (sched, more), made in zip(wanted, fresh):
+        case = gpt(layers=4)
+        staged = split_model(case.model, case.loss_fn, case.example, num_stages=sched.num_model_stages,
+                             placement=sched.stage_groups(), **more)
+        assert [p.to_text() for p in lower_all(sched, staged)] == [p.to_text() for p in lower_all(sched, made)]
+    assert len(calls) == 1
+
+
 def _key(case, **kwargs):
     return split_memo.fingerprint(case.model, case.loss_fn, case.example, kwargs)
 

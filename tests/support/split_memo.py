@@ -7,7 +7,10 @@ launch. `install_shared(directory)` wraps `zbcompile.split.split_model` (tests/c
 module is imported, so that `from zbcompile.split import split_model` binds the wrapper, and `compiler.split_for`
 calls it too; a launched rank does it when `support` is first imported, see support/__init__.py). The wrapper
 keeps each successful split under a `fingerprint` of everything the trace reads and hands out a deep copy
-(about 60 ms for the GPT), so no test sees what another did to its split. Errors are never kept.
+(about 60 ms for the GPT), so no test sees what another did to its split. Errors are never kept. It wraps
+`zbcompile.split.trace` the same way, under the same fingerprint: a split the memo misses because it cuts at
+another stage count, placement or vocabulary sharding still reuses the step's trace (export and
+decompositions, about half of a split).
 
 The fingerprint errs on the side of a miss: every module's class, training flag, hooks and plain attributes
 (a config object by its repr; an object without a repr of its own by identity), every parameter's and buffer's
@@ -53,7 +56,11 @@ def install_shared(directory: str) -> None:
     import zbcompile.split as split
 
     if getattr(split.split_model, "__wrapped__", None) is None:
-        split.split_model = memoized(split.split_model, OnDisk(directory), lambda: _state["enabled"])
+        memo = OnDisk(directory)
+        split.split_model = memoized(split.split_model, memo, lambda: _state["enabled"])
+        # the trace alone, too: a model split at other stage counts or placements (pp=2 and pp=4, a V and a
+        # line) is traced once; the trace is about half of a split
+        split.trace = memoized(split.trace, memo, lambda: _state["enabled"], what="trace")
         _state["directory"] = directory
 
 
@@ -73,14 +80,15 @@ def enabled(on: bool) -> None:
     _state["enabled"] = on
 
 
-def memoized(split_model, memo: "Memo", active=lambda: True):
-    """`split_model` keeping its results in `memo` while `active()` says so."""
+def memoized(split_model, memo: "Memo", active=lambda: True, what: str = "split"):
+    """`split_model` (or `trace`: any function of (model, loss_fn, example, **kwargs)) keeping its results in
+    `memo` while `active()` says so; `what` keeps one function's results apart from another's in a shared memo."""
     @functools.wraps(split_model)
     def split_once(model, loss_fn, example, **kwargs):
         key = fingerprint(model, loss_fn, example, kwargs) if active() else None
         if key is None:
             return split_model(model, loss_fn, example, **kwargs)
-        return memo.fetch(key, lambda: split_model(model, loss_fn, example, **kwargs))
+        return memo.fetch((what, key), lambda: split_model(model, loss_fn, example, **kwargs))
 
     return split_once
 
