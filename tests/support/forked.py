@@ -15,7 +15,9 @@ returncode). support/launch.run_python runs the CLI tests' `python -m zbcompile 
 a working directory, stderr into a file of its own).
 
 What a fork shares that cold starts do not: the interpreter's string-hash seed (set iteration order is the same on
-every rank) and what the preloaded modules did at import. The tests that run real torchrun (test_main_job,
+every rank), what the preloaded modules did at import, and what torch set up for a first split and lowering
+(`_warm`: the first export, aot trace and fx codegen of a process cost about 1.5 s of CPU more than later ones;
+the random state is as a cold start has it). The tests that run real torchrun (test_main_job,
 test_main_job_checkpoint, test_readme) start every rank cold, and ZB_TEST_COLD_RANKS=1 starts every launched rank
 cold too.
 """
@@ -55,6 +57,7 @@ def serve() -> None:
             __import__(name)
         except ImportError:
             pass
+    _warm()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -79,6 +82,37 @@ def serve() -> None:
                     os.close(wake_w)
                     _become(json.loads(line))
                 _send({"pid": pid})
+
+
+def _warm() -> None:
+    """Split and lower a two-layer model once, so that what torch sets up on a process's first export, aot trace
+    and fx codegen (about 1.5 s of CPU) is done before the fork instead of in every rank. Under the rank's view
+    nothing changes: the random state is restored, the split memo is off for it, a failure is ignored."""
+    import warnings
+
+    import torch
+
+    from support import split_memo
+
+    was = split_memo._state["enabled"]
+    try:
+        from zbcompile.passes.lower import lower_all
+        from zbcompile.passes.schedules import generate
+        from zbcompile.split import split_model
+
+        split_memo.enabled(False)
+        with torch.random.fork_rng(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.LayerNorm(8),
+                                        torch.nn.Linear(8, 4))
+            example = ((torch.randn(2, 4),), (torch.randn(2, 4),))
+            staged = split_model(model, torch.nn.functional.mse_loss, example, num_stages=2)
+            lower_all(generate("1f1b", 2, 2), staged)
+    except Exception:
+        pass
+    finally:
+        split_memo.enabled(was)
 
 
 def _drain(fd: int) -> bool:
