@@ -162,11 +162,18 @@ def _export_step(step: nn.Module, flat) -> torch.export.ExportedProgram:
     try:
         # the model's call signature kept: which graph values are the model's outputs (forward outputs of an
         # evaluation step, PipelineModule.forward); the graph itself is the same as without it
-        ep = torch.export.export(step, tuple(flat), strict=False, preserve_module_call_signature=(_WRAPPED,))
+        return _decomposed(torch.export.export(step, tuple(flat), strict=False,
+                                               preserve_module_call_signature=(_WRAPPED,)))
     except TraceError:
         raise
-    except Exception:   # a model whose call signature export cannot keep still trains
-        ep = torch.export.export(step, tuple(flat), strict=False)
+    except Exception:
+        # a model whose call signature export cannot keep still trains; nor can the decompositions keep it where
+        # a model output the loss does not read is made by a plain op (`return logits, logits.argmax(-1)`): they
+        # drop that dead op, and torch then finds the signature naming a value that is gone
+        return _decomposed(torch.export.export(step, tuple(flat), strict=False))
+
+
+def _decomposed(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     _detach_no_grad_regions(ep.graph_module)
     with warnings.catch_warnings():
         # torch 2.13's own run_decompositions trips its LeafSpec deprecation; nothing a user can act on
@@ -399,12 +406,15 @@ def _name_outputs(ep) -> tuple[str, ...]:
         raise TraceError(f"loss_fn must return one scalar tensor; the step returns {names.count('loss')} values")
     output = ep.graph.output_node()
     loss = output.args[0][names.index("loss")]
-    val = loss.meta.get("val") if isinstance(loss, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or val.dim() != 0:
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(loss).__name__
+    val = loss.meta.get("val") if isinstance(loss, fx.Node) else loss
+    if not isinstance(val, torch.Tensor):
         raise TraceError(
-            f"loss_fn must return a scalar tensor, got shape {shape}; reduce it (e.g. .mean()) inside loss_fn"
-        )
+            f"loss_fn must return the loss as a scalar tensor, got a {type(val).__name__} (a Python number, e.g. "
+            "from .item() or float()); return the tensor itself: the backward starts from it")
+    if val.dim() != 0:
+        raise TraceError(
+            f"loss_fn must return a scalar tensor, got shape {tuple(val.shape)}; reduce it (e.g. .mean()) inside "
+            "loss_fn")
     if not val.is_floating_point():
         raise TraceError(f"loss_fn must return a floating-point scalar, got dtype {val.dtype}")
     return tuple(names)

@@ -126,12 +126,14 @@ def closed_form(name: str, pp: int, microbatches: int, chunks: int | None = None
     """The papers' (bubble rate, peak memory) under unit costs and no communication, where they give one
     (the generator's `ScheduleSpec.closed_form`; (None, None) for an unknown name or none stated).
 
-    Memory is in 1F1B-stage units. `chunks` is interleaved-1f1b's (default 2).
+    Memory is in 1F1B-stage units, at most `microbatches` (no rank holds more activations than there are
+    microbatches, whatever the steady state's peak). `chunks` is interleaved-1f1b's (default 2).
     """
     spec = SCHEDULES.get(name)
     if spec is None or spec.closed_form is None:
         return None, None
-    return spec.closed_form(pp, microbatches, chunks or 2)
+    bubble, memory = spec.closed_form(pp, microbatches, chunks or 2)
+    return bubble, (None if memory is None else min(memory, microbatches))
 
 
 def compare_table(rows: list[PlanRow], tablefmt: str = "simple") -> str:

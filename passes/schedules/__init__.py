@@ -40,7 +40,9 @@ class ScheduleSpec:
     stages_per_rank  stages a rank holds; None when `chunks` chooses it
     accepts          the options of `generate` the function reads: a subset of {"chunks", "costs", "mem_limit"}
     closed_form      the papers' (bubble rate, peak memory) under unit costs and no communication, either
-                     part None where no closed form is stated; None for no closed form at all
+                     part None where no closed form is stated; None for no closed form at all. The peak is the
+                     steady state's: with fewer microbatches than it, a rank never holds more than m
+                     (zbcompile.plan.closed_form caps it)
     """
 
     fn: Callable[..., Schedule]
@@ -71,8 +73,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         interleaved_1f1b, "Megatron virtual pipeline with --chunks v >= 2 (default 2); bubble (p-1)/(vm+p-1); m >= p",
         stages_per_rank=None, accepts=frozenset({"chunks"}),
         closed_form=lambda p, m, v: ((p - 1) / (v * m + p - 1), None)),
-    "zb-h1": ScheduleSpec(zb_h1, "handcrafted zero bubble, B/W split; peak p, bubble (p-1)/(3m+p-1); any m >= 1",
-                          closed_form=lambda p, m, v: ((p - 1) / (3 * m + p - 1), p)),
+    "zb-h1": ScheduleSpec(zb_h1, "handcrafted zero bubble, B/W split; peak p, bubble (p-1)/(3m+p-1) once m >= p; "
+                                 "any m >= 1",
+                          closed_form=lambda p, m, v: ((p - 1) / (3 * m + p - 1) if m >= p else None, p)),
     "zb-h2": ScheduleSpec(zb_h2, "handcrafted zero bubble, B/W split; peak 2p-1, zero bubble once m >= 2p-1; any m >= 1",
                           closed_form=lambda p, m, v: _zero_once(p, m, 2 * p - 1, from_m=2 * p - 1)),
     "zbv": ScheduleSpec(zbv, "handcrafted ZB-V on the V placement; peak p, zero bubble once m >= 2p; any m >= 1",

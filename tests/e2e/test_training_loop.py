@@ -748,6 +748,35 @@ class _TwoHeads(torch.nn.Module):
         return self.b(h), self.side(h)
 
 
+class _WithPredictions(torch.nn.Module):
+    """Returns (logits, their argmax): the loss reads only the logits; the predictions come from a plain op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.b(torch.tanh(self.c(torch.tanh(self.a(x)))))
+        return out, out.argmax(-1)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_an_output_the_loss_does_not_read_made_by_a_plain_op_trains_as_eager(schedule):
+    """`return logits, logits.argmax(-1)`: the decompositions drop the dead argmax, which failed the trace with
+    torch's SpecViolationError (the model's call signature named it). It trains as eager does; `pipe(x)` is
+    refused, as for any output the loss does not read."""
+    case = type(gpt())(_WithPredictions(), lambda out, t: F.mse_loss(out[0], t),
+                       (torch.randn(8, 16), torch.randn(8, 4)), 4)
+    model, loss_fn, x, y, pipes = _pipes(case, schedule, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    want = eager_step(ref, loss_fn, x, y, M)
+    losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
+    assert all(abs(loss - want) <= 1e-12 * abs(want) for loss in losses), (losses, want)
+    _assert_state_equal(pipes, ref, 1e-10, schedule)
+    with pytest.raises(UsageError):
+        pipes[0].eval()(x)
+
+
 def test_forward_is_refused_where_the_outputs_cannot_come_back_whole():
     """Our errors, before any message is sent: DualPipe ends in a copy of the last stage on both ranks (with
     vocabulary parallelism too), an output the loss never reads is never computed; and pipe(x, y)

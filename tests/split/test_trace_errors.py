@@ -55,6 +55,14 @@ def test_non_scalar_loss():
         split_model(nn.Linear(4, 4), per_sample, _mlp_example())
 
 
+def test_loss_returning_a_python_number():
+    """loss_fn calling .item(): the message says a number came back, not a shape."""
+    x, y = _mlp_example()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    with pytest.raises(TraceError, match=r"Python number.*\.item\(\)"):
+        split_model(model, lambda o, t: F.mse_loss(o, t).item(), ((x,), (y,)), num_stages=2)
+
+
 def test_loss_returning_a_tuple():
     def two(out, target):
         return F.mse_loss(out, target), out.sum()
