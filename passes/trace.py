@@ -21,9 +21,11 @@ runtime can pass the live `nn.Parameter`s by name, and a model built on the meta
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import traceback
 import warnings
-import dataclasses
 from typing import Callable, Mapping
 
 import torch
@@ -150,12 +152,26 @@ def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
             keywords: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
     step = _Step(model, loss_fn, num_inputs, keywords)
     try:
-        with functions_as_ops():   # a custom autograd.Function keeps its backward (passes/functions.py)
+        # a custom autograd.Function keeps its backward (passes/functions.py); an op that fails on the fake
+        # tensors (an example of the wrong shape) is our TraceError below, without fake_tensor's logged tracebacks
+        with functions_as_ops(), _quiet("torch._subclasses.fake_tensor"):
             return _export_step(step, flat)
     except TraceError:
         raise
     except Exception as exc:  # torch raises many types here; ours names the module and the fix
         raise TraceError(_explain_export_failure(exc, model)) from exc
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """`logger` silent below CRITICAL inside the block."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _export_step(step: nn.Module, flat) -> torch.export.ExportedProgram:

@@ -79,15 +79,13 @@ def from_staged(model: nn.Module, staged: StagedModel, schedule: Schedule, **opt
 
 def _resolve(options: CompileOptions):
     """((group, rank, size) of the pipeline's process group, the data-parallel Replicas or None), after refusing
-    what needs no tracing to refuse: capture where there is no CUDA, a pp the group does not have, a bad mesh."""
+    what needs no tracing to refuse: capture where there is no CUDA, a pp (or per-rank offload budgets) the group
+    does not have, a bad mesh."""
     if options.capture:
         graphs.capture_api(None)
     pipeline, replicas = split_mesh(options.group)
     resolved = resolve_group(pipeline, options.timeout)
-    world = resolved[2]
-    if options.pp is not None and options.pp != world:
-        raise UsageError(f"pp={options.pp} but the process group has {world} ranks; launch with "
-                         f"`torchrun --nproc-per-node {options.pp}` (or pass a group of {options.pp} ranks)")
+    options.check_ranks(resolved[2])
     return resolved, Replicas.of(options, replicas)
 
 

@@ -165,8 +165,26 @@ def schedule_for(options: CompileOptions, num_ranks: int) -> Schedule:
         return schedule.validate().check_order()
     from zbcompile.passes.schedules import generate
 
+    _check_read(options)
     return generate(schedule, num_ranks, m, chunks=options.chunks, costs=options.costs,
                     mem_limit=options.mem_limit, vocab=options.vocab_parallel)
+
+
+def _check_read(options: CompileOptions) -> None:
+    """UsageError for mem_limit or costs given to a schedule that does not read them (a fixed order whatever the
+    costs; a peak of its own), which would otherwise be ignored without a word. Vocabulary parallelism reads
+    costs whatever the schedule (it places its S / T actions by them)."""
+    from zbcompile.passes.schedules import SCHEDULES
+
+    accepts = SCHEDULES[options.schedule].accepts if options.schedule in SCHEDULES else frozenset()
+    unread = [name for name in ("mem_limit", "costs") if getattr(options, name) is not None
+              and name not in accepts and not (name == "costs" and options.vocab_parallel)]
+    if unread:
+        readers = [n for n, spec in SCHEDULES.items() if unread[0] in spec.accepts]
+        raise UsageError(f"{unread[0]} is read only by schedule(s) {', '.join(readers)}"
+                         f"{' (and by vocab_parallel)' if unread[0] == 'costs' else ''}; schedule "
+                         f"{options.schedule!r} runs a fixed order with a peak of its own and would ignore it: drop "
+                         f"{unread[0]}, or pick one of those schedules")
 
 
 def split_for(model: nn.Module, loss_fn, example, schedule: Schedule, *, split_points=None,
@@ -181,12 +199,24 @@ def split_for(model: nn.Module, loss_fn, example, schedule: Schedule, *, split_p
     if loss_fn is None or example is None:
         raise UsageError("compiling a model needs loss_fn and example (one microbatch's (inputs, targets)); "
                          "only a model split already (PipelineModule.from_staged) goes without")
+    if split_points is not None:
+        _check_split_count(split_points, schedule)
     if device is not None and is_meta(model):
         example = to_device(example, torch.device(device))
     groups = schedule.stage_groups()   # one group (every stage on one rank): balance the stages themselves
     return split_model(model, loss_fn, example, num_stages=schedule.num_model_stages, split_points=split_points,
                        placement=groups if len(set(groups)) > 1 else None,
                        vocab_shards=schedule.num_ranks if schedule.vocab_shards else None)
+
+
+def _check_split_count(split_points, schedule: Schedule) -> None:
+    from zbcompile.split import split_point_names
+
+    n, stages = len(split_point_names(split_points)), schedule.num_model_stages
+    if n + 1 != stages:
+        raise UsageError(f"schedule {schedule.name!r} on {schedule.num_ranks} ranks runs {stages} model stages, so "
+                         f"it takes {stages - 1} split point(s), but split_points names {n}: give {stages - 1}, or "
+                         "leave split_points out for a balanced split")
 
 
 def check_fits(staged: StagedModel, schedule: Schedule) -> None:

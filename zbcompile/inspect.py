@@ -341,6 +341,15 @@ def _vocab_report(vocab) -> str:
 
 
 def _build(factory: Callable[[], tuple]) -> tuple:
+    import inspect as pyinspect
+
+    try:
+        pyinspect.signature(factory).bind()
+    except TypeError as e:
+        raise ZBCompileError(f"inspect: the factory is called with no arguments, but {e}; give a function of no "
+                             "arguments (defaults are fine) that returns (model, loss_fn, example)") from None
+    except ValueError:   # no signature to read (a builtin): call it and see
+        pass
     built = factory()
     if not (isinstance(built, tuple) and len(built) == 3):
         raise ZBCompileError("inspect: the factory must return (model, loss_fn, example)")

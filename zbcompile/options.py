@@ -131,6 +131,19 @@ class CompileOptions:
             check = _CHECKS.get(field.name)
             if check is not None:
                 object.__setattr__(self, field.name, check(getattr(self, field.name)))
+        if self.dp_gather != "step" and not self.dp_shard:   # else a choice that changes nothing, silently
+            raise UsageError(f"dp_gather={self.dp_gather!r} says when sharded parameters are gathered, but dp_shard "
+                             "is off (every replica holds them whole): pass dp_shard=True too, or drop dp_gather")
+
+    def check_ranks(self, ranks: int) -> None:
+        """UsageError where an option names another number of pipeline ranks than the group has (once the group
+        is known, before any tracing)."""
+        if self.pp is not None and self.pp != ranks:
+            raise UsageError(f"pp={self.pp} but the process group has {ranks} ranks; launch with "
+                             f"`torchrun --nproc-per-node {self.pp}` (or pass a group of {self.pp} ranks)")
+        if isinstance(self.offload, tuple) and len(self.offload) != ranks:
+            raise UsageError(f"offload has {len(self.offload)} budgets but the pipeline has {ranks} ranks: give "
+                             "one budget for every rank, or one int for all of them")
 
     @classmethod
     def from_kwargs(cls, required: Sequence[str] | None = None, **kwargs) -> CompileOptions:

@@ -65,6 +65,27 @@ def test_a_bad_option_is_refused_by_name_before_tracing(name, value, says):
     assert not dist.is_initialized()   # refused before any process group was made
 
 
+def test_options_a_schedule_or_the_group_would_ignore_are_refused_before_tracing():
+    """mem_limit on a schedule with a peak of its own, costs on a fixed order (vocab_parallel reads them),
+    dp_gather without dp_shard, per-rank offload budgets for another number of ranks, and split points for
+    another number of stages: each was ignored, or refused only after tracing."""
+    cases = [(dict(schedule="zb-h2", mem_limit=1.0), "mem_limit is read only by schedule.s. zb-auto"),
+             (dict(costs=Costs(f=1, b=1, w=1)), "costs is read only by schedule.s. zbv, v-zb, zb-auto"),
+             (dict(split_points=["0", "1", "2"]), "runs 2 model stages, so it takes 1 split point.*names 3")]
+    for more, says in cases:
+        with pytest.raises(UsageError, match=says):
+            compile_programs(Untraceable(), CompileOptions(**{**GOOD, **more}), 2)
+    for schedule in ("zbv", "zb-auto"):   # schedules that read costs take them
+        compile_programs(_mlp(), CompileOptions(**{**GOOD, "schedule": schedule, "microbatches": 4,
+                                                   "costs": Costs(f=1, b=1, w=1)}), 2)
+    with pytest.raises(UsageError, match="dp_gather='microbatch'.*dp_shard is off"):
+        CompileOptions(**GOOD, dp_gather="microbatch")
+    with pytest.raises(UsageError, match="offload has 3 budgets but the pipeline has 2 ranks"):
+        CompileOptions(**GOOD, offload=[10, 20, 30]).check_ranks(2)
+    with pytest.raises(UsageError, match="pp=4 but the process group has 2 ranks"):
+        CompileOptions(**GOOD, pp=4).check_ranks(2)
+
+
 def test_unknown_and_missing_options_are_named():
     with pytest.raises(UsageError, match=r"unknown option\(s\) 'microbatch'.*microbatches"):
         zb.compile(Untraceable(), microbatch=2, **{k: v for k, v in GOOD.items() if k != "microbatches"})

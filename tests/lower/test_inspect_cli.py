@@ -125,3 +125,13 @@ def test_inspect_post_validate_shows_each_ranks_warm_up_and_the_validating_progr
     assert parsed == [("0", ["0F0", "0F1", "0F2"], "0", "-"), ("1", ["1F0"], "2", "from 0")], table
     assert "pv.totals = totals()" in text and "validate(pv.totals; drain 0 tag" in text
     assert "pv.totals = wait_recv(h:pv.totals)" in text and "pv.prefix = prefix(" in text
+
+
+def test_inspect_refuses_a_factory_that_takes_arguments(capsys):
+    """A factory is called with no arguments: one that needs some (here the schedule generator) is named with
+    status 2, not a raw TypeError from the call."""
+    from zbcompile.__main__ import main
+
+    assert main(["inspect", "zbcompile.passes.schedules:generate", "--pp", "2", "--schedule", "1f1b"]) == 2
+    err = capsys.readouterr().err
+    assert "the factory is called with no arguments, but missing a required argument: 'name'" in err, err

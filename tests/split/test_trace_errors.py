@@ -112,3 +112,13 @@ def test_bad_example_shape():
 
 def test_all_errors_are_ours():
     assert issubclass(TraceError, ZBCompileError) and issubclass(PartitionError, ZBCompileError)
+
+
+def test_an_example_of_the_wrong_shape_is_one_error_without_torchs_logged_tracebacks(capfd):
+    """The TraceError names the module and the clash; fake_tensor's own ERROR log of the failed op (about 240
+    lines of tracebacks on stderr before it) is held back."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    with pytest.raises(TraceError, match=r"module `0` \(Linear.*must have same reduction dim"):
+        split_model(model, F.mse_loss, ((torch.randn(2, 3),), (torch.randn(2, 4),)), num_stages=2)
+    err = capfd.readouterr().err
+    assert "fake_tensor" not in err and "Traceback" not in err, err[:2000]
