@@ -50,7 +50,8 @@ class CompileOptions:
         default group (initialized from the torchrun environment when needed: gloo on CPU, NCCL on CUDA). A 2-D
         DeviceMesh with dimensions named "dp" and "pp" runs one pipeline per dp replica, each on its share of
         the global batch, gradients averaged over dp (zbcompile/data_parallel.py).
-    costs / mem_limit: read by zb-auto (and zbv / v-zb, which polish their order for uneven costs).
+    costs / mem_limit: read by zb-auto (and costs by zbv / v-zb, which polish their order for uneven costs, and
+        by vocab_parallel); given to a schedule that reads neither, compile refuses them (UsageError).
     init_fn: for a model built on the meta device. Each rank gives real storage (on its device) only to the
         parameters and buffers its own stages use, then calls `init_fn(module)` on every module that directly
         holds one of them, or, without init_fn, that module's `reset_parameters()`. Copies of one parameter
