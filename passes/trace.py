@@ -164,14 +164,18 @@ def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
 
 @contextlib.contextmanager
 def _quiet(logger: str):
-    """`logger` silent below CRITICAL inside the block."""
+    """`logger` silent below CRITICAL inside the block (a filter of the block's own, not the logger's level: two
+    threads tracing at once cannot leave it silenced)."""
     log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.CRITICAL)
+
+    def critical_only(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.CRITICAL
+
+    log.addFilter(critical_only)
     try:
         yield
     finally:
-        log.setLevel(level)
+        log.removeFilter(critical_only)
 
 
 def _export_step(step: nn.Module, flat) -> torch.export.ExportedProgram:
