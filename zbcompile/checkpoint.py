@@ -143,38 +143,58 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     checksummed with it, which `load` returns."""
     _settle(module)
     dp = getattr(module, "_dp", None)
-    # replicated data-parallel replicas hold the same state: replica 0 writes it; sharded ones each write their
-    # rows, so every rank of the job takes part
-    pg = dp.job_group() if dp is not None and dp.sharded else getattr(module, "process_group", None)
+    # with data parallelism every rank of the job takes part, on a group with compile's timeout: sharded replicas
+    # each write their rows; replicated ones hold the same state, which DCP's planner writes once (each item on
+    # one rank), and all of them learn together whether the save succeeded
+    pg = dp.job_group() if dp is not None else getattr(module, "process_group", None)
     rank, ranks = _rank(pg)
     path = Path(path)
     stage = files.staging(path)
     _check_optimizer(module, optimizer)
     _check_extra(extra)
-    if dp is not None and not dp.sharded and dp.rank != 0:
-        dp.barrier("waiting for replica 0 to save the checkpoint")
-        return
+    committing = False   # from here on the checkpoint at `path` may be this save's
     try:
-        if rank == 0:
-            files.recover(path)
-            files.clear(stage)
-        _exchange(pg, None)   # nobody writes before the stale staging directory is gone
+        # nobody writes before the stale staging directory is gone; where rank 0 cannot clear it (a path under a
+        # file, no permission) every rank fails with its reason now, none waits for it
+        prepared = _prepare(path, stage) if rank == 0 else None
+        failed = [why for why in _exchange(pg, prepared) if why]
+        if failed:
+            raise OSError(failed[0])
         with _single_process_is_meant():
             state, _ = _state_dict(module, optimizer)
             dcp.save(state, checkpoint_id=stage, process_group=pg, no_dist=not _distributed(pg))
         sums = _exchange(pg, files.item_checksums(stage, rank, ranks))
+        committing = True
         if rank == 0:
             files.write_manifest(stage, {k: v for part in sums for k, v in part.items()}, dict(extra or {}))
             files.commit(stage, path)
         _exchange(pg, None)   # every rank returns once the checkpoint is in place
-        if dp is not None and not dp.sharded:
-            dp.barrier("telling the replicas the checkpoint is saved")
     except (Exception, CheckpointException) as exc:   # DCP's CheckpointException is a BaseException
-        raise CheckpointError(
-            f"rank {rank}: saving the checkpoint {os.fspath(path)!r} failed ({_reason(exc)}). The checkpoint that "
-            f"was there before this save, if any, is intact; the partial save is only in {os.fspath(stage)!r}, "
-            "which the next save clears. Free disk space if it is full; after a peer failed the process group is "
-            "unusable: restart the job (it resumes from the checkpoint)") from exc
+        raise CheckpointError(f"rank {rank}: saving the checkpoint {os.fspath(path)!r} failed ({_reason(exc)}). "
+                              f"{_what_is_left(path, stage, committing)} Free disk space if it is full; after a peer "
+                              "failed the process group is unusable: restart the job (it resumes from the "
+                              "checkpoint)") from exc
+
+
+def _prepare(path: Path, stage: Path) -> str | None:
+    """Rank 0 before a save: a crashed commit at `path` put right, the staging directory emptied; None, or why
+    not."""
+    try:
+        files.recover(path)
+        files.clear(stage)
+    except OSError as e:
+        return f"rank 0 could not prepare {os.fspath(stage)!r}: {e}"
+    return None
+
+
+def _what_is_left(path: Path, stage: Path, committing: bool) -> str:
+    """What a failed save leaves at `path`: the checkpoint from before it, unless every rank had written and the
+    commit may have run (it replaces the checkpoint in one step, so `path` holds one whole checkpoint either way)."""
+    if not committing:
+        return (f"The checkpoint that was there before this save, if any, is intact; the partial save is only in "
+                f"{os.fspath(stage)!r}, which the next save clears.")
+    return (f"Every rank had written, and the commit may have run: {os.fspath(path)!r} holds one whole checkpoint, "
+            "this save's or the one before it (load returns the `extra` it was saved with).")
 
 
 def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:

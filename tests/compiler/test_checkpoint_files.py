@@ -77,6 +77,28 @@ def test_a_failed_write_is_a_checkpoint_error_and_the_previous_checkpoint_stays(
     assert _load(path) == {"step": 2}
 
 
+def test_a_staging_directory_that_cannot_be_cleared_and_a_failed_commit_say_what_is_left(saved, tmp_path,
+                                                                                          monkeypatch):
+    """Rank 0 clears the last save's staging directory first: where it cannot, every rank fails at once, and the
+    checkpoint before stays. A failure once every rank has written (here the commit's rename) cannot promise
+    that: the message says the path holds one whole checkpoint, this save's or the one before."""
+    path = _copy(saved, tmp_path)
+
+    def stuck(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(files, "clear", stuck)
+    with pytest.raises(CheckpointError, match=r"rank 0 could not prepare .*Permission denied.*is intact"):
+        checkpoint.save(path, _model(), extra={"step": 3})
+    monkeypatch.undo()
+    monkeypatch.setattr(files, "commit", stuck)
+    with pytest.raises(CheckpointError, match=r"the commit may have run: .* holds one whole checkpoint, this "
+                                              r"save's or the one before it"):
+        checkpoint.save(path, _model(), extra={"step": 3})
+    monkeypatch.undo()
+    assert _load(path) == {"step": 2}
+
+
 def test_a_damaged_checkpoint_without_a_manifest_is_refused_unchanged(saved, tmp_path):
     """DCP's own format loads unverified, but a failed read is still our error, with nothing changed."""
     path = _copy(saved, tmp_path)

@@ -108,7 +108,10 @@ def test_gradient_norms_and_the_finite_check_cover_both_axes(ranks, case):
 
 
 def test_a_checkpoint_saved_at_dp2_pp2_loads_at_pp4_and_into_the_plain_model(ranks):
+    """Before it, a save rank 0 cannot prepare fails on every rank at once, replica 1's included (it used to wait
+    for replica 0 alone, and a retried save then paired its wait with another collective)."""
     for r, got in _case(ranks, "checkpoint"):
+        assert "rank 0: NotADirectoryError" in got["refused"] and "before this save" in got["refused"], (r, got)
         assert abs(got["got_pp4"] - got["want"]) <= 1e-9 * got["want"], (r, got)
         if r == 0:
             assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], got

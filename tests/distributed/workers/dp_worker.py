@@ -10,8 +10,10 @@
                        eval/sharded-vocab: vocabulary-parallel, with replicated and sharded parameters)
     clip               get_total_norm (2, inf, 0, -inf) and clip_grad_norm_ after a step equal eager's on the global
                        batch; a NaN in the gradients of one rank of one replica makes grads_finite() False on every rank
-    checkpoint         saved at pp=2 x dp=2 (replica 0 writes), loaded at pp=4 x dp=1 on all four processes and
-                       into the plain model in one process (rank 0): the next step equals the uninterrupted run's
+    checkpoint         a save that rank 0 cannot prepare (its path under a file) refused on every rank, replica 1
+                       too; then saved at pp=2 x dp=2 (every rank of the job takes part, each replicated item
+                       written once), loaded at pp=4 x dp=1 on all four processes and into the plain model in one
+                       process (rank 0): the next step equals the uninterrupted run's
     sharded            dp_shard=True (parameters DTensor shards over dp): the train cases (gathered gradients and
                        parameters against eager), both gather policies, vocabulary parallelism, float32 (the one
                        float32 run: the reductions' arithmetic is the replicated one's), the norms (2, inf,
@@ -43,7 +45,7 @@ from support.splits import compile_once  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 from zbcompile import checkpoint  # noqa: E402
-from zbcompile.errors import RuntimeFailure, UsageError  # noqa: E402
+from zbcompile.errors import CheckpointError, RuntimeFailure, UsageError  # noqa: E402
 
 DP, PP, M, STEPS = 2, 2, 4, 3
 
@@ -227,10 +229,25 @@ def train_and_save(pipe, model, loss_fn, where: str):
     return ref, opt_ref
 
 
+def refused_save(pipe, where: str) -> str:
+    """checkpoint.save at a path under a file, which rank 0 cannot prepare: the CheckpointError's text on every
+    rank ("" where none was raised). Replica 1 writes nothing of its own either way: it waited for replica 0 and
+    returned, or waited until its timeout, and a retry then paired its wait with replica 0's next collective."""
+    if dist.get_rank() == 0:
+        open(where, "w").close()
+    dist.barrier()
+    try:
+        checkpoint.save(f"{where}/ckpt", pipe)
+    except CheckpointError as e:
+        return str(e)
+    return ""
+
+
 def checkpoint_case(mesh, where: str, **options) -> dict:
-    """Two steps at pp=2 x dp=2 (zb-h1), save; every rank loads it at pp=4 x dp=1 and rank 0 into the plain
-    model, and each takes the third step."""
+    """A save refused on every rank; two steps at pp=2 x dp=2 (zb-h1), save; every rank loads it at pp=4 x dp=1
+    and rank 0 into the plain model, and each takes the third step."""
     model, loss_fn, pipe = compile_on(mesh, "zb-h1", **options)
+    refused = refused_save(pipe, f"{where}-under-a-file")
     ref, _ = train_and_save(pipe, model, loss_fn, where)
     want = eager_accumulated(ref, loss_fn, *batches(2), DP * M)
     pp4 = zb.compile(copy.deepcopy(model), schedule="zbv", microbatches=2 * DP * M, loss_fn=loss_fn,
@@ -238,7 +255,7 @@ def checkpoint_case(mesh, where: str, **options) -> dict:
     opt4 = adamw(pp4.parameters())
     checkpoint.load(where, pp4, opt4)
     got_pp4 = pp4.step(*batches(2))
-    out = dict(want=want, got_pp4=got_pp4)
+    out = dict(want=want, got_pp4=got_pp4, refused=refused)
     if dist.get_rank() == 0:
         plain = copy.deepcopy(model)
         plain_opt = adamw(plain.parameters())
