@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     if args.rank is not None and not 0 <= args.rank < args.pp:
         raise ZBCompileError(f"inspect: --rank {args.rank} is not a rank of a {args.pp}-rank pipeline "
                              f"(0..{args.pp - 1})")
+    for flag in ("dp_shard", "dp_bucket_mb"):   # given without --dp they would change nothing
+        if getattr(args, flag, None) is not None and getattr(args, "dp", 1) < 2:
+            raise ZBCompileError(f"inspect: --{flag.replace('_', '-')} applies only with --dp N (N >= 2 replicas); "
+                                 f"add --dp 2 or drop it")
     model, loss_fn, example = _build(load_factory(args.target))
     capture = getattr(args, "capture_check", False) or getattr(args, "replay_check", None) is not None
     options = CompileOptions(schedule=args.schedule, microbatches=args.microbatches or 2 * args.pp,

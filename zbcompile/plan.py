@@ -291,21 +291,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="time to all-reduce one 1F1B stage's gradients over the replicas (cost units): prints the "
                          "step with the reductions at the end, placed where each stage's gradients are final, and "
                          "with the cooldown's W's in gradient groups (zbcompile/plan_dp.py)")
-    dp.add_argument("--dp-pieces", type=positive_int, default=4, metavar="K",
+    dp.add_argument("--dp-pieces", type=positive_int, default=None, metavar="K",
                     help="gradient groups per deferred W for --dp-comm (compile's dp_w_pieces; default 4)")
     boundary = parser.add_argument_group("the step boundary (optimizer step)")
     boundary.add_argument("--step-boundary", type=_non_negative_float, metavar="OPT",
                           help="the optimizer step's time (cost units): prints the steady-state time per iteration "
                                "with a synchronous step (every rank waits for the global norm and inf flag) and "
                                "with post-validation (zbcompile/plan_boundary.py)")
-    boundary.add_argument("--boundary-latency", type=_non_negative_float, default=0.0, metavar="L",
+    boundary.add_argument("--boundary-latency", type=_non_negative_float, default=None, metavar="L",
                           help="with --step-boundary: one norm / inf message (one hop; the synchronous step's "
                                "all-reduce counts once; default 0)")
     vocab = parser.add_argument_group("vocabulary parallelism")
     vocab.add_argument("--vocab-parallel", action="store_true",
                        help="compare the schedule(s) with the output layer on the last stage and sharded over "
                             "all ranks (S, T, IF, IB passes)")
-    vocab.add_argument("--vocab-ratio", type=_non_negative_float, default=4.6, metavar="R",
+    vocab.add_argument("--vocab-ratio", type=_non_negative_float, default=None, metavar="R",
                        help="the output layer's F+B+W time in transformer blocks' (V/(12h+2s); default 4.6, "
                             "about Gemma-2-9B)")
     vocab.add_argument("--layers", type=positive_int, metavar="N",
@@ -315,7 +315,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the output layer's activations per microbatch in blocks' (default: --vocab-ratio)")
 
 
+# (flag, the flag it only applies with, its default): given without that flag it would change nothing
+_DEPENDENT = (("--dp-pieces", "--dp-comm", 4), ("--boundary-latency", "--step-boundary", 0.0),
+              ("--vocab-ratio", "--vocab-parallel", 4.6), ("--layers", "--vocab-parallel", None),
+              ("--vocab-act-ratio", "--vocab-parallel", None))
+
+
+def _attr(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _check_dependent(args: argparse.Namespace) -> None:
+    """ScheduleError for a flag given without the one it applies with; then the defaults filled in."""
+    for flag, needs, default in _DEPENDENT:
+        given, base = getattr(args, _attr(flag)), getattr(args, _attr(needs))
+        if given is not None and (base is None or base is False):
+            raise ScheduleError(f"{flag} applies only with {needs}; add {needs} or drop {flag}")
+        if given is None:
+            setattr(args, _attr(flag), default)
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_dependent(args)
     memory = MemoryModel(args.b_frees, args.act_bytes)
     if args.vocab_parallel:
         return _run_vocab(args, memory)

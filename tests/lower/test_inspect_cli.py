@@ -135,3 +135,13 @@ def test_inspect_refuses_a_factory_that_takes_arguments(capsys):
     assert main(["inspect", "zbcompile.passes.schedules:generate", "--pp", "2", "--schedule", "1f1b"]) == 2
     err = capsys.readouterr().err
     assert "the factory is called with no arguments, but missing a required argument: 'name'" in err, err
+
+
+def test_inspect_refuses_data_parallel_flags_without_dp(capsys):
+    """--dp-shard and --dp-bucket-mb tune the data-parallel lowering: without --dp they would change nothing."""
+    from zbcompile.__main__ import main
+
+    for flag, value in (("--dp-shard", "step"), ("--dp-bucket-mb", "1")):
+        assert main(["inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "1f1b", flag,
+                     value]) == 2
+        assert f"{flag} applies only with --dp N" in capsys.readouterr().err

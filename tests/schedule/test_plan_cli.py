@@ -242,3 +242,16 @@ def test_vocab_parallel_compare_and_bad_combinations(capsys: pytest.CaptureFixtu
     assert "--vocab-parallel generates the schedules" in capsys.readouterr().err
     assert main(["plan", "--schedule", "1f1b", "--pp", "2", "-m", "2", "--vocab-parallel", "--csv", "x.csv"]) == 2
     assert "torch's CSV has no vocabulary passes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--dp-pieces", "2"), "--dp-pieces applies only with --dp-comm"),
+    (("--boundary-latency", "1"), "--boundary-latency applies only with --step-boundary"),
+    (("--vocab-ratio", "0"), "--vocab-ratio applies only with --vocab-parallel"),
+    (("--layers", "8"), "--layers applies only with --vocab-parallel"),
+], ids=["dp-pieces", "boundary-latency", "vocab-ratio", "layers"])
+def test_a_flag_without_the_one_it_applies_with_is_refused(capsys, flags, named):
+    """It would change nothing (the table it tunes is not printed): status 2 and one line, not a plain table."""
+    assert main(["plan", "--compare", "--pp", "4", "-m", "8", *flags]) == 2
+    assert f"zbcompile: error: {named}" in capsys.readouterr().err
+    assert main(["plan", "--compare", "--pp", "4", "-m", "8", "--step-boundary", "1", "--boundary-latency", "1"]) == 0
