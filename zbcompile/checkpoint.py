@@ -138,7 +138,9 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     Crash-safe (zbcompile/checkpoint_files.py): the files go to a staging directory beside `path`, which
     replaces `path` in one commit once every rank has written; a checkpoint already at `path` survives a crash
     at any moment of the save. A failure (a peer killed mid-save, a full disk) raises CheckpointError on the
-    ranks that see it, saying that the previous checkpoint is intact (a failure in DCP's writes: on every rank).
+    ranks that see it (a failure in DCP's writes or in rank 0's preparation: on every rank, every data-parallel
+    replica included), saying what is left at `path`: the previous checkpoint, or, once every rank has written,
+    one whole checkpoint, this save's or the previous one.
     `extra`: JSON-able values committed with the checkpoint (a training loop's step count, its data position),
     checksummed with it, which `load` returns."""
     _settle(module)
