@@ -176,7 +176,7 @@ def _check_read(options: CompileOptions) -> None:
     costs whatever the schedule (it places its S / T actions by them)."""
     from zbcompile.passes.schedules import SCHEDULES
 
-    accepts = SCHEDULES[options.schedule].accepts if options.schedule in SCHEDULES else frozenset()
+    accepts = SCHEDULES[options.schedule].accepts   # (a name CompileOptions has checked)
     unread = [name for name in ("mem_limit", "costs") if getattr(options, name) is not None
               and name not in accepts and not (name == "costs" and options.vocab_parallel)]
     if unread:
