@@ -176,6 +176,11 @@ class PipelineModule(nn.Module):
             raise UsageError("step(post_validate=True) updates the parameters itself: pass optimizer= (a torch "
                              "optimizer over pipe.parameters())")
         norm_type = grads.check_norm_type(norm_type)
+        if norm_type == 0 and max_norm is not None and self.staged.vocab is not None:
+            raise UsageError("step(max_norm=..., norm_type=0, post_validate=True) with vocab_parallel: the 0-\"norm\" "
+                             "counts nonzero tensors, and a vocabulary parameter is one tensor over every rank's "
+                             "rows, which the prefix chain cannot count once; use post_validate=False (the "
+                             "synchronous step counts it once) or another norm_type")
         self._seed_for(scaler)   # refuses a scaler of another pipeline before anything runs
         local = self._checked(batch, "step")
         self._check_same_batch(batch, "step")
@@ -349,6 +354,12 @@ class PipelineModule(nn.Module):
             g = None if p.grad is None or rows == 0 else grads.local(p.grad)
             yield p, (g[:rows] if g is not None and rows is not None and whole else g), rows is not None
 
+    def _norm_grads(self, p: float) -> list[torch.Tensor]:
+        """The gradients whose order-p norm is the pipeline's: _counted_grads, except for the 0-"norm" of a
+        vocabulary-parallel model, which counts a vocabulary parameter once over its shards (_counted_once: an
+        all-gather over the pipeline, so every rank calls this together)."""
+        return self._counted_once() if p == 0 and self.staged.vocab is not None else self._counted_grads()
+
     def _counted_once(self) -> list[torch.Tensor]:
         """The counted gradients for get_total_norm(0), which counts the tensors holding a nonzero: a vocabulary
         parameter is one tensor, though every rank holds rows of it, so its rows become one 0-dim flag on rank 0,
@@ -376,8 +387,7 @@ class PipelineModule(nn.Module):
         semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
         self.settle()
         p = grads.check_norm_type(norm_type)
-        counted = self._counted_grads() if p != 0 or self.staged.vocab is None else self._counted_once()
-        return grads.total_norm(counted, p, self._gather,
+        return grads.total_norm(self._norm_grads(p), p, self._gather,
                                 error_if_nonfinite=error_if_nonfinite, device=self.runtime.device,
                                 shards=self._dp.reduce if self._sharded else None)
 

@@ -104,7 +104,8 @@ def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | N
         optimizer.zero_grad(set_to_none=True)
         return
     device = pipe.runtime.device
-    mine = local_values(pipe._counted_grads(), norm_type, pipe._dp.reduce if pipe._sharded else None)
+    found = float(_any_not_finite(pipe._counted_grads()))   # the real gradients, not _norm_grads' flags
+    mine = local_values(pipe._norm_grads(norm_type), norm_type, pipe._dp.reduce if pipe._sharded else None, found)
     rows = pipe._gather(torch.tensor(mine, dtype=torch.float64, device=device)).tolist()
     combined = functools.reduce(lambda a, b: combine(a, b, norm_type), rows)
     kind, norm = verdict(combined, norm_type, max_norm, norm_dtype(pipe), device)

@@ -316,6 +316,32 @@ def test_clip_grad_norm_over_the_pipeline_matches_eager(schedule, vocab, norm_ty
             assert rel(p.detach(), shard_of(refp[n].detach(), p, r)) <= 1e-9, f"rank {r} {n}"
 
 
+def test_the_step_clips_by_the_zero_norm_counting_a_vocabulary_parameter_once():
+    """step(optimizer=, max_norm=, norm_type=0) with vocab_parallel: the 0-"norm" counts nonzero tensors, and the
+    tied embedding / head is one tensor though both ranks hold rows of it; counted per rank it would be one too
+    many, and every gradient would be clipped by the wrong coefficient. The post-validated step cannot count it
+    once along its prefix chain, so it refuses the order."""
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), "zbv", dtype=torch.float64, vocab_parallel=True)
+    ref = copy.deepcopy(model)
+    eager_step(ref, loss_fn, x, y, M)
+    count = float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], 0))
+    max_norm = count / 2   # clipped by about one half: one tensor more would change every gradient by 1/count
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, 0)
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+
+    def run(r):
+        opt = torch.optim.SGD(pipes[r].parameters(), lr=0.5)
+        with pytest.raises(UsageError, match="norm_type=0"):
+            pipes[r].step(x, y, optimizer=opt, max_norm=max_norm, norm_type=0, post_validate=True)
+        pipes[r].step(x, y, optimizer=opt, max_norm=max_norm, norm_type=0)
+
+    run_pipes(run, PP)
+    refp = dict(ref.named_parameters())
+    for r, pipe in enumerate(pipes):
+        for n, p in pipe.named_parameters():
+            assert rel(p.detach(), shard_of(refp[n].detach(), p, r)) <= 1e-12, f"rank {r} {n}"
+
+
 class _To(torch.nn.Module):
     def __init__(self, dtype: torch.dtype) -> None:
         super().__init__()
