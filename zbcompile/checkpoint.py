@@ -20,7 +20,7 @@ optimizer's state is keyed by the same names. A tensor several ranks hold (a tie
 mirrored stages) is in the state dict of every holder, because loading must fill every copy; saving writes
 each key once, from one rank, as DCP's save planner keeps one writer per key (its `dedup_save_plans`).
 With vocabulary parallelism each rank holds rows of the vocabulary tables under their full names: those
-entries (and their optimizer state) go to DCP as row-sharded DTensors of the whole tables (`_row_shards`), so
+entries (and their optimizer state) go to DCP as row-sharded DTensors of the whole tables (zbcompile/checkpoint_rows.py), so
 the checkpoint holds whole tables and any layout reads back the rows it holds.
 """
 
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from zbcompile import checkpoint_files as files
+from zbcompile.checkpoint_rows import as_live, row_shards, vocab_names, vocab_rows
 from zbcompile.errors import CheckpointError
 
 __all__ = ["OPTIONS", "save", "load", "exists", "attach_share", "share_of", "check_state_dict", "as_live"]
@@ -164,13 +165,14 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
             raise OSError(failed[0])
         with _single_process_is_meant():
             state, _ = _state_dict(module, optimizer)
+            state[files.MARKER[0]] = {files.MARKER[1]: files.FORMAT}
             dcp.save(state, checkpoint_id=stage, process_group=pg, no_dist=not _distributed(pg))
         sums = _exchange(pg, files.item_checksums(stage, rank, ranks))
         committing = True
-        if rank == 0:
-            files.write_manifest(stage, {k: v for part in sums for k, v in part.items()}, dict(extra or {}))
-            files.commit(stage, path)
-        _exchange(pg, None)   # every rank returns once the checkpoint is in place
+        committed = _commit(stage, path, sums, extra) if rank == 0 else None
+        failed = [why for why in _exchange(pg, committed) if why]   # every rank returns once it is in place
+        if failed:
+            raise OSError(failed[0])
     except (Exception, CheckpointException) as exc:   # DCP's CheckpointException is a BaseException
         raise CheckpointError(f"rank {rank}: saving the checkpoint {os.fspath(path)!r} failed ({_reason(exc)}). "
                               f"{_what_is_left(path, stage, committing)} Free disk space if it is full; after a peer "
@@ -179,14 +181,38 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
 
 
 def _prepare(path: Path, stage: Path) -> str | None:
-    """Rank 0 before a save: a crashed commit at `path` put right, the staging directory emptied; None, or why
-    not."""
+    """Rank 0 before a save: a crashed commit at `path` put right, `path` one a commit may replace, the staging
+    directory emptied; None, or why not."""
     try:
         files.recover(path)
+        problem = files.target_problem(path)
+        if problem:
+            return f"{problem}; nothing was written"
         files.clear(stage)
     except OSError as e:
         return f"rank 0 could not prepare {os.fspath(stage)!r}: {e}"
     return None
+
+
+def _commit(stage: Path, path: Path, sums: list[dict], extra) -> str | None:
+    """Rank 0 once every rank has written: the manifest, then the commit; None, or why it failed (every rank
+    raises it)."""
+    try:
+        files.write_manifest(stage, {k: v for part in sums for k, v in part.items()}, dict(extra or {}))
+        files.commit(stage, path)
+    except OSError as e:
+        return f"rank 0 could not commit: {_line(e)}"
+    return None
+
+
+def _recovered(path: Path) -> list[str]:
+    """Rank 0 before a load: a crashed commit at `path` put right; [] or why not."""
+    try:
+        files.recover(path)
+    except OSError as e:
+        return [f"a crashed save's {files.previous(path).name!r} beside it cannot be put right ({_line(e)}): move "
+                "it away if it is not a checkpoint"]
+    return []
 
 
 def _what_is_left(path: Path, stage: Path, committing: bool) -> str:
@@ -214,11 +240,8 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     rank, ranks = _rank(pg)
     path = Path(path)
     dp = getattr(module, "_dp", None)
-    if rank == 0 and (dp is None or dp.rank == 0):   # one rank of the whole job puts a crashed commit right
-        files.recover(path)
-    _exchange(pg, None)
-    if dp is not None:
-        dp.barrier("waiting for the checkpoint to be recovered")
+    job = dp.job_group() if dp is not None else pg   # every rank waits until one of the job has put it right
+    _agree_or_raise(job, _recovered(path) if _rank(job)[0] == 0 else [], path, "blocked")
     _agree_or_raise(pg, [] if files.exists(path) else [f"no checkpoint at {os.fspath(path)!r} (no "
                                                        f"{files.METADATA} there)"], path, "missing")
     _agree_or_raise(pg, files.metadata_problems(path), path, "damaged")
@@ -227,6 +250,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     extra = files.extra(path)
     with _fresh_on_failure(optimizer):
         state, whole = _state_dict(module, optimizer, copies=True)
+        _check_optimizer_state(path, state, pg)
         _read(path, state, pg)
     # row shards were read in place through their views: hand the module its whole tensors back (as this
     # replica's shard of them where the data-parallel replicas shard them)
@@ -335,7 +359,8 @@ def _agree_or_raise(pg, problems: list[str], path: Path, kind: str) -> None:
     found = _everyones(pg, problems)
     if found:
         fix = {"missing": "check the path (and that the save finished)",
-               "damaged": "load an earlier checkpoint; the model and the optimizer were not changed"}[kind]
+               "damaged": "load an earlier checkpoint; the model and the optimizer were not changed",
+               "blocked": "move what is in the way, then load again"}[kind]
         raise CheckpointError(f"checkpoint {os.fspath(path)!r}: {kind}, nothing was loaded:\n  {_listing(found)}\n"
                               f"{fix}")
 
@@ -372,72 +397,7 @@ def _state_dict(module: nn.Module, optimizer, copies: bool = False):
     if copies:
         state = {part: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
                  for part, entries in state.items()}
-    return _row_shards(state, module)
-
-
-# ---- vocabulary parallelism: each rank holds rows of the vocabulary parameters --------------------------------
-def _vocab_rows(module: nn.Module):
-    """(VocabLayers, process group, this rank's first row) of a vocabulary-parallel pipe; None otherwise."""
-    vocab = getattr(getattr(module, "staged", None), "vocab", None)
-    pg = getattr(module, "process_group", None)
-    if vocab is None or not _distributed(pg):
-        return None   # one rank holds the whole tables
-    return vocab, pg, pg.rank() * vocab.rows
-
-
-def _row_shards(state: dict[str, dict], module: nn.Module):
-    """`state` with every entry of a vocabulary parameter (under each of its names, and its optimizer state)
-    as a row-sharded DTensor of the whole table, so that DCP writes one table assembled from every rank's rows
-    and reads back the rows of any layout (vocabulary-parallel at another pp, or not); and, per such entry,
-    the rank's whole tensor the DTensor views (its padding rows are no part of the table)."""
-    found = _vocab_rows(module)
-    whole: dict[tuple[str, str], torch.Tensor] = {}
-    if found is None:
-        return state, whole
-    vocab, pg, lo = found
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    names = _vocab_names(module, vocab)
-    mesh = None
-    for part, entries in state.items():
-        for key, value in list(entries.items()):
-            fqn = key if part == "model" else key.removeprefix("state.").rpartition(".")[0]
-            if fqn not in names or not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue
-            live = value
-            if isinstance(value, DTensor):   # sharded over the data-parallel replicas too: this rank's rows whole
-                value = value.full_tensor()
-            mesh = mesh or DeviceMesh.from_group(pg, value.device.type)
-            rows = max(0, min(vocab.rows, vocab.size - lo))
-            shape = torch.Size((vocab.size, *value.shape[1:]))
-            entries[key] = DTensor.from_local(value[:rows], mesh, [Shard(0)], run_check=False, shape=shape,
-                                              stride=torch.empty(shape, device="meta").stride())
-            whole[part, key] = (value, live)
-    return state, whole
-
-
-def as_live(read: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """(a tensor read whole, the live entry it is for) -> the tensor in the live entry's form: itself, or where
-    the data-parallel replicas shard the entry (a DTensor), this replica's rows of it as a DTensor like the live
-    one (a vocabulary row shard read back, a whole tensor handed to PipelineModule.load_state_dict)."""
-    value, live = read
-    if value is live or not hasattr(live, "device_mesh"):
-        return value
-    from torch.distributed.tensor import DTensor, Shard
-
-    if live.placements[0] != Shard(0):   # replicated: the whole tensor on every replica
-        return DTensor.from_local(value, live.device_mesh, live.placements, run_check=False)
-    n, d = live.device_mesh.size(), live.device_mesh.get_local_rank()
-    c = -(-value.shape[0] // n)
-    return DTensor.from_local(value[d * c:(d + 1) * c].clone(), live.device_mesh, live.placements, run_check=False,
-                              shape=value.shape, stride=value.stride())
-
-
-def _vocab_names(module: nn.Module, vocab) -> set[str]:
-    """Every name of the vocabulary parameters in the module's state dict (a tied one has two)."""
-    sharded = {id(module.model.get_parameter(n)) for n in vocab.params}
-    return {name for name, t in module.state_dict(keep_vars=True).items() if id(t) in sharded}
+    return row_shards(state, module)
 
 
 def _check_checkpoint(path, module: nn.Module, optimizer, pg) -> None:
@@ -457,15 +417,34 @@ def _checkpoint_problems(path, module: nn.Module, optimizer) -> list[str]:
         return [f"no checkpoint readable at {os.fspath(path)!r} ({type(exc).__name__}: {exc})"]
     saved = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
     mine = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
-    found = _vocab_rows(module)
+    found = vocab_rows(module)
     if found is not None:   # the checkpoint holds the whole tables this rank holds rows of
-        for name in _vocab_names(module, found[0]):
+        for name in vocab_names(module, found[0]):
             mine[name] = (found[0].size, *mine[name][1:])
     problems = _mismatches(saved, mine, strict=False, prefix="model.")
     problems += [f"unexpected: model.{k}" for k in saved if k not in _whole_model_keys(module)]
     if optimizer is not None:
         problems += _optimizer_problems(meta, module, optimizer)
     return problems
+
+
+def _check_optimizer_state(path: Path, state: dict, pg) -> None:
+    """CheckpointError on every rank where this rank's optimizer has state entries the checkpoint lacks (torch
+    made them by a step with lr 0, as the load reads into them): it was saved with another optimizer, or other
+    settings of it (SGD's momentum_buffer where AdamW's exp_avg was saved)."""
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    mine = [k for k in state.get("optim", {}) if k.startswith("state.") and f"optim.{k}" not in meta]
+    problems = []
+    for key in mine:
+        fqn = key.removeprefix("state.").rpartition(".")[0]
+        held = sorted(k.rpartition(".")[2] for k in meta if k.startswith(f"optim.state.{fqn}."))
+        problems.append(f"missing: optim.{key} (the checkpoint holds {', '.join(held) or 'no state'} for {fqn})")
+    problems = _everyones(pg, problems)
+    if problems:
+        raise CheckpointError(f"checkpoint {os.fspath(path)!r} was saved with another optimizer or other settings "
+                              f"of it, nothing was loaded; {len(problems)} entr(ies) missing:\n  "
+                              f"{_listing(problems)}\nLoad it with the optimizer it was saved with, or the model "
+                              "alone (load(path, pipe)) and a fresh optimizer.")
 
 
 def _whole_model_keys(module: nn.Module) -> set[str]:

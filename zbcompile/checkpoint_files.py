@@ -17,7 +17,11 @@ file is named with the tensor it damages. MANIFEST also holds the JSON values sa
 canonical JSON of every other field), so an edited step or a damaged manifest is refused like a damaged tensor.
 Formats read: 2 (written now) and 1 (written before the manifest checksummed itself: it loads, its tensors and
 index verified, its `extra` values not). A checkpoint without MANIFEST (written by torch.distributed.checkpoint
-itself) loads unverified.
+itself) loads unverified; one that `save` wrote (its index holds the item MARKER) and that lost its MANIFEST is
+damaged, as deleting one file must not turn every check off.
+
+The commit replaces the directory at <dir> whole, so a save refuses a <dir> that holds anything but a
+checkpoint's own files (`target_problem`): a user's directory of logs or notes is never deleted.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["MANIFEST", "staging", "previous", "recover", "clear", "exists", "item_checksums", "write_manifest",
-           "commit", "extra", "metadata_problems", "data_problems"]
+__all__ = ["MANIFEST", "MARKER", "staging", "previous", "recover", "clear", "exists", "target_problem",
+           "item_checksums", "write_manifest", "commit", "extra", "metadata_problems", "data_problems"]
 
 MANIFEST = "zbcompile-manifest.json"
 METADATA = ".metadata"   # DCP's index of the checkpoint
+# an item every `save` writes into DCP's index (its value: FORMAT), so that a lost MANIFEST is seen as damage
+MARKER = ("zbcompile", "format")
+_OWN = (METADATA, MANIFEST, MANIFEST + ".tmp")   # with DCP's *.distcp: what a checkpoint directory holds
 FORMAT = 2               # the manifest's format: 2 checksums the manifest itself (extra included); 1 does not
 _CHUNK = 1 << 20
 
@@ -62,6 +69,28 @@ def clear(path: Path) -> None:
 
 def exists(path: Path) -> bool:
     return (path / METADATA).is_file()
+
+
+def target_problem(path: Path) -> str | None:
+    """Why a save must not commit to `path`, None where it may: a new path, an empty directory, or a checkpoint
+    directory holding only a checkpoint's files (the commit replaces the directory whole: anything else in it
+    would be deleted)."""
+    where = repr(os.fspath(path))
+    if path.name in ("", ".", ".."):
+        return f"{where} names no directory of its own: give the checkpoint a directory, e.g. 'checkpoints/step100'"
+    if path.is_symlink():
+        return f"{where} is a symbolic link: give the directory it points to"
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"{where} is a file, not a checkpoint directory: give a new or empty directory"
+    foreign = sorted(f.name for f in path.iterdir() if f.name not in _OWN and f.suffix != ".distcp")
+    if not foreign:
+        return None
+    listed = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    what = "a checkpoint directory that also holds" if exists(path) else "a directory that is not a checkpoint, holding"
+    return (f"{where} is {what} {listed}: a save replaces the whole directory, which would delete them; save into "
+            "a new or empty directory")
 
 
 def _sha(path: Path, offset: int = 0, length: int | None = None) -> str:
@@ -205,10 +234,23 @@ def metadata_problems(path: Path) -> list[str]:
     except ValueError as exc:
         return [f"damaged: {exc}"]
     if body is None:
-        return []
+        return [f"damaged: {MANIFEST} is missing, which zbcompile's save writes with every checkpoint: its data "
+                "cannot be verified"] if _marked(path) else []
     if _sha(path / METADATA) != body["metadata"]:
         return [f"damaged: {METADATA} (its checksum differs from the one saved)"]
     return []
+
+
+def _marked(path: Path) -> bool:
+    """Whether zbcompile's save wrote the checkpoint at `path` (its index holds MARKER); False where the index
+    cannot be read (the load's own read then says why)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:   # OSError, or whatever unpickling a damaged index raises
+        return False
+    return ".".join(MARKER) in keys
 
 
 def data_problems(path: Path, part: int, parts: int) -> list[str]:

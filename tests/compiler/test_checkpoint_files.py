@@ -8,10 +8,13 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_files
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from zbcompile import checkpoint
 from zbcompile import checkpoint_files as files
@@ -99,14 +102,105 @@ def test_a_staging_directory_that_cannot_be_cleared_and_a_failed_commit_say_what
     assert _load(path) == {"step": 2}
 
 
-def test_a_damaged_checkpoint_without_a_manifest_is_refused_unchanged(saved, tmp_path):
+def _written_by_dcp(path):
+    """The saved model's state written by torch.distributed.checkpoint itself: no manifest, no marker."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    checkpoint.load(path_of_saved := path, model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt, options=checkpoint.OPTIONS)
+    out = path_of_saved.parent / "by_dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # DCP's "assumes one process" warning
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out, no_dist=True)
+    return out, model
+
+
+def test_a_checkpoint_dcp_wrote_loads_unverified_and_a_damaged_one_is_refused_unchanged(saved, tmp_path):
     """DCP's own format loads unverified, but a failed read is still our error, with nothing changed."""
-    path = _copy(saved, tmp_path)
-    (path / files.MANIFEST).unlink()
+    path, want = _written_by_dcp(_copy(saved, tmp_path))
+    assert _load(path) == {}
+    model = _model()
+    checkpoint.load(path, model)
+    assert all(torch.equal(v, want.state_dict()[k]) for k, v in model.state_dict().items())
     with open(next(path.glob("*.distcp")), "r+b") as fh:
         fh.truncate(100)
     text = _refused(path, "reading it failed")
     assert "rank 0: EOFError" in text and "it was not verified" in text, text
+
+
+def test_a_checkpoint_of_ours_that_lost_its_manifest_is_damaged(saved, tmp_path):
+    """Deleting one file must not turn every check off: save marks its checkpoints in DCP's own index, so one
+    without its manifest (whose data and `extra` step can no longer be verified) is refused, not loaded as if
+    DCP had written it (a resumed job would restart at step 0 on trained weights)."""
+    path = _copy(saved, tmp_path)
+    (path / files.MANIFEST).unlink()
+    text = _refused(path, "damaged, nothing was loaded")
+    assert f"{files.MANIFEST} is missing, which zbcompile's save writes with every checkpoint" in text, text
+
+
+def _tree(path) -> dict:
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+@pytest.mark.parametrize("kind", ["file", "notes", "checkpoint+notes", "dot", "symlink"])
+def test_a_save_refuses_a_path_it_would_destroy(saved, tmp_path, monkeypatch, kind):
+    """The commit replaces the directory at the path whole. A user's file, a directory of their notes, notes put
+    into a checkpoint directory, the current directory, a link: refused before anything is written, everything
+    left as it was (before, a file was renamed away and the save failed half-way; a directory's other files were
+    deleted with the old checkpoint)."""
+    monkeypatch.chdir(tmp_path)
+    target = {"dot": tmp_path / "."}.get(kind, tmp_path / "out")
+    if kind == "file":
+        target.write_text("my notes")
+    elif kind == "notes":
+        target.mkdir()
+        (target / "notes.txt").write_text("my notes")
+    elif kind == "checkpoint+notes":
+        _copy(saved, tmp_path).rename(target)
+        (target / "notes.txt").write_text("my notes")
+    elif kind == "symlink":
+        (tmp_path / "real").mkdir()
+        target.symlink_to(tmp_path / "real")
+    (tmp_path / "keep.txt").write_text("kept")
+    before = _tree(tmp_path)
+    problem = {"file": "is a file, not a checkpoint directory", "notes": "is a directory that is not a checkpoint, "
+               "holding notes.txt", "checkpoint+notes": "is a checkpoint directory that also holds notes.txt",
+               "dot": "names no directory of its own", "symlink": "is a symbolic link"}[kind]
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.save("." if kind == "dot" else target, _model(), extra={"step": 3})
+    assert problem in str(err.value) and "nothing was written" in str(err.value), str(err.value)
+    assert _tree(tmp_path) == before
+
+
+def test_a_save_into_an_empty_directory_and_over_a_checkpoint(saved, tmp_path):
+    (tmp_path / "new").mkdir()
+    checkpoint.save(tmp_path / "new", _model(), extra={"step": 1})
+    checkpoint.save(tmp_path / "new", _model(), extra={"step": 2})
+    assert checkpoint.load(tmp_path / "new", _model()) == {"step": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]
+
+
+def test_a_load_blocked_by_a_stray_previous_file_is_a_checkpoint_error(saved, tmp_path):
+    """`.<name>.previous` is where a commit parks the old checkpoint; a file of that name (not ours) cannot be put
+    right: rank 0's failure is every rank's CheckpointError (it was a bare NotADirectoryError on rank 0 while
+    the other ranks waited)."""
+    path = _copy(saved, tmp_path)
+    files.previous(path).write_text("not a checkpoint")
+    text = _refused(path, "blocked, nothing was loaded")
+    assert ".ckpt.previous' beside it cannot be put right (NotADirectoryError" in text, text
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_by_name(saved, tmp_path):
+    """AdamW's state loaded into SGD with momentum: DCP's own error was "Missing key", which load reported as a
+    damaged checkpoint."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="saved with another optimizer") as err:
+        checkpoint.load(saved, model, opt)
+    assert "missing: optim.state.wte.weight.momentum_buffer (the checkpoint holds exp_avg, exp_avg_sq, step for " \
+           "wte.weight)" in str(err.value), str(err.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not opt.state
 
 
 @pytest.mark.parametrize("edit, problem", [

@@ -30,7 +30,8 @@ MAY_IMPORT = {
 }
 FLOOR = {"zbcompile.errors", "zbcompile._torch_private", "zbcompile._format"}
 CORE = {"zbcompile.options", "zbcompile.compiler", "zbcompile.split", "zbcompile.distributed",
-        "zbcompile.agreement", "zbcompile.checkpoint", "zbcompile.checkpoint_files", "zbcompile.data_parallel"}
+        "zbcompile.agreement", "zbcompile.checkpoint", "zbcompile.checkpoint_files", "zbcompile.checkpoint_rows",
+        "zbcompile.data_parallel"}
 
 
 def room(module: str) -> str:

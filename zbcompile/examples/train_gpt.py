@@ -184,8 +184,9 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"zbcompile: {e}", file=sys.stderr)
         return 2
-    if done:
-        say(f"resumed from {where} after step {done}")
+    if found:   # a checkpoint the main job did not save (its weights only) records no step: training starts at 1
+        say(f"resumed from {where} after step {done}" if done else f"loaded {where}, which records no step: "
+            "training starts at step 1")
     total = args.steps if args.resume == "auto" else done + args.steps   # auto: a restart finishes the same job
     if done >= total:   # restarted after the last save (a rank died in the teardown): the job is done
         say(f"nothing left to train: the checkpoint in {where} is after step {done}, and --steps {args.steps} ends "
