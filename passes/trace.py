@@ -105,6 +105,7 @@ def input_keywords(example) -> tuple[str, ...]:
 def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
     """Export `loss_fn(model(*inputs), *targets)`; see the module docstring for the result's naming."""
     flat, num_inputs, num_targets = flatten_example(example)
+    _refuse_trained_loss_state(model, loss_fn)
     device = None
     if any(p.is_meta for p in model.parameters()):
         # a model built on the meta device traces with meta data: nothing is ever computed
@@ -330,6 +331,47 @@ def _failing_module(exc: BaseException, model: nn.Module) -> str:
         if found:
             return found
     return "the loss function or the model's top level"
+
+
+def _refuse_trained_loss_state(model: nn.Module, loss_fn: Callable) -> None:
+    """A loss function holding trainable parameters that are not the model's (a learned temperature, multi-task
+    weights): export would lift them as constants, which no optimizer step could change, silently."""
+    mine = {id(p) for p in model.parameters()}
+    found: dict[int, str] = {}
+    for name, obj in _held_by(loss_fn):
+        pairs = [(name, obj)] if isinstance(obj, nn.Parameter) else \
+            [(f"{name}.{n}", p) for n, p in obj.named_parameters()] if isinstance(obj, nn.Module) else []
+        found.update({id(p): n for n, p in pairs if p.requires_grad and id(p) not in mine and id(p) not in found})
+    if found:
+        raise TraceError(f"loss_fn holds trainable parameters that are not the model's ({', '.join(found.values())}): "
+                         "the pipeline trains the model's parameters only, and would use these as constants. Move "
+                         "them into the model (a last module applying them to its output) or freeze them "
+                         "(requires_grad_(False))")
+
+
+def _held_by(fn, depth: int = 0):
+    """(name, object) pairs a loss function holds: itself if a module, a bound method's object, a partial's
+    function and arguments, a closure's cells, the globals it names."""
+    if depth > 3:
+        return
+    if isinstance(fn, nn.Module):
+        yield type(fn).__name__, fn
+        return
+    if getattr(fn, "__self__", None) is not None:
+        yield type(fn.__self__).__name__, fn.__self__
+    inner = getattr(fn, "func", None)   # functools.partial
+    if inner is not None:
+        yield from _held_by(inner, depth + 1)
+        yield from ((f"argument {i}", a) for i, a in enumerate((*getattr(fn, "args", ()),
+                                                                  *getattr(fn, "keywords", {}).values())))
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    for name, cell in zip(code.co_freevars if code else (), cells):
+        try:
+            yield name, cell.cell_contents
+        except ValueError:   # a cell not filled yet
+            continue
+    names = getattr(fn, "__globals__", {})
+    yield from ((name, names[name]) for name in (code.co_names if code else ()) if name in names)
 
 
 def _tied_groups(model: nn.Module) -> dict[int, tuple[str, ...]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,52 @@ def test_loss_returning_a_python_number():
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     with pytest.raises(TraceError, match=r"Python number.*\.item\(\)"):
         split_model(model, lambda o, t: F.mse_loss(o, t).item(), ((x,), (y,)), num_stages=2)
+
+
+class _Scaled(nn.Module):
+    """A loss with a learned temperature (or a class-weight buffer: a constant, which is fine)."""
+
+    def __init__(self, learned: bool) -> None:
+        super().__init__()
+        self.log_t = nn.Parameter(torch.tensor(0.3), requires_grad=learned)
+        self.register_buffer("weight", torch.ones(4))
+
+    def forward(self, out, target):
+        return F.mse_loss(out * self.log_t.exp() * self.weight, target)
+
+
+TEMPERATURE = nn.Parameter(torch.tensor(0.3))
+
+
+def _loss_with_a_global(out, target):
+    return F.mse_loss(out * TEMPERATURE, target)
+
+
+def _holders():
+    t = nn.Parameter(torch.tensor(0.3))
+    return {"module": (_Scaled(True), "_Scaled.log_t"),
+            "closure": (lambda out, target: F.mse_loss(out * t, target), "t"),
+            "partial": (functools.partial(lambda out, target, s: F.mse_loss(out * s, target), s=t), "argument 0"),
+            "global": (_loss_with_a_global, "TEMPERATURE")}
+
+
+@pytest.mark.parametrize("holder", ["module", "closure", "partial", "global"])
+def test_a_loss_holding_trainable_parameters_of_its_own_is_refused(holder):
+    """Export lifts them as constants: no gradient, no update, a loss that drifts from eager's, silently."""
+    loss_fn, name = _holders()[holder]
+    with pytest.raises(TraceError, match=rf"loss_fn holds trainable parameters that are not the model's \({name}\)"):
+        split_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), loss_fn, _mlp_example(), num_stages=2)
+
+
+class _WithLoss(nn.Sequential):
+    def loss(self, out, target):   # the model's own parameter in the loss: trained like any other
+        return F.mse_loss(out * self[1].bias.sum(), target)
+
+
+def test_a_loss_reading_the_models_own_or_frozen_parameters_traces():
+    model = _WithLoss(nn.Linear(4, 4), nn.Linear(4, 4))
+    split_model(model, model.loss, _mlp_example(), num_stages=2)
+    split_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), _Scaled(False), _mlp_example(), num_stages=2)
 
 
 def test_loss_returning_a_tuple():
