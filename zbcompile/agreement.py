@@ -14,16 +14,18 @@ in this order (the first difference is the one named, as the cause the others fo
     parameters   each parameter's name, shape, dtype and whether it is trained; then buffers
     batch        each argument's microbatch shape and dtype, from `example`
     split        the cuts
-    stages       a digest of each stage's F, B, W and BW graphs
+    stages       a digest of each stage's F, B, W and BW graphs, with the values of their constants
     programs     a digest of every rank's program (which every rank computes for all ranks)
 
 The batch handed to step() must be the whole batch, the same on every rank (each rank reads what its stages
-need); a DistributedSampler habit gives each rank other data. A checksum of each argument (its sum and a
-position-weighted sum, in float64) is all-gathered on the first step, and every `check_batch` steps if asked.
+need); a DistributedSampler habit gives each rank other data. A checksum of each argument (its sum and a sum
+weighted by fixed pseudo-random numbers, in float64) is all-gathered on the first step, and every
+`check_batch` steps if asked.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Callable, Sequence
 
@@ -35,10 +37,10 @@ from zbcompile.errors import DisagreementError
 
 __all__ = ["fingerprint", "check_agreement", "first_difference", "batch_checksum", "check_batch", "version"]
 
-# the options that shape what a rank builds (group, init_fn, loss_fn, example and timeout do not, or are
-# checked through what they produce: example through `batch`, loss_fn through `stages`)
+# the options that shape what a rank builds or the collectives it calls (group, init_fn, loss_fn, example and
+# timeout do not, or are checked through what they produce: example through `batch`, loss_fn through `stages`)
 _SHAPING = ("schedule", "microbatches", "pp", "chunks", "split_points", "costs", "mem_limit", "vocab_parallel",
-            "offload", "backend", "cuda_graphs")
+            "offload", "backend", "cuda_graphs", "check_batch", "dp_batch")
 
 
 def version() -> str:
@@ -71,12 +73,40 @@ def fingerprint(model: nn.Module, compiled) -> dict[str, dict[str, str]]:
     batch = {f"argument {i}": f"{list(shape)} {str(dtype).removeprefix('torch.')}"
              for i, (shape, dtype) in data_specs(compiled.programs).items()}
     cuts = {"split points": repr(tuple(staged.meta.get("cuts", {}).get("points", ())))}
-    stages = {f"stage {st.index}": _digest("".join(getattr(st, g).gm.code for g in ("f", "b", "w", "bw")))
-              for st in staged.stages}
+    stages = {f"stage {st.index}": _stage_digest(st) for st in staged.stages}
     programs = {f"rank {p.rank}": _digest(p.to_text()) for p in compiled.programs}
     return {"versions": {"zbcompile": version(), "torch": torch.__version__}, "options": option,
             "parameters": params, "buffers": buffers, "batch": batch, "split": cuts, "stages": stages,
             "programs": programs}
+
+
+def _stage_digest(stage) -> str:
+    """A digest of a stage's F, B, W and BW graphs: their code and the values of the constants they hold (a loss's
+    class weights, a mask made outside the model: the same code with other numbers trains another model)."""
+    h = hashlib.sha256()
+    for g in ("f", "b", "w", "bw"):
+        gm = getattr(stage, g).gm
+        h.update(gm.code.encode())
+        for node in gm.graph.nodes:
+            value = _attr(gm, node.target) if node.op == "get_attr" else None
+            if isinstance(value, torch.Tensor):
+                h.update(_bytes(value))
+    return h.hexdigest()[:16]
+
+
+def _attr(gm, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    """A tensor's shape, dtype and contents (shape and dtype alone on the meta device: nothing to read)."""
+    head = f"{list(t.shape)} {t.dtype}".encode()
+    if t.device.type == "meta" or t.is_sparse or t.is_quantized:
+        return head
+    return head + t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _option(value) -> str:
@@ -126,14 +156,19 @@ def check_agreement(model: nn.Module, compiled, *groups: tuple[object, int]) -> 
 
 
 def batch_checksum(batch: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per argument: its sum and a position-weighted sum (weights 1..2 along the flattened tensor), in float64;
-    the weighted sum tells apart a batch whose rows are shuffled."""
+    """Per argument: its sum and a weighted sum, in float64, the weights fixed pseudo-random numbers in [1, 2)
+    (the same on every rank): a batch whose rows are shuffled, or whose tokens changed in a pattern a linear
+    weighting cancels (+1, -1, -1, +1 on four neighbours), has another weighted sum."""
     sums = []
     for t in batch:
         flat = t.detach().reshape(-1).to(torch.float64)
-        weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-        sums += [flat.sum(), (flat * weights).sum()]
+        sums += [flat.sum(), (flat * _weights(flat.numel()).to(flat.device)).sum()]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=16)
+def _weights(n: int) -> torch.Tensor:
+    return 1.0 + torch.rand(n, generator=torch.Generator().manual_seed(0x5EED), dtype=torch.float64)
 
 
 def check_batch(batch: Sequence[torch.Tensor], gather: Callable[[torch.Tensor], torch.Tensor], rank: int,

@@ -28,6 +28,8 @@ def ranks(tmp_path_factory):
     ("microbatches", ["options, microbatches: rank 0: 4; rank 1: 8"]),
     ("split_points", ["options, split_points: rank 0: ('blocks.2',); rank 1: ('blocks.1',)"]),
     ("vocab_parallel", ["options, vocab_parallel: rank 0: True; rank 1: False"]),
+    ("check_batch", ["options, check_batch: rank 0: True; rank 1: 3"]),
+    ("loss_weights", ["stages, stage 1: rank 0: "]),
 ])
 def test_ranks_that_built_different_things_refuse_on_every_rank(ranks, case, names):
     for r, res in enumerate(ranks):
@@ -39,12 +41,13 @@ def test_ranks_that_built_different_things_refuse_on_every_rank(ranks, case, nam
 
 
 def test_different_batches_are_refused_and_the_pipeline_trains_after(ranks):
-    """Another batch per rank, or the rows shuffled on one rank: DisagreementError naming the argument and the
+    """Another batch per rank, the rows shuffled on one rank, or four tokens changed by +1, -1, -1, +1 (which a
+    position-weighted sum missed): DisagreementError naming the argument and the
     ranks, on every rank; then the same batch trains, equal to eager. With check_batch=2 the second call is not
     checked (it trains on what each rank was given) and the third is."""
     for r, res in enumerate(ranks):
         got = res["batch"]
-        for case in ("other", "shuffled", "every_2nd"):
+        for case in ("other", "shuffled", "pattern", "every_2nd"):
             assert "refused" in got[case], (r, case, got[case])
             assert "step() was handed different batches: argument 0 on rank(s) [1]" in got[case]["refused"], got
         assert abs(got["same"]["loss"] - got["same"]["want"]) <= 1e-5 * got["same"]["want"], got["same"]

@@ -19,7 +19,7 @@ from support.loops import NAN_STEP, batches_with_nan, eager_clipped, eager_step,
 from support.models import gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
 from zbcompile.compiler import compile_programs, compile_staged
-from zbcompile.errors import UsageError
+from zbcompile.errors import DisagreementError, UsageError
 from zbcompile.options import CompileOptions
 from zbcompile.passes.lower import OffloadChoice
 from zbcompile.post_validation import StepResult
@@ -433,3 +433,33 @@ def test_post_validate_refuses_what_it_cannot_do():
         with pytest.raises(UsageError, match="'inverse'"):
             pipes[r].step(x, y, optimizer=torch.optim.SGD(pipes[r].parameters(), lr=0.1), post_validate="yes")
     run_pipes(run, 2)
+
+
+@pytest.mark.parametrize("post_validate", [False, True])
+def test_ranks_stepping_with_other_clipping_are_refused_on_every_rank(post_validate):
+    """step(optimizer=, max_norm=) with another max_norm on each rank: synchronously each rank clipped its own
+    gradients by its own verdict (a model no single setting trains), post-validated the ranks rolled back
+    differently and timed out. Now every rank raises DisagreementError naming the argument, before any update;
+    the same arguments then train."""
+    torch.manual_seed(0)
+    case = mlp(layers=4, batch=2)
+    options = CompileOptions(schedule="1f1b", microbatches=4, loss_fn=case.loss_fn, example=case.example)
+    pipes = loopback_pipes(case.model, options, 2)
+    x, y = batches_with_nan(case, 4, steps=1)[0]
+
+    def run(r):
+        pipe = pipes[r]
+        opt = _adamw(pipe.parameters())
+        before = [p.detach().clone() for p in pipe.parameters()]
+        with pytest.raises(DisagreementError) as err:
+            pipe.step(x, y, optimizer=opt, max_norm=0.05 if r == 0 else 1e9, post_validate=post_validate)
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, pipe.parameters()))
+        pipe.zero_grad()
+        result = pipe.step(x, y, optimizer=opt, max_norm=0.05, post_validate=post_validate)
+        pipe.settle()
+        return str(err.value), unchanged, float(result)
+
+    for r, (text, unchanged, loss) in enumerate(run_pipes(run, 2)):
+        assert text.startswith(f"rank {r}: step() was called with other arguments on different ranks: max_norm: "
+                               "rank 0: 0.05; rank 1: 1000000000.0"), text
+        assert unchanged and math.isfinite(loss), (r, unchanged, loss)

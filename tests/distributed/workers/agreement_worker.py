@@ -39,7 +39,28 @@ CASES = {
     "microbatches": lambda r: compile_gpt(microbatches=4 if r == 0 else 8),
     "split_points": lambda r: compile_gpt(split_points=["blocks.2"] if r == 0 else ["blocks.1"]),
     "vocab_parallel": lambda r: compile_gpt(vocab_parallel=r == 0),
+    "check_batch": lambda r: compile_gpt(check_batch=True if r == 0 else 3),
+    "loss_weights": lambda r: compile_weighted(r),
 }
+
+
+def compile_weighted(rank: int):
+    """Class weights made on each rank, differing: the same graph code with other constants."""
+    model, _, (x, y), _ = gpt(layers=4, batch=2 * M)
+    weight = torch.ones(64) + rank * torch.arange(64) / 64
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten(), weight=weight)
+
+    return zb.compile(model, schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=((x[:2],), (y[:2],)),
+                      timeout=60)
+
+
+def _pattern(x: torch.Tensor) -> torch.Tensor:
+    """+1, -1, -1, +1 on four neighbouring tokens: the sum and any linearly weighted sum stay the same."""
+    x = x.clone()
+    x.view(-1)[4:8] += torch.tensor([1, -1, -1, 1])
+    return x
 
 
 def refusal(fn) -> dict:
@@ -59,7 +80,8 @@ def batches(rank: int) -> dict:
     pipe, x, y = compile_gpt()
     ref = copy.deepcopy(gpt(layers=4, batch=2 * M).model)
     out = {"other": refusal(lambda: pipe.step(x + rank, y)),
-           "shuffled": refusal(lambda: pipe.step(x.flip(0) if rank else x, y))}
+           "shuffled": refusal(lambda: pipe.step(x.flip(0) if rank else x, y)),
+           "pattern": refusal(lambda: pipe.step(_pattern(x) if rank else x, y))}
     loss = pipe.step(x, y)
     want = sum(torch.nn.functional.cross_entropy(ref(a).flatten(0, 1), b.flatten()).item()
                for a, b in zip(x.chunk(M), y.chunk(M))) / M
