@@ -472,7 +472,9 @@ def _output_backward(gathered, e, top_local, x, *args, target_fn, rows, reductio
     weights = keep.to(gathered.dtype)
     if reduction == 1:   # mean over the tokens that count
         count = weights.sum()
-        loss, weights = per_token.sum() / count, weights / count
+        # a microbatch whose targets are all ignore_index: its loss is 0/0 = NaN, as eager's, but its gradient is
+        # zero, as eager's cross-entropy backward gives (weights are all zero; divided by 1, not 0/0 = NaN)
+        loss, weights = per_token.sum() / count, weights / count.clamp_min(1)
     else:
         loss = per_token.sum()
     g = weights * seed

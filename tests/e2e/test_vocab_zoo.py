@@ -7,12 +7,14 @@ Architectures outside the pattern raise VocabError naming what was found."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
 from support import zoo
 from support.loops import rel
+from support.models import gpt
 from support.zoo import MICROBATCHES, batch
 from support.threaded import loopback_pipes, run_pipes, run_threaded
 from zbcompile.compiler import compile_staged
@@ -94,6 +96,43 @@ def test_zoo_evaluates_with_vocabulary_parallelism_as_eager_does(arch):
     (held,) = [out for _, out in got if out is not None]
     assert held.shape == logits.shape and rel(held, logits) <= 1e-5, arch
     assert all(p.grad is None for pipe in pipes for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_microbatch_of_ignored_targets_only_adds_no_gradient_with_vocabulary_parallelism(schedule):
+    """A microbatch whose targets are all ignore_index (-100; prompt-only rows in SFT): eager's cross-entropy
+    gives it loss 0/0 = NaN but zero gradient, so eager microbatch accumulation's loss is NaN and its gradients
+    are the other microbatches'. The sharded loss (T) gives the same, in float64, instead of NaN in every
+    gradient of the pipeline (its mean's 1 / count, with count 0, must not reach the gradient)."""
+    case = gpt(layers=4, batch=2 * MICROBATCHES)
+    model, loss_fn, (ids, targets) = case.model.double(), case.loss_fn, case.example
+    targets = targets.clone()
+    targets[:2] = -100    # microbatch 0 (rows 0-1): every target ignored
+    sched = generate(schedule, 2, MICROBATCHES, vocab=True)
+    staged = split_model(model, loss_fn, ((ids[:2],), (targets[2:4],)), num_stages=sched.num_model_stages,
+                         vocab_shards=2)
+    ref = copy.deepcopy(model)
+    want = [loss_fn(ref(x), y).div(MICROBATCHES)
+            for x, y in zip(ids.chunk(MICROBATCHES), targets.chunk(MICROBATCHES))]
+    for loss in want:
+        loss.backward()
+    assert want[0].isnan() and all(loss.isfinite() for loss in want[1:])
+    losses, ranks, _ = run_threaded(model, staged, sched, (ids, targets))
+    assert all(math.isnan(v) for v in losses), losses   # as eager's sum, and as the pipeline without vocab_parallel
+    vocab, rows = staged.vocab, staged.vocab.rows
+    expected = dict(ref.named_parameters())
+    for r, mdl in enumerate(ranks):
+        mine = {n for s, owner in enumerate(sched.placement) if owner == r
+                for n in staged.stages[sched.model_stage(s)].params} | set(vocab.params)
+        for name, p in mdl.named_parameters():
+            if name not in mine:
+                continue
+            want_grad = expected[name].grad
+            assert torch.isfinite(want_grad).all() and p.grad is not None, (r, name)
+            if name in vocab.params:
+                want_grad = want_grad[r * rows:(r + 1) * rows]
+            assert torch.isfinite(p.grad).all(), (schedule, r, name)
+            assert rel(p.grad[:want_grad.shape[0]], want_grad) <= 1e-10, (schedule, r, name)
 
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))
