@@ -1,6 +1,7 @@
 """What a call of a PipelineModule is refused for before anything runs, each with a UsageError that says why and
 what to do: a batch that is not what the compiled step takes, a step in a context it cannot honour, and the
-model's tensors changed since compile (converted, unfrozen).
+model changed since compile (tensors converted or unfrozen, a module's mode or dropout, hooks added); and, before
+tracing, hooks the compiled step would never call.
 
 The compiled step is fixed when it is traced: the batch's shapes and dtypes (static P2P buffers), the autocast
 region (the casts are in the graphs), which parameters have a gradient, every tensor's dtype and device (the
@@ -17,7 +18,7 @@ from torch import nn
 
 from zbcompile.errors import UsageError
 
-__all__ = ["Traced", "check_kinds", "check_shapes", "check_step_context", "check_conversion"]
+__all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_conversion"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,13 +28,19 @@ class Traced:
     frozen: tuple      # (name, parameter) without a gradient in the graphs
     trained: tuple     # (name, parameter) with one
     layouts: tuple     # (name, tensor, dtype, device) of every parameter and buffer
+    modes: tuple = ()  # (name, module, its mode and dropout probability) of every module of the model
+    hooks: tuple = ()  # (name, module or parameter, its hooks) of every module and parameter of the model
 
     @classmethod
-    def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]]) -> Traced:
+    def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]], model: nn.Module | None = None
+           ) -> Traced:
         tensors = [*module.named_parameters(), *module.named_buffers()]
+        parts = [] if model is None else [*model.named_modules(), *model.named_parameters()]
         return cls(tuple((n, p) for n, p in params if not p.requires_grad),
                    tuple((n, p) for n, p in params if p.requires_grad),
-                   tuple((n, t, t.dtype, t.device) for n, t in tensors))
+                   tuple((n, t, t.dtype, t.device) for n, t in tensors),
+                   tuple((n, m, _mode(m)) for n, m in parts if isinstance(m, nn.Module)),
+                   tuple((n, x, _hooks(x)) for n, x in parts))
 
     def check(self, rank: int, captured: bool) -> None:
         """UsageError for a parameter unfrozen since compile (its gradient was never traced), one frozen since
@@ -50,12 +57,64 @@ class Traced:
                 raise UsageError(f"{name} was frozen (requires_grad_(False)) after the pipeline was compiled with "
                                  "cuda_graphs, whose captured step writes every gradient it traced; freeze it "
                                  "before zbcompile.compile (or compile without cuda_graphs)")
+        self.check_model()
         for name, t, dtype, device in self.layouts:
             if t.dtype != dtype or t.device != device:
                 raise UsageError(f"rank {rank}: {name} was converted after compiling, from {dtype} on {device} to "
                                  f"{t.dtype} on {t.device} (through the original model, or a part of it); a "
                                  "compiled pipeline's graphs and messages are fixed to what it was compiled with. "
                                  "Convert the model before compiling (model.double(), then zbcompile.compile)")
+
+    def check_model(self) -> None:
+        """UsageError for a module whose mode or dropout probability changed since compile, or a hook added or
+        removed (what evaluate() and pipe(x) check too)."""
+        for name, m, mode in self.modes:
+            if _mode(m) != mode:
+                raise UsageError(f"module {name or '(the model)'} ({type(m).__name__}) changed after compile "
+                                 f"({_said(mode)} -> {_said(_mode(m))}), but the compiled step fixed each module's "
+                                 "mode and dropout probability when it was traced. pipe.train() / pipe.eval() switch "
+                                 "the whole model; for a part in another mode (frozen BatchNorm statistics) or other "
+                                 "dropout, set it before zbcompile.compile")
+        for name, x, hooks in self.hooks:
+            if _hooks(x) != hooks:
+                raise UsageError(f"a hook was added to or removed from {name or 'the model'} after compile: the "
+                                 "compiled step runs the graphs traced at compile, which never call a hook added "
+                                 "later (and still run one removed). Register forward hooks before "
+                                 "zbcompile.compile; act on gradients after step() returns (on p.grad)")
+
+
+def _mode(m: nn.Module) -> tuple:
+    return m.training, getattr(m, "p", None) if isinstance(m, nn.modules.dropout._DropoutNd) else None
+
+
+def _said(mode: tuple) -> str:
+    return ("train mode" if mode[0] else "eval mode") + ("" if mode[1] is None else f", p={mode[1]}")
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _hooks(x) -> tuple:
+    """The ids of a module's or a parameter's hooks (a parameter's dicts are None until one is added)."""
+    kinds = _MODULE_HOOKS if isinstance(x, nn.Module) else _TENSOR_HOOKS
+    return tuple(tuple(getattr(x, k, None) or ()) for k in kinds)
+
+
+def check_hooks(model: nn.Module) -> None:
+    """UsageError before tracing for a hook the compiled step would never call: a parameter's gradient hooks
+    (register_hook, register_post_accumulate_grad_hook) and a module's backward hooks. The stage graphs compute
+    the gradients themselves; forward hooks are traced into them and run."""
+    for name, p in model.named_parameters():
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            raise UsageError(f"parameter {name} has a gradient hook (register_hook / register_post_accumulate_grad_"
+                             "hook), which the compiled step would never call: its W graphs write the gradient "
+                             "themselves. Act on the gradients after step() returns (on p.grad), then compile")
+    for name, m in model.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            raise UsageError(f"module {name or '(the model)'} ({type(m).__name__}) has a backward hook "
+                             "(register_full_backward_hook / _pre_hook), which the compiled step would never call: "
+                             "remove it before zbcompile.compile (forward hooks are traced and run)")
 
 
 def check_conversion(module: nn.Module, fn, rank: int) -> None:
@@ -114,8 +173,11 @@ def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts:
     for i, t in enumerate(batch):
         if t.dim() == 0 or t.shape[0] % m:
             rows = t.shape[0] if t.dim() else 0
+            spec = data_specs.get(i)
+            fix = (f"the compiled step takes {m} microbatches of {spec[0][0]} rows (example's), a batch of "
+                   f"{m * spec[0][0]} rows" if spec and len(spec[0]) else f"use a batch size that is a multiple of {m}")
             raise UsageError(f"batch argument {i} has {rows} rows, which do not split into {m} equal microbatches; "
-                             f"use a batch size that is a multiple of {m}")
+                             f"{fix}")
         spec = data_specs.get(i)
         if spec is None:
             continue

@@ -20,8 +20,8 @@ optimizer's state is keyed by the same names. A tensor several ranks hold (a tie
 mirrored stages) is in the state dict of every holder, because loading must fill every copy; saving writes
 each key once, from one rank, as DCP's save planner keeps one writer per key (its `dedup_save_plans`).
 With vocabulary parallelism each rank holds rows of the vocabulary tables under their full names: those
-entries (and their optimizer state) go to DCP as row-sharded DTensors of the whole tables (zbcompile/checkpoint_rows.py), so
-the checkpoint holds whole tables and any layout reads back the rows it holds.
+entries (and their optimizer state) go to DCP as row-sharded DTensors of the whole tables
+(zbcompile/checkpoint_rows.py), so the checkpoint holds whole tables and any layout reads back the rows it holds.
 """
 
 from __future__ import annotations

@@ -98,6 +98,7 @@ class PipelineModule(nn.Module):
         self._post_validated_last = False   # the last step was post-validated (memory_plan is then its plan)
         self._dp = dp   # zbcompile.data_parallel.Replicas: this rank's data-parallel group, or None
         self._calls: dict[str, int] = {}   # step / evaluate / forward calls past the batch check (check_batch)
+        self._entered: dict[str, int] = {}   # step / evaluate calls, refused ones included (RankRuntime.call)
         self.offload_report = compiled.offload   # per rank, what activation offload chose (compile's offload=)
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
         staged = compiled.staged
@@ -113,7 +114,7 @@ class PipelineModule(nn.Module):
         real = None if vocab is None else max(0, min(vocab.rows, vocab.size - rank * vocab.rows))
         self.__dict__["_counted_rows"] = [real if vocab is not None and n in vocab.params else None for n in counted]
         # what later calls are compared against: which parameters have a gradient, every tensor's dtype and device
-        self.__dict__["_traced"] = call_checks.Traced.of(self, [(n, model.get_parameter(n)) for n in owned])
+        self.__dict__["_traced"] = call_checks.Traced.of(self, [(n, model.get_parameter(n)) for n in owned], model)
 
     def _new_runtime(self, runtime_for, programs, **kwargs) -> RankRuntime:
         runtime = runtime_for(programs, **kwargs)
@@ -129,6 +130,16 @@ class PipelineModule(nn.Module):
         from zbcompile.api import from_staged
 
         return from_staged(model, staged, schedule, **options)
+
+    def __deepcopy__(self, memo):
+        raise UsageError("a PipelineModule cannot be copied (copy.deepcopy, torch.optim.swa_utils.AveragedModel) "
+                         "or pickled: it holds this rank's process groups and compiled programs. For an EMA of the "
+                         "weights keep copies of this rank's parameters ({n: p.detach().clone() for n, p in "
+                         "pipe.named_parameters()}) and update them after each step; to save, use "
+                         "zbcompile.checkpoint.save or pipe.state_dict()")
+
+    def __reduce_ex__(self, protocol):
+        self.__deepcopy__({})
 
     # ---- training ------------------------------------------------------------------------------
     @_unusable_after_a_failure
@@ -148,6 +159,7 @@ class PipelineModule(nn.Module):
         step has validated this one (or `settle()` was called); losses and parameters equal the synchronous
         step's. post_validate="inverse" undoes a wrong optimistic update in closed form instead of from a copy
         (AdamW, SGD: zbcompile/rollback.py; no snapshot memory, exact to rounding)."""
+        call = self._enter("step")
         self._check_step_context()
         if post_validate is not False:
             return self._post_validated(batch, optimizer, max_norm, norm_type, scaler, post_validate)
@@ -155,6 +167,7 @@ class PipelineModule(nn.Module):
         self._seed(scaler)
         local = self._checked(batch, "step")
         self._check_same_batch(batch, "step")
+        self.runtime.call = call
         loss = self.runtime.step_batch(local)   # with dp, the program averaged the gradients over the replicas
         self._post_validated_last = False
         loss = loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
@@ -243,10 +256,12 @@ class PipelineModule(nn.Module):
         eval(), dropout is off and BatchNorm uses (and keeps) its running statistics; in train mode it is the
         forward of a training step (what `with torch.no_grad(): loss_fn(model(x), y)` does). The forward-only
         programs are lowered from the same split when first asked for. Call it on every rank."""
+        call = self._enter("evaluate")
         self.settle()
         local = self._checked(batch, "evaluate")
         runtime = self._forward.get((self.training, False)) or self._forward_runtime(self.training)
         self._check_same_batch(batch, "evaluate")
+        runtime.call = call
         with torch.inference_mode(False):   # the step's buffers must stay usable outside inference_mode too
             loss = runtime.step_batch(local)
             return loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
@@ -260,6 +275,8 @@ class PipelineModule(nn.Module):
         """This rank's share of a batch (_share), refused with UsageError unless it is what the compiled step
         takes: flat tensors with data, as many as it has arguments, each of the traced shape and dtype."""
         call_checks.check_kinds(batch, what, self.runtime.device)
+        if what != "step":   # (step's context check covers it)
+            self._traced.check_model()
         local = self._share(batch, what)
         staged = self.staged
         call_checks.check_shapes(local, self._batch_specs, self.runtime.data_specs,
@@ -301,6 +318,12 @@ class PipelineModule(nn.Module):
         collectives)."""
         call_checks.check_conversion(self, fn, self.rank)
         return super()._apply(fn, recurse)
+
+    def _enter(self, what: str) -> int:
+        """This call's number among the calls of its kind, counted before anything can refuse it: every rank
+        compares them in the step's loss gather (RankRuntime.call), so a call refused on one rank only is found."""
+        self._entered[what] = self._entered.get(what, 0) + 1
+        return self._entered[what]
 
     def _check_same_batch(self, batch: Sequence[torch.Tensor], what: str) -> None:
         """Every rank was handed the same batch (options.check_batch: on the first call of each kind, and every

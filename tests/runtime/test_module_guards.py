@@ -22,9 +22,9 @@ import torch
 
 import zbcompile as zb
 from support.loops import eager_step, rel, shard_of
-from support.models import gpt, mlp
+from support.models import convnet, gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
-from zbcompile.errors import RuntimeFailure, UsageError
+from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError
 from zbcompile.options import CompileOptions
 
 torch.set_num_threads(1)
@@ -90,6 +90,10 @@ def test_unfreezing_a_parameter_frozen_at_compile_is_refused():
     with pytest.raises(UsageError, match=r"0\.weight had requires_grad=False when the pipeline was compiled.*"
                                          r"Compile again"):
         pipes[0].step(x, y)
+    # rank 1 does not hold it; here it is refused a call too, which keeps the ranks' calls in step (a call refused
+    # on one rank alone is reported by the next step: test_a_call_refused_on_one_rank_only_is_found_at_the_next_step)
+    with pytest.raises(UsageError):
+        pipes[1].step(x[:6], y[:6])
     pipes[0].get_parameter("0.weight").requires_grad_(False)
     run_pipes(lambda r: pipes[r].step(x, y), PP)   # frozen again: trains
 
@@ -167,21 +171,28 @@ def test_a_batch_that_is_not_flat_tensors_is_refused_and_the_pipeline_still_trai
     .grad would stay None), another dtype: UsageError saying what step() takes, before any message; evaluate()
     and pipe(x) alike. The pipeline then trains as before."""
     _, _, x, y, pipes = mlp_pipes
-    pipe = pipes[0]
-    cases = [(pipe.step, ((x,), (y,)), r"step\(\) takes the whole batch as flat tensors, step\(\*inputs, "
-                                       r"\*targets\); batch argument 0 is a tuple: unpack the nested"),
-             (pipe.step, (x.tolist(), y), r"batch argument 0 is a list: pass a torch.Tensor"),
-             (pipe.step, (x.to("meta"), y.to("meta")), r"step\(\) got batch argument 0 on the meta device.*on cpu"),
-             (pipe.evaluate, ((x,), (y,)), r"evaluate\(\*inputs, \*targets\); batch argument 0 is a tuple"),
-             (pipe, ([x],), r"pipe\(\*inputs\); batch argument 0 is a list: unpack"),
-             (pipe.step, (x.clone().requires_grad_(), y), r"batch argument 0 requiring grad.*pass it detached"),
-             (pipe.step, (x.double(), y), r"batch argument 0 is torch.float64, but the model was compiled for "
-                                          r"torch.float32 from `example`: pass it as .to\(torch.float32\)")]
-    for call, batch, message in cases:
-        with pytest.raises(UsageError, match=message):
-            call(*batch)
-    losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
+
+    def refused(r):   # on every rank, as a loop would hand every rank the same wrong batch
+        pipe = pipes[r]
+        for call, batch, message in _not_flat(pipe, x, y):
+            with pytest.raises(UsageError, match=message):
+                call(*batch)
+        return pipe.step(x, y)
+
+    losses = run_pipes(refused, PP)
     assert losses[0] == losses[1]
+
+
+def _not_flat(pipe, x, y):
+    return [(pipe.step, ((x,), (y,)), r"step\(\) takes the whole batch as flat tensors, step\(\*inputs, "
+                                      r"\*targets\); batch argument 0 is a tuple: unpack the nested"),
+            (pipe.step, (x.tolist(), y), r"batch argument 0 is a list: pass a torch.Tensor"),
+            (pipe.step, (x.to("meta"), y.to("meta")), r"step\(\) got batch argument 0 on the meta device.*on cpu"),
+            (pipe.evaluate, ((x,), (y,)), r"evaluate\(\*inputs, \*targets\); batch argument 0 is a tuple"),
+            (pipe, ([x],), r"pipe\(\*inputs\); batch argument 0 is a list: unpack"),
+            (pipe.step, (x.clone().requires_grad_(), y), r"batch argument 0 requiring grad.*pass it detached"),
+            (pipe.step, (x.double(), y), r"batch argument 0 is torch.float64, but the model was compiled for "
+                                         r"torch.float32 from `example`: pass it as .to\(torch.float32\)")]
 
 
 @pytest.mark.parametrize("group", ["gloo", 3])
@@ -190,6 +201,72 @@ def test_a_group_that_is_not_a_process_group_is_refused(group):
     with pytest.raises(UsageError, match=r"is not a process group: compile's group takes a ProcessGroup .* "
                                          r"1-D DeviceMesh .* \('dp', 'pp'\), or None"):
         zb.compile(model, schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=(x[:2], y[:2]), group=group)
+
+
+# ---- module modes, dropout and hooks changed after compile -------------------------------------------------------
+def _refused_then_trains(pipes, x, y, change, undo, match: str) -> None:
+    """`change(rank's model)` makes step(), evaluate() and pipe(x) refuse on every rank, before anything runs;
+    `undo` makes the pipeline train again."""
+    def run(r):
+        model = pipes[r].model
+        change(model)
+        for call in (lambda: pipes[r].step(x, y), lambda: pipes[r].evaluate(x, y), lambda: pipes[r](x)):
+            with pytest.raises(UsageError, match=match):
+                call()
+        undo(model)
+        return pipes[r].step(x, y)
+
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
+
+
+def _first(model, kind):
+    return next(m for m in model.modules() if isinstance(m, kind))
+
+
+def test_a_module_switched_to_eval_or_its_dropout_changed_after_compile_is_refused():
+    """The usual fine-tuning moves on the compiled model's own modules, which the traced step never sees:
+    BatchNorm statistics frozen by bn.eval() kept updating, Dropout(p=0) kept dropping, model.eval() on the
+    original model changed nothing. pipe.train() / pipe.eval() are the switches the step honours."""
+    model, loss_fn, x, y, pipes = _pipes(convnet(blocks=4, batch=8))
+    bn = torch.nn.BatchNorm2d
+    _refused_then_trains(pipes, x, y, lambda m: _first(m, bn).eval(), lambda m: _first(m, bn).train(),
+                         r"module .* \(BatchNorm2d\) changed after compile \(train mode -> eval mode\)")
+    _refused_then_trains(pipes, x, y, lambda m: m.eval(), lambda m: m.train(),
+                         r"module \(the model\) .* changed after compile")
+    _, _, x, y, pipes = _pipes(gpt(layers=4, dropout=0.2, batch=8))
+    drop = torch.nn.Dropout
+    _refused_then_trains(pipes, x, y, lambda m: setattr(_first(m, drop), "p", 0.0),
+                         lambda m: setattr(_first(m, drop), "p", 0.2),
+                         r"\(Dropout\) changed after compile \(train mode, p=0.2 -> train mode, p=0.0\)")
+
+
+def test_a_hook_added_after_compile_is_refused():
+    """A forward hook or a gradient hook registered on the compiled model after compile: the traced graphs never
+    call it (it was dropped without a word)."""
+    _, _, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+    handles = {}
+
+    def add(kind):
+        def change(model):
+            target = next(model.parameters()) if kind == "grad" else _first(model, torch.nn.Linear)
+            handles[id(model)] = (target.register_hook(lambda g: g * 0) if kind == "grad"
+                                  else target.register_forward_hook(lambda *a: None))
+        return change
+
+    for kind in ("grad", "forward"):
+        _refused_then_trains(pipes, x, y, add(kind), lambda m: handles.pop(id(m)).remove(),
+                             "a hook was added to or removed from .* after compile")
+
+
+@pytest.mark.parametrize("hook", ["grad", "post_accumulate", "full_backward"])
+def test_hooks_the_compiled_step_would_never_call_are_refused_before_tracing(hook):
+    model, loss_fn, (x, y), _ = mlp(layers=4, batch=8)
+    layer = _first(model, torch.nn.Linear)
+    {"grad": lambda: layer.weight.register_hook(lambda g: g * 2),
+     "post_accumulate": lambda: layer.weight.register_post_accumulate_grad_hook(lambda p: None),
+     "full_backward": lambda: layer.register_full_backward_hook(lambda *a: None)}[hook]()
+    with pytest.raises(UsageError, match="gradient hook" if hook != "full_backward" else "backward hook"):
+        zb.compile(model, schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=(x[:2], y[:2]))
 
 
 # ---- an error inside a step ----------------------------------------------------------------------------------
@@ -219,3 +296,43 @@ def test_after_an_error_inside_a_step_the_next_call_fails_at_once():
     (first0, waited0), (first1, _) = run_pipes(run, PP)
     assert (first0, first1) == ("IndexError", "RuntimeFailure")
     assert waited0 < timeout / 3, waited0
+
+
+def test_copying_or_pickling_a_pipeline_is_refused_with_what_to_do_instead():
+    """AveragedModel (an EMA) deep-copies its module: the copy failed on a process group's pickling."""
+    import pickle
+
+    _, _, _, _, pipes = _pipes(mlp(layers=4, batch=8))
+    for attempt in (lambda: copy.deepcopy(pipes[0]), lambda: torch.optim.swa_utils.AveragedModel(pipes[0]),
+                    lambda: pickle.dumps(pipes[0])):
+        with pytest.raises(UsageError, match=r"cannot be copied .* For an EMA of the weights keep copies"):
+            attempt()
+
+
+def test_a_batch_that_does_not_split_says_the_size_the_step_takes():
+    """4 microbatches of the example's 2 rows: 6 rows are refused naming 8 (the message said "a multiple of 4",
+    but 12 rows are refused as well: static shapes)."""
+    _, _, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+    with pytest.raises(UsageError, match=r"has 6 rows, which do not split into 4 equal microbatches; the compiled "
+                                         r"step takes 4 microbatches of 2 rows \(example's\), a batch of 8 rows"):
+        pipes[0].step(x[:6], y[:6])
+
+
+def test_a_call_refused_on_one_rank_only_is_found_at_the_next_step():
+    """Rank 1 alone refuses a batch (a UsageError it catches, as a loop skipping bad batches would); rank 0's
+    next step then pairs with rank 1's next but one, mixing two batches. Both ranks now raise DisagreementError
+    naming the calls (it trained on silently before); evaluate() counts its calls the same way."""
+    _, _, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+
+    def run(r):
+        pipes[r].step(x, y)
+        if r == 1:
+            with pytest.raises(UsageError):
+                pipes[r].step(x[:6], y[:6])
+        with pytest.raises(DisagreementError) as err:
+            pipes[r].step(x * 2, y)
+        pipes[r].evaluate(x, y)   # its own count: in step
+        return str(err.value)
+
+    for r, text in enumerate(run_pipes(run, PP)):
+        assert text.startswith(f"rank {r}: the ranks are out of step (rank 0: call 2; rank 1: call 3)"), text

@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import fx
 
-from zbcompile.errors import CaptureError, RuntimeFailure, UsageError
+from zbcompile.errors import CaptureError, DisagreementError, RuntimeFailure, UsageError
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.values import Role, key_of, parse
 from zbcompile.runtime.abi import Redo, StepContext, wait
@@ -102,7 +102,8 @@ class RankRuntime:
         self._stamps = 2 * len(self.names)   # this rank's timing slots: a start and an end per action
         self.max_actions = max(len(n) for n in self._names)
         # as many slots as the busiest rank has: every rank's gathered row has the same length
-        self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions, ranks=self.num_ranks,
+        # the gathered row: [loss sum, start / end of every action, the caller's call number (self.call)]
+        self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions + 1, ranks=self.num_ranks,
                                channels=channels, buffers=ir.buffers, collectives=collectives,
                                host_buffers=ir.host_buffers, event_timing=ir.event_timing, replicas=replicas)
         # the seed gradient 1 / m, in the loss's dtype (a float64 or bfloat16 model's backward takes no float32 seed)
@@ -139,6 +140,9 @@ class RankRuntime:
         else:
             self._rows = [torch.zeros_like(self._send_row) for _ in range(self.num_ranks)]
         self._stepped = False
+        # the caller's count of its calls of this kind, refused ones included (PipelineModule sets it): every
+        # rank's must be the same, else a call refused on some ranks only paired different batches
+        self.call = 0
         # why a program run stopped half-way (its messages posted, the peers' not matched), or None: the process
         # groups are then in an unknown state (PipelineModule refuses every later call at once)
         self.failed: str | None = None
@@ -304,6 +308,7 @@ class RankRuntime:
         """One all-gather per step carries every rank's loss sum and action times."""
         self._stepped = False  # the rows are rewritten in place: a failed gather leaves no stale "last step"
         self.ctx.row[0] = float(loss) if loss is not None else 0.0
+        self.ctx.row[-1] = float(self.call)
         send = self._send_row
         if send is not self._row:
             send.copy_(self._row)
@@ -317,8 +322,22 @@ class RankRuntime:
             wait(self.ctx, work, "gathering", "the step's loss and timings", None)
         self._stepped = True
         if self._row_arrays is not None:
-            return sum(a[0] for a in self._row_arrays) / self.ir.microbatches
-        return sum(float(r[0]) for r in self._rows) / self.ir.microbatches
+            pairs = [(a[0], a[-1]) for a in self._row_arrays]
+        else:
+            pairs = torch.stack(self._rows)[:, [0, -1]].tolist()   # one copy to the host
+        self._check_calls([int(call) for _, call in pairs])
+        return sum(loss for loss, _ in pairs) / self.ir.microbatches
+
+    def _check_calls(self, calls: list[int]) -> None:
+        """DisagreementError on every rank where the ranks' call numbers differ (the step has run: its messages
+        all matched, but between different calls, so its loss and gradients mix two batches)."""
+        if len(set(calls)) > 1:
+            seen = "; ".join(f"rank {r}: call {c}" for r, c in enumerate(calls))
+            raise DisagreementError(
+                f"rank {self.ir.rank}: the ranks are out of step ({seen}): a call refused on some ranks only (a "
+                "batch refused on one rank, an exception caught on one) left them pairing different calls, so this "
+                "step mixed different batches and its loss and gradients are wrong. Refuse or skip a batch on every "
+                "rank alike (hand every rank the same batch); zero the gradients and restart the job")
 
 
 def seed_dtype(program: RankProgram) -> torch.dtype:
