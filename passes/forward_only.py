@@ -9,7 +9,11 @@ kept for a backward; dead-code elimination removes what computed only them). In 
 
 - the ops traced with a `training` argument run with it False: dropout passes its input through, BatchNorm
   normalizes with its running statistics, RReLU uses its mean slope;
-- buffer updates are dropped (BatchNorm's running statistics and `num_batches_tracked` stay as they are);
+- buffer updates are dropped (BatchNorm's and InstanceNorm's running statistics and `num_batches_tracked` stay
+  as they are); an update of any other buffer (an EMA) raises UsageError naming it: the graph, traced in train
+  mode, computes with the updated value, and whether eval mode would make the update (unconditional) or skip it
+  (`if self.training:`) is not in it, so dropping it would silently match neither (train mode keeps it, as eager's
+  no_grad forward in train mode does);
 - a random op left over (a dropout written by hand as `x * (torch.rand_like(x) > p)`, or a module that chose its
   train-mode path in Python, `if self.training:`) raises UsageError naming it and its module: the trace fixed
   that path, and evaluation would silently run it.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -124,6 +129,8 @@ def _forward_copy(f: Graph, keep: list[int], training: bool, where: str) -> Grap
     gm = fx.GraphModule(f.gm, copy.deepcopy(f.gm.graph))
     graph = gm.graph
     out = graph.output_node()
+    if not training:
+        _check_buffer_updates(f, graph, where)
     out.args = (tuple(out.args[0][i] for i in keep),)
     if not training:
         _to_eval_mode(graph, where)
@@ -269,6 +276,48 @@ def _to_eval_mode(graph: fx.Graph, where: str) -> None:
                 "evaluation cannot switch off: dropout and BatchNorm are switched by their ops, but this path was "
                 "fixed when the step was traced in train mode (a hand-written dropout, or an `if self.training:` "
                 "branch). Use nn.Dropout / F.dropout(training=self.training) there, or evaluate the plain model")
+
+
+# what a normalization's running statistic passes through between its op and the buffer's new value
+# (InstanceNorm: the batch norm of the repeated statistics, viewed per instance and averaged)
+_STATISTIC_PATH = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.mean.dim,
+                             aten.detach.default, aten.alias.default, aten.clone.default})
+_BATCH_NORM = frozenset(op for op in TRAINING_ARGUMENT if "batch_norm" in str(op))
+
+
+def _check_buffer_updates(f: Graph, graph: fx.Graph, where: str) -> None:
+    """UsageError for an eval-mode forward whose graph updates a buffer other than the normalization
+    statistics the eval switch handles. The step was traced in train mode: whether eval mode makes such an
+    update (unconditional) or skips it (`if self.training:`) is not in the graph, and the graph computes with
+    the updated value either way; dropping the update would silently match neither."""
+    inputs = dict(zip(graph.find_nodes(op="placeholder"), f.inputs))
+    for name, node in zip(f.outputs, graph.output_node().args[0]):
+        if role_of(name) is not Role.BUFFER or inputs.get(node) == name or _switched_statistic(name, node, inputs):
+            continue
+        buffer = key_of(name)
+        raise UsageError(
+            f"{where}: the traced forward updates buffer {buffer!r} in {_module_of(node)}, which evaluation in "
+            "eval mode cannot reproduce: the step was traced in train mode, so its graph cannot tell whether eval "
+            "mode skips that update (an `if self.training:` branch) or makes it, and it computes with the updated "
+            "value either way. Only BatchNorm / InstanceNorm running statistics are switched by their ops. "
+            "Evaluate in train mode instead (pipe.train(), then evaluate() / pipe(x): "
+            "the updates run as traced and are kept, as eager's train-mode forward under torch.no_grad() does), "
+            f"or make the update of {buffer!r} depend on something other than the module's mode (e.g. make it "
+            "in the training loop, outside forward), or evaluate the plain model")
+
+
+def _switched_statistic(name: str, node: fx.Node, inputs: dict[fx.Node, str]) -> bool:
+    """Whether buffer `name`'s new value `node` is a normalization's running statistic that eval mode leaves
+    as it is: the running mean / var out of a batch norm op whose `training` argument the switch sets False
+    (InstanceNorm's averaged per instance), or BatchNorm's `num_batches_tracked + 1` (per call)."""
+    if key_of(name).rsplit(".", 1)[-1] == "num_batches_tracked":
+        while node.op == "call_function" and node.target is aten.add.Tensor and isinstance(node.args[1], int):
+            node = node.args[0]
+        return inputs.get(node) == name
+    while node.op == "call_function" and node.target in _STATISTIC_PATH:
+        node = node.args[0]
+    return (node.op == "call_function" and node.target is operator.getitem and node.args[1] in (3, 4)
+            and getattr(node.args[0], "target", None) in _BATCH_NORM)
 
 
 def _impure(node: fx.Node) -> bool:

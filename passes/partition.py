@@ -123,7 +123,51 @@ def partition(traced: Traced, split_points: Sequence[str]) -> Partition:
                 f"(split points {list(split_points)}); drop one of them"
             )
         stages.append(_build_stage(traced, s, stage_of, const, last_use, out_values, modules[s]))
+    _check_buffer_updates(stages, split_points)
     return Partition(tuple(stages), tuple(split_points), traced)
+
+
+def _check_buffer_updates(stages: Sequence[Graph], split_points: Sequence[str]) -> None:
+    """PartitionError for a buffer the forward updates in one stage and reads in another (one BatchNorm module
+    called in the first and in the last stage). Eager updates it microbatch by microbatch, each call reading the
+    value the previous call left; the pipeline runs a stage's microbatch i+1 before a later stage has run
+    microbatch i (and the stages may be on different ranks, each holding its own copy), so no schedule keeps that
+    order: the buffer would end wrong, or the rank writing it would not hold it."""
+    readers: dict[str, list[int]] = {}
+    for st in stages:   # a stage that lists a buffer but computes nothing from it (its new value comes as an
+        live = _live(st.gm.graph)   # activation; a dead copy of a cheap op) reads none
+        for name, ph in zip(st.inputs, st.gm.graph.find_nodes(op="placeholder")):
+            if role_of(name) is Role.BUFFER and ph in live:
+                readers.setdefault(name, []).append(st.index)
+    for st in stages:
+        for name in st.outputs:
+            others = [s for s in readers.get(name, ()) if s != st.index]
+            if role_of(name) is not Role.BUFFER or not others:
+                continue
+            fqn = name[len(Role.BUFFER.value):]
+            owner = fqn.rpartition(".")[0]
+            where = f"module `{owner}`" if owner else "the model's own forward"
+            used = " and ".join(map(str, sorted({st.index, *others})))
+            raise PartitionError(
+                f"buffer `{fqn}` is updated by the forward in stage {st.index} and read in stage"
+                f"{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} too (the uses of {where} fall in "
+                f"stages {used} of the cuts {list(split_points)}): eager updates it microbatch by microbatch, each "
+                "use reading what the previous one left, but a pipeline runs an earlier stage's next microbatch "
+                "before a later stage has finished this one (and the stages may be on different ranks), so the "
+                "updates cannot keep eager's order. Fix: cut so that every use of it falls in one stage "
+                "(split_points=[...] with no cut between them), or give each use its own module (e.g. two "
+                "BatchNorm layers instead of one called twice)")
+
+
+def _live(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes the graph's outputs depend on."""
+    live, stack = set(), [graph.output_node()]
+    while stack:
+        for arg in stack.pop().all_input_nodes:
+            if arg not in live:
+                live.add(arg)
+                stack.append(arg)
+    return live
 
 
 def cut_starts(traced: Traced, split_points: Sequence[str]) -> list[int]:
@@ -222,7 +266,8 @@ def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, 
     outputs: list[tuple[str, fx.Node]] = [(f"act:{n.name}", n) for n in send]
     # step outputs (loss, buffer updates) leave from the stage their module belongs to, exactly once
     outputs += [(name, node) for name, node in out_values.items() if stage_of[node] == s]
-    needed_consts = _constant_closure(computed + [n for _, n in outputs], const)
+    # (a value this stage only receives and sends on needs none of the constants that made it)
+    needed_consts = _constant_closure(computed + [n for _, n in outputs if n not in set(recv)], const)
 
     placeholders = _stage_placeholders(traced, computed + needed_consts, recv)
     g = fx.Graph()

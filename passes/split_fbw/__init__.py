@@ -75,9 +75,10 @@ def split_fbw(cut: Partition) -> StagedModel:
             return acts[name]
         return False  # buffers and user data
 
-    stages = []
+    stages, (read, detached) = [], _reads(cut.stages)
     for sg in cut.stages:
-        stage = split_stage(sg, requires_grad, device=traced.device)
+        dropped = frozenset(n for n in sg.outputs if n in detached and n not in read)
+        stage = split_stage(sg, requires_grad, device=traced.device, no_grad_sends=dropped)
         acts.update((spec.name, spec.requires_grad) for spec in stage.send)
         stages.append(stage)
     # the loss stage's forward returning the model's outputs, kept for an evaluation step that asks for them
@@ -87,6 +88,22 @@ def split_fbw(cut: Partition) -> StagedModel:
                        traced.tied, meta, cut.vocab)
 
 
+def _reads(stages: Sequence[Graph]) -> tuple[set[str], set[str]]:
+    """The activations some stage reads other than through `detach` (a later stage's B returns their gradient),
+    and those some stage reads through `detach` alone. A value computed under torch.no_grad() (an EMA buffer's
+    new value read in a later stage) is read detached there, as the trace marks the region's reads: where no
+    stage reads it otherwise, its sender must not wait for a gradient of it. (What the vocabulary layers read
+    is in neither set, and keeps its gradient.)"""
+    read, detached = set(), set()
+    for sg in stages:
+        for name, ph in zip(sg.inputs, sg.gm.graph.find_nodes(op="placeholder")):
+            users = [u for u in ph.users if u.op != "output"]   # (sending it on to a later stage: theirs count)
+            if role_of(name) is Role.ACT and users:
+                plain = any(u.target is not _aten.detach.default for u in users)
+                (read if plain else detached).add(name)
+    return read, detached
+
+
 def _hold_unused(stages: tuple[Stage, ...], traced, sharded: frozenset[str] = frozenset()) -> tuple[Stage, ...]:
     """`stages` where each parameter and buffer of the model that no stage reads (a rotary embedding's saved
     copy of its frequencies, a parameter of an unused head) is listed by exactly one stage: the one whose
@@ -94,7 +111,7 @@ def _hold_unused(stages: tuple[Stage, ...], traced, sharded: frozenset[str] = fr
     stages list (zbcompile.distributed.keep_only), so without this such state would be dropped everywhere and
     vanish from the model's state dict; listed here, it stays real on that stage's rank, untouched. The
     vocabulary parameters (`sharded`) are every rank's, as shards: no stage lists them."""
-    used = {name for st in stages for name in st.f.inputs} | {"param:" + n for n in sharded}
+    used = {name for st in stages for name in (*st.f.inputs, *st.f.outputs)} | {"param:" + n for n in sharded}
     unused = [n for n in traced.graph.inputs if role_of(n) in (Role.PARAM, Role.BUFFER) and n not in used]
     extra: list[list[str]] = [[] for _ in stages]
     for name in unused:
@@ -117,9 +134,10 @@ def _holding_stage(stages: Sequence[Stage], fqn: str) -> int:
     return best
 
 
-def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torch.device | None = None) -> Stage:
+def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torch.device | None = None,
+                no_grad_sends: frozenset[str] = frozenset()) -> Stage:
     """Build F, B, W and BW for `stage` (a stage forward of the partition); `requires_grad(name)` says which
-    inputs are differentiable.
+    inputs are differentiable; `no_grad_sends`, which sent activations no later stage reads with a gradient.
 
     `device` replaces the meta device of inputs traced on meta (autograd does not trace meta tensors).
     """
@@ -132,7 +150,7 @@ def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torc
     with mode, torch.enable_grad():
         outs = diff_gm(*args)
     out_rg = {name: bool(o.requires_grad) for name, o in zip(diff_names, outs)}
-    graded_buffers = [n for n in diff_names if role_of(n) is Role.BUFFER and out_rg[n]]
+    graded_buffers = [n for n in diff_names if (role_of(n) is Role.BUFFER or n in no_grad_sends) and out_rg[n]]
     if graded_buffers:
         diff_gm = _detach_outputs(diff_gm, [diff_names.index(n) for n in graded_buffers])
         out_rg.update(dict.fromkeys(graded_buffers, False))
@@ -164,12 +182,26 @@ def _detach_outputs(gm: fx.GraphModule, positions: Sequence[int]) -> fx.GraphMod
     results = list(out.args[0])
     with gm.graph.inserting_before(out):
         for i in positions:
-            node = gm.graph.call_function(_aten.detach.default, (results[i],))
+            value = results[i]
+            if any(_aliases(r, value) for j, r in enumerate(results) if j != i):   # also sent on to a later stage:
+                value = gm.graph.call_function(_aten.clone.default, (value,))   # a detached alias of another
+                value.meta["val"] = results[i].meta["val"].clone()                # output is one aot refuses
+            node = gm.graph.call_function(_aten.detach.default, (value,))
             node.meta["val"] = results[i].meta["val"].detach()
             results[i] = node
     out.args = (tuple(results),)
     gm.recompile()
     return gm
+
+
+def _aliases(node, value: fx.Node) -> bool:
+    """Whether the output `node` is `value` or a view of it (an op whose schema returns an alias: contiguous,
+    view, ...)."""
+    if node is value:
+        return True
+    schema = getattr(getattr(node, "target", None), "_schema", None)
+    return (schema is not None and value in node.args[:1] and bool(schema.returns)
+            and schema.returns[0].alias_info is not None)
 
 
 def _stage(sg: Graph, f: Graph, b: Graph, w: Graph, bw: Graph, rg: Mapping[str, bool]) -> Stage:
@@ -188,7 +220,8 @@ def _stage(sg: Graph, f: Graph, b: Graph, w: Graph, bw: Graph, rg: Mapping[str, 
         w=w,
         bw=bw,
         params=tuple(key_of(n) for n in sg.inputs if role_of(n) is Role.PARAM),
-        buffers=tuple(key_of(n) for n in sg.inputs if role_of(n) is Role.BUFFER),
+        # read, then only written (`self.last.copy_(x)`): the stage's rank must hold what its F writes back
+        buffers=tuple(dict.fromkeys(key_of(n) for n in (*sg.inputs, *sg.outputs) if role_of(n) is Role.BUFFER)),
         recv=tuple(spec(n, v) for n, v in values(sg.input_nodes()).items() if role_of(n) is Role.ACT),
         send=tuple(spec(n, v) for n, v in values(sg.output_nodes()).items() if role_of(n) is Role.ACT),
         data=tuple(int(key_of(n)) for n in sg.inputs if role_of(n) is Role.DATA),

@@ -256,7 +256,7 @@ class Stage:
     # canonical FQNs of the parameters this stage uses, then of those no stage uses that it holds (each such
     # parameter or buffer is listed by exactly one stage, so that one rank keeps it: split_fbw._hold_unused)
     params: tuple[str, ...]
-    buffers: tuple[str, ...]         # FQNs of the buffers this stage reads (and maybe updates), then held ones
+    buffers: tuple[str, ...]         # FQNs of the buffers this stage reads or updates, then held ones
     recv: tuple[TensorSpec, ...]     # activations from stage index-1, named act:<name> in the graphs
     send: tuple[TensorSpec, ...]     # activations to stage index+1 (empty for the last stage)
     data: tuple[int, ...]            # which flat user arguments this stage reads (data:<i>)
