@@ -2,6 +2,7 @@
 
     check_agreement(model, compiled, (pg, rank), ...)   at compile, before the first message between ranks
     check_batch(batch, gather, rank, what)       on step() / evaluate(): the same batch on every rank
+    check_step_arguments(rows, rank)             on step(optimizer=...): the same clipping on every rank
 
 Every rank of a pipeline compiles the same model with the same options and runs its own share of the SAME
 programs; a rank that built something else (another depth or width, another schedule, other microbatches or cuts,
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -35,7 +37,8 @@ from torch import nn
 
 from zbcompile.errors import DisagreementError
 
-__all__ = ["fingerprint", "check_agreement", "first_difference", "batch_checksum", "check_batch", "version"]
+__all__ = ["fingerprint", "check_agreement", "first_difference", "batch_checksum", "check_batch", "version",
+           "step_arguments", "check_step_arguments"]
 
 # the options that shape what a rank builds or the collectives it calls (group, init_fn, loss_fn, example and
 # timeout do not, or are checked through what they produce: example through `batch`, loss_fn through `stages`)
@@ -186,3 +189,36 @@ def check_batch(batch: Sequence[torch.Tensor], gather: Callable[[torch.Tensor], 
                 f"rank {rank}: {what}() was handed different batches: argument {i} on rank(s) {differ} differs from "
                 "rank 0's. Hand every rank the whole batch, the same one (each rank reads what its stages need): "
                 "no DistributedSampler over the pipeline's ranks, the same seed and data order everywhere")
+
+
+# ---- step()'s optimizer arguments, the same on every rank (zbcompile/post_validation.py) ----------------------
+STEP_ARGUMENTS = ("max_norm", "norm_type", "rollback", "scaler")
+
+
+def step_arguments(max_norm: float | None, norm_type: float, rollback: str = "", scaler=None) -> list[float]:
+    """The step's arguments that every rank must share, as floats (None as NaN) for an all-gather."""
+    return [math.nan if max_norm is None else float(max_norm), float(norm_type), float(rollback == "inverse"),
+            float(scaler is not None)]
+
+
+def check_step_arguments(rows: list[list[float]], rank: int) -> list[list[float]]:
+    """`rows` (every rank's values, ending with `step_arguments`) unchanged, or DisagreementError on every rank
+    where the ranks stepped with other arguments: each would clip or skip by its own verdict, a model no single
+    setting trains (post-validated: a rollback one rank makes and another does not, then a timeout)."""
+    tail = [row[-len(STEP_ARGUMENTS):] for row in rows]
+    for k, name in enumerate(STEP_ARGUMENTS):
+        values = [row[k] for row in tail]
+        if any(v != values[0] and not (math.isnan(v) and math.isnan(values[0])) for v in values):
+            shown = "; ".join(f"rank {r}: {_shown(name, v)}" for r, v in enumerate(values))
+            raise DisagreementError(f"rank {rank}: step() was called with other arguments on different ranks: "
+                                    f"{name}: {shown}. Pass the same optimizer arguments (max_norm, norm_type, "
+                                    "post_validate, scaler) on every rank")
+    return rows
+
+
+def _shown(name: str, value: float):
+    if name == "max_norm":
+        return None if math.isnan(value) else value
+    if name in ("rollback", "scaler"):
+        return {"rollback": ("snapshot", "inverse"), "scaler": ("none", "a GradScaler")}[name][int(value)]
+    return value

@@ -4,11 +4,13 @@ checkpoint holds whole tables and any layout reads back the rows it holds (zbcom
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["vocab_rows", "row_shards", "as_live", "vocab_names"]
+__all__ = ["vocab_rows", "row_shards", "as_live", "vocab_names", "rows_of_whole_tables"]
 
 
 def vocab_rows(module: nn.Module):
@@ -73,3 +75,28 @@ def vocab_names(module: nn.Module, vocab) -> set[str]:
     """Every name of the vocabulary parameters in the module's state dict (a tied one has two)."""
     sharded = {id(module.model.get_parameter(n)) for n in vocab.params}
     return {name for name, t in module.state_dict(keep_vars=True).items() if id(t) in sharded}
+
+
+def rows_of_whole_tables(pipe: nn.Module, state_dict, live):
+    """`state_dict` for a PipelineModule's load_state_dict, with each whole table of a vocabulary parameter ([V,
+    ...] where this rank holds [rows, ...]) cut to this rank's rows, zero rows past the vocabulary, as the split
+    sharded it (the plain model's state dict loads as it is). `live`: the pipe's own state dict (keep_vars)."""
+    vocab = pipe.staged.vocab
+    if vocab is None:
+        return state_dict
+    sharded = {id(pipe.get_parameter(n)) for n in vocab.params}
+    lo = pipe.rank * vocab.rows
+    changed = {}
+    for key, value in state_dict.items():
+        mine = live.get(key)
+        if (id(mine) not in sharded or not isinstance(value, torch.Tensor) or value.dim() == 0
+                or value.shape[0] != vocab.size or tuple(value.shape[1:]) != tuple(mine.shape[1:])
+                or vocab.size == vocab.rows):
+            continue
+        rows = value[lo:lo + vocab.rows]
+        changed[key] = torch.cat([rows, rows.new_zeros((vocab.rows - rows.shape[0], *rows.shape[1:]))])
+    if not changed:
+        return state_dict
+    out = copy.copy(state_dict)   # (an OrderedDict's copy keeps its _metadata: the modules' versions)
+    out.update(changed)
+    return out

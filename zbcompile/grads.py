@@ -89,6 +89,33 @@ def norm_from(combined: float, p: float, dtype: torch.dtype, device) -> torch.Te
     return total.to(dtype)
 
 
+def counted_each(params: Sequence[torch.nn.Parameter], rows: Sequence[int | None], whole: bool):
+    """(parameter, the gradient rows this rank counts of it or None, whether it is a vocabulary parameter) per
+    counted parameter; `rows`: per parameter its rows holding vocabulary entries (None: all of it; 0: only
+    padding rows here, none counted); `whole`: the gradient is the whole parameter's (not a sharded replica's
+    slice, which holds no padding rows to cut)."""
+    for p, n in zip(params, rows):
+        g = None if p.grad is None or n == 0 else local(p.grad)
+        yield p, (g[:n] if g is not None and n is not None and whole else g), n is not None
+
+
+def counted_once(each, gather: Gather, rank: int, device) -> list[torch.Tensor]:
+    """The counted gradients for the 0-"norm", which counts the tensors holding a nonzero: a vocabulary
+    parameter is one tensor, though every rank holds rows of it, so its rows become one 0-dim flag on rank 0,
+    nonzero where any rank's rows are (one all-gather over the pipeline). `each`: counted_each's triples."""
+    plain, flags, dtypes = [], [], []
+    for p, g, vocab in each:
+        if not vocab:
+            plain += [g] if g is not None else []
+            continue
+        flags.append(float(g is not None and bool(g.count_nonzero())))
+        dtypes.append(p.dtype)
+    anywhere = gather(torch.tensor(flags, dtype=torch.float64, device=device)).amax(0)
+    if rank != 0:
+        return plain
+    return plain + [torch.full((), float(f), dtype=dt, device=device) for f, dt in zip(anywhere.tolist(), dtypes)]
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (sharded data parallelism: this replica's rows), any other tensor itself."""
     return getattr(t, "_local_tensor", t)

@@ -8,7 +8,6 @@ generated code of any rank, the last step's timeline).
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Sequence
 
@@ -241,7 +240,7 @@ class PipelineModule(nn.Module):
             flat = runtime.run_batch(local)
         if flat is None:
             return None
-        outputs = _rebuild(flat, self.staged.meta["outputs"].outputs, self.schedule.num_microbatches)
+        outputs = self.staged.meta["outputs"].outputs.rebuild(flat, self.schedule.num_microbatches)
         if self._dp is None or self._local_batches:   # dp_batch="local": the replica's own rows, as DDP's
             return outputs
         leaves, spec = torch.utils._pytree.tree_flatten(outputs)
@@ -370,35 +369,16 @@ class PipelineModule(nn.Module):
         return [g for _, g, _ in self._counted_each() if g is not None]
 
     def _counted_each(self):
-        """(parameter, the gradient rows this rank counts of it or None, whether it is a vocabulary parameter)
-        per counted parameter."""
-        whole = not self._sharded   # (a sharded replica's rows are a slice of its own)
-        for p, rows in zip(self._counted, self._counted_rows):
-            g = None if p.grad is None or rows == 0 else grads.local(p.grad)
-            yield p, (g[:rows] if g is not None and rows is not None and whole else g), rows is not None
+        """grads.counted_each of this rank's counted parameters (a sharded replica's rows are a slice of its own)."""
+        return grads.counted_each(self._counted, self._counted_rows, whole=not self._sharded)
 
     def _norm_grads(self, p: float) -> list[torch.Tensor]:
         """The gradients whose order-p norm is the pipeline's: _counted_grads, except for the 0-"norm" of a
-        vocabulary-parallel model, which counts a vocabulary parameter once over its shards (_counted_once: an
-        all-gather over the pipeline, so every rank calls this together)."""
-        return self._counted_once() if p == 0 and self.staged.vocab is not None else self._counted_grads()
-
-    def _counted_once(self) -> list[torch.Tensor]:
-        """The counted gradients for get_total_norm(0), which counts the tensors holding a nonzero: a vocabulary
-        parameter is one tensor, though every rank holds rows of it, so its rows become one 0-dim flag on rank 0,
-        nonzero where any rank's rows are (one all-gather over the pipeline)."""
-        plain, flags, dtypes = [], [], []
-        for p, g, vocab in self._counted_each():
-            if not vocab:
-                plain += [g] if g is not None else []
-                continue
-            flags.append(float(g is not None and bool(g.count_nonzero())))
-            dtypes.append(p.dtype)
-        anywhere = self._gather(torch.tensor(flags, dtype=torch.float64, device=self.runtime.device)).amax(0)
-        if self.rank != 0:
-            return plain
-        return plain + [torch.full((), float(f), dtype=dt, device=self.runtime.device)
-                        for f, dt in zip(anywhere.tolist(), dtypes)]
+        vocabulary-parallel model, which counts a vocabulary parameter once over its shards (grads.counted_once:
+        an all-gather over the pipeline, so every rank calls this together)."""
+        if p == 0 and self.staged.vocab is not None:
+            return grads.counted_once(self._counted_each(), self._gather, self.rank, self.runtime.device)
+        return self._counted_grads()
 
     @property
     def _sharded(self) -> bool:
@@ -453,12 +433,13 @@ class PipelineModule(nn.Module):
         (the plain model's state dict loads as it is); with dp_shard, a parameter's entry may be its DTensor
         (what state_dict() gives) or the whole tensor, of which this replica keeps its rows."""
         from zbcompile.checkpoint import check_state_dict
+        from zbcompile.checkpoint_rows import rows_of_whole_tables
 
         if assign:
             raise UsageError("PipelineModule.load_state_dict(assign=True): the compiled step holds this rank's "
                              "parameters and buffers, so they are loaded in place; call it with assign=False")
         live = self.state_dict(keep_vars=True)
-        state_dict = self._vocab_rows_of(state_dict, live)
+        state_dict = rows_of_whole_tables(self, state_dict, live)
         check_state_dict(state_dict, live, strict=strict, where=f"rank {self.rank}")
         if self._sharded:   # a whole tensor for a sharded parameter: this replica's rows of it
             from zbcompile.checkpoint import as_live
@@ -466,29 +447,6 @@ class PipelineModule(nn.Module):
             state_dict = {k: as_live((v, live[k])) if k in live and hasattr(live[k], "device_mesh")
                           and not hasattr(v, "device_mesh") else v for k, v in state_dict.items()}
         return super().load_state_dict(state_dict, strict=strict)
-
-    def _vocab_rows_of(self, state_dict, live):
-        """`state_dict` with each whole table of a vocabulary parameter ([V, ...] where this rank holds
-        [rows, ...]) cut to this rank's rows, zero rows past the vocabulary, as the split sharded it."""
-        vocab = self.staged.vocab
-        if vocab is None:
-            return state_dict
-        sharded = {id(self.get_parameter(n)) for n in vocab.params}
-        lo = self.rank * vocab.rows
-        changed = {}
-        for key, value in state_dict.items():
-            mine = live.get(key)
-            if (id(mine) not in sharded or not isinstance(value, torch.Tensor) or value.dim() == 0
-                    or value.shape[0] != vocab.size or tuple(value.shape[1:]) != tuple(mine.shape[1:])
-                    or vocab.size == vocab.rows):
-                continue
-            rows = value[lo:lo + vocab.rows]
-            changed[key] = torch.cat([rows, rows.new_zeros((vocab.rows - rows.shape[0], *rows.shape[1:]))])
-        if not changed:
-            return state_dict
-        out = copy.copy(state_dict)   # (an OrderedDict's copy keeps its _metadata: the modules' versions)
-        out.update(changed)
-        return out
 
     # ---- inspection ----------------------------------------------------------------------------
     def rank_program(self, rank: int | None = None) -> fx.GraphModule:
@@ -535,16 +493,3 @@ class PipelineModule(nn.Module):
                              "no timings; run one synchronous step(...) to trace)")
         return self.runtime.last_step.save_chrome_trace(path)
 
-
-def _rebuild(flat: Sequence[torch.Tensor], outputs, m: int):
-    """The model's output tree from a forward's flat result (microbatch by microbatch, each its tensor leaves
-    in order): each leaf's microbatches concatenated on dim 0, a 0-dim leaf's stacked."""
-    from torch.utils._pytree import tree_unflatten
-
-    from zbcompile.ir.stages import Constant
-
-    k = len(flat) // m
-    tensors = iter([torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts)
-                    for parts in (flat[j::k] for j in range(k))])
-    leaves = [leaf.value if isinstance(leaf, Constant) else next(tensors) for leaf in outputs.leaves]
-    return tree_unflatten(leaves, outputs.spec)

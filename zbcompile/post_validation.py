@@ -36,13 +36,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import math
 from typing import Callable, Sequence
 
 import torch
 
 from zbcompile import grads
-from zbcompile.errors import DisagreementError, UsageError
+from zbcompile.agreement import STEP_ARGUMENTS, check_step_arguments, step_arguments
+from zbcompile.errors import UsageError
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.program.ops import OpKind
 from zbcompile.ir.program.ops.step_boundary import VALUES
@@ -107,46 +107,13 @@ def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | N
     device = pipe.runtime.device
     found = float(_any_not_finite(pipe._counted_grads()))   # the real gradients, not _norm_grads' flags
     mine = local_values(pipe._norm_grads(norm_type), norm_type, pipe._dp.reduce if pipe._sharded else None, found)
-    mine += arguments(max_norm, norm_type)   # compared in the same all-gather, then dropped
+    mine += step_arguments(max_norm, norm_type)   # compared in the same all-gather, then dropped
     rows = pipe._gather(torch.tensor(mine, dtype=torch.float64, device=device)).tolist()
-    rows = [row[:-len(ARGUMENTS)] for row in check_arguments(rows, pipe.rank)]
+    rows = [row[:-len(STEP_ARGUMENTS)] for row in check_step_arguments(rows, pipe.rank)]
     combined = functools.reduce(lambda a, b: combine(a, b, norm_type), rows)
     kind, norm = verdict(combined, norm_type, max_norm, norm_dtype(pipe), device)
     apply(kind, norm, list(pipe.parameters()), max_norm, optimizer)
     optimizer.zero_grad(set_to_none=True)
-
-
-# ---- the step's arguments, the same on every rank ------------------------------------------------------------
-ARGUMENTS = ("max_norm", "norm_type", "rollback", "scaler")
-
-
-def arguments(max_norm: float | None, norm_type: float, rollback: str = "", scaler=None) -> list[float]:
-    """The step's arguments that every rank must share, as floats (None as NaN) for an all-gather."""
-    return [math.nan if max_norm is None else float(max_norm), float(norm_type), float(rollback == "inverse"),
-            float(scaler is not None)]
-
-
-def check_arguments(rows: list[list[float]], rank: int) -> list[list[float]]:
-    """`rows` (every rank's values, ending with `arguments`) unchanged, or DisagreementError on every rank where
-    the ranks stepped with other arguments: each would clip or skip by its own verdict, a model no single
-    setting trains (post-validated: a rollback one rank makes and another does not, then a timeout)."""
-    tail = [row[-len(ARGUMENTS):] for row in rows]
-    for k, name in enumerate(ARGUMENTS):
-        values = [row[k] for row in tail]
-        if any(v != values[0] and not (math.isnan(v) and math.isnan(values[0])) for v in values):
-            shown = "; ".join(f"rank {r}: {_shown(name, v)}" for r, v in enumerate(values))
-            raise DisagreementError(f"rank {rank}: step() was called with other arguments on different ranks: "
-                                    f"{name}: {shown}. Pass the same optimizer arguments (max_norm, norm_type, "
-                                    "post_validate, scaler) on every rank")
-    return rows
-
-
-def _shown(name: str, value: float):
-    if name == "max_norm":
-        return None if math.isnan(value) else value
-    if name in ("rollback", "scaler"):
-        return {"rollback": ("snapshot", "inverse"), "scaler": ("none", "a GradScaler")}[name][int(value)]
-    return value
 
 
 # ---- the verdict: the same arithmetic for the synchronous step and the prefix chain --------------------------
@@ -430,8 +397,8 @@ class PostValidated:
     def reset(self, pipe, optimizer, max_norm, norm_type, scaler=None, rollback: str = "snapshot") -> None:
         """A Boundary for these arguments (after the pending step was settled)."""
         dp = pipe._dp
-        mine = torch.tensor(arguments(max_norm, norm_type, rollback, scaler), dtype=torch.float64)
-        check_arguments(pipe._gather(mine.to(self.first.device)).tolist(), pipe.rank)   # once per new arguments
+        mine = torch.tensor(step_arguments(max_norm, norm_type, rollback, scaler), dtype=torch.float64)
+        check_step_arguments(pipe._gather(mine.to(self.first.device)).tolist(), pipe.rank)   # once per new arguments
         self.key = key(optimizer, max_norm, norm_type, scaler, rollback)
         self.reseed(pipe._seed_for(scaler))
         self.boundary = Boundary(

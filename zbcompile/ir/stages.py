@@ -162,6 +162,17 @@ class ModelOutputs:
     def missing(self) -> list[str]:
         return [c.missing for c in self.leaves if isinstance(c, Constant) and c.missing]
 
+    def rebuild(self, flat, microbatches: int):
+        """The model's output tree from a forward's flat result (microbatch by microbatch, each its tensor
+        leaves in order): each leaf's microbatches concatenated on dim 0, a 0-dim leaf's stacked."""
+        from torch.utils._pytree import tree_unflatten
+
+        k = len(flat) // microbatches
+        tensors = iter([torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts)
+                        for parts in (flat[j::k] for j in range(k))])
+        leaves = [leaf.value if isinstance(leaf, Constant) else next(tensors) for leaf in self.leaves]
+        return tree_unflatten(leaves, self.spec)
+
 
 @dataclass(frozen=True)
 class Traced:
