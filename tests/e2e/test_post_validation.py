@@ -320,7 +320,7 @@ def test_float16_loss_scaling_post_validated_equals_synchronous(schedule, pp):
 def test_no_pipeline_wide_collective_runs_in_a_post_validated_step(monkeypatch):
     """Between two post-validated steps nothing waits for the whole pipeline: neither the step's loss and timings
     gather nor the pipeline group's all-gather (a norm, an inf check, the batch check, off here) runs, nor before
-    settle(). The prefix and totals travel as P2P messages of the programs. A synchronous step before them
+    settle(); the first post-validated step checks once that every rank passed the same arguments. The prefix and totals travel as P2P messages of the programs. A synchronous step before them
     does gather (so the spies see what they should), and its timings are not shown as the last step's after."""
     case = mlp(layers=4, batch=2)
     pp, m = 2, 4
@@ -343,13 +343,14 @@ def test_no_pipeline_wide_collective_runs_in_a_post_validated_step(monkeypatch):
 
     out = run_pipes(run, pp)
     results = [row for _, row in out]
-    # the synchronous step's loss gather and norm exchange on every rank, and nothing after them
-    assert sorted(gathers) == ["_gather"] * pp + ["allgather"] * pp
+    # the synchronous step's loss gather and norm exchange on every rank, the first post-validated step's one
+    # check that every rank steps with the same arguments (agreement.check_step_arguments), and nothing after them
+    assert sorted(gathers) == ["_gather"] * pp + ["allgather"] * (2 * pp)
     assert all(had for had, _ in out) and all(p.last_step is None for p in pipes)
     assert all(not x.validated for x in (results[0][-1], results[1][-1]))
     assert sum(x.clipped for x in results[0][:-1]) == 3   # max_norm=0.01: every step clips (and is run again)
     run_pipes(lambda r: pipes[r].settle(), pp)
-    assert len(gathers) == 2 * pp and all(x.validated for row in results for x in row)
+    assert len(gathers) == 3 * pp and all(x.validated for row in results for x in row)
 
 
 def test_the_pending_step_is_settled_before_anything_else_reads_the_pipeline():
