@@ -11,6 +11,7 @@ graphs and the messages). `Traced` keeps what a later call is compared against.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Sequence
 
 import torch
@@ -30,17 +31,23 @@ class Traced:
     layouts: tuple     # (name, tensor, dtype, device) of every parameter and buffer
     modes: tuple = ()  # (name, module, its mode and dropout probability) of every module of the model
     hooks: tuple = ()  # (name, module or parameter, its hooks) of every module and parameter of the model
+    watched: tuple = ((), (), (), ())   # the model's modules, dropouts, module hook dicts, parameters: _quick
+    quick: tuple = ()  # _quick(*watched) at compile: what each call compares first
 
     @classmethod
     def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]], model: nn.Module | None = None
            ) -> Traced:
         tensors = [*module.named_parameters(), *module.named_buffers()]
         parts = [] if model is None else [*model.named_modules(), *model.named_parameters()]
+        modules = tuple(m for _, m in parts if isinstance(m, nn.Module))
+        watched = (modules, tuple(m for m in modules if isinstance(m, nn.modules.dropout._DropoutNd)),
+                   tuple(getattr(m, k) for m in modules for k in _MODULE_HOOKS),   # dicts changed in place
+                   tuple(p for _, p in params))   # (this rank's: another rank's gradients are not made here)
         return cls(tuple((n, p) for n, p in params if not p.requires_grad),
                    tuple((n, p) for n, p in params if p.requires_grad),
                    tuple((n, t, t.dtype, t.device) for n, t in tensors),
                    tuple((n, m, _mode(m)) for n, m in parts if isinstance(m, nn.Module)),
-                   tuple((n, x, _hooks(x)) for n, x in parts))
+                   tuple((n, x, _hooks(x)) for n, x in parts), watched, _quick(*watched))
 
     def check(self, rank: int, captured: bool) -> None:
         """UsageError for a parameter unfrozen since compile (its gradient was never traced), one frozen since
@@ -67,7 +74,10 @@ class Traced:
 
     def check_model(self) -> None:
         """UsageError for a module whose mode or dropout probability changed since compile, or a hook added or
-        removed (what evaluate() and pipe(x) check too)."""
+        removed (what evaluate() and pipe(x) check too). Every call pays only for _quick; the culprit is
+        looked for where it differs."""
+        if _quick(*self.watched) == self.quick:
+            return
         for name, m, mode in self.modes:
             if _mode(m) != mode:
                 raise UsageError(f"module {name or '(the model)'} ({type(m).__name__}) changed after compile "
@@ -81,6 +91,19 @@ class Traced:
                                  "compiled step runs the graphs traced at compile, which never call a hook added "
                                  "later (and still run one removed). Register forward hooks before "
                                  "zbcompile.compile; act on gradients after step() returns (on p.grad)")
+
+
+_TRAINING, _P = operator.attrgetter("training"), operator.attrgetter("p")
+_GRAD_HOOKS = operator.attrgetter("_backward_hooks")
+_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+
+
+def _quick(modules, dropouts, hook_dicts, params) -> tuple:
+    """Every module's mode, every dropout's p, the modules' hook count, whether a parameter has a hook: a few
+    microseconds per hundred modules (C-level maps), against a few hundred for _mode and _hooks of each. (A hook
+    added to one module and another removed from a second between two calls keeps the count: not seen.)"""
+    return (list(map(_TRAINING, modules)), list(map(_P, dropouts)), sum(map(len, hook_dicts)),
+            any(map(_GRAD_HOOKS, params)) or any(map(_ACCUMULATE_HOOKS, params)))
 
 
 def _mode(m: nn.Module) -> tuple:

@@ -247,8 +247,10 @@ def test_a_hook_added_after_compile_is_refused():
     handles = {}
 
     def add(kind):
-        def change(model):
-            target = next(model.parameters()) if kind == "grad" else _first(model, torch.nn.Linear)
+        def change(model):   # (a gradient hook on a parameter of this rank: another rank's it never makes)
+            held = {id(p) for pipe in pipes if pipe.model is model for p in pipe.parameters()}
+            target = (next(p for p in model.parameters() if id(p) in held) if kind == "grad"
+                      else _first(model, torch.nn.Linear))
             handles[id(model)] = (target.register_hook(lambda g: g * 0) if kind == "grad"
                                   else target.register_forward_hook(lambda *a: None))
         return change
