@@ -267,7 +267,8 @@ def _build_stage(traced: Traced, s: int, stage_of, const, last_use, out_values, 
     # step outputs (loss, buffer updates) leave from the stage their module belongs to, exactly once
     outputs += [(name, node) for name, node in out_values.items() if stage_of[node] == s]
     # (a value this stage only receives and sends on needs none of the constants that made it)
-    needed_consts = _constant_closure(computed + [n for _, n in outputs if n not in set(recv)], const)
+    received = set(recv)
+    needed_consts = _constant_closure(computed + [n for _, n in outputs if n not in received], const)
 
     placeholders = _stage_placeholders(traced, computed + needed_consts, recv)
     g = fx.Graph()

@@ -194,14 +194,13 @@ def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts:
     if all(s is not None and t.shape == s[0] and t.dtype == s[1] for t, s in zip(batch, specs)):
         return
     for i, t in enumerate(batch):
+        spec = data_specs.get(i)
         if t.dim() == 0 or t.shape[0] % m:
             rows = t.shape[0] if t.dim() else 0
-            spec = data_specs.get(i)
             fix = (f"the compiled step takes {m} microbatches of {spec[0][0]} rows (example's), a batch of "
                    f"{m * spec[0][0]} rows" if spec and len(spec[0]) else f"use a batch size that is a multiple of {m}")
             raise UsageError(f"batch argument {i} has {rows} rows, which do not split into {m} equal microbatches; "
                              f"{fix}")
-        spec = data_specs.get(i)
         if spec is None:
             continue
         shape, dtype = spec

@@ -245,12 +245,12 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     _agree_or_raise(pg, [] if files.exists(path) else [f"no checkpoint at {os.fspath(path)!r} (no "
                                                        f"{files.METADATA} there)"], path, "missing")
     _agree_or_raise(pg, files.metadata_problems(path), path, "damaged")
-    _check_checkpoint(path, module, optimizer, pg)
+    meta = _check_checkpoint(path, module, optimizer, pg)
     _agree_or_raise(pg, files.data_problems(path, rank, ranks), path, "damaged")
     extra = files.extra(path)
     with _fresh_on_failure(optimizer):
         state, whole = _state_dict(module, optimizer, copies=True)
-        _check_optimizer_state(path, state, pg)
+        _check_optimizer_state(path, meta, state, pg)
         _read(path, state, pg)
     # row shards were read in place through their views: hand the module its whole tensors back (as this
     # replica's shard of them where the data-parallel replicas shard them)
@@ -400,21 +400,26 @@ def _state_dict(module: nn.Module, optimizer, copies: bool = False):
     return row_shards(state, module)
 
 
-def _check_checkpoint(path, module: nn.Module, optimizer, pg) -> None:
-    problems = _everyones(pg, _checkpoint_problems(path, module, optimizer))
-    if problems:
-        raise CheckpointError(_message(f"checkpoint {os.fspath(path)!r}", problems,
-                                       "load it into the model (and optimizer) it was saved from"))
-
-
-def _checkpoint_problems(path, module: nn.Module, optimizer) -> list[str]:
-    """This rank's mismatches between the checkpoint at `path` and `module` / `optimizer`, read from the
-    checkpoint's metadata only: keys this rank loads that are missing or have other shapes, model keys that no
-    rank of this model would load, and parameters of `optimizer` without saved optimizer state."""
+def _check_checkpoint(path, module: nn.Module, optimizer, pg) -> Mapping[str, object]:
+    """CheckpointError on every rank where the checkpoint's index does not fit `module` / `optimizer`;
+    otherwise the index (DCP's state_dict_metadata), read once for the checks after this one."""
     try:
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as exc:   # OSError, or whatever unpickling a damaged index raises
-        return [f"no checkpoint readable at {os.fspath(path)!r} ({type(exc).__name__}: {exc})"]
+        meta, problems = None, [f"no checkpoint readable at {os.fspath(path)!r} ({type(exc).__name__}: {exc})"]
+    else:
+        problems = _checkpoint_problems(meta, module, optimizer)
+    problems = _everyones(pg, problems)
+    if problems:
+        raise CheckpointError(_message(f"checkpoint {os.fspath(path)!r}", problems,
+                                       "load it into the model (and optimizer) it was saved from"))
+    return meta
+
+
+def _checkpoint_problems(meta: Mapping[str, object], module: nn.Module, optimizer) -> list[str]:
+    """This rank's mismatches between the checkpoint's index `meta` and `module` / `optimizer`: keys this rank
+    loads that are missing or have other shapes, model keys that no rank of this model would load, and
+    parameters of `optimizer` without saved optimizer state."""
     saved = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
     mine = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
     found = vocab_rows(module)
@@ -428,11 +433,10 @@ def _checkpoint_problems(path, module: nn.Module, optimizer) -> list[str]:
     return problems
 
 
-def _check_optimizer_state(path: Path, state: dict, pg) -> None:
-    """CheckpointError on every rank where this rank's optimizer has state entries the checkpoint lacks (torch
-    made them by a step with lr 0, as the load reads into them): it was saved with another optimizer, or other
-    settings of it (SGD's momentum_buffer where AdamW's exp_avg was saved)."""
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+def _check_optimizer_state(path: Path, meta: Mapping[str, object], state: dict, pg) -> None:
+    """CheckpointError on every rank where this rank's optimizer has state entries the checkpoint's index `meta`
+    lacks (torch made them by a step with lr 0, as the load reads into them): it was saved with another
+    optimizer, or other settings of it (SGD's momentum_buffer where AdamW's exp_avg was saved)."""
     mine = [k for k in state.get("optim", {}) if k.startswith("state.") and f"optim.{k}" not in meta]
     problems = []
     for key in mine:
