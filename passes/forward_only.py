@@ -130,7 +130,7 @@ def _forward_copy(f: Graph, keep: list[int], training: bool, where: str) -> Grap
     graph = gm.graph
     out = graph.output_node()
     if not training:
-        _check_buffer_updates(f, graph, where)
+        _check_eval_buffer_updates(f, graph, where)
     out.args = (tuple(out.args[0][i] for i in keep),)
     if not training:
         _to_eval_mode(graph, where)
@@ -285,7 +285,7 @@ _STATISTIC_PATH = frozenset({aten.view.default, aten._unsafe_view.default, aten.
 _BATCH_NORM = frozenset(op for op in TRAINING_ARGUMENT if "batch_norm" in str(op))
 
 
-def _check_buffer_updates(f: Graph, graph: fx.Graph, where: str) -> None:
+def _check_eval_buffer_updates(f: Graph, graph: fx.Graph, where: str) -> None:
     """UsageError for an eval-mode forward whose graph updates a buffer other than the normalization
     statistics the eval switch handles. The step was traced in train mode: whether eval mode makes such an
     update (unconditional) or skips it (`if self.training:`) is not in the graph, and the graph computes with

@@ -42,6 +42,7 @@ from zbcompile.errors import PartitionError
 from zbcompile.ir.names import Role, role_of
 from zbcompile.passes.analysis.step import constant_nodes
 # re-exported so that the chooser stays importable from here; cutting itself never calls it
+from zbcompile.passes.graph_walk import ancestors
 from zbcompile.passes.choose_cuts import FLOPS_PER_BYTE, NODE_PREFIX, auto_split_points, cut_units
 from zbcompile.ir.stages import Graph, Partition, Traced, module_path
 
@@ -123,11 +124,11 @@ def partition(traced: Traced, split_points: Sequence[str]) -> Partition:
                 f"(split points {list(split_points)}); drop one of them"
             )
         stages.append(_build_stage(traced, s, stage_of, const, last_use, out_values, modules[s]))
-    _check_buffer_updates(stages, split_points)
+    _check_buffers_on_one_stage(stages, split_points)
     return Partition(tuple(stages), tuple(split_points), traced)
 
 
-def _check_buffer_updates(stages: Sequence[Graph], split_points: Sequence[str]) -> None:
+def _check_buffers_on_one_stage(stages: Sequence[Graph], split_points: Sequence[str]) -> None:
     """PartitionError for a buffer the forward updates in one stage and reads in another (one BatchNorm module
     called in the first and in the last stage). Eager updates it microbatch by microbatch, each call reading the
     value the previous call left; the pipeline runs a stage's microbatch i+1 before a later stage has run
@@ -135,7 +136,8 @@ def _check_buffer_updates(stages: Sequence[Graph], split_points: Sequence[str]) 
     order: the buffer would end wrong, or the rank writing it would not hold it."""
     readers: dict[str, list[int]] = {}
     for st in stages:   # a stage that lists a buffer but computes nothing from it (its new value comes as an
-        live = _live(st.gm.graph)   # activation; a dead copy of a cheap op) reads none
+        # activation; a dead copy of a cheap op) reads none
+        live = ancestors(st.gm.graph.output_node().all_input_nodes)
         for name, ph in zip(st.inputs, st.gm.graph.find_nodes(op="placeholder")):
             if role_of(name) is Role.BUFFER and ph in live:
                 readers.setdefault(name, []).append(st.index)
@@ -157,17 +159,6 @@ def _check_buffer_updates(stages: Sequence[Graph], split_points: Sequence[str]) 
                 "updates cannot keep eager's order. Fix: cut so that every use of it falls in one stage "
                 "(split_points=[...] with no cut between them), or give each use its own module (e.g. two "
                 "BatchNorm layers instead of one called twice)")
-
-
-def _live(graph: fx.Graph) -> set[fx.Node]:
-    """The nodes the graph's outputs depend on."""
-    live, stack = set(), [graph.output_node()]
-    while stack:
-        for arg in stack.pop().all_input_nodes:
-            if arg not in live:
-                live.add(arg)
-                stack.append(arg)
-    return live
 
 
 def cut_starts(traced: Traced, split_points: Sequence[str]) -> list[int]:

@@ -39,6 +39,7 @@ from zbcompile._torch_private import FakeTensorMode
 from zbcompile.errors import VocabError
 from zbcompile.ir.names import VOCAB_EMB, VOCAB_X, Role, key_of, role_of
 from zbcompile.ir.stages import Graph, Partition, TensorSpec, VocabLayers, module_path
+from zbcompile.passes.graph_walk import ancestors
 
 __all__ = ["shard_vocab", "find_vocab_layers", "VocabPattern"]
 
@@ -219,22 +220,11 @@ def _check_token_op(node: fx.Node, size: int) -> None:
 def _check_from_data(g: Graph, node: fx.Node, what: str) -> None:
     """`node` must be computed from the user's data alone (every rank has the data, none the activations)."""
     names = dict(zip(g.input_nodes().values(), g.inputs))
-    for n in _ancestors(node):
+    order = {n: i for i, n in enumerate(g.gm.graph.nodes)}
+    for n in sorted(ancestors([node]), key=order.__getitem__):
         if n.op == "placeholder" and role_of(names[n]) is not Role.DATA:
             raise VocabError(f"{what} depend on `{names[n]}`, not only on the step's inputs; every rank computes "
                              f"them from the batch. fix: pass them in as model inputs / loss targets")
-
-
-def _ancestors(node: fx.Node) -> list[fx.Node]:
-    seen: dict[fx.Node, None] = {}
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen[n] = None
-        stack.extend(n.all_input_nodes)
-    return list(seen)
 
 
 def _describe(p: VocabPattern) -> str:
@@ -332,7 +322,7 @@ def _data_fn(g: Graph, node: fx.Node) -> tuple[tuple[str, ...], fx.GraphModule]:
     """The data inputs `node` is computed from and a GraphModule computing it from them."""
     names = dict(zip(g.input_nodes().values(), g.inputs))
     order = {n: i for i, n in enumerate(g.gm.graph.nodes)}
-    needed = sorted(_ancestors(node), key=order.__getitem__)
+    needed = sorted(ancestors([node]), key=order.__getitem__)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     inputs = []

@@ -28,6 +28,7 @@ import dataclasses
 from typing import Sequence
 
 from zbcompile.errors import LoweringError
+from zbcompile.passes.graph_walk import ancestors, is_computed
 from zbcompile.passes.lower.reduce import check_dense, grad_types
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.ops import DPArgs, Op, OpKind, SetGradArgs, TensorType
@@ -258,7 +259,7 @@ def _split_graph(g, pieces: int):
     owner: dict = {}
     for k, group in enumerate(groups):
         for j in group:
-            for n in _computed_ancestors(outs[j]):
+            for n in ancestors([outs[j]], through=is_computed):
                 owner.setdefault(n, k)
     placeholders = list(graph.find_nodes(op="placeholder"))
     local = dict(zip(placeholders, g.inputs))
@@ -297,20 +298,6 @@ def _split_graph(g, pieces: int):
         out.append((dataclasses.replace(g, gm=gm, inputs=tuple(ins), outputs=names, types=types),
                     tuple(ins), names))
     return out
-
-
-def _computed_ancestors(node) -> set:
-    """The call_function nodes `node` is computed from (itself included)."""
-    from torch import fx
-
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, fx.Node) or n.op != "call_function" or n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _groups(sizes: list[int], n: int) -> list[list[int]]:

@@ -4,12 +4,12 @@ and W, the rest of the parameter grads' work, reading what it needs of B as wsav
 from __future__ import annotations
 
 import operator
-from typing import Iterable
 
 from torch import fx
 
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Graph
+from zbcompile.passes.graph_walk import ancestors, not_placeholder
 from zbcompile.passes.split_fbw.common import _aten, _identifier
 
 __all__ = ["_split_b_w"]
@@ -22,8 +22,8 @@ def _split_b_w(bw: Graph) -> tuple[Graph, Graph]:
     outputs = list(zip(bw.outputs, graph.output_node().args[0]))
     b_roots = [n for name, n in outputs if role_of(name) is not Role.GRAD_PARAM]
     w_roots = [n for name, n in outputs if role_of(name) is Role.GRAD_PARAM]
-    b_nodes = _with_fused_siblings(_ancestors(b_roots))
-    w_nodes = _ancestors(w_roots, stop=b_nodes)
+    b_nodes = _with_fused_siblings(ancestors(b_roots, through=not_placeholder))
+    w_nodes = ancestors(w_roots, through=not_placeholder, stop=b_nodes)
     # values W reads from B (or that W returns straight from B)
     w_reads = {i for n in w_nodes for i in n.all_input_nodes if i not in w_nodes}
     w_reads |= {n for n in w_roots if n not in w_nodes}
@@ -39,19 +39,6 @@ def _split_b_w(bw: Graph) -> tuple[Graph, Graph]:
     b = _extract(gm, b_nodes, b_inputs, b_outputs, "B")
     w = _extract(gm, w_nodes, w_inputs, w_outputs, "W")
     return b, w
-
-
-def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
-    """Computed (non-placeholder) nodes that `roots` depend on, not crossing `stop`."""
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n in seen or n in stop or n.op == "placeholder":
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _with_fused_siblings(nodes: set[fx.Node]) -> set[fx.Node]:
