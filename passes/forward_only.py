@@ -161,9 +161,8 @@ def output_graph(cut: Partition) -> OutputGraph | str:
     if cut.vocab is not None and cut.vocab.last is None:
         return "its output layer is sharded over the ranks (vocab_parallel=True) and the split kept no whole copy"
     if outputs is None:
-        return ("torch.export could not keep the model's call signature, so the trace does not know its outputs "
-                "(the usual cause: an output export cannot describe, such as a HuggingFace model's key-value cache; "
-                "compile it with use_cache=False)")
+        return ("torch.export could not keep the model's call signature, so the trace does not know its outputs: "
+                + (cut.traced.outputs_unknown or "an output export cannot describe"))
     if outputs.missing:
         return (f"the loss does not read every output of the model ({', '.join(outputs.missing)}), so the "
                 "traced step never computes those")

@@ -111,12 +111,12 @@ def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
         # a model built on the meta device traces with meta data: nothing is ever computed
         device = next((x.device for x in flat if not x.is_meta), torch.device("cpu"))
         flat = tuple(x.to("meta") for x in flat)
-    ep = _export(model, loss_fn, flat, num_inputs, input_keywords(example))
+    ep, unknown = _export(model, loss_fn, flat, num_inputs, input_keywords(example))
     aliases = _tied_groups(model)
     graph = _name_values(ep, aliases)
     frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
     return Traced(graph, num_inputs, num_targets, tuple(aliases.values()), frozen, device,
-                  _model_outputs(ep, graph))
+                  _model_outputs(ep, graph), unknown)
 
 
 def retarget_stages(cut: Partition) -> Partition:
@@ -150,7 +150,8 @@ def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
 
 
 def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
-            keywords: tuple[str, ...] = ()) -> torch.export.ExportedProgram:
+            keywords: tuple[str, ...] = ()) -> tuple[torch.export.ExportedProgram, str]:
+    """The exported step, and why it does not keep the model's call signature ("" where it does)."""
     step = _Step(model, loss_fn, num_inputs, keywords)
     try:
         # a custom autograd.Function keeps its backward (passes/functions.py); an op that fails on the fake
@@ -179,19 +180,31 @@ def _quiet(logger: str):
         log.removeFilter(critical_only)
 
 
-def _export_step(step: nn.Module, flat) -> torch.export.ExportedProgram:
+def _export_step(step: nn.Module, flat) -> tuple[torch.export.ExportedProgram, str]:
     try:
         # the model's call signature kept: which graph values are the model's outputs (forward outputs of an
         # evaluation step, PipelineModule.forward); the graph itself is the same as without it
         return _decomposed(torch.export.export(step, tuple(flat), strict=False,
-                                               preserve_module_call_signature=(_WRAPPED,)))
+                                               preserve_module_call_signature=(_WRAPPED,))), ""
     except TraceError:
         raise
-    except Exception:
+    except Exception as exc:
         # a model whose call signature export cannot keep still trains; nor can the decompositions keep it where
         # a model output the loss does not read is made by a plain op (`return logits, logits.argmax(-1)`): they
         # drop that dead op, and torch then finds the signature naming a value that is gone
-        return _decomposed(torch.export.export(step, tuple(flat), strict=False))
+        return _decomposed(torch.export.export(step, tuple(flat), strict=False)), _signature_problem(exc)
+
+
+def _signature_problem(exc: Exception) -> str:
+    """Why export could not keep the model's call signature, for the user who asks for the model's outputs."""
+    said = " ".join(str(exc).split())
+    said = said if len(said) <= 300 else said[:300] + " ..."
+    if "pytree flattened" in said:
+        return ("the model returns an object torch.utils._pytree does not know (a dataclass or a class of your own)"
+                "; register its class before compile with torch.export.register_dataclass(cls) (a dataclass) or "
+                f"torch.utils._pytree.register_pytree_node (torch: {said})")
+    return ("the usual cause is an output export cannot describe, such as a HuggingFace model's key-value cache "
+            f"(compile it with use_cache=False); torch: {type(exc).__name__}: {said}")
 
 
 def _decomposed(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -8,6 +8,7 @@ GradScaler. tests/distributed/test_training_loop_dist.py runs the same user call
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -835,6 +836,65 @@ class _WithPredictions(torch.nn.Module):
         out = self.b(torch.tanh(self.c(torch.tanh(self.a(x)))))
         return out, out.argmax(-1)
 
+
+
+@dataclasses.dataclass
+class _Unregistered:
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Registered:
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+torch.export.register_dataclass(_Registered)
+
+
+class _DataclassOut(torch.nn.Module):
+    """Returns its outputs as a dataclass (`kind`), as many model libraries do."""
+
+    def __init__(self, kind) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a, self.c, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.c(torch.tanh(self.a(x))))
+        return self.kind(self.b(h), h.pow(2).mean())
+
+
+def _dataclass_loss(out, t):
+    return F.mse_loss(out.logits, t) + 0.1 * out.aux
+
+
+def test_a_dataclass_output_trains_and_comes_back_once_registered():
+    """A model returning a dataclass trains as eager does whether or not torch's pytree knows the class; pipe(x)
+    needs the class registered (the trace keeps the call signature only then) and says so, naming
+    torch.export.register_dataclass; registered, it returns the dataclass with the microbatches concatenated
+    and the 0-dim leaf one value per microbatch."""
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    for kind in (_Unregistered, _Registered):
+        case = type(gpt())(_DataclassOut(kind).double(), _dataclass_loss, (x, y), 4)
+        model, loss_fn, x, y, pipes = _pipes(case)
+        ref = copy.deepcopy(model)
+        want = eager_step(ref, loss_fn, x, y, M)
+        losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
+        assert all(abs(loss - want) <= 1e-12 * abs(want) for loss in losses), (kind, losses, want)
+        _assert_state_equal(pipes, ref, 1e-10, kind.__name__)
+        if kind is _Unregistered:
+            with pytest.raises(UsageError, match=r"torch\.export\.register_dataclass"):
+                pipes[0].eval()(x)
+            continue
+        outs = run_pipes(lambda r: pipes[r].eval()(x), PP)
+        got = next(o for o in outs if o is not None)
+        assert isinstance(got, _Registered) and outs.count(None) == PP - 1, outs
+        with torch.no_grad():
+            parts = [model(part) for part in x.chunk(M)]
+        assert rel(got.logits, torch.cat([p.logits for p in parts])) <= 1e-12
+        assert rel(got.aux, torch.stack([p.aux for p in parts])) <= 1e-12
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
 def test_an_output_the_loss_does_not_read_made_by_a_plain_op_trains_as_eager(schedule):

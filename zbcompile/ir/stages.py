@@ -191,6 +191,7 @@ class Traced:
     # (arange, masks) on the device of the user's example instead (cpu if that is meta too).
     device: torch.device | None = None
     outputs: ModelOutputs | None = None    # which values of the step are the model's outputs (before the loss)
+    outputs_unknown: str = ""              # where outputs is None: why torch.export could not say
 
     @property
     def gm(self) -> fx.GraphModule:
