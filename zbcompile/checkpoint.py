@@ -100,23 +100,25 @@ class _Share(nn.Module):
 def check_state_dict(state_dict: Mapping[str, object], expected: Mapping[str, torch.Tensor], *, strict: bool = True,
                      where: str = "") -> None:
     """Raise CheckpointError unless `state_dict` has a tensor of the expected shape for every key of `expected`
-    and (strict) no other keys. Shapes are checked whatever `strict` says: nothing is copied on a mismatch."""
+    and no other keys; strict=False skips missing and unexpected keys, as nn.Module.load_state_dict does (it then
+    reports them in its result). Shapes are checked whatever `strict` says: nothing is copied on a mismatch."""
     shapes = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-    problems = _mismatches(shapes, {k: tuple(v.shape) for k, v in expected.items()}, strict=strict)
+    problems = _mismatches(shapes, {k: tuple(v.shape) for k, v in expected.items()}, missing=strict,
+                           unexpected=strict)
     if problems:
         raise CheckpointError(_message(f"the state dict given to load_state_dict ({where})", problems,
                                        "pass the state dict of this model (or load with strict=False to skip "
                                        "missing and unexpected keys; shapes must match)"))
 
 
-def _mismatches(got: Mapping[str, tuple], want: Mapping[str, tuple], *, strict: bool = True,
-                prefix: str = "") -> list[str]:
-    """Missing keys, then other shapes, then (strict) unexpected keys, each as one line."""
-    missing = [f"missing: {prefix}{k} {list(s)}" for k, s in want.items() if k not in got]
+def _mismatches(got: Mapping[str, tuple], want: Mapping[str, tuple], *, missing: bool = True,
+                unexpected: bool = True, prefix: str = "") -> list[str]:
+    """(missing) Missing keys, then other shapes, then (unexpected) unexpected keys, each as one line."""
+    absent = [f"missing: {prefix}{k} {list(s)}" for k, s in want.items() if k not in got] if missing else []
     shape = [f"shape: {prefix}{k} is {list(got[k])} there, {list(s)} in the model" for k, s in want.items()
              if k in got and got[k] != s]
-    extra = [f"unexpected: {prefix}{k}" for k in got if k not in want] if strict else []
-    return missing + shape + extra
+    extra = [f"unexpected: {prefix}{k}" for k in got if k not in want] if unexpected else []
+    return absent + shape + extra
 
 
 def _message(what: str, problems: list[str], fix: str) -> str:
@@ -426,7 +428,7 @@ def _checkpoint_problems(meta: Mapping[str, object], module: nn.Module, optimize
     if found is not None:   # the checkpoint holds the whole tables this rank holds rows of
         for name in vocab_names(module, found[0]):
             mine[name] = (found[0].size, *mine[name][1:])
-    problems = _mismatches(saved, mine, strict=False, prefix="model.")
+    problems = _mismatches(saved, mine, unexpected=False, prefix="model.")   # the others' keys: checked below
     problems += [f"unexpected: model.{k}" for k in saved if k not in _whole_model_keys(module)]
     if optimizer is not None:
         problems += _optimizer_problems(meta, module, optimizer)

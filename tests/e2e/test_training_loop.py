@@ -616,6 +616,38 @@ def test_load_state_dict_takes_the_whole_vocabulary_tables():
     _assert_state_equal(pipes, ref, 1e-12, "after a step from the loaded state")
 
 
+
+def test_load_state_dict_strict_false_skips_missing_keys_as_torch_does():
+    """A pretrained state dict without the tied head (HuggingFace checkpoints leave `lm_head.weight` out):
+    strict=False loads the rest and reports the key missing, as nn.Module.load_state_dict does, and the tied head
+    then is the loaded embedding on every rank; strict=True refuses it by name before anything is written."""
+    from zbcompile.errors import CheckpointError
+
+    case = gpt(layers=4, batch=8)
+    model, loss_fn, x, y, pipes = _pipes(case, dtype=torch.float64)
+    pretrained = copy.deepcopy(model)
+    for p in pretrained.parameters():
+        torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(7))
+    sd = {k: v for k, v in pretrained.state_dict().items() if k != "lm_head.weight"}
+    eager = copy.deepcopy(model)
+    assert eager.load_state_dict(sd, strict=False).missing_keys == ["lm_head.weight"]
+    want = eager_step(eager, loss_fn, x, y, M)
+
+    def run(r):
+        pipe = pipes[r]
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        with pytest.raises(CheckpointError, match="missing: lm_head.weight"):
+            pipe.load_state_dict(sd)
+        assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items()), "strict=True wrote"
+        result = pipe.load_state_dict(sd, strict=False)
+        return result, pipe.step(x, y)
+
+    for r, (result, loss) in enumerate(run_pipes(run, PP)):
+        held = dict(pipes[r].state_dict())
+        assert result.missing_keys == (["lm_head.weight"] if "lm_head.weight" in held else []), (r, result)
+        assert loss == pytest.approx(want, rel=1e-12), (r, loss, want)
+    _assert_state_equal(pipes, eager, 1e-12, "after a step from the loaded state")
+
 def test_ids_and_targets_outside_the_vocabulary_are_refused():
     """vocab_parallel=True: a token id or a target outside [0, V) is looked up by no shard (zeros, a missed
     logit) where eager raises: step, evaluate and pipe(x) refuse it by name on every rank, before anything is
