@@ -8,7 +8,8 @@ schema, and the schema says which results alias which arguments: `view(Tensor(a)
 `add_(Tensor(a!) self, Tensor other) -> Tensor(a!)`, a result without an annotation is fresh. Each node's
 result is described by its *roots*: the placeholders and fresh results whose memory it may use. A node
 fx cannot vouch for (not an aten op, a list result of unknown make-up) gets every root of its arguments and
-one of its own, which only ever makes an answer more cautious.
+one of its own, which only ever makes an answer more cautious; so does an op whose schema calls its result fresh
+although it holds its arguments' memory (`_unsafe_view`, a sparse tensor built on given indices and values).
 
     x = placeholder; w = placeholder          roots: {in 0}, {in 1}
     v = aten.view(x, [-1])                    {in 0}
@@ -42,6 +43,12 @@ __all__ = ["graph_output_aliases", "graph_output_owned", "node_roots", "is_view"
 
 # aten ops whose schema calls the result fresh but that return (a view of) their input's memory
 _NO_COPY = frozenset({"_unsafe_view", "alias", "lift_fresh", "_reshape_alias"})
+# ... and those whose result holds its arguments by reference: a sparse tensor built on the indices and values
+# it is given (an nn.Embedding(sparse=True) gradient's values are the received output gradient itself)
+_HOLDS_ARGUMENTS = _NO_COPY | frozenset({
+    "_sparse_coo_tensor_with_dims_and_tensors", "_sparse_coo_tensor_unsafe", "sparse_coo_tensor",
+    "_sparse_compressed_tensor_unsafe", "sparse_compressed_tensor", "_sparse_csr_tensor_unsafe",
+    "sparse_csr_tensor", "_sparse_csc_tensor_unsafe", "_sparse_bsr_tensor_unsafe", "_sparse_bsc_tensor_unsafe"})
 
 
 def graph_output_aliases(gm: fx.GraphModule) -> tuple[frozenset[int], ...]:
@@ -111,6 +118,8 @@ def _node_roots(node: fx.Node, roots: dict[fx.Node, frozenset]) -> frozenset:
                 return _schema_roots(parent, [rets[index]], roots, f"{parent.name}[{index}]")
         return roots.get(parent, frozenset())
     if node.op == "call_function" and isinstance(target, OpOverload):
+        if target.overloadpacket.__name__ in _HOLDS_ARGUMENTS:   # the schema says fresh; the memory is theirs
+            return _all_roots(node, roots) | {node.name}
         rets = op_schema(target).returns
         if rets and not any(map(_is_list, rets)):
             return _schema_roots(node, rets, roots, node.name)
