@@ -31,8 +31,9 @@ class Traced:
     layouts: tuple     # (name, tensor, dtype, device) of every parameter and buffer
     modes: tuple = ()  # (name, module, its mode and dropout probability) of every module of the model
     hooks: tuple = ()  # (name, module or parameter, its hooks) of every module and parameter of the model
-    watched: tuple = ((), (), (), ())   # the model's modules, dropouts, module hook dicts, parameters: _quick
+    watched: tuple = ((), (), (), (), (), (), ())   # what _quick reads: see `of`
     quick: tuple = ()  # _quick(*watched) at compile: what each call compares first
+    slots: tuple = ()  # (name, module, dict name, key) of every submodule, parameter and buffer slot: `watched`'s
 
     @classmethod
     def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]], model: nn.Module | None = None
@@ -40,14 +41,19 @@ class Traced:
         tensors = [*module.named_parameters(), *module.named_buffers()]
         parts = [] if model is None else [*model.named_modules(), *model.named_parameters()]
         modules = tuple(m for _, m in parts if isinstance(m, nn.Module))
+        slots = _slots([*module.named_modules(remove_duplicate=False),
+                        *(model.named_modules(remove_duplicate=False) if model is not None else ())])
         watched = (modules, tuple(m for m in modules if isinstance(m, nn.modules.dropout._DropoutNd)),
                    tuple(getattr(m, k) for m in modules for k in _MODULE_HOOKS),   # dicts changed in place
-                   tuple(p for _, p in params))   # (this rank's: another rank's gradients are not made here)
+                   tuple(p for _, p in params),   # (this rank's: another rank's gradients are not made here)
+                   # each slot's dict, key and the object in it at compile: a module or a tensor replaced since
+                   tuple(getattr(m, d) for _, m, d, _ in slots), tuple(k for *_, k in slots),
+                   tuple(getattr(m, d)[k] for _, m, d, k in slots))
         return cls(tuple((n, p) for n, p in params if not p.requires_grad),
                    tuple((n, p) for n, p in params if p.requires_grad),
                    tuple((n, t, t.dtype, t.device) for n, t in tensors),
                    tuple((n, m, _mode(m)) for n, m in parts if isinstance(m, nn.Module)),
-                   tuple((n, x, _hooks(x)) for n, x in parts), watched, _quick(*watched))
+                   tuple((n, x, _hooks(x)) for n, x in parts), watched, _quick(*watched), slots)
 
     def check(self, rank: int, captured: bool) -> None:
         """UsageError for a parameter unfrozen since compile (its gradient was never traced), one frozen since
@@ -78,6 +84,16 @@ class Traced:
         looked for where it differs."""
         if _quick(*self.watched) == self.quick:
             return
+        for (name, m, kind, key), held in zip(self.slots, self.watched[6]):
+            now = getattr(m, kind).get(key)
+            if now is not held:
+                what = {"_modules": "module", "_parameters": "parameter", "_buffers": "buffer"}[kind]
+                full = f"{name}.{key}" if name else key
+                raise UsageError(f"{what} {full} was {'removed' if now is None else 'replaced'} after compile, but "
+                                 f"the compiled step keeps reading the {what} it was traced with (a new one would "
+                                 "never be used, nor get a gradient). Make the change before zbcompile.compile (a "
+                                 "new head for fine-tuning: replace it, then compile), or change the values in "
+                                 f"place (with torch.no_grad(): old.copy_(new))")
         for name, m, mode in self.modes:
             if _mode(m) != mode:
                 raise UsageError(f"module {name or '(the model)'} ({type(m).__name__}) changed after compile "
@@ -98,12 +114,26 @@ _GRAD_HOOKS = operator.attrgetter("_backward_hooks")
 _ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
-def _quick(modules, dropouts, hook_dicts, params) -> tuple:
-    """Every module's mode, every dropout's p, the modules' hook count, whether a parameter has a hook: a few
-    microseconds per hundred modules (C-level maps), against a few hundred for _mode and _hooks of each. (A hook
-    added to one module and another removed from a second between two calls keeps the count: not seen.)"""
+def _quick(modules, dropouts, hook_dicts, params, slot_dicts, keys, held) -> tuple:
+    """Every module's mode, every dropout's p, the modules' hook count, whether a parameter has a hook, whether
+    every submodule, parameter and buffer slot still holds its object: a few microseconds per hundred modules
+    (C-level maps), against a few hundred for _mode and _hooks of each. (A hook added to one module and another
+    removed from a second between two calls keeps the count: not seen.)"""
     return (list(map(_TRAINING, modules)), list(map(_P, dropouts)), sum(map(len, hook_dicts)),
-            any(map(_GRAD_HOOKS, params)) or any(map(_ACCUMULATE_HOOKS, params)))
+            any(map(_GRAD_HOOKS, params)) or any(map(_ACCUMULATE_HOOKS, params)),
+            all(map(operator.is_, map(dict.get, slot_dicts, keys), held)))
+
+
+def _slots(named_modules) -> tuple:
+    """(name, module, dict name, key) for every entry of each module's _modules, _parameters and _buffers (a
+    module reached twice once)."""
+    seen, out = set(), []
+    for name, m in named_modules:
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out += [(name, m, kind, key) for kind in ("_modules", "_parameters", "_buffers") for key in getattr(m, kind)]
+    return tuple(out)
 
 
 def _mode(m: nn.Module) -> tuple:

@@ -240,6 +240,40 @@ def test_a_module_switched_to_eval_or_its_dropout_changed_after_compile_is_refus
                          r"\(Dropout\) changed after compile \(train mode, p=0.2 -> train mode, p=0.0\)")
 
 
+
+def test_a_module_parameter_or_buffer_replaced_after_compile_is_refused():
+    """A new head for fine-tuning assigned to the compiled model, a parameter re-created on the pipe, a buffer
+    re-assigned: the compiled step kept reading the objects it was traced with (trained the old head, left the
+    new parameter without a gradient) without a word."""
+    _, _, x, y, pipes = _pipes(gpt(layers=4, batch=8))
+    kept = {}
+
+    def swap(get_owner, name, make):
+        def change(model):
+            owner = get_owner(model)
+            kept[id(model)] = owner, getattr(owner, name)
+            setattr(owner, name, make(getattr(owner, name)))
+
+        def undo(model):
+            owner, old = kept.pop(id(model))
+            setattr(owner, name, old)
+        return change, undo
+
+    def pipe_of(model):
+        return next(pipe for pipe in pipes if pipe.model is model)
+
+    def first_owner(model):   # the pipe's container holding its first parameter
+        name = next(n for n, _ in pipe_of(model).named_parameters())
+        return pipe_of(model).get_submodule(name.rpartition(".")[0])
+
+    head = swap(lambda m: m, "lm_head", lambda old: torch.nn.Linear(old.in_features, old.out_features, bias=False))
+    _refused_then_trains(pipes, x, y, *head, r"module lm_head was replaced after compile")
+    param = swap(first_owner, "weight", lambda old: torch.nn.Parameter(torch.zeros_like(old)))
+    _refused_then_trains(pipes, x, y, *param, r"parameter .*weight was replaced after compile")
+    _, _, x, y, pipes = _pipes(convnet(blocks=4, batch=8))
+    buffer = swap(lambda m: _first(m, torch.nn.BatchNorm2d), "running_mean", torch.zeros_like)
+    _refused_then_trains(pipes, x, y, *buffer, r"buffer .*running_mean was replaced after compile")
+
 def test_a_hook_added_after_compile_is_refused():
     """A forward hook or a gradient hook registered on the compiled model after compile: the traced graphs never
     call it (it was dropped without a word)."""
