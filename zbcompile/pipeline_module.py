@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from zbcompile import agreement, call_checks, grads
+from zbcompile import agreement, call_checks, grads, rng
 from zbcompile.compiler import Compiled
 from zbcompile.errors import RuntimeFailure, UsageError
 from zbcompile.grads import PipelineGradScaler
@@ -104,6 +104,10 @@ class PipelineModule(nn.Module):
         self._batch_specs = tuple(runtime.batch_specs.get(i) for i in range(staged.num_inputs + staged.num_targets))
         self._autocast = compiled.staged.meta.get("autocast", ())
         self._seed_value = 1.0 / compiled.schedule.num_microbatches
+        # random ops on the CPU draw from a stream of their own (zbcompile/rng.py): the global generator stays the
+        # same on every rank (a shuffling DataLoader hands them the same batches)
+        self._own_rng = (runtime.device.type == "cpu" and isinstance(group, torch.distributed.ProcessGroup)
+                         and rng.has_random_ops(st.f.gm for st in compiled.stages_of(rank)))
         attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
         counted = compiled.counted_params(rank)
         self.__dict__["_counted"] = [model.get_parameter(n) for n in counted]
@@ -167,7 +171,8 @@ class PipelineModule(nn.Module):
         local = self._checked(batch, "step")
         self._check_same_batch(batch, "step")
         self.runtime.call = call
-        loss = self.runtime.step_batch(local)   # with dp, the program averaged the gradients over the replicas
+        with rng.own_stream(self.rank, self._own_rng):
+            loss = self.runtime.step_batch(local)   # with dp, the program averaged the gradients over the replicas
         self._post_validated_last = False
         loss = loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
         if optimizer is not None:
@@ -204,7 +209,8 @@ class PipelineModule(nn.Module):
             pv.reset(self, optimizer, max_norm, norm_type, scaler, rollback)
         self.runtime.forget_last_step()   # it gathers no timings: last_step is None, not an older step's
         self._post_validated_last = True
-        return pv.step(local)
+        with rng.own_stream(self.rank, self._own_rng):
+            return pv.step(local)
 
     @_unusable_after_a_failure
     def settle(self) -> None:
@@ -236,7 +242,7 @@ class PipelineModule(nn.Module):
         local = self._checked(inputs, "forward", targets=False)
         runtime = self._forward.get((self.training, True)) or self._forward_runtime(self.training, outputs=True)
         self._check_same_batch(inputs, "forward")
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), rng.own_stream(self.rank, self._own_rng):
             flat = runtime.run_batch(local)
         if flat is None:
             return None
@@ -261,7 +267,8 @@ class PipelineModule(nn.Module):
         runtime = self._forward.get((self.training, False)) or self._forward_runtime(self.training)
         self._check_same_batch(batch, "evaluate")
         runtime.call = call
-        with torch.inference_mode(False):   # the step's buffers must stay usable outside inference_mode too
+        # (inference_mode off: the step's buffers must stay usable outside inference_mode too)
+        with torch.inference_mode(False), rng.own_stream(self.rank, self._own_rng):
             loss = runtime.step_batch(local)
             return loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
 

@@ -45,6 +45,20 @@ def test_evaluate_and_forward_outputs_in_eval_mode(run):
     assert holders == got["last_stage_ranks"], holders
 
 
+def test_a_shuffling_data_loader_hands_every_rank_the_same_batches_under_dropout(run):
+    """The same seed on every rank, dropout in the model, DataLoader(shuffle=True) drawing its order from the
+    global generator: each rank runs only its own stages' dropout, and the ranks' generators drifted apart, so
+    from the second epoch on each rank was handed another batch without a word. The stages now draw from a
+    stream of their own (zbcompile/rng.py): every rank's batches and generator stay the same, and dropout still
+    draws new masks every step."""
+    pp, results = run
+    got = [res for _, res in _case(results, "shuffle")]
+    for r, res in enumerate(got):
+        assert res["sums"] == got[0]["sums"], (r, res["sums"], got[0]["sums"])
+        assert res["rng"] == got[0]["rng"], r
+        assert res["masks_differ"], r
+
+
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("bfloat16", 3e-2), ("float16", 5e-3)])
 def test_every_floating_dtype_trains_equal_to_eager(run, dtype, tol):
     pp, results = run

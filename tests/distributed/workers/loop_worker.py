@@ -2,6 +2,7 @@
 write, each against eager single-process training of the same model, computed on every rank:
 
     eval       a GPT with dropout under zbv: evaluate() and pipe(x) in eval mode, the refusals, a step after them
+    shuffle    the same GPT fed by a shuffling DataLoader over 3 epochs: every rank handed the same batches
     dtype/*    float64, bfloat16 and float16 GPTs under zbv: loss and gradients
     autocast   compiled and stepped under torch.autocast(bfloat16)
     scaler     float16 autocast with pipe.grad_scaler(): an overflowing step skipped everywhere, the scale halved
@@ -90,6 +91,26 @@ def eval_case(pp: int, m: int) -> dict:
                 out_err=None if out is None else rel(out, want_out), refusals=refusals, step=step,
                 graded=all(p.grad is not None for p in pipe.parameters()),
                 last_stage_ranks=sorted(pipe.schedule.stage_ranks()[-1]))
+
+
+def shuffle_case(pp: int, m: int) -> dict:
+    """A GPT with dropout under zbv, fed by a DataLoader(shuffle=True) for 3 epochs, the same seed on every rank:
+    per step a checksum of the batch each rank was handed, the global generator's state at the end, and whether
+    two steps on one batch drew other dropout masks."""
+    import hashlib
+
+    torch.manual_seed(0)
+    model, loss_fn, x, y, pipe = compile_case(gpt(layers=2 * pp, dropout=0.3, batch=2 * m), "zbv", m)
+    rows = torch.cat([torch.cat([x, y[:, -1:]], 1) + k for k in range(3)]) % model.cfg.vocab
+    loader = torch.utils.data.DataLoader(rows, batch_size=x.shape[0], shuffle=True)
+    sums, weights = [], torch.arange(1, rows.shape[1], dtype=torch.float64)
+    for _ in range(3):
+        for batch in loader:
+            sums.append(float((batch[:, :-1].double() * weights).sum()))
+            pipe.step(batch[:, :-1], batch[:, 1:])
+    again = [pipe.step(x, y) for _ in range(2)]
+    return dict(sums=sums, rng=hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+                masks_differ=again[0] != again[1])
 
 
 def dtype_case(pp: int, m: int, dtype) -> dict:
@@ -239,6 +260,7 @@ def run(rank: int, pp: int, out: str) -> dict:
     m = 2 * pp
     cases = {
         "eval": lambda: eval_case(pp, m),
+        "shuffle": lambda: shuffle_case(pp, m),
         "dtype/float64": lambda: dtype_case(pp, m, torch.float64),
         "dtype/bfloat16": lambda: dtype_case(pp, m, torch.bfloat16),
         "dtype/float16": lambda: dtype_case(pp, m, torch.float16),
