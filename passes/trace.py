@@ -74,7 +74,10 @@ def flatten_example(example) -> tuple[tuple[torch.Tensor, ...], int, int]:
     flat = parts[0] + parts[1]
     for i, x in enumerate(flat):
         if not isinstance(x, torch.Tensor):
-            raise TraceError(f"example argument data:{i} is a {type(x).__name__}, not a tensor")
+            raise TraceError(f"example argument data:{i} is a {type(x).__name__}, not a tensor: every input and "
+                             "target is a tensor split into microbatches. Bind a constant argument in the model "
+                             "(functools.partial of its forward, or a wrapper module) or the loss_fn, or pass it "
+                             "as a tensor (torch.tensor(value), one per row if it changes per sample)")
     return _distinct(flat), len(parts[0]), len(parts[1])
 
 

@@ -157,7 +157,10 @@ def _hooks(x) -> tuple:
 def check_hooks(model: nn.Module) -> None:
     """UsageError before tracing for a hook the compiled step would never call: a parameter's gradient hooks
     (register_hook, register_post_accumulate_grad_hook) and a module's backward hooks. The stage graphs compute
-    the gradients themselves; forward hooks are traced into them and run."""
+    the gradients themselves; forward hooks are traced into them and run. (First: that it is a module at all.)"""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"zbcompile.compile takes an nn.Module (the model, or its class to decorate); got a "
+                         f"{type(model).__name__}")
     for name, p in model.named_parameters():
         if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
             raise UsageError(f"parameter {name} has a gradient hook (register_hook / register_post_accumulate_grad_"

@@ -18,7 +18,7 @@ from zbcompile import agreement, call_checks, grads, rng
 from zbcompile.compiler import Compiled
 from zbcompile.errors import RuntimeFailure, UsageError
 from zbcompile.grads import PipelineGradScaler
-from zbcompile.post_validation import synchronous_step
+from zbcompile.post_validation import check_optimizer, synchronous_step
 from zbcompile.split import autocast_state
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
@@ -164,6 +164,8 @@ class PipelineModule(nn.Module):
         (AdamW, SGD: zbcompile/rollback.py; no snapshot memory, exact to rounding)."""
         call = self._enter("step")
         self._check_step_context()
+        if optimizer is not None:
+            check_optimizer(self, optimizer)
         if post_validate is not False:
             return self._post_validated(batch, optimizer, max_norm, norm_type, scaler, post_validate)
         self.settle()

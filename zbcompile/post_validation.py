@@ -90,6 +90,21 @@ class StepResult:
         return f"StepResult(loss={self._loss:.6g}{norm}{what})"
 
 
+def check_optimizer(pipe, optimizer) -> None:
+    """UsageError for step(optimizer=...) given something else than a torch optimizer, or one over none of this
+    rank's trained parameters (an optimizer of another model: nothing would be updated and the gradients would
+    pile up step after step)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(f"step(optimizer=...) takes a torch.optim.Optimizer over pipe.parameters(); got a "
+                         f"{type(optimizer).__name__}")
+    trained = {id(p) for p in pipe.parameters() if p.requires_grad}
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if trained and not trained & held:
+        raise UsageError(f"rank {pipe.rank}: step(optimizer=...) got an optimizer over none of this rank's "
+                         f"{len(trained)} trained parameter(s), so it would update nothing while their gradients "
+                         "pile up; build it over this pipeline's parameters: optimizer(pipe.parameters(), ...)")
+
+
 def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | None, norm_type: float,
                      scaler=None) -> None:
     """The reference: every rank's partial norm and inf flag in one all-gather over the pipeline, then on every

@@ -274,6 +274,26 @@ def test_a_module_parameter_or_buffer_replaced_after_compile_is_refused():
     buffer = swap(lambda m: _first(m, torch.nn.BatchNorm2d), "running_mean", torch.zeros_like)
     _refused_then_trains(pipes, x, y, *buffer, r"buffer .*running_mean was replaced after compile")
 
+
+def test_step_with_an_optimizer_of_nothing_here_or_no_optimizer_is_refused_before_it_runs():
+    """step(optimizer=...) with an optimizer over another model's parameters updated nothing while the gradients
+    piled up, silently; a non-optimizer failed with an AttributeError after the step had run. Both are refused
+    before anything runs (no .grad written); zb.compile of something that is not a module is refused too."""
+    model, loss_fn, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+    foreign = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)
+
+    def run(r):
+        pipe = pipes[r]
+        for optimizer, match in ((foreign, "over none of this rank's"), (3, "takes a torch.optim.Optimizer")):
+            with pytest.raises(UsageError, match=match):
+                pipe.step(x, y, optimizer=optimizer)
+        assert all(p.grad is None for p in pipe.parameters())
+        return pipe.step(x, y, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))
+
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
+    with pytest.raises(UsageError, match="takes an nn.Module"):
+        zb.compile("abc", schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=((x[:2],), (y[:2],)))
+
 def test_a_hook_added_after_compile_is_refused():
     """A forward hook or a gradient hook registered on the compiled model after compile: the traced graphs never
     call it (it was dropped without a word)."""
