@@ -117,7 +117,11 @@ def counted_once(each, gather: Gather, rank: int, device) -> list[torch.Tensor]:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (sharded data parallelism: this replica's rows), any other tensor itself."""
+    """A DTensor's local shard (sharded data parallelism: this replica's rows), a sparse gradient's values (an
+    Embedding(sparse=True): summed per row, so its norms and inf checks are the dense gradient's), any other
+    tensor itself."""
+    if t.layout is torch.sparse_coo:
+        return t.coalesce().values()
     return getattr(t, "_local_tensor", t)
 
 

@@ -106,3 +106,38 @@ def test_a_sparse_gradient_made_of_a_received_gradient_sums_every_microbatch(sch
     assert grad.layout is torch.sparse_coo
     want = ref.emb.weight.grad.to_dense()
     assert (grad.to_dense() - want).abs().max() <= 1e-12 * want.abs().max(), schedule
+
+
+def test_the_pipeline_wide_norm_inf_check_and_optimizer_step_take_a_sparse_gradient():
+    """grads_finite(), get_total_norm() and step(optimizer=) read a sparse gradient's summed values (they raised
+    torch's NotImplementedError on one rank while the others waited): the norm is eager's over the dense
+    gradients, and the step's parameters are eager's SGD step."""
+    import copy
+
+    from support.threaded import loopback_pipes, run_pipes
+
+    model = _Bag().double()
+    x, y = torch.randint(0, 10, (8, 3)), torch.randint(0, 10, (8,))
+    ref = copy.deepcopy(model)
+    for xb, yb in zip(x.chunk(4), y.chunk(4)):
+        (F.cross_entropy(ref(xb), yb) / 4).backward()
+    want = torch.cat([p.grad.to_dense().flatten() for p in ref.parameters()]).norm().item()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    options = CompileOptions.from_kwargs(None, schedule="1f1b", microbatches=4, loss_fn=F.cross_entropy,
+                                         example=((x[:2],), (y[:2],)))
+    pipes = loopback_pipes(model, options, 2)
+
+    def run(r):
+        pipe = pipes[r]
+        pipe.step(x, y)
+        finite, norm = pipe.grads_finite(), pipe.get_total_norm().item()
+        pipe.zero_grad()
+        pipe.step(x, y, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))
+        return finite, norm
+
+    for finite, norm in run_pipes(run, 2):
+        assert finite and abs(norm - want) <= 1e-12 * want, (finite, norm, want)
+    params = dict(ref.named_parameters())
+    for pipe in pipes:
+        for n, p in pipe.named_parameters():
+            assert (p.detach() - params[n].detach()).abs().max() <= 1e-12, n
