@@ -37,6 +37,7 @@ from zbcompile.errors import TraceError
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Traced, module_path
 from zbcompile.passes.functions import functions_as_ops
+from zbcompile.passes.trace_checks import check_example, check_step
 
 __all__ = ["trace", "flatten_example", "input_keywords", "retarget_device", "retarget_stages"]
 
@@ -108,6 +109,7 @@ def input_keywords(example) -> tuple[str, ...]:
 def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
     """Export `loss_fn(model(*inputs), *targets)`; see the module docstring for the result's naming."""
     flat, num_inputs, num_targets = flatten_example(example)
+    check_example(flat)
     _refuse_trained_loss_state(model, loss_fn)
     device = None
     if any(p.is_meta for p in model.parameters()):
@@ -118,6 +120,7 @@ def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
     aliases = _tied_groups(model)
     graph = _name_values(ep, aliases)
     frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+    check_step(graph, frozen)
     return Traced(graph, num_inputs, num_targets, tuple(aliases.values()), frozen, device,
                   _model_outputs(ep, graph), unknown)
 

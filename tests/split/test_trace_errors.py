@@ -49,6 +49,43 @@ def test_data_dependent_control_flow_names_the_module():
     assert "torch.where" in text or "torch.cond" in text
 
 
+
+class _ScalarRead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h / h.abs().max().item())
+
+
+class _DataSized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h) + torch.nonzero(h > 0).shape[0]
+
+
+@pytest.mark.parametrize("model,loss_fn,example,match", [
+    (_ScalarRead, F.mse_loss, _mlp_example, r"h / h.abs\(\).max\(\).item.*reads a Python number out of a tensor"),
+    (_DataSized, F.mse_loss, _mlp_example, r"torch.nonzero\(h > 0\).*size depends on the data"),
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), lambda o, t: F.mse_loss(o.detach(), t),
+     _mlp_example, r"the loss does not depend on any trained parameter"),
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).requires_grad_(False), F.mse_loss, _mlp_example,
+     r"the loss does not depend on any trained parameter"),
+    (lambda: nn.Linear(4, 4), F.mse_loss, lambda: (torch.randn(0, 4), torch.randn(0, 4)), r"data:0 has 0 rows"),
+], ids=["item", "nonzero", "detached-loss", "all-frozen", "empty-example"])
+def test_a_step_no_pipeline_can_run_is_refused_by_the_trace(model, loss_fn, example, match):
+    """Steps export accepts but no pipeline can run: each failed later, deep in the split, with torch's own
+    exception (DataDependentOutputException, a sympy TypeError) or one about graph internals; now a TraceError
+    naming the line of code and what to write instead."""
+    with pytest.raises(TraceError, match=match):
+        split_model(model(), loss_fn, example(), num_stages=2)
+
 def test_non_scalar_loss():
     def per_sample(out, target):
         return ((out - target) ** 2).mean(dim=1)

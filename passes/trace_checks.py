@@ -1,0 +1,86 @@
+"""What a traced step is refused for, as TraceError, before the split works on it: steps that export accepts
+but no pipeline can run, each named with the module that made it and what to write instead.
+
+    check_example(flat)         an example argument with no rows (the example is one microbatch)
+    check_step(graph, frozen)   a Python number read from a tensor (.item(), float(x)); a size that depends on the
+                                data (nonzero, boolean indexing); a loss that reaches no trained parameter
+
+Each of these used to surface later, deep in the split, as torch's own exception or one about graph internals.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from zbcompile.errors import TraceError
+from zbcompile.ir.names import Role, key_of, role_of
+from zbcompile.ir.stages import Graph, module_path
+from zbcompile.passes.graph_walk import ancestors
+
+__all__ = ["check_example", "check_step"]
+
+_aten = torch.ops.aten
+_SCALAR_READS = (_aten._local_scalar_dense.default, _aten.item.default)
+_DETACHES = (_aten.detach.default, _aten.detach_.default)
+
+
+def check_example(flat) -> None:
+    """TraceError for an example tensor with no rows: the example is one microbatch."""
+    for i, t in enumerate(flat):
+        if t.dim() and t.shape[0] == 0:
+            raise TraceError(f"example argument data:{i} has 0 rows ({list(t.shape)}): the example is one "
+                             "microbatch of real data, at least one row (the batch given to step() is split into "
+                             "microbatches of the example's shape)")
+
+
+def check_step(graph: Graph, frozen: frozenset[str]) -> None:
+    """TraceError for what no pipeline can run in the exported step (the module docstring)."""
+    for node in graph.gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SCALAR_READS:
+            raise TraceError(f"{_where(node)} reads a Python number out of a tensor (.item(), float(t), int(t)): "
+                             "the stages run as graphs, and such a number would be fixed at trace time or unknown; "
+                             "keep it a tensor (x / x.abs().max() instead of x / x.abs().max().item())")
+        size = _data_dependent(node)
+        if size is not None:
+            raise TraceError(f"{_where(node)} makes a tensor whose size depends on the data ({size}: "
+                             "torch.nonzero, boolean-mask indexing, unique ...): pipeline stages exchange tensors "
+                             "of sizes fixed at compile; use a fixed-size form (torch.where, a multiplied mask)")
+    _check_loss_trains(graph, frozen)
+
+
+def _check_loss_trains(graph: Graph, frozen: frozenset[str]) -> None:
+    """The loss must reach a trained parameter through ops that carry a gradient (not through a detach)."""
+    names = dict(zip(graph.gm.graph.find_nodes(op="placeholder"), graph.inputs))
+    out = graph.gm.graph.output_node().args[0]
+    loss = out[graph.outputs.index("loss")]
+    reached = ancestors([loss], through=lambda n: n.target not in _DETACHES)
+    trained = [n for n in reached if n.op == "placeholder" and role_of(names[n]) is Role.PARAM
+               and key_of(names[n]) not in frozen]
+    if not trained:
+        raise TraceError("the loss does not depend on any trained parameter: nothing would get a gradient (eager's "
+                         "backward() raises here too). Is the model's output detached in loss_fn (.detach(), "
+                         ".item(), torch.no_grad()), or is every parameter frozen (requires_grad=False)?")
+
+
+def _data_dependent(node: fx.Node) -> str | None:
+    """The shape of `node`'s value where a size in it is symbolic (an unbacked size export made for data-dependent
+    output), else None."""
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    for v in vals:
+        if isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape):
+            return f"shape {list(v.shape)}"
+    return None
+
+
+def _where(node: fx.Node) -> str:
+    """The module that made `node`, and the user's line of code where export recorded it."""
+    path = [p for p in module_path(node) if p]
+    where = f"module {path[-1]!r}" if path else "the model's forward (or loss_fn)"
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
+    files = [k for k, ln in enumerate(lines) if ln.startswith("File ")]
+    if files:   # the innermost frame: `File "...", line N, in forward` then its source line
+        k = files[-1]
+        where += f" ({lines[k]}: {lines[k + 1]})" if k + 1 < len(lines) else f" ({lines[k]})"
+    return where
