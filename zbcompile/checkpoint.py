@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from zbcompile import checkpoint_files as files
 from zbcompile.checkpoint_rows import as_live, row_shards, vocab_names, vocab_rows
 from zbcompile.errors import CheckpointError
+from zbcompile.share import attach_share, share_of
 
 __all__ = ["OPTIONS", "save", "load", "exists", "attach_share", "share_of", "check_state_dict", "as_live"]
 
@@ -55,45 +56,6 @@ __all__ = ["OPTIONS", "save", "load", "exists", "attach_share", "share_of", "che
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 _SHOWN = 8   # mismatches named in an error
-
-
-# ---- the share an nn.Module exposes ---------------------------------------------------------------------
-def share_of(model: nn.Module, params, buffers) -> dict[str, torch.Tensor]:
-    """FQN -> live tensor for every entry of `model.state_dict()` that is one of the parameters `params` or the
-    buffers `buffers` (names in the model), in state_dict order; a tied parameter under each of its names."""
-    held = {id(model.get_parameter(n)) for n in params} | {id(model.get_buffer(n)) for n in buffers}
-    out: dict[str, torch.Tensor] = {}
-    for path, mod in model.named_modules(remove_duplicate=False):
-        prefix = f"{path}." if path else ""
-        for name, p in mod._parameters.items():
-            if p is not None and id(p) in held:
-                out[prefix + name] = p
-        for name, b in mod._buffers.items():
-            if b is not None and id(b) in held and name not in mod._non_persistent_buffers_set:
-                out[prefix + name] = b
-    return out
-
-
-def attach_share(root: nn.Module, model: nn.Module, params, buffers) -> None:
-    """Register `share_of(model, params, buffers)` in `root` under the same FQNs, in plain container modules
-    mirroring the model's tree: root.state_dict() then has the model's keys for these tensors, in the model's
-    order, and named_parameters() names a tied parameter as the model does (its first name).
-
-    Entries go into the `_modules` / `_parameters` / `_buffers` dicts directly: a user's name may equal one of
-    root's own attributes (`model`, `rank`), which register_module would refuse; state_dict, load_state_dict
-    and named_parameters read those dicts, never the attributes."""
-    for fqn, tensor in share_of(model, params, buffers).items():
-        *path, leaf = fqn.split(".")
-        mod = root
-        for part in path:
-            if part not in mod._modules:
-                mod._modules[part] = _Share()
-            mod = mod._modules[part]
-        (mod._parameters if isinstance(tensor, nn.Parameter) else mod._buffers)[leaf] = tensor
-
-
-class _Share(nn.Module):
-    """A container of a PipelineModule's share: one module path of the user's model (no forward of its own)."""
 
 
 # ---- checks ----------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ class PipelineModule(nn.Module):
     """This rank's share of a pipeline-parallel model: its parameters, its buffers and its compiled step.
 
     As an nn.Module it holds exactly this rank's share of the user's model under the model's own fully qualified
-    names (`zbcompile.checkpoint.attach_share`): the parameters its stages use — the user's own nn.Parameter
+    names (`zbcompile.share.attach_share`): the parameters its stages use — the user's own nn.Parameter
     objects, so any torch optimizer works on parameters() — and the persistent buffers they read. A tied
     parameter is one Parameter under each of its names, as in the model itself: named_parameters() gives it
     once, under its first name; state_dict() under every name. So torch's state-dict helpers and
@@ -70,7 +70,7 @@ class PipelineModule(nn.Module):
     def __init__(self, model: nn.Module, compiled: Compiled, runtime: RankRuntime, rank: int,
                  owned: tuple[str, ...], owned_buffers: tuple[str, ...] = (), group=None, *, runtime_for=None,
                  dp=None):
-        from zbcompile.checkpoint import attach_share
+        from zbcompile.share import attach_share
 
         super().__init__()
         # Not a child module: the user's model keeps meta tensors for what other ranks hold, and its state

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import time
 
 import pytest
@@ -293,6 +294,28 @@ def test_step_with_an_optimizer_of_nothing_here_or_no_optimizer_is_refused_befor
     assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
     with pytest.raises(UsageError, match="takes an nn.Module"):
         zb.compile("abc", schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=((x[:2],), (y[:2],)))
+
+
+def test_the_pipes_containers_refuse_what_would_act_on_a_module():
+    """pipe.<name> holds this rank's tensors under the model's names but is not the user's module: a hook on it
+    was never called, .eval() on it changed nothing, pipe.apply(init) re-initialized nothing, pipe.blocks[0]
+    raised a raw TypeError. Each is refused saying where the module is and what to do; the pipe still trains."""
+    _, _, x, y, pipes = _pipes(gpt(layers=4, batch=8))
+
+    def run(r):
+        pipe = pipes[r]
+        blocks = pipe.get_submodule("blocks")
+        attempts = {"a forward hook": lambda: blocks.register_forward_hook(lambda *a: None),
+                    "a forward pre-hook": lambda: blocks.register_forward_pre_hook(lambda *a: None),
+                    "a backward hook": lambda: blocks.register_full_backward_hook(lambda *a: None),
+                    ".train() / .eval()": blocks.eval, ".apply(fn)": lambda: pipe.apply(lambda m: None),
+                    "indexing": lambda: blocks[0], "a call": lambda: blocks(x)}
+        for what, attempt in attempts.items():
+            with pytest.raises(UsageError, match=re.escape(what) + r".* is not your module"):
+                attempt()
+        return pipe.step(x, y)
+
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
 
 def test_a_hook_added_after_compile_is_refused():
     """A forward hook or a gradient hook registered on the compiled model after compile: the traced graphs never

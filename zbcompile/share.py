@@ -1,0 +1,92 @@
+"""The share of the user's model a PipelineModule exposes as an nn.Module: this rank's parameters and buffers under
+the model's own fully qualified names, in plain containers mirroring the model's tree, so torch's state-dict
+helpers and torch.distributed.checkpoint see the user's keys (zbcompile/checkpoint.py).
+
+    share_of(model, params, buffers)          FQN -> live tensor, in state_dict order
+    attach_share(root, model, params, buffers)   register them in `root` under those FQNs
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zbcompile.errors import UsageError
+
+__all__ = ["share_of", "attach_share"]
+
+
+def share_of(model: nn.Module, params, buffers) -> dict[str, torch.Tensor]:
+    """FQN -> live tensor for every entry of `model.state_dict()` that is one of the parameters `params` or the
+    buffers `buffers` (names in the model), in state_dict order; a tied parameter under each of its names."""
+    held = {id(model.get_parameter(n)) for n in params} | {id(model.get_buffer(n)) for n in buffers}
+    out: dict[str, torch.Tensor] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{path}." if path else ""
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) in held:
+                out[prefix + name] = p
+        for name, b in mod._buffers.items():
+            if b is not None and id(b) in held and name not in mod._non_persistent_buffers_set:
+                out[prefix + name] = b
+    return out
+
+
+def attach_share(root: nn.Module, model: nn.Module, params, buffers) -> None:
+    """Register `share_of(model, params, buffers)` in `root` under the same FQNs, in plain container modules
+    mirroring the model's tree: root.state_dict() then has the model's keys for these tensors, in the model's
+    order, and named_parameters() names a tied parameter as the model does (its first name).
+
+    Entries go into the `_modules` / `_parameters` / `_buffers` dicts directly: a user's name may equal one of
+    root's own attributes (`model`, `rank`), which register_module would refuse; state_dict, load_state_dict
+    and named_parameters read those dicts, never the attributes."""
+    for fqn, tensor in share_of(model, params, buffers).items():
+        *path, leaf = fqn.split(".")
+        mod = root
+        for part in path:
+            if part not in mod._modules:
+                mod._modules[part] = _Share()
+            mod = mod._modules[part]
+        (mod._parameters if isinstance(tensor, nn.Parameter) else mod._buffers)[leaf] = tensor
+
+
+class _Share(nn.Module):
+    """A container of a PipelineModule's share: one module path of the user's model, holding this rank's tensors
+    under their names. It is not the user's module (that one is in `pipe.model`, and the compiled step runs the
+    graphs traced from it): what would act on a module (a mode, a hook, apply, a call, an index) is refused
+    instead of being silently ignored."""
+
+    def _refuse(self, what: str):
+        raise UsageError(
+            f"{what} on a container of a PipelineModule (pipe.<name>): it holds this rank's parameters and buffers "
+            "under your model's names but is not your module, and the compiled step runs the graphs traced at "
+            "compile, which never see it. Switch modes with pipe.train() / pipe.eval(); register forward hooks, "
+            "swap modules and initialize before zbcompile.compile; change values in place through "
+            "pipe.named_parameters() (your modules themselves are pipe.model's)")
+
+    def train(self, mode: bool = True):
+        self._refuse(".train() / .eval()")
+
+    def apply(self, fn):
+        self._refuse(".apply(fn) (reached through pipe.apply)")
+
+    def forward(self, *args, **kwargs):
+        self._refuse("a call")
+
+    def __getitem__(self, index):
+        self._refuse(f"indexing [{index!r}]")
+
+    def register_forward_hook(self, *args, **kwargs):
+        self._refuse("a forward hook")
+
+    def register_forward_pre_hook(self, *args, **kwargs):
+        self._refuse("a forward pre-hook")
+
+    def register_full_backward_hook(self, *args, **kwargs):
+        self._refuse("a backward hook")
+
+    def register_full_backward_pre_hook(self, *args, **kwargs):
+        self._refuse("a backward pre-hook")
+
+    def register_backward_hook(self, *args, **kwargs):
+        self._refuse("a backward hook")
