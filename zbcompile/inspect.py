@@ -80,6 +80,9 @@ def load_factory(target: str) -> Callable[[], tuple]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ZBCompileError(f"inspect: cannot import module {module_name!r}: {exc}") from None
+    except Exception as exc:   # (a SyntaxError too) the module's own code failed: say where, not a traceback
+        raise ZBCompileError(f"inspect: importing module {module_name!r} failed: {type(exc).__name__}: {exc}") \
+            from None
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ZBCompileError(f"inspect: module {module_name!r} has no callable {attr!r}")
@@ -99,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag, None) is not None and getattr(args, "dp", 1) < 2:
             raise ZBCompileError(f"inspect: --{flag.replace('_', '-')} applies only with --dp N (N >= 2 replicas); "
                                  f"add --dp 2 or drop it")
+    _check_outputs(args)
     model, loss_fn, example = _build(load_factory(args.target))
     capture = getattr(args, "capture_check", False) or getattr(args, "replay_check", None) is not None
     options = CompileOptions(schedule=args.schedule, microbatches=args.microbatches or 2 * args.pp,
@@ -354,10 +358,30 @@ def _build(factory: Callable[[], tuple]) -> tuple:
                              "arguments (defaults are fine) that returns (model, loss_fn, example)") from None
     except ValueError:   # no signature to read (a builtin): call it and see
         pass
-    built = factory()
+    try:
+        built = factory()
+    except Exception as exc:
+        raise ZBCompileError(f"inspect: the factory raised {type(exc).__name__}: {exc}") from None
     if not (isinstance(built, tuple) and len(built) == 3):
         raise ZBCompileError("inspect: the factory must return (model, loss_fn, example)")
+    from torch import nn
+
+    if not isinstance(built[0], nn.Module):
+        raise ZBCompileError(f"inspect: the factory must return (model, loss_fn, example) with an nn.Module "
+                             f"model; its first item is a {type(built[0]).__name__}")
     return built
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """ZBCompileError, before anything is compiled, for an output path that cannot be written (a directory, a
+    missing folder)."""
+    for flag in ("svg", "json"):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        if path.is_dir() or not path.parent.is_dir():
+            why = "it is a directory" if path.is_dir() else f"folder {str(path.parent)!r} does not exist"
+            raise ZBCompileError(f"inspect: cannot write --{flag} {str(path)!r}: {why}; give a file path")
 
 
 def _draw(schedule, path: Path) -> None:

@@ -145,3 +145,27 @@ def test_inspect_refuses_data_parallel_flags_without_dp(capsys):
         assert main(["inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "1f1b", flag,
                      value]) == 2
         assert f"{flag} applies only with --dp N" in capsys.readouterr().err
+
+
+def test_inspect_names_a_failing_factory_module_or_output_path_with_status_2(tmp_path, monkeypatch, capsys):
+    """A factory that raises, a module whose own code fails at import, a factory returning no module, and an
+    --svg / --json path that cannot be written (checked before anything compiles): each named with status 2 (they
+    were raw tracebacks with status 1, the paths only after the whole compile)."""
+    from zbcompile.__main__ import main
+
+    (tmp_path / "zb_cli_factories.py").write_text(
+        "def raises():\n    raise RuntimeError('factory boom')\n\n"
+        "def not_module():\n    return 'abc', None, None\n")
+    (tmp_path / "zb_cli_broken.py").write_text("raise RuntimeError('import boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = ["--pp", "2", "--schedule", "1f1b"]
+    cases = [(["zb_cli_factories:raises"], "the factory raised RuntimeError: factory boom"),
+             (["zb_cli_broken:anything"], "importing module 'zb_cli_broken' failed: RuntimeError: import boom"),
+             (["zb_cli_factories:not_module"], "with an nn.Module model; its first item is a str"),
+             (["zbcompile.examples.train_gpt:tiny", "--svg", str(tmp_path)], "cannot write --svg"),
+             (["zbcompile.examples.train_gpt:tiny", "--memory", "--json", str(tmp_path / "no" / "x.json")],
+              "does not exist; give a file path")]
+    for args, said in cases:
+        assert main(["inspect", args[0], *common, *args[1:]]) == 2, args
+        err = capsys.readouterr().err
+        assert said in err, (args, err)
