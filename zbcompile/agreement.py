@@ -37,8 +37,8 @@ from torch import nn
 
 from zbcompile.errors import DisagreementError
 
-__all__ = ["fingerprint", "check_agreement", "first_difference", "batch_checksum", "check_batch", "version",
-           "step_arguments", "check_step_arguments"]
+__all__ = ["fingerprint", "check_agreement", "first_difference", "batch_checksum", "check_batch", "check_same_batch",
+           "version", "step_arguments", "check_step_arguments"]
 
 # the options that shape what a rank builds or the collectives it calls (group, init_fn, loss_fn, example and
 # timeout do not, or are checked through what they produce: example through `batch`, loss_fn through `stages`)
@@ -189,6 +189,23 @@ def check_batch(batch: Sequence[torch.Tensor], gather: Callable[[torch.Tensor], 
                 f"rank {rank}: {what}() was handed different batches: argument {i} on rank(s) {differ} differs from "
                 "rank 0's. Hand every rank the whole batch, the same one (each rank reads what its stages need): "
                 "no DistributedSampler over the pipeline's ranks, the same seed and data order everywhere")
+
+
+def check_same_batch(pipe, batch: Sequence[torch.Tensor], what: str) -> None:
+    """check_batch for a PipelineModule's call `what` (step, evaluate, forward) when options.check_batch asks: on
+    the first call of each kind, and every n-th with an int n; over the pipeline, and with data parallelism
+    over the replicas too where each is handed the global batch."""
+    every = pipe.compiled.options.check_batch
+    calls = pipe._calls.get(what, 0)   # calls whose batch passed (a refused batch leaves the next one checked)
+    if every is not False and (calls == 0 or (every is not True and calls % every == 0)):
+        with torch.inference_mode(False):
+            # named in a timeout: a peer that refused this call (or died) never joins this all-gather
+            gather = functools.partial(pipe._gather, what=f"comparing the batch of {what}() on every rank (a peer "
+                                                          "that refused this call, or died, never joins)")
+            check_batch(batch, gather, pipe.rank, what)
+            if pipe._dp is not None and not pipe._local_batches:   # the global batch: the same on every replica
+                check_batch(batch, pipe._dp.allgather, pipe.rank, what)
+    pipe._calls[what] = calls + 1
 
 
 # ---- step()'s optimizer arguments, the same on every rank (zbcompile/post_validation.py) ----------------------

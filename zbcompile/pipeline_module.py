@@ -334,16 +334,7 @@ class PipelineModule(nn.Module):
         return self._entered[what]
 
     def _check_same_batch(self, batch: Sequence[torch.Tensor], what: str) -> None:
-        """Every rank was handed the same batch (options.check_batch: on the first call of each kind, and every
-        n-th with an int); zbcompile/agreement.py."""
-        every = self.compiled.options.check_batch
-        calls = self._calls.get(what, 0)   # calls whose batch passed (a refused batch leaves the next one checked)
-        if every is not False and (calls == 0 or (every is not True and calls % every == 0)):
-            with torch.inference_mode(False):
-                agreement.check_batch(batch, self._gather, self.rank, what)
-                if self._dp is not None and not self._local_batches:   # the global batch: the same on every replica
-                    agreement.check_batch(batch, self._dp.allgather, self.rank, what)
-        self._calls[what] = calls + 1
+        agreement.check_same_batch(self, batch, what)
 
     def _check_step_context(self) -> None:
         """What a compiled training step cannot honour (zbcompile/call_checks.py): eval mode, no_grad, another
@@ -369,8 +360,8 @@ class PipelineModule(nn.Module):
         return scaler.seed(m)
 
     # ---- the optimizer step over the whole pipeline (zbcompile/grads.py) ---------------------------------
-    def _gather(self, values: torch.Tensor) -> torch.Tensor:
-        return self.runtime.allgather(values, "reducing gradient statistics over the pipeline")
+    def _gather(self, values: torch.Tensor, what: str = "reducing gradient statistics over the pipeline"):
+        return self.runtime.allgather(values, what)
 
     def _counted_grads(self) -> list[torch.Tensor]:
         """The gradients this rank counts (sharded data parallelism: this replica's rows of them); none of a
@@ -461,6 +452,8 @@ class PipelineModule(nn.Module):
     def rank_program(self, rank: int | None = None) -> fx.GraphModule:
         """The generated program of `rank` (default: this rank); `.code` prints sends, receives, frees."""
         rank = self.rank if rank is None else rank
+        if not isinstance(rank, int) or not 0 <= rank < len(self.programs):
+            raise UsageError(f"rank_program(rank): rank is one of 0..{len(self.programs) - 1}, got {rank!r}")
         if rank not in self._fx:
             self._fx[rank] = emit_fx(self.programs[rank], abi)
         return self._fx[rank]

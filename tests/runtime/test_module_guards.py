@@ -415,3 +415,12 @@ def test_a_call_refused_on_one_rank_only_is_found_at_the_next_step():
 
     for r, text in enumerate(run_pipes(run, PP)):
         assert text.startswith(f"rank {r}: the ranks are out of step (rank 0: call 2; rank 1: call 3)"), text
+
+
+def test_rank_program_refuses_a_rank_the_pipeline_does_not_have(mlp_pipes):
+    """rank_program(5) raised a raw IndexError, rank_program('0') a TypeError, rank_program(-1) gave the last."""
+    pipe = mlp_pipes[4][0]
+    assert "send" in pipe.rank_program(1).code or "recv" in pipe.rank_program(1).code
+    for bad in (5, -1, "0"):
+        with pytest.raises(UsageError, match=r"rank is one of 0\.\.1"):
+            pipe.rank_program(bad)
