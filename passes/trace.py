@@ -467,7 +467,10 @@ def _explain_mutation(ep, spec, position: int) -> str:
     elif spec.kind == OutputKind.PARAMETER_MUTATION:
         what = f"updates parameter `{_strip(spec.target)}` in place inside forward ({op} in {where})"
         fix = ("keep forward free of parameter updates: do them between steps (after `step()`, under "
-               "torch.no_grad()), or hold the value in a buffer")
+               "torch.no_grad()), or hold the value in a buffer" + (
+                   "; for nn.Embedding(max_norm=...), which renormalizes the looked-up rows in place, drop max_norm "
+                   "and renormalize the weight after each step (torch.embedding_renorm_ under torch.no_grad())"
+                   if "embedding_renorm" in str(op) else ""))
     else:
         what = f"returns an output of kind {spec.kind.name} (`{spec.target}`)"
         fix = "return one loss from loss_fn and keep the model's other state in parameters and buffers"

@@ -81,6 +81,11 @@ def resolve_group(group, timeout: float):
         group = dist.group.WORLD
     if group is dist.group.WORLD:
         group = default_group()
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:   # new_group's value outside `ranks`
+        rank = dist.get_rank() if dist.is_initialized() else "this"
+        raise UsageError(f"rank {rank} is not a member of the group given to compile (dist.new_group "
+                         "returns a placeholder on the ranks outside it): compile on the group's ranks only, or "
+                         "make a group of every rank that runs the pipeline")
     if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
         raise _not_a_group(group)
     return group, group.rank(), group.size()

@@ -424,3 +424,14 @@ def test_rank_program_refuses_a_rank_the_pipeline_does_not_have(mlp_pipes):
     for bad in (5, -1, "0"):
         with pytest.raises(UsageError, match=r"rank is one of 0\.\.1"):
             pipe.rank_program(bad)
+
+
+def test_a_rank_outside_the_group_it_is_given_is_told_so():
+    """dist.new_group(ranks) gives the ranks outside `ranks` a placeholder int: named as such, not as "group=-100
+    (int) is not a process group"."""
+    import torch.distributed as dist
+
+    from zbcompile.distributed import resolve_group
+
+    with pytest.raises(UsageError, match="is not a member of the group given to compile"):
+        resolve_group(dist.GroupMember.NON_GROUP_MEMBER, 30.0)

@@ -86,6 +86,16 @@ def test_a_step_no_pipeline_can_run_is_refused_by_the_trace(model, loss_fn, exam
     with pytest.raises(TraceError, match=match):
         split_model(model(), loss_fn, example(), num_stages=2)
 
+
+def test_an_embedding_with_max_norm_is_refused_with_what_to_do_instead():
+    """nn.Embedding(max_norm=...) renormalizes the rows it looks up in place, inside forward: refused, saying to
+    renormalize after each step instead (the generic advice, a buffer, does not fit it)."""
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 4))
+    with pytest.raises(TraceError, match=r"embedding_renorm.*drop max_norm and renormalize the weight after each"):
+        split_model(model, lambda o, t: F.mse_loss(o, t), (torch.randint(0, 10, (2, 3)), torch.randn(2, 3, 4)),
+                    num_stages=2)
+
+
 def test_non_scalar_loss():
     def per_sample(out, target):
         return ((out - target) ** 2).mean(dim=1)
