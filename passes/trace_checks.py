@@ -2,13 +2,18 @@
 but no pipeline can run, each named with the module that made it and what to write instead.
 
     check_example(flat)         an example argument with no rows (the example is one microbatch)
-    check_step(graph, frozen)   a Python number read from a tensor (.item(), float(x)); a size that depends on the
-                                data (nonzero, boolean indexing); a loss that reaches no trained parameter
+    check_step(graph, frozen)   a Python number read from a tensor (.item(), float(x)); a matmul or convolution of
+                                mixed dtypes (eager refuses it; the trace's fake tensors do not); a size that
+                                depends on the data (nonzero, boolean indexing); a loss that reaches no trained
+                                parameter
 
 Each of these used to surface later, deep in the split, as torch's own exception or one about graph internals.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 from torch import fx
@@ -23,6 +28,11 @@ __all__ = ["check_example", "check_step"]
 _aten = torch.ops.aten
 _SCALAR_READS = (_aten._local_scalar_dense.default, _aten.item.default)
 _DETACHES = (_aten.detach.default, _aten.detach_.default)
+# ops whose tensor arguments must share a dtype in eager ("mat1 and mat2 must have the same dtype"), which the
+# fake tensors of the trace let through (an int64 input into nn.Linear traced, then failed in the first step)
+_SAME_DTYPE = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "mv", "addmv", "dot", "conv1d",
+                         "conv2d", "conv3d", "convolution", "conv_transpose1d", "conv_transpose2d",
+                         "conv_transpose3d"})
 
 
 def check_example(flat) -> None:
@@ -41,6 +51,12 @@ def check_step(graph: Graph, frozen: frozenset[str]) -> None:
             raise TraceError(f"{_where(node)} reads a Python number out of a tensor (.item(), float(t), int(t)): "
                              "the stages run as graphs, and such a number would be fixed at trace time or unknown; "
                              "keep it a tensor (x / x.abs().max() instead of x / x.abs().max().item())")
+        dtypes = _mixed_dtypes(node)
+        if dtypes:
+            raise TraceError(f"{_where(node)} multiplies tensors of different dtypes ({', '.join(dtypes)}) in "
+                             f"{node.target.overloadpacket.__name__}, which eager refuses (mat1 and mat2 must have the same "
+                             "dtype): give the example (and the batches) the model's dtype, or cast in forward "
+                             "(x.float()); for ids, look them up in an nn.Embedding first")
         size = _data_dependent(node)
         if size is not None:
             raise TraceError(f"{_where(node)} makes a tensor whose size depends on the data ({size}: "
@@ -63,6 +79,17 @@ def _check_loss_trains(graph: Graph, frozen: frozenset[str]) -> None:
                          ".item(), torch.no_grad()), or is every parameter frozen (requires_grad=False)?")
 
 
+def _mixed_dtypes(node: fx.Node) -> list[str]:
+    """The dtypes of a matmul / convolution's tensor arguments where they differ, else []."""
+    target = node.target
+    if node.op != "call_function" or getattr(getattr(target, "overloadpacket", None), "__name__", "") \
+            not in _SAME_DTYPE:
+        return []
+    dtypes = [str(v.dtype).removeprefix("torch.") for v in (a.meta.get("val") for a in node.all_input_nodes)
+              if isinstance(v, torch.Tensor)]
+    return sorted(set(dtypes)) if len(set(dtypes)) > 1 else []
+
+
 def _data_dependent(node: fx.Node) -> str | None:
     """The shape of `node`'s value where a size in it is symbolic (an unbacked size export made for data-dependent
     output), else None."""
@@ -74,13 +101,19 @@ def _data_dependent(node: fx.Node) -> str | None:
     return None
 
 
+# frames of torch and of zbcompile itself (passes/, zbcompile/): the user's line is the innermost other one
+_NOT_USERS = (f"{os.sep}torch{os.sep}", os.path.dirname(os.path.abspath(__file__)) + os.sep,
+              os.path.dirname(os.path.abspath(sys.modules[TraceError.__module__].__file__)) + os.sep)
+
+
 def _where(node: fx.Node) -> str:
     """The module that made `node`, and the user's line of code where export recorded it."""
     path = [p for p in module_path(node) if p]
     where = f"module {path[-1]!r}" if path else "the model's forward (or loss_fn)"
     lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").splitlines() if ln.strip()]
     files = [k for k, ln in enumerate(lines) if ln.startswith("File ")]
-    if files:   # the innermost frame: `File "...", line N, in forward` then its source line
-        k = files[-1]
+    own = [k for k in files if not any(part in lines[k] for part in _NOT_USERS)]   # not torch.nn's, not ours
+    if own:   # the innermost frame: `File "...", line N, in forward` then its source line
+        k = own[-1]
         where += f" ({lines[k]}: {lines[k + 1]})" if k + 1 < len(lines) else f" ({lines[k]})"
     return where

@@ -78,7 +78,10 @@ class _DataSized(nn.Module):
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).requires_grad_(False), F.mse_loss, _mlp_example,
      r"the loss does not depend on any trained parameter"),
     (lambda: nn.Linear(4, 4), F.mse_loss, lambda: (torch.randn(0, 4), torch.randn(0, 4)), r"data:0 has 0 rows"),
-], ids=["item", "nonzero", "detached-loss", "all-frozen", "empty-example"])
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), F.mse_loss,
+     lambda: (torch.ones(2, 4, dtype=torch.long), torch.randn(2, 4)),
+     r"module '0' multiplies tensors of different dtypes \(float32, int64\) in linear"),
+], ids=["item", "nonzero", "detached-loss", "all-frozen", "empty-example", "int-into-linear"])
 def test_a_step_no_pipeline_can_run_is_refused_by_the_trace(model, loss_fn, example, match):
     """Steps export accepts but no pipeline can run: each failed later, deep in the split, with torch's own
     exception (DataDependentOutputException, a sympy TypeError) or one about graph internals; now a TraceError
