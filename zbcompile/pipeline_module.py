@@ -105,9 +105,10 @@ class PipelineModule(nn.Module):
         self._autocast = compiled.staged.meta.get("autocast", ())
         self._seed_value = 1.0 / compiled.schedule.num_microbatches
         # random ops on the CPU draw from a stream of their own (zbcompile/rng.py): the global generator stays the
-        # same on every rank (a shuffling DataLoader hands them the same batches)
+        # same on every rank (a shuffling DataLoader hands them the same batches). Any stage's, not only this
+        # rank's: every rank draws its one number, or a rank without dropout would drift from the others
         self._own_rng = (runtime.device.type == "cpu" and isinstance(group, torch.distributed.ProcessGroup)
-                         and rng.has_random_ops(st.f.gm for st in compiled.stages_of(rank)))
+                         and rng.has_random_ops(st.f.gm for st in compiled.staged.stages))
         attach_share(self, model, owned, owned_buffers)   # last: the user's names may shadow the attributes above
         counted = compiled.counted_params(rank)
         self.__dict__["_counted"] = [model.get_parameter(n) for n in counted]

@@ -45,14 +45,16 @@ def test_evaluate_and_forward_outputs_in_eval_mode(run):
     assert holders == got["last_stage_ranks"], holders
 
 
-def test_a_shuffling_data_loader_hands_every_rank_the_same_batches_under_dropout(run):
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_a_shuffling_data_loader_hands_every_rank_the_same_batches_under_dropout(run, model):
     """The same seed on every rank, dropout in the model, DataLoader(shuffle=True) drawing its order from the
     global generator: each rank runs only its own stages' dropout, and the ranks' generators drifted apart, so
     from the second epoch on each rank was handed another batch without a word. The stages now draw from a
     stream of their own (zbcompile/rng.py): every rank's batches and generator stay the same, and dropout still
-    draws new masks every step."""
+    draws new masks every step; also where only the first stage has dropout (`mlp`: the other ranks draw their
+    one number all the same)."""
     pp, results = run
-    got = [res for _, res in _case(results, "shuffle")]
+    got = [res for _, res in _case(results, f"shuffle/{model}")]
     for r, res in enumerate(got):
         assert res["sums"] == got[0]["sums"], (r, res["sums"], got[0]["sums"])
         assert res["rng"] == got[0]["rng"], r

@@ -93,21 +93,33 @@ def eval_case(pp: int, m: int) -> dict:
                 last_stage_ranks=sorted(pipe.schedule.stage_ranks()[-1]))
 
 
-def shuffle_case(pp: int, m: int) -> dict:
-    """A GPT with dropout under zbv, fed by a DataLoader(shuffle=True) for 3 epochs, the same seed on every rank:
-    per step a checksum of the batch each rank was handed, the global generator's state at the end, and whether
-    two steps on one batch drew other dropout masks."""
+def shuffle_case(pp: int, m: int, model: str) -> dict:
+    """A model with dropout fed by a DataLoader(shuffle=True) for 3 epochs, the same seed on every rank: a GPT
+    with dropout in every block under zbv, or an MLP whose only dropout is in its first stage under 1f1b (the
+    other ranks run none). Per step a checksum of the batch each rank was handed, the global generator's state
+    at the end, and whether two steps on one batch drew other dropout masks."""
     import hashlib
 
     torch.manual_seed(0)
-    model, loss_fn, x, y, pipe = compile_case(gpt(layers=2 * pp, dropout=0.3, batch=2 * m), "zbv", m)
-    rows = torch.cat([torch.cat([x, y[:, -1:]], 1) + k for k in range(3)]) % model.cfg.vocab
+    if model == "gpt":
+        case, schedule = gpt(layers=2 * pp, dropout=0.3, batch=2 * m), "zbv"
+    else:
+        net = mlp(layers=2 * pp, batch=2 * m)
+        layers = [net.model[0], torch.nn.Dropout(0.3), *list(net.model)[1:]]
+        case, schedule = net._replace(model=torch.nn.Sequential(*layers)), "1f1b"
+    _, loss_fn, x, y, pipe = compile_case(case, schedule, m)
+    if model == "gpt":   # token rows of seq + 1: inputs are [:-1], targets [1:]
+        rows = torch.cat([torch.cat([x, y[:, -1:]], 1) + k for k in range(3)]) % case.model.cfg.vocab
+        split = lambda b: (b[:, :-1], b[:, 1:])   # noqa: E731
+    else:                # inputs then targets side by side
+        rows = torch.cat([torch.cat([x, y], 1) + k for k in range(3)])
+        split = lambda b: (b[:, :x.shape[1]], b[:, x.shape[1]:])   # noqa: E731
     loader = torch.utils.data.DataLoader(rows, batch_size=x.shape[0], shuffle=True)
-    sums, weights = [], torch.arange(1, rows.shape[1], dtype=torch.float64)
+    sums, weights = [], torch.arange(1, rows.shape[1] + 1, dtype=torch.float64)
     for _ in range(3):
         for batch in loader:
-            sums.append(float((batch[:, :-1].double() * weights).sum()))
-            pipe.step(batch[:, :-1], batch[:, 1:])
+            sums.append(float((batch.double() * weights).sum()))
+            pipe.step(*split(batch))
     again = [pipe.step(x, y) for _ in range(2)]
     return dict(sums=sums, rng=hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
                 masks_differ=again[0] != again[1])
@@ -260,7 +272,8 @@ def run(rank: int, pp: int, out: str) -> dict:
     m = 2 * pp
     cases = {
         "eval": lambda: eval_case(pp, m),
-        "shuffle": lambda: shuffle_case(pp, m),
+        "shuffle/gpt": lambda: shuffle_case(pp, m, "gpt"),
+        "shuffle/mlp": lambda: shuffle_case(pp, m, "mlp"),
         "dtype/float64": lambda: dtype_case(pp, m, torch.float64),
         "dtype/bfloat16": lambda: dtype_case(pp, m, torch.bfloat16),
         "dtype/float16": lambda: dtype_case(pp, m, torch.float16),
