@@ -53,10 +53,11 @@ def check_step(graph: Graph, frozen: frozenset[str]) -> None:
                              "keep it a tensor (x / x.abs().max() instead of x / x.abs().max().item())")
         dtypes = _mixed_dtypes(node)
         if dtypes:
-            raise TraceError(f"{_where(node)} multiplies tensors of different dtypes ({', '.join(dtypes)}) in "
-                             f"{node.target.overloadpacket.__name__}, which eager refuses (mat1 and mat2 must have the same "
-                             "dtype): give the example (and the batches) the model's dtype, or cast in forward "
-                             "(x.float()); for ids, look them up in an nn.Embedding first")
+            op = node.target.overloadpacket.__name__
+            raise TraceError(f"{_where(node)} multiplies tensors of different dtypes ({', '.join(dtypes)}) in {op}, "
+                             "which eager refuses (mat1 and mat2 must have the same dtype): give the example (and "
+                             "the batches) the model's dtype, or cast in forward (x.float()); for ids, look them "
+                             "up in an nn.Embedding first")
         size = _data_dependent(node)
         if size is not None:
             raise TraceError(f"{_where(node)} makes a tensor whose size depends on the data ({size}: "
