@@ -68,7 +68,7 @@ def check_step(graph: Graph, frozen: frozenset[str]) -> None:
 
 def _check_loss_trains(graph: Graph, frozen: frozenset[str]) -> None:
     """The loss must reach a trained parameter through ops that carry a gradient (not through a detach)."""
-    names = dict(zip(graph.gm.graph.find_nodes(op="placeholder"), graph.inputs))
+    names = {node: name for name, node in graph.input_nodes().items()}
     out = graph.gm.graph.output_node().args[0]
     loss = out[graph.outputs.index("loss")]
     reached = ancestors([loss], through=lambda n: n.target not in _DETACHES)

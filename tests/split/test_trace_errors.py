@@ -50,21 +50,19 @@ def test_data_dependent_control_flow_names_the_module():
 
 
 
-class _ScalarRead(nn.Module):
+class _TwoLinears(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
 
+
+class _ScalarRead(_TwoLinears):
     def forward(self, x):
         h = self.a(x)
         return self.b(h / h.abs().max().item())
 
 
-class _DataSized(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-
+class _DataSized(_TwoLinears):
     def forward(self, x):
         h = self.a(x)
         return self.b(h) + torch.nonzero(h > 0).shape[0]
