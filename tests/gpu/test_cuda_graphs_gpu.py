@@ -11,7 +11,6 @@ not asserted here). With 2+ GPUs, pp=2 over NCCL through zb.compile(cuda_graphs=
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 
@@ -20,25 +19,14 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from support.models import gpt, train_sgd  # noqa: E402
+from support.models import gpt  # noqa: E402
+from support.one_rank import one_rank_runtime, train_one_rank  # noqa: E402
 from zbcompile.errors import CaptureError  # noqa: E402
-from zbcompile.passes.lower import CAPTURE_FINISHING, emit_fx, lower_all  # noqa: E402
-from zbcompile.runtime import RankRuntime  # noqa: E402
+from zbcompile.passes.lower import Lowering  # noqa: E402
 from zbcompile.runtime.graphs import CaptureAPI  # noqa: E402
-from zbcompile.ir.schedule import Schedule  # noqa: E402
-from zbcompile.split import split_model  # noqa: E402
 
 STEPS, M = 6, 4
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _schedule(stages: int) -> Schedule:
-    row = []
-    for mb in range(M):
-        row += [f"{s}F{mb}" for s in range(stages)] + [f"{s}B{mb}" for s in reversed(range(stages))]
-    row += [f"{s}W{mb}" for mb in range(M) for s in reversed(range(stages))]
-    return Schedule.from_text(f"# zbcompile schedule one-rank: microbatches={M} placement={','.join('0' * stages)} "
-                              f"pipelines=1\nrank 0: {' '.join(row)}\n").validate()
 
 
 class CountingAPI(CaptureAPI):
@@ -56,21 +44,13 @@ class CountingAPI(CaptureAPI):
 
 
 def _runtime(stages: int, graphs: bool, api=None):
-    device = torch.device("cuda", torch.cuda.current_device())
-    case = gpt(layers=4, batch=2 * M, device="cuda")
-    model = copy.deepcopy(case.model)
-    x, y = (t.to(device) for t in case.example)
-    staged = split_model(model, case.loss_fn, ((x[:2],), (y[:2],)), num_stages=stages)
-    programs = lower_all(_schedule(stages), staged, finishing=CAPTURE_FINISHING)
-    rt = RankRuntime(programs[0], emit_fx(programs[0]), pg=None, device=device, params=dict(model.named_parameters()),
-                     buffers=dict(model.named_buffers()), peers=programs, cuda_graphs=graphs,
-                     graph_api=api(device) if api else None)
-    return rt, model, x, y
+    lowering = Lowering(capture=True)   # both ways run the program lowered for capture
+    return one_rank_runtime(gpt(layers=4, batch=2 * M, device="cuda"), stages, M, lowering, graphs=graphs,
+                            graph_api=api)
 
 
 def _train(rt, model, x, y):
-    batches = [(torch.roll(x, k, dims=1).contiguous(), y) for k in range(STEPS)]
-    return train_sgd(model, lambda xb, yb: rt.step_batch((xb, yb)), batches)
+    return train_one_rank(rt, model, x, y, STEPS)
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,8 @@
 
 One GPU holds one replica, so the programs lowered for two replicas run as the only one, on CUDA: the all-reduce
 buckets, the reduce-scatter layout, the parameter gathers and their copies out, and the microbatch policy's
-backward that redoes the weights' views, all on device tensors, give the plain program's gradients bitwise.
+backward that redoes the weights' views, all on device tensors, give the plain program's gradients (to the
+last bits the atomics of CUDA's backward kernels leave free).
 Two replicas over NCCL need two GPUs (tests/distributed/test_data_parallel.py runs them on gloo).
 """
 
@@ -32,5 +33,7 @@ def test_dp_programs_as_one_replica_on_cuda_give_the_plain_gradients(options):
     for a, b in zip(plain, dp):
         ga = {n: p.grad for n, p in a.named_parameters() if p.grad is not None}
         gb = {n: p.grad for n, p in b.named_parameters() if p.grad is not None}
-        assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+        assert ga.keys() == gb.keys(), set(ga) ^ set(gb)
+        for n in ga:   # not bitwise as on CPU: CUDA's embedding and attention backward add with atomics
+            torch.testing.assert_close(gb[n], ga[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
         assert all(g.is_cuda for g in gb.values())

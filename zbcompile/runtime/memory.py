@@ -4,7 +4,8 @@ On CUDA the caching allocator counts: `torch.cuda.max_memory_allocated` over the
 before it. On CPU nothing counts, so `StorageTracker` does: a dispatch mode that sees the result of every
 aten op the step runs (stage graphs, receive buffers, gradient sums) and counts each storage the op
 allocated (one that none of its tensor arguments already had) until Python's weak reference to it reports
-it freed. It counts what the dispatcher allocates, not kernels' internal scratch memory.
+it freed. It counts what the dispatcher allocates (on CUDA in the allocator's 512-byte blocks), not kernels'
+internal scratch memory.
 
     tracker = StorageTracker()
     with tracker:
@@ -21,6 +22,8 @@ from typing import NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from zbcompile.ir.program.ops import allocated_bytes
 
 __all__ = ["StorageTracker", "MemoryMeasurement", "measure"]
 
@@ -49,7 +52,7 @@ class StorageTracker(TorchDispatchMode):
         return out
 
     def _count(self, storage: torch.UntypedStorage, key: int) -> None:
-        nbytes = storage.nbytes()
+        nbytes = allocated_bytes(storage.nbytes(), storage.device)   # what CUDA's allocator counts, as the plan
         self._refs[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._freed(k, n))
         with self._lock:
             self.live += nbytes

@@ -19,8 +19,9 @@ views of one another). The plan walks each program once, stage graphs node by no
 
 Assumptions (the runtime's, stated where they matter): Parameter.grad is None when the step starts
 (`optimizer.zero_grad()`'s default), so the gradients the step hands over are its own allocation and live to
-its end; allocator rounding and kernels' internal scratch memory are not counted (the CPU tracker of
-zbcompile.runtime.memory sees neither; on CUDA they are the gap to `max_memory_allocated`).
+its end. On CUDA every storage counts as the caching allocator's blocks (multiples of 512 bytes, which
+`max_memory_allocated` counts); kernels' internal scratch memory (cuBLAS workspaces, attention's) is not
+counted: on CUDA that is the gap to `max_memory_allocated`.
 
     records.py   what a plan says: the categories, Sample, RankMemory, MemoryPlan
     graphs.py    what running one stage graph allocates and releases, node by node (graph_profile)

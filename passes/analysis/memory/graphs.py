@@ -10,9 +10,11 @@ from typing import Mapping, NamedTuple
 import torch
 from torch import fx
 
+from zbcompile.ir.program.ops import allocated_bytes
 from zbcompile.passes.analysis.aliases import node_roots
 
 __all__ = ["GraphProfile", "graph_profile", "tensor_bytes"]
+
 
 
 class GraphProfile(NamedTuple):
@@ -101,10 +103,12 @@ def _fresh_bytes(nodes: list[fx.Node], roots: Mapping[fx.Node, frozenset]) -> di
 
 
 def tensor_bytes(val) -> int:
-    """Bytes of the storage under a (fake) tensor; 0 for anything else."""
+    """Bytes the allocator gives the storage under a (fake) tensor (allocated_bytes); 0 for anything else."""
     if not isinstance(val, torch.Tensor):
         return 0
     try:
-        return int(val.untyped_storage().nbytes())
+        nbytes = int(val.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):   # sparse or other storage-less layouts
-        return val.numel() * val.element_size()
+        nbytes = val.numel() * val.element_size()
+    return allocated_bytes(nbytes, val.device)
+

@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import torch
+
 from zbcompile.errors import LoweringError
 from zbcompile.ir.names import Role
 from zbcompile.ir.program import RankProgram
-from zbcompile.ir.program.ops import Op, OpKind, padded_shard_bytes
+from zbcompile.ir.program.ops import Op, OpKind, allocated_bytes, padded_shard_bytes
 from zbcompile.ir.program.values import parse
 from zbcompile.passes.analysis.memory.graphs import graph_profile, tensor_bytes
 from zbcompile.passes.analysis.memory.records import (_GRADS, _OTHER, _WORKSPACE, CATEGORIES, RankMemory, Sample,
@@ -29,8 +31,10 @@ class _State:
     of: dict[str, tuple[int, ...]] = field(default_factory=dict)    # value -> its storages
     totals: list[int] = field(default_factory=lambda: [0] * len(CATEGORIES))
     next_id: int = 0
+    device: torch.device | None = None                               # the program's: allocations round there
 
     def new(self, nbytes: int) -> int:
+        nbytes = allocated_bytes(nbytes, self.device)
         sid = self.next_id
         self.next_id += 1
         self.size[sid] = nbytes
@@ -90,7 +94,7 @@ class _Walk:
         self.p = program
         self.num_ranks = num_ranks
         self.held = held
-        self.state = _State()
+        self.state = _State(device=_device(program))
         self.input_bytes = _input_bytes(program)
         self.last, self.handed = _last_uses(program)
         self.released_at: dict[int, list[str]] = {}
@@ -141,7 +145,8 @@ class _Walk:
     # ---- what exists before the step ----
     def _resident(self) -> dict[str, int]:
         p, st = self.p, self.state
-        out = {"parameters": 0, "buffers": 0, "inputs": 0, "receive buffers": sum(t.nbytes for t in p.buffers)}
+        buffers = sum(allocated_bytes(t.nbytes, st.device) for t in p.buffers)
+        out = {"parameters": 0, "buffers": 0, "inputs": 0, "receive buffers": buffers}
         for k in range(len(p.buffers)):
             st.of[f"buf{k}"] = (-1 - k,)     # negative ids: resident storages, never counted as dynamic
         for n, v in enumerate(p.inputs):
@@ -284,6 +289,16 @@ def _input_bytes(program: RankProgram) -> dict[str, int]:
         for v, t in zip(op.ins, op.args.types):
             out.setdefault(v, padded_shard_bytes(t, op.args.replicas))
     return out
+
+
+def _device(program: RankProgram) -> torch.device | None:
+    """The device of the program's stage graphs (their FakeTensors'), None without graphs or tensors."""
+    for g in program.graphs.values():
+        for node in g.gm.graph.nodes if g.gm is not None else ():
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return val.device
+    return None
 
 
 def _host_bytes(program: RankProgram) -> int:

@@ -41,7 +41,8 @@ whose synchronisation they do not model instead of guessing. docs/design.md walk
 from __future__ import annotations
 
 from zbcompile.ir.program.ops import collectives, compute, data_parallel, host_copies, p2p, step_boundary
-from zbcompile.ir.program.ops._spec import (SAFE, SPECS, Op, OpKind, OpSpec, Stream, Sync, TensorType, install, spec,
+from zbcompile.ir.program.ops._spec import (CUDA_BLOCK, SAFE, SPECS, Op, OpKind, OpSpec, Stream, Sync, TensorType,
+                                             allocated_bytes, install, spec,
                                             spec_by_text)
 from zbcompile.ir.program.ops.collectives import Coll, CollArgs
 from zbcompile.ir.program.ops.data_parallel import DPArgs, GatherArgs, padded_shard_bytes, shard_rows
@@ -50,7 +51,7 @@ from zbcompile.ir.program.ops.host_copies import HostArgs, View, ViewArgs
 from zbcompile.ir.program.ops.p2p import Message, RecvArgs, SendArgs
 from zbcompile.ir.program.ops.step_boundary import ValidateArgs
 
-__all__ = ["OpKind", "Sync", "Stream", "TensorType", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
+__all__ = ["OpKind", "Sync", "Stream", "TensorType", "CUDA_BLOCK", "allocated_bytes", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
            "CollArgs", "DPArgs", "GatherArgs", "shard_rows", "padded_shard_bytes", "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs",
            "StampArgs", "ValidateArgs", "Op", "OpSpec", "SAFE", "SPECS", "FAMILIES", "spec", "spec_by_text"]
 

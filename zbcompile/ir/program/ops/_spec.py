@@ -19,7 +19,7 @@ from zbcompile.ir.schedule import Action
 
 __all__ = ["OpKind", "Sync", "Stream", "TensorType", "Op", "OpSpec", "SAFE", "SPECS", "spec", "spec_by_text",
            "install", "values_text", "split_values", "with_arg", "no_args", "read_bool", "wait_capture",
-           "UNTIMED_WAIT_FIX", "no_aliases", "never_keeps", "no_posts", "no_fresh"]
+           "UNTIMED_WAIT_FIX", "no_aliases", "never_keeps", "no_posts", "no_fresh", "CUDA_BLOCK", "allocated_bytes"]
 
 
 class OpKind(str, enum.Enum):
@@ -112,6 +112,19 @@ class TensorType(NamedTuple):
 
 _TYPE_RE = re.compile(r"\[([\d,\s]*)\]\s+(\w+)(?:\s+stride\s+\(([\d,\s]*)\))?")
 _ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+# torch's CUDA caching allocator hands out blocks in multiples of 512 bytes (kMinBlockSize), and
+# max_memory_allocated counts the blocks: a 64-byte LayerNorm statistic takes 512. The memory plan and the
+# storage tracker count what the allocator counts, so that a model of many small tensors is not under-counted.
+CUDA_BLOCK = 512
+
+
+def allocated_bytes(nbytes: int, device: torch.device | str | None) -> int:
+    """What an allocation of `nbytes` takes on `device`: CUDA rounds up to CUDA_BLOCK, the CPU gives the bytes."""
+    if device is None or torch.device(device).type != "cuda":
+        return nbytes
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
 
 
 def _itemsize(dtype: torch.dtype) -> int:
