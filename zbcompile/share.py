@@ -43,9 +43,9 @@ def attach_share(root: nn.Module, model: nn.Module, params, buffers) -> None:
     for fqn, tensor in share_of(model, params, buffers).items():
         *path, leaf = fqn.split(".")
         mod = root
-        for part in path:
+        for depth, part in enumerate(path, 1):
             if part not in mod._modules:
-                mod._modules[part] = _Share()
+                mod._modules[part] = _container(model.get_submodule(".".join(path[:depth])))
             mod = mod._modules[part]
         (mod._parameters if isinstance(tensor, nn.Parameter) else mod._buffers)[leaf] = tensor
 
@@ -90,3 +90,52 @@ class _Share(nn.Module):
 
     def register_backward_hook(self, *args, **kwargs):
         self._refuse("a backward hook")
+
+
+class _BatchNormShare(_Share, nn.modules.batchnorm._BatchNorm):
+    """The container of a batch-norm module's share. It passes torch's `isinstance(m, _BatchNorm)` checks and
+    carries the module's settings (its repr, and load_state_dict's handling of checkpoints without
+    num_batches_tracked, are then batch norm's), so that what acts on every batch norm of a model acts here or
+    says why it cannot: torch.optim.swa_utils.update_bn resets the statistics, sets `momentum = None` (a
+    cumulative average) and runs the model, but the compiled step updates the statistics with the momentum it
+    was traced with. Resetting and a new momentum are refused before anything is changed."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
+        nn.Module.__init__(self)
+        self.num_features, self.eps, self.affine = bn.num_features, bn.eps, bn.affine
+        self.track_running_stats = bn.track_running_stats
+        self.__dict__["momentum"] = bn.momentum   # under the property, which reads it from here
+
+    @property
+    def momentum(self):
+        return self.__dict__["momentum"]
+
+    @momentum.setter
+    def momentum(self, value):
+        if value != self.__dict__["momentum"]:
+            self._refuse_statistics(f"momentum = {value!r}")
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
+
+    def reset_running_stats(self):
+        self._refuse_statistics(".reset_running_stats()")
+
+    def reset_parameters(self):
+        self._refuse_statistics(".reset_parameters()")
+
+    def _refuse_statistics(self, what: str):
+        raise UsageError(
+            f"{what} on a batch norm of a PipelineModule (torch.optim.swa_utils.update_bn does this): the compiled "
+            f"step updates the running statistics with the momentum it was traced with ({self.momentum}), so "
+            "they cannot be recomputed as a cumulative average here; nothing was changed. Recompute them on the "
+            "plain model (zbcompile.checkpoint.load loads a pipeline's checkpoint into it), then load its state "
+            "into the pipe: pipe.load_state_dict(model.state_dict(), strict=False)")
+
+
+def _container(module: nn.Module) -> _Share:
+    """The container for the share of `module` (the user's module at that path)."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return _BatchNormShare(module)
+    return _Share()

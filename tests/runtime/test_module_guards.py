@@ -317,6 +317,36 @@ def test_the_pipes_containers_refuse_what_would_act_on_a_module():
 
     assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
 
+def test_swa_update_bn_on_a_pipe_is_refused_before_it_resets_the_statistics():
+    """torch.optim.swa_utils.update_bn(loader, pipe) found no batch norm among the pipe's containers and returned
+    having done nothing. Their batch norms are batch norms to torch now (settings, repr, a state dict without
+    num_batches_tracked loads as into nn.BatchNorm2d), and update_bn is refused before any statistic changes:
+    the compiled step would average them with its traced momentum, not update_bn's cumulative one."""
+    from torch.optim import swa_utils
+
+    model, _, x, y, pipes = _pipes(convnet(blocks=4, batch=8))
+    bn = model.features[0].bn
+
+    def run(r):
+        pipe = pipes[r]
+        norms = [m for m in pipe.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        assert norms and all(m.momentum == bn.momentum and m.eps == bn.eps for m in norms), norms
+        assert f"{bn.num_features}, eps={bn.eps}, momentum={bn.momentum}" in repr(pipe)
+        before = copy.deepcopy(pipe.state_dict())
+        with pytest.raises(UsageError, match="update_bn does this.*nothing was changed"):
+            swa_utils.update_bn([x], pipe)
+        with pytest.raises(UsageError, match="momentum = None"):
+            norms[0].momentum = None
+        norms[0].momentum = bn.momentum   # the same value is no change
+        old = {k: v for k, v in before.items() if not k.endswith("num_batches_tracked")}
+        pipe.load_state_dict(old, strict=False)   # a checkpoint from before num_batches_tracked existed
+        after = pipe.state_dict()
+        assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        return pipe.step(x, y)
+
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
+
+
 def test_a_hook_added_after_compile_is_refused():
     """A forward hook or a gradient hook registered on the compiled model after compile: the traced graphs never
     call it (it was dropped without a word)."""
