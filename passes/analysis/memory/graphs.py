@@ -16,7 +16,6 @@ from zbcompile.passes.analysis.aliases import node_roots
 __all__ = ["GraphProfile", "graph_profile", "tensor_bytes"]
 
 
-
 class GraphProfile(NamedTuple):
     """What running one stage graph allocates and releases, node by node (see graph_profile)."""
 
@@ -111,4 +110,3 @@ def tensor_bytes(val) -> int:
     except (RuntimeError, NotImplementedError):   # sparse or other storage-less layouts
         nbytes = val.numel() * val.element_size()
     return allocated_bytes(nbytes, val.device)
-

@@ -42,8 +42,7 @@ from __future__ import annotations
 
 from zbcompile.ir.program.ops import collectives, compute, data_parallel, host_copies, p2p, step_boundary
 from zbcompile.ir.program.ops._spec import (CUDA_BLOCK, SAFE, SPECS, Op, OpKind, OpSpec, Stream, Sync, TensorType,
-                                             allocated_bytes, install, spec,
-                                            spec_by_text)
+                                            allocated_bytes, install, spec, spec_by_text)
 from zbcompile.ir.program.ops.collectives import Coll, CollArgs
 from zbcompile.ir.program.ops.data_parallel import DPArgs, GatherArgs, padded_shard_bytes, shard_rows
 from zbcompile.ir.program.ops.compute import AccumArgs, AccumMode, RunArgs, SetGradArgs, StampArgs
@@ -51,9 +50,10 @@ from zbcompile.ir.program.ops.host_copies import HostArgs, View, ViewArgs
 from zbcompile.ir.program.ops.p2p import Message, RecvArgs, SendArgs
 from zbcompile.ir.program.ops.step_boundary import ValidateArgs
 
-__all__ = ["OpKind", "Sync", "Stream", "TensorType", "CUDA_BLOCK", "allocated_bytes", "Message", "RunArgs", "RecvArgs", "SendArgs", "Coll",
-           "CollArgs", "DPArgs", "GatherArgs", "shard_rows", "padded_shard_bytes", "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs",
-           "StampArgs", "ValidateArgs", "Op", "OpSpec", "SAFE", "SPECS", "FAMILIES", "spec", "spec_by_text"]
+__all__ = ["OpKind", "Sync", "Stream", "TensorType", "CUDA_BLOCK", "allocated_bytes", "Message", "RunArgs",
+           "RecvArgs", "SendArgs", "Coll", "CollArgs", "DPArgs", "GatherArgs", "shard_rows", "padded_shard_bytes",
+           "HostArgs", "View", "ViewArgs", "AccumArgs", "AccumMode", "SetGradArgs", "StampArgs", "ValidateArgs", "Op",
+           "OpSpec", "SAFE", "SPECS", "FAMILIES", "spec", "spec_by_text"]
 
 # the family modules, each declaring its kinds' rows (ROWS); SPECS holds them in OpKind order
 FAMILIES = (compute, p2p, collectives, data_parallel, host_copies, step_boundary)
