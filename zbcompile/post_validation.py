@@ -220,9 +220,11 @@ class Boundary:
                  params: Sequence[torch.nn.Parameter], counted: Callable[[], list], max_norm: float | None,
                  norm_type: float, dtype: torch.dtype, device: torch.device, shards=None,
                  mean_loss: Callable[[float], float] = lambda loss: loss, scaler=None,
-                 reseed: Callable[[float], None] = lambda seed: None, rollback: str = "snapshot"):
+                 reseed: Callable[[float], None] = lambda seed: None, rollback: str = "snapshot",
+                 names: Sequence[str] = ()):
         self.rank, self.ranks, self.m = rank, ranks, microbatches
         self.optimizer, self.params, self.counted = optimizer, tuple(params), counted
+        self.names = tuple(names) or tuple(f"parameter {k}" for k in range(len(self.params)))
         self.max_norm, self.p = max_norm, norm_type
         self.dtype, self.device = dtype, device
         self.shards, self.mean_loss = shards, mean_loss
@@ -238,6 +240,7 @@ class Boundary:
         # rollback="inverse": the optimistic update undone in closed form (zbcompile/rollback.py), no snapshot
         self._inverse = Inverse(optimizer) if rollback == "inverse" else None
         self.redone = 0                          # steps run again after a wrong optimistic update
+        self._grads: list[tuple] = []   # (name, param, the pending step's .grad, its version), for the verdict
 
     # ---- in the program --------------------------------------------------------------------------------
     def prefix(self, up: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor:
@@ -266,6 +269,7 @@ class Boundary:
                         self._inverse.undo() if self._inverse is not None else self._restore()
                     self._apply(verdict, norm)
         self._snapshot, self._snapshot_buffers, self._hyper, self.stepped = None, None, None, False
+        self._grads = []
         values = totals.tolist()
         if self.scaler is not None:   # the scale for the next backward, as scaler.update() makes it
             self._update_scale(values[1])
@@ -283,6 +287,7 @@ class Boundary:
             self._kept = prefix
             verdict, norm = self._verdict(prefix)
             self._apply(verdict, norm)
+            self._keep_grads()   # not needed here, but checked as on every rank: the same error everywhere
             return
         self._hyper = _hyperparameters(self.optimizer)
         verdict, _ = self._verdict(prefix)
@@ -296,6 +301,29 @@ class Boundary:
                 self._take_snapshot()
             self.optimizer.step()
             self.stepped = True
+        self._keep_grads()
+
+    def _keep_grads(self) -> None:
+        """Hold the gradients the verdict may redo the update from (on a rank before the last), and their
+        versions: the user's loop may clear .grad between two steps (opt.zero_grad(), as after a synchronous
+        step)."""
+        self._grads = [(n, p, p.grad, grads.local(p.grad)._version) for n, p in zip(self.names, self.params)
+                       if p.grad is not None]
+
+    def reclaim_grads(self) -> None:
+        """Before anything of the next call runs: put the pending step's gradients back where .grad was set to
+        None or rebound since, and refuse (UsageError, nothing run) where one was changed in place."""
+        for name, p, g, version in self._grads:
+            if grads.local(g)._version != version:
+                raise UsageError(
+                    f"the gradient of {name} was changed in place after a post-validated step "
+                    "(opt.zero_grad(set_to_none=False), clipping or a hook of your own?), but the step's verdict, "
+                    "made during the next step, may redo its update from those gradients, and they are lost. "
+                    "Between post-validated steps leave .grad alone: step() clears it after the verdict "
+                    "(opt.zero_grad() with set_to_none=True only lets go of it, which is harmless); to clip, "
+                    "pass max_norm= to step(). Resume from a checkpoint")
+            if p.grad is not g:
+                p.grad = g
 
     def _verdict(self, values: torch.Tensor) -> tuple[str, torch.Tensor | None]:
         return verdict(values.tolist(), self.p, self.max_norm, self.dtype, self.device)
@@ -416,9 +444,10 @@ class PostValidated:
         check_step_arguments(pipe._gather(mine.to(self.first.device)).tolist(), pipe.rank)   # once per new arguments
         self.key = key(optimizer, max_norm, norm_type, scaler, rollback)
         self.reseed(pipe._seed_for(scaler))
+        named = list(pipe.named_parameters())
         self.boundary = Boundary(
             rank=self.rank, ranks=self.ranks, microbatches=pipe.schedule.num_microbatches, optimizer=optimizer,
-            params=list(pipe.parameters()), counted=pipe._counted_grads, max_norm=max_norm, norm_type=norm_type,
+            params=[p for _, p in named], names=[n for n, _ in named], counted=pipe._counted_grads, max_norm=max_norm, norm_type=norm_type,
             dtype=norm_dtype(pipe), device=self.first.device,
             shards=dp.reduce if pipe._sharded else None,
             mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)),
@@ -432,6 +461,7 @@ class PostValidated:
 
     def step(self, batch) -> StepResult:
         b = self.boundary
+        b.reclaim_grads()
         result = StepResult(self.settle)
         self.last = self.first if b.pending is None else self.validating   # whose timing slots this step fills
         if b.pending is None:
@@ -453,6 +483,7 @@ class PostValidated:
         b = self.boundary
         if b is None or b.pending is None:
             return
+        b.reclaim_grads()
         ctx, r, tag = self.first.ctx, self.rank, self.tags.totals
         if r < self.ranks - 1:
             totals = abi.wait_recv(ctx, abi.recv(ctx, r + 1, tag, VALUES.shape, VALUES.dtype, "the step's totals"))

@@ -94,6 +94,62 @@ def test_post_validated_training_equals_the_synchronous_step(schedule, pp):
         assert pipe._pv.boundary.redone == len(clipping) + 1   # a wrong optimistic update: the next step again
 
 
+def test_what_the_users_loop_does_to_grad_between_post_validated_steps():
+    """The update a verdict redoes (a clipping or skipped step) is made from the step's gradients, which a loop
+    used to the synchronous step may clear in between: opt.zero_grad() set them to None and the redo stepped on
+    nothing, silently. They are held until the verdict now, so clearing or rebinding .grad changes nothing (the
+    synchronous step's result, bit for bit); a gradient changed in place is lost, and the next call says so
+    before anything runs."""
+    torch.manual_seed(0)
+    case = mlp(layers=4, batch=2)
+    model = case.model.double()
+    case = case._replace(model=model, example=tuple(t.double() for t in case.example))
+    pp, m = 2, 4
+    batches = batches_with_nan(case, m, steps=NAN_STEP + 2)
+    max_norm = median_norm(model, case.loss_fn, batches, m)
+    compiled = compile_programs(model, CompileOptions(schedule="zbv", microbatches=m, loss_fn=case.loss_fn,
+                                                      example=case.example), pp)
+    between = [lambda opt, pipe: opt.zero_grad(), lambda opt, pipe: pipe.zero_grad(),
+               lambda opt, pipe: [setattr(p, "grad", torch.zeros_like(p)) for p in pipe.parameters()]]
+
+    def loop(post_validate):
+        pipes = loopback_pipes(model, compiled.options, pp, compiled=compiled)
+
+        def run(r):
+            pipe, results = pipes[r], []
+            opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+            for k, (x, y) in enumerate(batches):
+                results.append(pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=post_validate))
+                between[k % len(between)](opt, pipe)
+            pipe.settle()
+            return [float(v) for v in results], {k: v.clone() for k, v in pipe.state_dict().items()}, results, opt
+        return run_pipes(run, pp)
+
+    sync, post = loop(False), loop(True)
+    for r in range(pp):
+        assert _same_list(sync[r][0], post[r][0]), (r, sync[r][0], post[r][0])
+        assert all(torch.equal(sync[r][1][k], post[r][1][k]) for k in sync[r][1]), r
+    assert any(x.clipped for x in post[0][2]) and post[0][2][NAN_STEP].skipped
+
+    pipes = loopback_pipes(model, compiled.options, pp, compiled=compiled)
+
+    def in_place(r):
+        pipe, (x, y) = pipes[r], batches[0]
+        opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+        pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=True)
+        before = {k: v.clone() for k, v in pipe.named_parameters()}
+        opt.zero_grad(set_to_none=False)
+        with pytest.raises(UsageError, match=r"changed in place after a post-validated step.*leave \.grad"):
+            pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=True)   # every rank: none waits
+        assert all(torch.equal(before[k], v) for k, v in pipe.named_parameters())
+
+    run_pipes(in_place, pp)
+
+
+def _same_list(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
 def _eager(model, loss_fn, batches, m: int, max_norm: float, norm_type: float):
     """eager_clipped with clip_grad_norm_ of `norm_type`: losses, norms and the trained copy."""
     ref = copy.deepcopy(model)
