@@ -168,7 +168,7 @@ def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torc
         raise SplitError(_explain_joint_failure(stage, diff_gm, exc)) from exc
     f, saved = _forward_graph(stage, fw, diff_names)
     tangents = [f"grad:{n}" for n in diff_names if out_rg[n]]
-    bw_graph = _backward_graph(stage, bw, saved, tangents, in_rg)
+    bw_graph = _backward_graph(stage, bw, saved, tangents, in_rg, device)
     b, w = _split_b_w(bw_graph)
     return _stage(stage, f, b, w, bw_graph, rg)
 

@@ -53,8 +53,11 @@ def _forward_graph(stage: Graph, fw: fx.GraphModule, diff_names) -> tuple[Graph,
     return Graph(gm, stage.inputs, names), saved
 
 
-def _backward_graph(stage, bw: fx.GraphModule, saved: Mapping[str, str], tangents: Sequence[str], in_rg) -> Graph:
-    """BW with named inputs (saved:*, grad:<output>) and outputs (grad:<input> for differentiable inputs)."""
+def _backward_graph(stage, bw: fx.GraphModule, saved: Mapping[str, str], tangents: Sequence[str], in_rg,
+                    device: torch.device | None = None) -> Graph:
+    """BW with named inputs (saved:*, grad:<output>) and outputs (grad:<input> for differentiable inputs; a
+    received activation that needs a gradient always gets one, zeros where none reaches it). `device` replaces
+    the meta device of inputs traced on meta."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     names: list[str] = []
@@ -87,6 +90,10 @@ def _backward_graph(stage, bw: fx.GraphModule, saved: Mapping[str, str], tangent
         value = env[grad] if isinstance(grad, fx.Node) else None
         if name in incoming:
             value = incoming[name] if value is None else _add(g, value, incoming[name])
+        if value is None and in_rg[name] and role_of(name) is Role.ACT:
+            # an activation that needs a gradient but reaches none of this stage's graded outputs (read for its
+            # dtype or shape alone, through a comparison or an argmax): its sender waits for one, so it is zero
+            value = _zeros(g, _placeholder(stage.gm, stage.inputs.index(name)).meta["val"], device)
         if value is None:
             continue
         if not in_rg[name]:
@@ -97,6 +104,15 @@ def _backward_graph(stage, bw: fx.GraphModule, saved: Mapping[str, str], tangent
         results.append(value)
     g.output(tuple(results))
     return Graph(fx.GraphModule(bw, g, class_name=f"Stage{stage.index}BW"), tuple(names), tuple(out_names))
+
+
+def _zeros(g: fx.Graph, like: torch.Tensor, device: torch.device | None) -> fx.Node:
+    """A node of zeros shaped as `like` (contiguous), on `device` where `like` is on meta."""
+    where = torch.device(device) if device is not None and like.device.type == "meta" else like.device
+    node = g.call_function(_aten.zeros.default, (list(like.shape),),
+                           {"dtype": like.dtype, "device": where, "pin_memory": False})
+    node.meta["val"] = like.new_zeros(like.shape)
+    return node
 
 
 def _own_scalar(g: fx.Graph, loss: fx.Node) -> fx.Node:

@@ -295,6 +295,35 @@ def test_values_computed_under_no_grad_carry_no_gradient(schedule):
     threaded_step_matches_eager(_case(NoGradNet(), (torch.randn(2, 8), torch.randn(2, 8))), schedule, 2)
 
 
+class ReadForItsShape(nn.Module):
+    """`x` crosses the cut with a gradient (the first stage computes it from a parameter) but the next stage
+    reads it only where no gradient passes: a dtype, a mask, a shape, an argmax."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, h):
+        from torch.distributed.pipelining import pipe_split
+
+        x = self.a(h)
+        h = h + x
+        pipe_split()
+        y = torch.tanh(self.b(h))
+        y = {"type_as": lambda: y.type_as(x), "mask": lambda: y * (x > 0),
+             "zeros_like": lambda: y + torch.zeros_like(x), "argmax": lambda: y + x.argmax(-1, keepdim=True)}[self.how]()
+        return self.c(y)
+
+
+@pytest.mark.parametrize("how", ["type_as", "mask", "zeros_like", "argmax"])
+def test_an_activation_the_next_stage_reads_without_a_gradient_gets_a_zero_one(how):
+    """Its sender's backward waits for a gradient the receiver's never made: the lowering failed, naming the
+    schedule (Gemma2's automatic split at pp=4 cut where the attention output is read for its dtype alone)."""
+    torch.manual_seed(0)
+    threaded_step_matches_eager(_case(ReadForItsShape(how), (torch.randn(2, 8), torch.randn(2, 8))), "1f1b", 2)
+
+
 def test_spectral_norm_trains_equal_to_eager():
     torch.manual_seed(0)
     sn = nn.utils.parametrizations.spectral_norm
