@@ -168,7 +168,7 @@ class PipelineModule(nn.Module):
         if optimizer is not None:
             check_optimizer(self, optimizer)
         if post_validate is not False:
-            return self._post_validated(batch, optimizer, max_norm, norm_type, scaler, post_validate)
+            return self._post_validated(batch, optimizer, max_norm, norm_type, scaler, post_validate, call)
         self.settle()
         self._seed(scaler)
         local = self._checked(batch, "step")
@@ -185,7 +185,7 @@ class PipelineModule(nn.Module):
                              "pipe.clip_grad_norm_(max_norm) yourself after step())")
         return loss
 
-    def _post_validated(self, batch, optimizer, max_norm, norm_type, scaler, how):
+    def _post_validated(self, batch, optimizer, max_norm, norm_type, scaler, how, call: int):
         from zbcompile.post_validation import ROLLBACKS, PostValidated, key
 
         if how not in ROLLBACKS:
@@ -212,6 +212,7 @@ class PipelineModule(nn.Module):
             pv.reset(self, optimizer, max_norm, norm_type, scaler, rollback)
         self.runtime.forget_last_step()   # it gathers no timings: last_step is None, not an older step's
         self._post_validated_last = True
+        pv.boundary.call = call   # compared along the prefix chain, as the synchronous step's loss gather does
         with rng.own_stream(self.rank, self._own_rng):
             return pv.step(local)
 

@@ -42,7 +42,7 @@ import torch
 
 from zbcompile import grads
 from zbcompile.agreement import STEP_ARGUMENTS, check_step_arguments, step_arguments
-from zbcompile.errors import UsageError
+from zbcompile.errors import DisagreementError, UsageError
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.program.ops import OpKind
 from zbcompile.ir.program.ops.step_boundary import VALUES
@@ -171,8 +171,13 @@ def _any_not_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 def combine(a: Sequence[float], b: Sequence[float], p: float) -> list[float]:
     """Two prefixes (or rows) in rank order: norm partials merged (grads.merge: added, the max or min for the
-    infinite orders), flags maxed, the rest (a loss sum) added."""
-    return [grads.merge(a[0], b[0], p), max(a[1], b[1]), *(x + y for x, y in zip(a[2:], b[2:]))]
+    infinite orders), flags maxed, loss sums added, and of the ranks' call numbers the least and the greatest."""
+    merged = [grads.merge(a[0], b[0], p), max(a[1], b[1])]
+    if len(a) > 2:
+        merged.append(a[2] + b[2])
+    if len(a) > 3:
+        merged += [min(a[3], b[3]), max(a[4], b[4])]
+    return merged
 
 
 def verdict(values: Sequence[float], p: float, max_norm: float | None, dtype: torch.dtype,
@@ -185,6 +190,12 @@ def verdict(values: Sequence[float], p: float, max_norm: float | None, dtype: to
     if norm is not None and float(max_norm / (norm + 1e-6)) < 1.0:
         return "clip", norm
     return "step", norm
+
+
+def _mixed(values: torch.Tensor) -> bool:
+    """Whether a prefix or the totals saw different call numbers (see Boundary.prefix)."""
+    least, greatest = values.tolist()[3:5]
+    return least != greatest
 
 
 def _norm(values: Sequence[float], p: float, dtype: torch.dtype, device) -> torch.Tensor:
@@ -241,12 +252,13 @@ class Boundary:
         self._inverse = Inverse(optimizer) if rollback == "inverse" else None
         self.redone = 0                          # steps run again after a wrong optimistic update
         self._grads: list[tuple] = []   # (name, param, the pending step's .grad, its version), for the verdict
+        self.call = 0                   # the number of the step() call being run (PipelineModule._enter)
 
     # ---- in the program --------------------------------------------------------------------------------
     def prefix(self, up: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor:
         found = self._unscale() if self.scaler is not None else None
         values = local_values(self.counted(), self.p, self.shards, found)
-        values.append(float(loss) if loss is not None else 0.0)
+        values += [float(loss) if loss is not None else 0.0, float(self.call), float(self.call)]
         if up is not None:
             values = combine(up.tolist(), values, self.p)
         self._prefix = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -258,6 +270,8 @@ class Boundary:
     def validate(self, totals: torch.Tensor) -> bool:
         """Apply the verdict of `totals` on the pending step; True where every optimistic update was right."""
         verdict, norm = self._verdict(totals)
+        if _mixed(totals):
+            self._out_of_step(totals)
         result, self.pending = self.pending, None
         if self.rank == self.ranks - 1:   # updated rightly already, from the totals
             right = verdict == "step"
@@ -286,7 +300,8 @@ class Boundary:
         if self.rank == self.ranks - 1:
             self._kept = prefix
             verdict, norm = self._verdict(prefix)
-            self._apply(verdict, norm)
+            if not _mixed(prefix):   # a step of mixed batches raises at its verdict, on every rank, unapplied
+                self._apply(verdict, norm)
             self._keep_grads()   # not needed here, but checked as on every rank: the same error everywhere
             return
         self._hyper = _hyperparameters(self.optimizer)
@@ -294,7 +309,7 @@ class Boundary:
         # wait only where the prefix proves the totals' verdict, as it grows along the chain: an inf does, and a
         # norm over max_norm for norm_type >= 0. A negative order's norm shrinks along the chain: its prefix
         # clipping proves nothing, and every rank must redo exactly when the totals do not say "step"
-        if verdict == "step" or (verdict == "clip" and self.p < 0):   # keep what the update changes
+        if (verdict == "step" or (verdict == "clip" and self.p < 0)) and not _mixed(prefix):   # keep what changes
             if self._inverse is not None:
                 self._inverse.before_step()
             else:
@@ -302,6 +317,21 @@ class Boundary:
             self.optimizer.step()
             self.stepped = True
         self._keep_grads()
+
+    def _out_of_step(self, totals: torch.Tensor) -> None:
+        """DisagreementError on every rank (each has the same totals): the ranks ran different step() calls
+        together (one refused or skipped a call the others made), so the step mixed batches. An optimistic update
+        of it is undone first: every rank is left as before that step."""
+        if self.stepped:
+            self._inverse.undo() if self._inverse is not None else self._restore()
+        self.pending, self._snapshot, self._snapshot_buffers, self.stepped, self._grads = None, None, None, False, []
+        self.optimizer.zero_grad(set_to_none=True)
+        first, last = (int(v) for v in totals.tolist()[3:5])
+        raise DisagreementError(
+            f"rank {self.rank}: the ranks are out of step (they ran calls {first} to {last} of step() together): a "
+            "call refused on some ranks only (a batch refused on one rank, an exception caught on one) left them "
+            "pairing different calls, so the last post-validated step mixed different batches; it was not applied. "
+            "Refuse or skip a batch on every rank alike (hand every rank the same batch), and restart the job")
 
     def _keep_grads(self) -> None:
         """Hold the gradients the verdict may redo the update from (on a rank before the last), and their

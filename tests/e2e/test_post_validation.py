@@ -146,6 +146,44 @@ def test_what_the_users_loop_does_to_grad_between_post_validated_steps():
     run_pipes(in_place, pp)
 
 
+def test_a_post_validated_step_refused_on_one_rank_only_is_found_at_its_verdict():
+    """Rank 1 refuses one batch (a wrong shape) and its loop goes on to the next, while rank 0 steps it: every
+    later step paired two different batches, silently, where the synchronous step's loss gather compares the
+    ranks' call numbers. The prefix chain carries them now: the mixed step's verdict raises DisagreementError on
+    both ranks, and its update is not applied (the parameters are those after the last agreed step)."""
+    torch.manual_seed(0)
+    case = mlp(layers=4, batch=2)
+    pp, m = 2, 4
+    batches = batches_with_nan(case, m, steps=5)
+    compiled = compile_programs(case.model, CompileOptions(schedule="1f1b", microbatches=m, loss_fn=case.loss_fn,
+                                                           example=case.example), pp)
+    pipes = loopback_pipes(case.model, compiled.options, pp, compiled=compiled)
+
+    def run(r):
+        pipe, before = pipes[r], None
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for k, (x, y) in enumerate(batches):
+            if k == 2:   # the last agreed step validated, on both ranks
+                pipe.settle()
+                before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+            if r == 1 and k == 2:
+                with pytest.raises(UsageError):
+                    pipe.step(x[:-1], y[:-1], optimizer=opt, post_validate=True)
+                continue
+            try:
+                pipe.step(x, y, optimizer=opt, post_validate=True)   # validates the step before, in its program
+            except DisagreementError as e:
+                return k, str(e), before, {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        return None
+
+    results = run_pipes(run, pp)
+    assert all(res is not None and "out of step" in res[1] and "not applied" in res[1] for res in results), results
+    # rank 0's call 3 (batch 2) ran with rank 1's call 4 (batch 3); the next call of each validated it
+    assert [res[0] for res in results] == [3, 4]
+    for _, _, before, after in results:
+        assert all(torch.equal(before[n], after[n]) for n in before)
+
+
 def _same_list(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
 
