@@ -16,7 +16,7 @@ from torch import fx, nn
 
 from zbcompile import agreement, call_checks, grads, rng
 from zbcompile.compiler import Compiled
-from zbcompile.errors import RuntimeFailure, UsageError
+from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError
 from zbcompile.grads import PipelineGradScaler
 from zbcompile.post_validation import check_optimizer, synchronous_step
 from zbcompile.split import autocast_state
@@ -179,7 +179,13 @@ class PipelineModule(nn.Module):
         self._post_validated_last = False
         loss = loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
         if optimizer is not None:
-            synchronous_step(self, optimizer, max_norm, grads.check_norm_type(norm_type), scaler)
+            try:
+                synchronous_step(self, optimizer, max_norm, grads.check_norm_type(norm_type), scaler)
+            except DisagreementError:   # raised on every rank alike, before any update
+                raise
+            except BaseException as e:   # after the exchange: the peers update, this rank did not, or in part
+                self._failure = f"its optimizer step failed on this rank after the ranks' exchange: {e!r}"[:300]
+                raise
         elif max_norm is not None:
             raise UsageError("step(max_norm=...) clips before an optimizer step: pass optimizer= too (or call "
                              "pipe.clip_grad_norm_(max_norm) yourself after step())")

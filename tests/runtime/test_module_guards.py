@@ -407,6 +407,34 @@ def test_after_an_error_inside_a_step_the_next_call_fails_at_once():
     assert waited0 < timeout / 3, waited0
 
 
+def test_an_optimizer_step_that_fails_on_one_rank_leaves_that_pipeline_unusable():
+    """A hook of the user's optimizer raises on rank 1, after the ranks exchanged the step's norms: rank 0
+    updated, rank 1 did not. Retried, rank 1's step paired its batch with rank 0's next one and trained on
+    silently. Its next call now fails at once, naming the error; rank 0's waits for it time out."""
+    timeout = 3.0
+    _, _, x, y, pipes = _pipes(gpt(layers=4, batch=8), timeout=timeout)
+
+    def run(r):
+        opt = torch.optim.SGD(pipes[r].parameters(), lr=0.1)
+        if r == 1:
+            def fail_once(optimizer, args, kwargs):
+                handle.remove()
+                raise ValueError("a hook of the user's")
+            handle = opt.register_step_pre_hook(fail_once)
+        outcomes = []
+        for _ in range(2):
+            try:
+                pipes[r].step(x, y, optimizer=opt, max_norm=1.0)
+                outcomes.append("ok")
+            except (ValueError, RuntimeFailure) as e:
+                outcomes.append(str(e).splitlines()[0])
+        return outcomes
+
+    rank0, rank1 = run_pipes(run, PP)
+    assert rank0[0] == "ok" and "from rank 1 failed (peer dead or stalled?)" in rank0[1], rank0
+    assert rank1[0] == "a hook of the user's" and "failed earlier" in rank1[1] and "optimizer step" in rank1[1], rank1
+
+
 def test_copying_or_pickling_a_pipeline_is_refused_with_what_to_do_instead():
     """AveragedModel (an EMA) deep-copies its module: the copy failed on a process group's pickling."""
     import pickle
