@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from zbcompile.errors import UsageError
+from zbcompile.errors import DisagreementError, UsageError
 
 __all__ = ["total_norm", "clip_grads", "PipelineGradScaler"]
 
@@ -47,13 +47,16 @@ def total_norm(grads: Sequence[torch.Tensor], norm_type: float, gather: Gather, 
     p = float(norm_type)
     at = partial_device(grads, device)
     here = norm_dtype(grads)
-    mine = [partial(grads, p, shards, at), -1.0 if here is None else float(_DTYPES.index(here))]
+    mine = [partial(grads, p, shards, at), -1.0 if here is None else float(_DTYPES.index(here)), p]
     rows = gather(torch.tensor(mine, dtype=torch.float64, device=at)).tolist()
-    codes = [int(code) for _, code in rows if code >= 0]
+    if len({order for *_, order in rows}) > 1:   # each rank would merge the partials of another norm
+        raise DisagreementError(f"the ranks asked for the gradient norm of different orders (norm_type per rank: "
+                                f"{[order for *_, order in rows]}): give every rank the same norm_type")
+    codes = [int(code) for _, code, _ in rows if code >= 0]
     if not codes:   # no gradient anywhere: get_total_norm of no tensors
         total = torch.tensor(0.0, device=at)
     else:
-        combined = functools.reduce(lambda a, b: merge(a, b, p), (value for value, _ in rows))
+        combined = functools.reduce(lambda a, b: merge(a, b, p), (value for value, *_ in rows))
         total = norm_from(combined, p, promoted(_DTYPES[c] for c in codes), at)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"The total norm of order {p} for gradients from the whole pipeline is non-finite, so it "

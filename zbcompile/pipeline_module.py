@@ -385,7 +385,8 @@ class PipelineModule(nn.Module):
         vocabulary-parallel model, which counts a vocabulary parameter once over its shards (grads.counted_once:
         an all-gather over the pipeline, so every rank calls this together)."""
         if p == 0 and self.staged.vocab is not None:
-            return grads.counted_once(self._counted_each(), self._gather, self.rank, self.runtime.device)
+            gather = functools.partial(self._gather, what="counting each vocabulary parameter once (norm_type=0)")
+            return grads.counted_once(self._counted_each(), gather, self.rank, self.runtime.device)
         return self._counted_grads()
 
     @property
@@ -398,7 +399,8 @@ class PipelineModule(nn.Module):
         semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
         self.settle()
         p = grads.check_norm_type(norm_type)
-        return grads.total_norm(self._norm_grads(p), p, self._gather,
+        gather = functools.partial(self._gather, what="the gradient norm (get_total_norm / clip_grad_norm_)")
+        return grads.total_norm(self._norm_grads(p), p, gather,
                                 error_if_nonfinite=error_if_nonfinite, device=self.runtime.device,
                                 shards=self._dp.reduce if self._sharded else None)
 
@@ -417,7 +419,8 @@ class PipelineModule(nn.Module):
         """False when any gradient on any rank holds an inf or a NaN (then skip the optimizer step: every rank
         gets the same answer, over the data-parallel replicas too). Call it on every rank."""
         self.settle()
-        finite = grads.grads_finite(self._counted_grads(), self._gather, self.runtime.device)
+        finite = grads.grads_finite(self._counted_grads(), functools.partial(self._gather, what="grads_finite()"),
+                                    self.runtime.device)
         return finite if self._dp is None else self._dp.all_true(finite)
 
     def grad_scaler(self, **kwargs) -> PipelineGradScaler:
@@ -430,7 +433,7 @@ class PipelineModule(nn.Module):
         replicas, which hold different rows of the gradients (replicated ones hold the same)."""
         if self._sharded:
             values = self._dp.reduce(values, "max")
-        return self._gather(values)
+        return self._gather(values, "the grad scaler's inf check (scaler.unscale_)")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module.load_state_dict, but all or nothing: keys and shapes are checked against this rank's share

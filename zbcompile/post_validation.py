@@ -123,7 +123,8 @@ def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | N
     found = float(_any_not_finite(pipe._counted_grads()))   # the real gradients, not _norm_grads' flags
     mine = local_values(pipe._norm_grads(norm_type), norm_type, pipe._dp.reduce if pipe._sharded else None, found)
     mine += step_arguments(max_norm, norm_type)   # compared in the same all-gather, then dropped
-    rows = pipe._gather(torch.tensor(mine, dtype=torch.float64, device=device)).tolist()
+    rows = pipe._gather(torch.tensor(mine, dtype=torch.float64, device=device),
+                        "step()'s gradient norm and inf check").tolist()
     rows = [row[:-len(STEP_ARGUMENTS)] for row in check_step_arguments(rows, pipe.rank)]
     combined = functools.reduce(lambda a, b: combine(a, b, norm_type), rows)
     kind, norm = verdict(combined, norm_type, max_norm, norm_dtype(pipe), device)
@@ -471,7 +472,8 @@ class PostValidated:
         """A Boundary for these arguments (after the pending step was settled)."""
         dp = pipe._dp
         mine = torch.tensor(step_arguments(max_norm, norm_type, rollback, scaler), dtype=torch.float64)
-        check_step_arguments(pipe._gather(mine.to(self.first.device)).tolist(), pipe.rank)   # once per new arguments
+        rows = pipe._gather(mine.to(self.first.device), "the arguments of a post-validated step()").tolist()
+        check_step_arguments(rows, pipe.rank)   # once per new arguments
         self.key = key(optimizer, max_norm, norm_type, scaler, rollback)
         self.reseed(pipe._seed_for(scaler))
         named = list(pipe.named_parameters())

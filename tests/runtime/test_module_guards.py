@@ -435,6 +435,26 @@ def test_an_optimizer_step_that_fails_on_one_rank_leaves_that_pipeline_unusable(
     assert rank1[0] == "a hook of the user's" and "failed earlier" in rank1[1] and "optimizer step" in rank1[1], rank1
 
 
+def test_ranks_making_different_calls_together_are_told_so_on_every_rank():
+    """clip_grad_norm_ on one rank and grads_finite on the other gathered values of different sizes: gloo aborted
+    the process from its I/O thread, where nothing can catch it, and the peer read garbage (a norm of inf). Each
+    gather now goes with a header naming its call; a norm of another order on each rank is refused too."""
+    _, _, x, y, pipes = _pipes(gpt(layers=4, batch=8))
+    run_pipes(lambda r: pipes[r].step(x, y), PP)
+    calls = [lambda pipe: pipe.clip_grad_norm_(1.0), lambda pipe: pipe.grads_finite()]
+
+    def run(r):
+        with pytest.raises(DisagreementError, match=r"different calls of the pipeline together \(rank 0: 'the "
+                                                    r"gradient norm .*rank 1: 'grads_finite\(\)'"):
+            calls[r](pipes[r])
+        with pytest.raises(DisagreementError, match=r"norm of different orders \(norm_type per rank: \[2.0, 1.0\]"):
+            pipes[r].get_total_norm(2.0 if r == 0 else 1.0)
+        return float(pipes[r].get_total_norm())   # and the pipeline goes on
+
+    first, second = run_pipes(run, PP)
+    assert first == second and first > 0
+
+
 def test_copying_or_pickling_a_pipeline_is_refused_with_what_to_do_instead():
     """AveragedModel (an EMA) deep-copies its module: the copy failed on a process group's pickling."""
     import pickle

@@ -19,6 +19,7 @@ from torch import fx
 from zbcompile.errors import CaptureError, DisagreementError, RuntimeFailure, UsageError
 from zbcompile.ir.program import RankProgram
 from zbcompile.ir.program.values import Role, key_of, parse
+from zbcompile.runtime import labelled
 from zbcompile.runtime.abi import Redo, StepContext, wait
 from zbcompile.runtime.host import retain_freed_cpu_memory
 
@@ -180,6 +181,16 @@ class RankRuntime:
         mine = values.to(self.device)
         if self.pg is None:
             return mine[None]
+        # a header of fixed size first (runtime/labelled.py): ranks in different calls get DisagreementError,
+        # not gloo's uncatchable abort on a size mismatch; a small payload rides in it
+        heads = self._gather_rows(labelled.header(mine.reshape(-1), what).to(self.device), what)
+        labelled.check_headers(heads, self.ir.rank)
+        if mine.numel() <= labelled.INLINE:
+            return labelled.inline_values(heads, mine.numel()).to(mine.dtype).reshape(self.num_ranks, *mine.shape)\
+                .contiguous()
+        return self._gather_rows(mine, what)
+
+    def _gather_rows(self, mine: torch.Tensor, what: str) -> torch.Tensor:
         got = torch.empty((self.num_ranks, *mine.shape), dtype=mine.dtype, device=self.device)
         try:
             work = self.pg.allgather([list(got.unbind(0))], [mine])
