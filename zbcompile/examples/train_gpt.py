@@ -113,6 +113,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps {args.steps}: give the number of steps to train (at least 1)")
     if (args.resume == "auto" or args.save_every) and args.save is None:
         p.error("--resume auto and --save-every need --save DIR (where the checkpoints go)")
+    for flag in ("metrics", "trace"):   # found before any training, not after it
+        path = getattr(args, flag)
+        if path is not None and (path.is_dir() or not path.parent.is_dir()):
+            p.error(f"--{flag} {path}: give a file path in an existing folder "
+                    f"({'that is a folder' if path.is_dir() else f'no folder {path.parent}'})")
     return args
 
 
@@ -242,8 +247,7 @@ def _train(args, model, opt, data, x, y, say, rank: int, world: int, batch: int,
         say(f"{progress(step, total)} loss {loss:.4f}  {batch * args.seq / seconds:8.0f} tok/s  bubble "
             + " ".join(f"r{r}={b:.0%}" for r, b in enumerate(bubbles)) + note, flush=True)
         if args.metrics and rank == 0:
-            with open(args.metrics, "a") as fh:
-                fh.write(json.dumps({"step": step, "loss": loss}) + "\n")
+            args.metrics = _append_metrics(args.metrics, step, loss)
         x, y = next(data)
         if args.eval_every and step % args.eval_every == 0:
             say(f"{'':>{len(progress(step, total))}} eval loss {model.eval().evaluate(x, y):.4f}", flush=True)
@@ -253,10 +257,27 @@ def _train(args, model, opt, data, x, y, say, rank: int, world: int, batch: int,
             say(f"saved the model and optimizer after step {step} to {args.save}", flush=True)
         if (rank, step, attempt) in (args.kill_rank_at or ()):
             os.kill(os.getpid(), signal.SIGKILL)
-    if args.trace:
-        model.chrome_trace(args.trace)
-        say(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
+    if args.trace and rank == 0:   # the timeline holds every rank's actions
+        try:
+            model.chrome_trace(args.trace)
+            say(f"wrote {args.trace} (open it in https://ui.perfetto.dev)")
+        except OSError as e:
+            print(f"zbcompile: --trace {args.trace}: cannot write it ({e.strerror or e}); training completed",
+                  file=sys.stderr)
     _summary(say, rows, world)
+
+
+def _append_metrics(path: Path, step: int, loss: float) -> Path | None:
+    """Append the step's line to --metrics; where that fails (a full disk), say so once and go on without them:
+    the other ranks would otherwise wait on this one until their timeout."""
+    try:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": step, "loss": loss}) + "\n")
+        return path
+    except OSError as e:
+        print(f"zbcompile: --metrics {path}: cannot write it ({e.strerror or e}); training goes on without "
+              "metrics", file=sys.stderr)
+        return None
 
 
 def _optimizer_step(model, opt, clip: float | None) -> str:
