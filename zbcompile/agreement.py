@@ -26,16 +26,18 @@ weighted by fixed pseudo-random numbers, in float64) is all-gathered on the firs
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import math
+import pickle
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zbcompile.errors import DisagreementError
+from zbcompile.errors import DisagreementError, RuntimeFailure
 
 __all__ = ["fingerprint", "check_agreement", "first_difference", "batch_checksum", "check_batch", "check_same_batch",
            "version", "step_arguments", "check_step_arguments"]
@@ -148,14 +150,38 @@ def check_agreement(model: nn.Module, compiled, *groups: tuple[object, int]) -> 
                    if pg is not None and pg.size() > 1 and isinstance(pg, dist.ProcessGroup))
     mine = fingerprint(model, compiled) if groups else None   # made once, compared in every group
     for pg, rank in groups:
-        prints: list = [None] * pg.size()
-        dist.all_gather_object(prints, mine, group=pg)
+        prints = _gather_objects(mine, pg, rank, compiled.options.timeout)
         diff = first_difference(prints)
         if diff is not None:
             raise DisagreementError(
                 f"rank {rank}: the pipeline's ranks compiled different things; the first difference is {diff}. "
                 "Every rank must compile the same model with the same options (and the same torch and "
                 "zbcompile): check what builds the model on each rank (seeds, config, command-line arguments)")
+
+
+def _gather_objects(obj, pg, rank: int, timeout: float) -> list:
+    """dist.all_gather_object with the pipeline's timeout (torch's waits the group's, 30 minutes by default, for
+    a rank that never calls compile): each rank's pickled bytes, their lengths first. RuntimeFailure names the
+    wait that ran out."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else "cpu"
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = _gathered(torch.tensor([data.numel()], dtype=torch.int64, device=device), pg, rank, timeout)
+    longest = int(torch.cat(sizes).max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    rows = _gathered(padded, pg, rank, timeout)
+    return [pickle.loads(row[:int(n.item())].cpu().numpy().tobytes()) for row, n in zip(rows, sizes)]
+
+
+def _gathered(t: torch.Tensor, pg, rank: int, timeout: float) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(pg.size())]
+    try:
+        dist.all_gather(out, t, group=pg, async_op=True).wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise RuntimeFailure(f"rank {rank}: comparing what each rank compiled (zbcompile.compile on every rank) "
+                             f"failed or ran past the timeout of {timeout:g} s: a rank did not call compile, or "
+                             f"is slower than that to reach it; {e}") from e
+    return out
 
 
 def batch_checksum(batch: Sequence[torch.Tensor]) -> torch.Tensor:

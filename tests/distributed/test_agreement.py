@@ -52,3 +52,10 @@ def test_different_batches_are_refused_and_the_pipeline_trains_after(ranks):
             assert "step() was handed different batches: argument 0 on rank(s) [1]" in got[case]["refused"], got
         assert abs(got["same"]["loss"] - got["same"]["want"]) <= 1e-5 * got["same"]["want"], got["same"]
         assert got["unchecked"] == {"ran": True}, got["unchecked"]
+
+
+def test_a_rank_that_never_compiles_fails_its_peers_compile_after_the_timeout(ranks):
+    got = ranks[0]["absent"]
+    assert "failure" in got, got
+    assert "comparing what each rank compiled" in got["failure"] and "timeout of 3 s" in got["failure"], got
+    assert got["waited"] < 60, got   # the compile itself takes seconds; torch's own wait was 30 minutes

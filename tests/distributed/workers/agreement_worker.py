@@ -93,9 +93,33 @@ def batches(rank: int) -> dict:
     return out
 
 
+def absent_peer(rank: int) -> dict:
+    """Rank 1 never calls compile: rank 0's comparison of fingerprints waited the group's 30 minutes (torch's
+    all_gather_object); it raises RuntimeFailure after compile's timeout. On a group of its own, so that the
+    gather left pending there cannot pair with the next case's."""
+    import time
+
+    import torch.distributed as dist
+
+    from zbcompile.errors import RuntimeFailure
+
+    group = dist.new_group(backend="gloo")
+    if rank != 0:
+        return {"skipped": True}
+    model, loss_fn, (x, y), _ = gpt(layers=4, batch=2 * M)
+    start = time.perf_counter()
+    try:
+        zb.compile(model, schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=((x[:2],), (y[:2],)),
+                   timeout=3, group=group)
+    except RuntimeFailure as e:
+        return {"failure": str(e), "waited": time.perf_counter() - start}
+    return {"ran": True}
+
+
 def run(rank: int, pp: int, out: str) -> dict:
     results = {tag: refusal(lambda: case(rank)) for tag, case in CASES.items()}
     results["batch"] = batches(rank)
+    results["absent"] = absent_peer(rank)
     return results
 
 
