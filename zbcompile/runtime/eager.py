@@ -186,8 +186,8 @@ class RankRuntime:
         heads = self._gather_rows(labelled.header(mine.reshape(-1), what).to(self.device), what)
         labelled.check_headers(heads, self.ir.rank)
         if mine.numel() <= labelled.INLINE:
-            return labelled.inline_values(heads, mine.numel()).to(mine.dtype).reshape(self.num_ranks, *mine.shape)\
-                .contiguous()
+            rows = labelled.inline_values(heads, mine.numel()).to(mine.dtype)
+            return rows.reshape(self.num_ranks, *mine.shape).contiguous()
         return self._gather_rows(mine, what)
 
     def _gather_rows(self, mine: torch.Tensor, what: str) -> torch.Tensor:
