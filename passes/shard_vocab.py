@@ -74,6 +74,7 @@ class VocabPattern:
     padding_idx: int
     logits_dtype: torch.dtype
     compute_dtype: torch.dtype | None = None   # W (and b) cast to this before the linear (autocast), else None
+    scale_by_freq: bool = False        # the embedding's scale_grad_by_freq
 
 
 def shard_vocab(cut: Partition, *, shards: int) -> Partition:
@@ -154,9 +155,9 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
         _check_token_op(n, size)
     embedding = _find_embedding(first, size)
     table = _placeholder_name(first, embedding.args[0])
-    if _arg(embedding, 3, "scale_grad_by_freq", False) or _arg(embedding, 4, "sparse", False):
-        raise VocabError("vocab_parallel=True does not support an embedding with scale_grad_by_freq=True or "
-                         "sparse=True; fix: use a plain nn.Embedding, or compile without vocab_parallel")
+    if _arg(embedding, 4, "sparse", False):
+        raise VocabError("vocab_parallel=True does not support an embedding with sparse=True (its shards' gradients "
+                         "are dense rows); fix: use nn.Embedding(sparse=False), or compile without vocab_parallel")
     for name in (table, weight_name, bias_name):
         if name is not None and key_of(name) in frozen:
             raise VocabError(f"vocab_parallel=True: {key_of(name)} does not require grad; sharded vocabulary "
@@ -164,7 +165,8 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
     _check_from_data(first, embedding.args[1], "the embedding's ids")
     _check_from_data(last, loss.args[1], "the cross-entropy's targets")
     return VocabPattern(embedding, linear, tuple(reversed(chain)), loss, table, weight_name, bias_name, size,
-                        reduction, ignore_index, _arg(embedding, 2, "padding_idx", -1), logits.dtype, compute_dtype)
+                        reduction, ignore_index, _arg(embedding, 2, "padding_idx", -1), logits.dtype, compute_dtype,
+                        bool(_arg(embedding, 3, "scale_grad_by_freq", False)))
 
 
 def _through_cast(node):
@@ -358,7 +360,8 @@ def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, ids_graph: Graph, 
     offset = fake(None, (), torch.int64)
     tokens = int(x_val.shape[0])
     fx_if = functools.partial(_input_forward, ids_fn=ids_fn, rows=rows)
-    fx_ib = functools.partial(_input_backward, ids_fn=ids_fn, rows=rows, padding_idx=p.padding_idx)
+    fx_ib = functools.partial(_input_backward, ids_fn=ids_fn, rows=rows, padding_idx=p.padding_idx,
+                              size=p.size if p.scale_by_freq else None)
     fx_s = functools.partial(_output_forward, target_fn=target_fn, rows=rows, size=p.size if padded else None,
                              logits_dtype=p.logits_dtype, n_data=len(target_inputs), has_bias=bool(p.bias),
                              compute_dtype=p.compute_dtype)
@@ -409,12 +412,20 @@ def _input_forward(table, offset, *data, ids_fn, rows):
     return (torch.where(inside.unsqueeze(-1), torch.nn.functional.embedding(safe, table), 0),)
 
 
-def _input_backward(demb, offset, *data, ids_fn, rows, padding_idx):
+def _input_backward(demb, offset, *data, ids_fn, rows, padding_idx, size=None):
+    """`size`: scale_grad_by_freq over a vocabulary of `size` ids. Each token's gradient is divided by how often
+    its id occurs in the whole batch, as torch's backward does per token, counted over every id: the shard's own
+    count would also count the other shards' ids it parks on row 0."""
     ids = ids_fn(*data)
     safe, inside = _shard_local(ids, offset, rows)
     if padding_idx >= 0:   # the padding row gets no gradient, as in nn.Embedding
         inside = inside & (ids != padding_idx)
     grad = torch.where(inside.unsqueeze(-1), demb, 0)
+    if size is not None:
+        flat = ids.reshape(-1)
+        counts = torch.zeros(size, dtype=demb.dtype, device=demb.device).index_add_(0, flat, torch.ones_like(
+            flat, dtype=demb.dtype))
+        grad = grad * (1.0 / counts[ids]).unsqueeze(-1)
     return (torch.ops.aten.embedding_dense_backward(grad, safe, rows, -1, False),)
 
 

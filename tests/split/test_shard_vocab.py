@@ -257,6 +257,28 @@ def test_one_rank_pipeline_with_one_shard_trains_equal_to_eager():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_an_embedding_scaling_its_gradient_by_frequency_is_sharded_as_eager(shards):
+    """nn.Embedding(scale_grad_by_freq=True) was refused. Each shard divides a token's gradient by its id's count
+    over the whole batch: counted on the shard's own lookups, the other shards' ids (parked on row 0) would
+    inflate row 0's count. The rows of every shard are the lookup's gradient (repeated ids, a padding id,
+    an id on row 0 of a shard)."""
+    torch.manual_seed(0)
+    V, d = 13, 4
+    model = _Tiny(V, d)
+    model.emb = nn.Embedding(V, d, padding_idx=2, scale_grad_by_freq=True)
+    x = torch.tensor([[0, 5, 5, 2], [7, 0, 0, 12], [5, 9, 2, 7]])
+    loss_fn = lambda logits, t: F.cross_entropy(logits.view(-1, V), t.view(-1))  # noqa: E731
+    staged = split_model(copy.deepcopy(model), loss_fn, (x, x), num_stages=1, vocab_shards=shards)
+    rows = staged.vocab.rows
+    demb = torch.randn(3, 4, d)
+    e = model.emb.weight.detach().clone().requires_grad_()
+    F.embedding(x, e, padding_idx=2, scale_grad_by_freq=True).backward(demb)
+    ib = torch.cat([staged.vocab.graphs["ib"]({"vocab:demb": demb, "vocab:offset": torch.tensor(r * rows),
+                                               "data:0": x})["grad:param:emb.weight"] for r in range(shards)])
+    torch.testing.assert_close(ib[:V], e.grad, rtol=1e-6, atol=1e-7)
+
+
 def test_a_schedule_and_a_split_that_disagree_on_vocabulary_parallelism_are_refused():
     from zbcompile.api import PipelineModule
     from zbcompile.errors import UsageError
