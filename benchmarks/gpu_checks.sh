@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one go (one CUDA device; about 5 min on an H100 / H200):
+# Everything that needs a GPU, in one go (one CUDA device; 2.5 min on an H200):
 #   the gpu-marked tests, then benchmarks/bench_cuda_graphs.py (null model and a GPT), into ${OUT:-.}/gpu_*.
-# Needs torch with CUDA, pytest, pytest-xdist, tabulate and sympy importable; no install of zbcompile (run from
-# the repository root). Each part has its own time limit, so one that hangs does not take the others along.
+# Run from the repository root, where torch with CUDA, pytest, pytest-xdist, tabulate and sympy are installed;
+# it installs the checkout itself (pip install -e ., offline, no dependencies: zbcompile.passes is the passes/
+# folder, which only an install maps). Each part has its own time limit, so one that hangs does not take the
+# others along.
 set -u
 out=${OUT:-.}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}
