@@ -16,7 +16,7 @@ from support import zoo
 from support.loops import rel
 from support.models import gpt
 from support.zoo import MICROBATCHES, batch
-from support.threaded import loopback_pipes, run_pipes, run_threaded
+from support.threaded import loopback_pipes, run_pipes, run_threaded, vocab_rank_grads
 from zbcompile.compiler import compile_staged
 from zbcompile.errors import VocabError
 from zbcompile.options import CompileOptions
@@ -54,23 +54,17 @@ def test_zoo_with_vocabulary_parallelism_matches_eager(arch, schedule):
     losses, ranks, _ = run_threaded(case.model, staged, sched, inputs + targets)
     assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (losses, want)
     vocab, rows = staged.vocab, staged.vocab.rows
-    expected = dict(ref.named_parameters())
     # a gradient that is zero in exact arithmetic (OPT's key biases: softmax ignores a shift of every score)
     # is float noise in both runs; it is measured against 1e-4 of the model's largest gradient instead
     floor = 1e-4 * max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None)
-    for r, mdl in enumerate(ranks):
-        mine = {n for s, owner in enumerate(sched.placement) if owner == r
-                for n in staged.stages[sched.model_stage(s)].params} | set(vocab.params)
-        for name, p in mdl.named_parameters():
-            if name not in mine or expected[name].grad is None:
-                continue
-            want_grad = expected[name].grad
-            if name in vocab.params:
-                want_grad = want_grad[r * rows:(r + 1) * rows]
-                assert p.shape[0] == rows and not p.grad[want_grad.shape[0]:].any(), (r, name)
-            got = p.grad[:want_grad.shape[0]]
-            err = ((got - want_grad).abs().max() / want_grad.abs().max().clamp_min(floor)).item()
-            assert err <= 1e-5, (arch, r, name, err)
+    for r, name, p, want_grad in vocab_rank_grads(ranks, staged, sched, ref):
+        if want_grad is None:
+            continue
+        if name in vocab.params:
+            assert p.shape[0] == rows and not p.grad[want_grad.shape[0]:].any(), (r, name)
+        got = p.grad[:want_grad.shape[0]]
+        err = ((got - want_grad).abs().max() / want_grad.abs().max().clamp_min(floor)).item()
+        assert err <= 1e-5, (arch, r, name, err)
 
 
 @pytest.mark.slow
@@ -119,20 +113,10 @@ def test_a_microbatch_of_ignored_targets_only_adds_no_gradient_with_vocabulary_p
     assert want[0].isnan() and all(loss.isfinite() for loss in want[1:])
     losses, ranks, _ = run_threaded(model, staged, sched, (ids, targets))
     assert all(math.isnan(v) for v in losses), losses   # as eager's sum, and as the pipeline without vocab_parallel
-    vocab, rows = staged.vocab, staged.vocab.rows
-    expected = dict(ref.named_parameters())
-    for r, mdl in enumerate(ranks):
-        mine = {n for s, owner in enumerate(sched.placement) if owner == r
-                for n in staged.stages[sched.model_stage(s)].params} | set(vocab.params)
-        for name, p in mdl.named_parameters():
-            if name not in mine:
-                continue
-            want_grad = expected[name].grad
-            assert torch.isfinite(want_grad).all() and p.grad is not None, (r, name)
-            if name in vocab.params:
-                want_grad = want_grad[r * rows:(r + 1) * rows]
-            assert torch.isfinite(p.grad).all(), (schedule, r, name)
-            assert rel(p.grad[:want_grad.shape[0]], want_grad) <= 1e-10, (schedule, r, name)
+    for r, name, p, want_grad in vocab_rank_grads(ranks, staged, sched, ref):
+        assert want_grad is not None and torch.isfinite(want_grad).all() and p.grad is not None, (r, name)
+        assert torch.isfinite(p.grad).all(), (schedule, r, name)
+        assert rel(p.grad[:want_grad.shape[0]], want_grad) <= 1e-10, (schedule, r, name)
 
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))

@@ -53,14 +53,6 @@ def _train(rt, model, x, y):
     return train_one_rank(rt, model, x, y, STEPS)
 
 
-@pytest.fixture(autouse=True)
-def _exact_matmuls():
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
 @pytest.mark.parametrize("stages", [1, 2])
 def test_captured_step_equals_eager_on_the_gpu(stages):
     api = []

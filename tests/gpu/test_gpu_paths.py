@@ -22,20 +22,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 from support.models import eager_accumulated, gpt  # noqa: E402
 from support.one_rank import one_rank_runtime, train_one_rank  # noqa: E402
-from support.threaded import run_threaded  # noqa: E402
+from support.threaded import run_threaded, vocab_rank_grads  # noqa: E402
 from zbcompile.compiler import split_for  # noqa: E402
 from zbcompile.passes.lower import Lowering, OffloadChoice  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
 
 STEPS, M = 6, 4
-
-
-@pytest.fixture(autouse=True)
-def _exact_matmuls():
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _both(case, stages, got: Lowering, ref: Lowering, *, graphs: bool):
@@ -100,15 +92,6 @@ def test_vocabulary_collectives_on_cuda_tensors_give_eagers_gradients(schedule):
     want = eager_accumulated(ref, case.loss_fn, x, y, M)
     losses, ranks, _ = run_threaded(case.model, staged, sched, (x, y), device="cuda")
     assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (losses, want)
-    expected, vocab = dict(ref.named_parameters()), staged.vocab
-    for r, mdl in enumerate(ranks):
-        mine = {n for s, owner in enumerate(sched.placement) if owner == r
-                for n in staged.stages[sched.model_stage(s)].params} | set(vocab.params)
-        for name, p in mdl.named_parameters():
-            if name not in mine:
-                continue
-            g = expected[name].grad
-            if name in vocab.params:
-                g = g[r * vocab.rows:(r + 1) * vocab.rows]
-            assert p.grad is not None and p.grad.is_cuda, (r, name)
-            torch.testing.assert_close(p.grad[:g.shape[0]], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{r} {name}: {m}")
+    for r, name, p, g in vocab_rank_grads(ranks, staged, sched, ref):
+        assert p.grad is not None and p.grad.is_cuda, (r, name)
+        torch.testing.assert_close(p.grad[:g.shape[0]], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{r} {name}: {m}")

@@ -94,6 +94,23 @@ def max_grad_error(reference, models, owned) -> tuple[float, str]:
     return worst, where
 
 
+def vocab_rank_grads(ranks, staged, schedule, reference):
+    """Per rank of a vocabulary-parallel run, each parameter it holds (its stages' and the vocabulary shards) as
+    (rank, name, the rank's parameter, eager's gradient): for a vocabulary parameter the rank's rows of it (the
+    shard may run past V: padded rows); None where eager has no gradient."""
+    expected, vocab = dict(reference.named_parameters()), staged.vocab
+    for r, mdl in enumerate(ranks):
+        mine = {n for s, owner in enumerate(schedule.placement) if owner == r
+                for n in staged.stages[schedule.model_stage(s)].params} | set(vocab.params)
+        for name, p in mdl.named_parameters():
+            if name not in mine:
+                continue
+            want = expected[name].grad
+            if want is not None and name in vocab.params:
+                want = want[r * vocab.rows:(r + 1) * vocab.rows]
+            yield r, name, p, want
+
+
 def param_holders(schedule, staged) -> dict[str, tuple[int, ...]]:
     """Parameter fqn -> the ranks whose stages use it (buffers left out)."""
     from zbcompile.distributed import holders
