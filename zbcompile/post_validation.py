@@ -281,7 +281,7 @@ class Boundary:
             if not right:   # undone and redone as the step made it, whatever a scheduler has set since
                 with _in_force(self.optimizer, self._hyper):
                     if self.stepped:
-                        self._inverse.undo() if self._inverse is not None else self._restore()
+                        self._undo()
                     self._apply(verdict, norm)
         self._snapshot, self._snapshot_buffers, self._hyper, self.stepped = None, None, None, False
         self._grads = []
@@ -324,7 +324,7 @@ class Boundary:
         together (one refused or skipped a call the others made), so the step mixed batches. An optimistic update
         of it is undone first: every rank is left as before that step."""
         if self.stepped:
-            self._inverse.undo() if self._inverse is not None else self._restore()
+            self._undo()
         self.pending, self._snapshot, self._snapshot_buffers, self.stepped, self._grads = None, None, None, False, []
         self.optimizer.zero_grad(set_to_none=True)
         first, last = (int(v) for v in totals.tolist()[3:5])
@@ -394,6 +394,10 @@ class Boundary:
                   for p in params if p in state}
         self._snapshot = (params, keys, others)
         self.snapshot_bytes = sum(t.numel() * t.element_size() for t in kept)
+
+    def _undo(self) -> None:
+        """Undo the optimistic update: in closed form (rollback="inverse") or from the snapshot."""
+        self._inverse.undo() if self._inverse is not None else self._restore()
 
     def _restore(self) -> None:
         params, keys, others = self._snapshot
