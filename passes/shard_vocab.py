@@ -5,7 +5,9 @@
 It finds, in the stage forwards, the pattern
 
     first stage:  emb = embedding(param:E, ids(data))                           E: [V, d]
-    last stage:   loss = cross_entropy(view/slice/cast...(linear(x, param:W[, param:b])), target(data))   W: [V, d]
+    last stage:   loss = cross_entropy(view/slice/cast/f...(linear(x, param:W[, param:b])), target(data))  W: [V, d]
+
+(f: ops that act on each logit alone, with constants: a soft-cap `c * tanh(z / c)`, a logit scale)
 
 and cuts it out: the first stage reads `act:vocab.emb` instead of computing the lookup, and the last stage
 returns `act:vocab.x` (x after the same token reshapes and slices the logits went through, [tokens, d])
@@ -13,11 +15,12 @@ instead of the loss. The removed work becomes four graphs that every rank runs o
 (zbcompile.ir.stages.VocabLayers), joined by collectives the lowering inserts:
 
     IF  partial lookup: rows of the shard, zeros for ids of other shards     -> reduce-sum onto the first stage
-    S   local logits y = x W_r^T and per token (max m, sum of e = exp(y - m), target logit if in the shard);
-        keeps e and m for T                                                 -> all-gather (one barrier)
+    S   local logits y = f(x W_r^T) and per token (max m, sum of e = exp(y - m), target logit if in the
+        shard); keeps e and m for T (z = x W_r^T instead of e where there is an f)  -> all-gather (one barrier)
     T   the online-softmax combine: lse = M + log sum_j s_j exp(m_j - M); the loss (cross-entropy's
         reduction and ignore_index); dy = g (e exp(m - lse) - onehot); dW_r = dy^T x; dx_r = dy W_r, the
-        one-hot part applied on the [tokens, d] side (rows of x into dW_r, rows of W_r out of dx_r)
+        one-hot part applied on the [tokens, d] side (rows of x into dW_r, rows of W_r out of dx_r); with an f,
+        dy is taken back through f by autograd to dz, and dW_r = dz^T x, dx_r = dz W_r
                                                                             -> reduce-sum onto the last stage
     IB  the first stage's input gradient (broadcast) scattered into the shard's rows
 
@@ -53,6 +56,9 @@ _CAST = _aten._to_copy.default
 # checks export adds beside a cast (`.float()` -> _to_copy + _assert_tensor_metadata): they read the logits but
 # compute nothing, so they go with the logits
 _CHECKS = (_aten._assert_tensor_metadata.default,)
+# a pointwise op whose other arguments are constants (a soft-cap's div / tanh / mul, a logit scale) acts on each
+# logit alone, so each shard applies it to its own rows; these are the ones whose gradient T takes
+_NOT_PER_LOGIT = (_aten.native_dropout.default, _aten.bernoulli.default, _aten.bernoulli.p)
 _EXPECTED = ("an embedding lookup `embedding(E, ids)` in the first stage and, as the loss, "
              "`cross_entropy(linear(x, W)[...], targets)` in the last, with E and W of shape [V, d]")
 
@@ -75,6 +81,7 @@ class VocabPattern:
     logits_dtype: torch.dtype
     compute_dtype: torch.dtype | None = None   # W (and b) cast to this before the linear (autocast), else None
     scale_by_freq: bool = False        # the embedding's scale_grad_by_freq
+    logit_ops: tuple[fx.Node, ...] = ()   # the casts and per-logit ops of the chain, in order, if it has any f
 
 
 def shard_vocab(cut: Partition, *, shards: int) -> Partition:
@@ -125,8 +132,8 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
                          f"label_smoothing={smoothing}, reduction={['none', 'mean', 'sum'][reduction]}.\n"
                          "fix: use plain cross-entropy, or compile without vocab_parallel")
     chain, node = [], loss.args[0]
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in (
-            *_RESHAPES, *_IDENTITIES, *_TOKEN_OPS, _CAST):
+    while isinstance(node, fx.Node) and node.op == "call_function" and (node.target in (
+            *_RESHAPES, *_IDENTITIES, *_TOKEN_OPS, _CAST) or _per_logit(node)):
         chain.append(node)
         node = node.args[0]
     linear = node
@@ -136,7 +143,9 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
         what = linear.format_node() if isinstance(linear, fx.Node) else repr(linear)
         raise VocabError(f"vocab_parallel=True expects {_EXPECTED}; the cross-entropy's logits come from "
                          f"`{what}`, not from a linear layer with a parameter weight.\n"
-                         "fix: compute the logits with an nn.Linear (or F.linear) on the model's parameter")
+                         "fix: compute the logits with an nn.Linear (or F.linear) on the model's parameter; "
+                         "between it and the loss only reshapes, token slices, casts and ops on each logit alone "
+                         "with constants (a soft-cap `c * tanh(z / c)`, a scale) may act")
     weight_name = _placeholder_name(last, weight)
     bias_arg = linear.args[2] if len(linear.args) > 2 else None
     bias_name = _placeholder_name(last, _through_cast(bias_arg)[0]) if bias_arg is not None else None
@@ -164,9 +173,22 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
                              "parameters must be trained. fix: compile without vocab_parallel")
     _check_from_data(first, embedding.args[1], "the embedding's ids")
     _check_from_data(last, loss.args[1], "the cross-entropy's targets")
-    return VocabPattern(embedding, linear, tuple(reversed(chain)), loss, table, weight_name, bias_name, size,
+    chain.reverse()
+    logit_ops = tuple(n for n in chain if n.target is _CAST or _per_logit(n)) if any(map(_per_logit, chain)) else ()
+    return VocabPattern(embedding, linear, tuple(chain), loss, table, weight_name, bias_name, size,
                         reduction, ignore_index, _arg(embedding, 2, "padding_idx", -1), logits.dtype, compute_dtype,
-                        bool(_arg(embedding, 3, "scale_grad_by_freq", False)))
+                        bool(_arg(embedding, 3, "scale_grad_by_freq", False)), logit_ops)
+
+
+def _per_logit(node: fx.Node) -> bool:
+    """`node` maps each logit to one floating value by itself: a pointwise op reading the logits and constants."""
+    val, source = node.meta.get("val"), node.args[0] if node.args else None
+    others: list[fx.Node] = []
+    fx.node.map_arg((node.args[1:], node.kwargs), others.append)
+    return (node.op == "call_function" and torch.Tag.pointwise in getattr(node.target, "tags", ())
+            and node.target not in _NOT_PER_LOGIT and isinstance(source, fx.Node) and not others
+            and isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+            and tuple(val.shape) == tuple(source.meta["val"].shape))
 
 
 def _through_cast(node):
@@ -231,7 +253,8 @@ def _check_from_data(g: Graph, node: fx.Node, what: str) -> None:
 
 def _describe(p: VocabPattern) -> str:
     head = key_of(p.weight) + (f" + {key_of(p.bias)}" if p.bias else "")
-    return (f"embedding {key_of(p.table)}[ids] ... linear {head} -> cross_entropy"
+    per_logit = "".join(f" -> {n.target.__name__.split('.')[0]}" for n in p.logit_ops if n.target is not _CAST)
+    return (f"embedding {key_of(p.table)}[ids] ... linear {head}{per_logit} -> cross_entropy"
             f"({'mean' if p.reduction == 1 else 'sum'}, ignore_index={p.ignore_index}), V={p.size}")
 
 
@@ -245,7 +268,7 @@ def _output_layer_input(last: Graph, p: VocabPattern) -> tuple[torch.Tensor, Gra
         graph.erase_node(env[check])   # it read the logits, which this stage no longer computes
     x = env[p.linear.args[0]]
     for n in p.chain:
-        if n.target in _IDENTITIES or n.target is _CAST:
+        if n.target in _IDENTITIES or n.target is _CAST or n in p.logit_ops:
             continue
         args = list(n.args)
         args[0] = x
@@ -359,20 +382,24 @@ def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, ids_graph: Graph, 
 
     offset = fake(None, (), torch.int64)
     tokens = int(x_val.shape[0])
+    logit_fn = None
+    if p.logit_ops:
+        logit_fn = functools.partial(_replay, steps=tuple((n.target, n.args[1:], dict(n.kwargs))
+                                                          for n in p.logit_ops))
     fx_if = functools.partial(_input_forward, ids_fn=ids_fn, rows=rows)
     fx_ib = functools.partial(_input_backward, ids_fn=ids_fn, rows=rows, padding_idx=p.padding_idx,
                               size=p.size if p.scale_by_freq else None)
     fx_s = functools.partial(_output_forward, target_fn=target_fn, rows=rows, size=p.size if padded else None,
                              logits_dtype=p.logits_dtype, n_data=len(target_inputs), has_bias=bool(p.bias),
-                             compute_dtype=p.compute_dtype)
+                             compute_dtype=p.compute_dtype, logit_fn=logit_fn)
     fx_t = functools.partial(_output_backward, target_fn=target_fn, rows=rows, reduction=p.reduction,
                              ignore_index=p.ignore_index, logits_dtype=p.logits_dtype, has_bias=bool(p.bias),
-                             compute_dtype=p.compute_dtype)
+                             compute_dtype=p.compute_dtype, logit_fn=logit_fn, size=p.size if padded else None)
     ids = tuple(fake(data_vals[n]) for n in id_inputs)
     targets = tuple(fake(data_vals[n]) for n in target_inputs)
     head_vals = (fake(weight_val, (rows, d)),) + ((fake(bias_val, (rows,)),) if p.bias else ())
     x = fake(x_val)
-    saved = fake(None, (tokens, rows), _stat_dtype(p.logits_dtype))
+    saved = fake(None, (tokens, rows), p.linear.meta["val"].dtype if logit_fn else _stat_dtype(p.logits_dtype))
     top = fake(None, (tokens,), _stat_dtype(p.logits_dtype))
     gathered = fake(None, (shards, tokens, 3), _stat_dtype(p.logits_dtype))
     # the loss gradient in the statistics' dtype: float64 logits take a float64 seed (1/m in float32 would scale
@@ -434,11 +461,13 @@ def _cast(t, dtype):
     return t if t is None or dtype is None else t.to(dtype)
 
 
-def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias, compute_dtype=None):
+def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias, compute_dtype=None,
+                    logit_fn=None):
     weight, bias = _cast(args[0], compute_dtype), _cast(args[1] if has_bias else None, compute_dtype)
     x, offset = args[1 + has_bias], args[2 + has_bias]
     data = args[3 + has_bias:]
-    y = torch.nn.functional.linear(x, weight, bias).to(logits_dtype)
+    z = torch.nn.functional.linear(x, weight, bias)
+    y = (z if logit_fn is None else logit_fn(z)).to(logits_dtype)
     if size is not None:   # the last shard's padded rows: -inf, outside every softmax
         valid = torch.arange(rows, device=y.device) + offset < size
         y = torch.where(valid, y, float("-inf"))
@@ -450,7 +479,15 @@ def _output_forward(*args, target_fn, rows, size, logits_dtype, n_data, has_bias
     e = (yf - top.unsqueeze(-1)).exp_()
     safe, inside = _shard_local(target_fn(*data), offset, rows)
     picked = torch.where(inside, yf.gather(1, safe.unsqueeze(-1)).squeeze(-1), 0.0)
-    return torch.stack([top, e.sum(-1), picked], dim=1), e, top
+    # with per-logit ops T needs their derivative at z, and rebuilds e from z: z is kept instead of e
+    return torch.stack([top, e.sum(-1), picked], dim=1), e if logit_fn is None else z, top
+
+
+def _replay(z: torch.Tensor, *, steps) -> torch.Tensor:
+    """The chain's casts and per-logit ops (target, other args, kwargs), in order, on a shard's logits."""
+    for target, rest, kwargs in steps:
+        z = target(z, *rest, **kwargs)
+    return z
 
 
 def _stat_dtype(logits_dtype: torch.dtype) -> torch.dtype:
@@ -458,8 +495,8 @@ def _stat_dtype(logits_dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(logits_dtype, torch.float32)
 
 
-def _output_backward(gathered, e, top_local, x, *args, target_fn, rows, reduction, ignore_index, logits_dtype,
-                     has_bias, compute_dtype=None):
+def _output_backward(gathered, saved, top_local, x, *args, target_fn, rows, reduction, ignore_index, logits_dtype,
+                     has_bias, compute_dtype=None, logit_fn=None, size=None):
     param = args[0]   # the gradients go back in the parameters' dtypes; the matmuls run in the linear's
     weight = _cast(param, compute_dtype)
     offset, seed = args[1 + has_bias], args[2 + has_bias]
@@ -479,12 +516,34 @@ def _output_backward(gathered, e, top_local, x, *args, target_fn, rows, reductio
     else:
         loss = per_token.sum()
     g = weights * seed
+    if logit_fn is not None:
+        dz = _through_logit_fn(saved, top_local, lse, g, target, offset, rows, size, logit_fn, logits_dtype)
+        dz = dz.to(weight.dtype)
+        grads = (dz.t().mm(x).to(param.dtype),) + ((dz.sum(0).to(args[1].dtype),) if has_bias else ())
+        return (*grads, dz.mm(weight), loss.to(logits_dtype))
     # dy = g (softmax - onehot): the softmax part over the whole shard in one pass, the one-hot part on the
     # [tokens, d] side (a row of x into dW, a row of W out of dx per token whose target is in the shard)
-    dy = (e * (torch.exp(top_local - lse) * g).unsqueeze(-1)).to(weight.dtype)
+    dy = (saved * (torch.exp(top_local - lse) * g).unsqueeze(-1)).to(weight.dtype)
     safe, inside = _shard_local(target, offset, rows)
     hit = torch.where(inside, g, 0.0).to(weight.dtype).unsqueeze(-1)
     dw = dy.t().mm(x).index_add(0, safe, -(hit * x)).to(param.dtype)
     grads = (dw,) + ((dy.sum(0).index_add(0, safe, -hit.squeeze(-1)).to(args[1].dtype),) if has_bias else ())
     dx = dy.mm(weight) - hit * torch.nn.functional.embedding(safe, weight)
     return (*grads, dx, loss.to(logits_dtype))
+
+
+def _through_logit_fn(z, top_local, lse, g, target, offset, rows, size, logit_fn, logits_dtype):
+    """The gradient at the linear's output z of a shard whose logits are f(z): dy = g (softmax - onehot) on the
+    shard's rows, taken back through f by autograd (traced into T's graph as f's own backward ops)."""
+    with torch.enable_grad():
+        leaf = z.detach().requires_grad_(True)
+        y = logit_fn(leaf).to(logits_dtype).to(lse.dtype)
+        if size is not None:   # padded rows: out of the softmax, and no gradient (f' there may be anything)
+            valid = torch.arange(rows, device=y.device) + offset < size
+            y = torch.where(valid, y, float("-inf"))
+        softmax = torch.exp(y - lse.unsqueeze(-1))
+        safe, inside = _shard_local(target, offset, rows)
+        dy = (softmax * g.unsqueeze(-1)).scatter_add(1, safe.unsqueeze(-1), -torch.where(inside, g, 0.0)
+                                                     .unsqueeze(-1))
+        (dz,) = torch.autograd.grad(y, leaf, dy)
+    return dz

@@ -1,5 +1,5 @@
 """Vocabulary parallelism across the transformers zoo (tests/support/zoo.py), as threaded pp=2 pipelines: every causal
-and masked LM (rotary, ALiBi, learned positions, tied and untied heads, a biased decoder, mixtures of experts)
+and masked LM (rotary, ALiBi, learned positions, tied and untied heads, a biased decoder, mixtures of experts, Gemma 2's soft-capped logits)
 under 1f1b+vocab and zbv+vocab over 4 microbatches (and Llama under every other kind of schedule) gives eager microbatch accumulation's loss, and every
 gradient (each rank's rows of the vocabulary parameters against eager's same rows) within 1e-5 relative.
 Architectures outside the pattern raise VocabError naming what was found."""
@@ -26,7 +26,7 @@ from zbcompile.split import split_model
 torch.set_num_threads(1)
 
 LMS = ["llama", "mistral", "qwen2", "bloom", "gpt2", "gpt_neox", "opt", "bert_mlm", "roberta_mlm", "mixtral",
-       "qwen2_moe"]
+       "qwen2_moe", "gemma2"]
 REFUSED = {   # a logits bias buffer after the head, one table looked up twice (encoder and decoder), no lookup
     "bart": "logits come from .*final_logits_bias", "t5": "2 embedding lookups on a \\[64, d\\] parameter",
     "vit": "not from a linear layer|0 embedding lookups",
@@ -68,7 +68,7 @@ def test_zoo_with_vocabulary_parallelism_matches_eager(arch, schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom", "opt", "bert_mlm", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bloom", "opt", "bert_mlm", "mixtral", "gemma2"])
 def test_zoo_evaluates_with_vocabulary_parallelism_as_eager_does(arch):
     """PipelineModule.evaluate() and pipe(x) in eval mode, on zbv+vocab: the mean loss and the whole logits
     eager's eval-mode model gives under no_grad (the loss on every rank, the logits on the last stage's), and no

@@ -130,6 +130,72 @@ def test_shard_graphs_under_autocast_compute_as_the_autocast_linear_does():
     torch.testing.assert_close(dx.float(), h.grad.float(), rtol=2e-2, atol=2e-3)
 
 
+class _Capped(nn.Module):
+    """Logits through ops on each logit alone: a scale, then Gemma 2's soft-cap, from a biased head."""
+
+    def __init__(self, V: int, d: int) -> None:
+        super().__init__()
+        self.emb, self.mix, self.head = nn.Embedding(V, d), nn.Linear(d, d), nn.Linear(d, V)
+
+    def forward(self, x):
+        z = self.head(torch.tanh(self.mix(self.emb(x)))) * 2.0
+        return torch.tanh(z / 3.0) * 3.0
+
+
+@pytest.mark.parametrize("shards", [1, 2, 5])
+def test_shard_graphs_take_the_gradient_through_ops_on_each_logit(shards):
+    """A soft-capped, scaled head (V=61: padded over 2 and 5 shards): S applies the ops to the shard's logits,
+    T takes the gradient back through them; loss, dx, dW and db equal autograd through the whole logits (float64,
+    an ignored target, a float32 round trip in the loss) and padded rows get nothing."""
+    torch.manual_seed(0)
+    V, d = 61, 16
+    model = _Capped(V, d).double()
+    x, y = torch.randint(0, V, (3, 4)), torch.randint(0, V, (3, 4))
+    y[0, 1] = -100
+    loss_fn = lambda lg, t: F.cross_entropy(lg.float().double().view(-1, V), t.view(-1))  # noqa: E731
+    vocab = split_model(copy.deepcopy(model), loss_fn, (x, y), num_stages=1, vocab_shards=shards).vocab
+    assert "linear head.weight + head.bias -> mul -> div -> tanh -> mul -> cross_entropy" in vocab.pattern
+    w, b = model.head.weight.detach(), model.head.bias.detach()
+    hidden, seed = torch.randn(12, d, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)
+
+    def rows(t, r):
+        part = t[r * vocab.rows:(r + 1) * vocab.rows]
+        return torch.cat([part, part.new_zeros(vocab.rows - part.shape[0], *part.shape[1:])])
+
+    def inputs(r):
+        return {"param:head.weight": rows(w, r), "param:head.bias": rows(b, r), "vocab:x": hidden,
+                "vocab:offset": torch.tensor(r * vocab.rows), "data:1": y}
+
+    outs = [vocab.graphs["s"](inputs(r)) for r in range(shards)]
+    gathered = torch.stack([o["vocab:stats"] for o in outs])
+    backs = [vocab.graphs["t"]({**inputs(r), "vocab:gathered": gathered, "vocab:saved:0": o["vocab:saved:0"],
+                                "vocab:saved:1": o["vocab:saved:1"], "grad:loss": seed}) for r, o in enumerate(outs)]
+    h, hw, hb = (t.clone().requires_grad_() for t in (hidden, w, b))
+    ref = loss_fn(torch.tanh(F.linear(h, hw, hb) * 2.0 / 3.0) * 3.0, y)
+    (ref * seed).backward()
+    torch.testing.assert_close(backs[0]["loss"], ref.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(sum(o["vocab:dx"] for o in backs), h.grad, rtol=1e-10, atol=1e-14)
+    for name, want in (("grad:param:head.weight", hw.grad), ("grad:param:head.bias", hb.grad)):
+        got = torch.cat([o[name] for o in backs])
+        torch.testing.assert_close(got[:V], want, rtol=1e-10, atol=1e-14)
+        assert not got[V:].any(), f"a padded row got a gradient in {name}"
+
+
+@pytest.mark.parametrize("logits,found", [
+    (lambda z: z - z.logsumexp(-1, keepdim=True), "logsumexp"),            # reads the other logits
+    (lambda z: torch.where(z > 0, z, z * 0.5), "where"),                   # a mask from the logits: a second reader
+])
+def test_ops_between_head_and_loss_that_are_not_per_logit_are_refused(logits, found):
+    class _Mixed(_Tiny):
+        def forward(self, x):
+            return logits(self.head(torch.tanh(self.mix(self.emb(x)))))
+
+    model, loss_fn, example = _case(model=_Mixed(32, 8))
+    with pytest.raises(VocabError, match="vocab_parallel=True") as info:
+        split_model(model, loss_fn, example, num_stages=1, vocab_shards=2)
+    assert found in str(info.value), str(info.value)
+
+
 class _Tiny(nn.Module):
     def __init__(self, V: int, d: int, tied: bool = False) -> None:
         super().__init__()

@@ -202,6 +202,19 @@ def mixtral() -> Case:
     return _lm(MixtralForCausalLM(cfg))
 
 
+def gemma2() -> Case:
+    """Gemma 2: soft-capped attention scores and logits (`c * tanh(z / c)` after the tied head), sliding-window
+    layers between global ones, embeddings scaled by sqrt(d), RMSNorm with a +1 offset."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=D, intermediate_size=FF, num_hidden_layers=4,
+                       num_attention_heads=HEADS, num_key_value_heads=1, head_dim=D // HEADS,
+                       query_pre_attn_scalar=D // HEADS, max_position_embeddings=16, sliding_window=4,
+                       final_logit_softcapping=3.0, attn_logit_softcapping=5.0, attention_dropout=0.0)
+    return _lm(Gemma2ForCausalLM(cfg))
+
+
 def qwen2_moe() -> Case:
     """Mixture of experts with a shared expert: 4 experts, top-2 routing."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
@@ -215,7 +228,7 @@ def qwen2_moe() -> Case:
 
 
 ZOO = {f.__name__: f for f in (llama, mistral, qwen2, bloom, gpt2, gpt_neox, opt, bert_mlm, roberta_mlm, bart, t5,
-                               vit, mixtral, qwen2_moe)}
+                               vit, mixtral, qwen2_moe, gemma2)}
 
 
 @functools.lru_cache(maxsize=None)
