@@ -33,29 +33,18 @@ from tabulate import tabulate
 from _harness import build_model, make_batch, write_results
 from zbcompile.compiler import compile_programs
 from zbcompile.examples.gpt import loss_fn
-from zbcompile.ir.schedule import Schedule
 from zbcompile.options import CompileOptions
 from zbcompile.passes.analysis.memory import memory_plan
 from zbcompile.passes.lower import emit_fx
+from zbcompile.passes.schedules import one_rank
 from zbcompile.runtime import RankRuntime
-
-
-def one_rank_schedule(stages: int, m: int) -> Schedule:
-    """F of every stage, then B from the last stage back, per microbatch; the W's after all B's."""
-    row = []
-    for mb in range(m):
-        row += [f"{s}F{mb}" for s in range(stages)] + [f"{s}B{mb}" for s in reversed(range(stages))]
-    row += [f"{s}W{mb}" for mb in range(m) for s in reversed(range(stages))]
-    placement = ",".join("0" * stages)
-    return Schedule.from_text(f"# zbcompile schedule one-rank-{stages}: microbatches={m} placement={placement} "
-                              f"pipelines=1\nrank 0: {' '.join(row)}\n").validate()
 
 
 def run(cfg: dict, stages: int, graphs: bool, device: torch.device, backend: str | None = None) -> dict:
     model = build_model(cfg).to(device)
     x, y = (t.to(device) for t in make_batch(cfg))
     m = cfg["n_mb"]
-    sched = one_rank_schedule(stages, m)
+    sched = one_rank(stages, m)
     options = CompileOptions(schedule=sched, microbatches=m, loss_fn=loss_fn, cuda_graphs=True, backend=backend,
                              example=((x[: x.shape[0] // m],), (y[: y.shape[0] // m],)))
     programs = compile_programs(model, options, 1).programs   # lowered for capture and checked

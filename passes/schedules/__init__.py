@@ -17,14 +17,14 @@ from zbcompile.errors import ScheduleError
 from zbcompile.ir.schedule import Schedule
 
 from .dualpipe import dualpipe, dualpipev
-from .gpipe_1f1b import gpipe, one_f_one_b
+from .gpipe_1f1b import gpipe, one_f_one_b, one_rank
 from .interleaved import interleaved_1f1b
 from .v_shape import v_half, v_min, v_zb, zbv
 from .vocab import insert_vocab
 from .zb_auto import zb_auto as _zb_auto  # keeps `schedules.zb_auto` the module
 from .zero_bubble import zb_h1, zb_h2
 
-__all__ = ["ScheduleSpec", "SCHEDULES", "GENERATORS", "generate", "list_schedules", "insert_vocab"]
+__all__ = ["ScheduleSpec", "SCHEDULES", "GENERATORS", "generate", "list_schedules", "insert_vocab", "one_rank"]
 
 OPTIONS = frozenset({"chunks", "costs", "mem_limit"})
 # (pp, microbatches, chunks) -> (bubble rate, peak memory in 1F1B-stage units), None where the paper has none

@@ -8,6 +8,7 @@ Both admit any m >= 1. Under unit costs (F=B=W=1, so BW=2) both have bubble rate
 
 from __future__ import annotations
 
+from zbcompile.errors import ScheduleError
 from zbcompile.ir.schedule import Schedule, build, loop_placement
 
 from ._common import BW, F, check_microbatches, check_pp
@@ -36,3 +37,18 @@ def one_f_one_b(pp: int, microbatches: int) -> Schedule:
         row += [BW(r, i) for i in range(m - warmup, m)]
         ranks.append(row)
     return build("1f1b", m, loop_placement(pp), ranks)
+
+
+def one_rank(stages: int, microbatches: int) -> Schedule:
+    """Every stage on one rank, in order: per microbatch the F of each stage, then its B from the last stage
+    back; the W's after all B's. Not a pipeline: a multi-stage program on one device (one GPU runs a captured
+    step across stage boundaries; NCCL refuses two ranks on one device)."""
+    if stages < 1:
+        raise ScheduleError(f"one_rank: stages must be >= 1, got {stages}")
+    check_microbatches("one_rank", 1, microbatches, 1, "1", "")
+    row = []
+    for mb in range(microbatches):
+        row += [f"{s}F{mb}" for s in range(stages)] + [f"{s}B{mb}" for s in reversed(range(stages))]
+    row += [f"{s}W{mb}" for mb in range(microbatches) for s in reversed(range(stages))]
+    return Schedule.from_text(f"# zbcompile schedule one-rank-{stages}: microbatches={microbatches} "
+                              f"placement={','.join('0' * stages)} pipelines=1\nrank 0: {' '.join(row)}\n").validate()

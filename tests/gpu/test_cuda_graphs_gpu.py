@@ -22,7 +22,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 from support.models import gpt  # noqa: E402
 from support.one_rank import one_rank_runtime, train_one_rank  # noqa: E402
 from zbcompile.errors import CaptureError  # noqa: E402
-from zbcompile.passes.lower import Lowering  # noqa: E402
 from zbcompile.runtime.graphs import CaptureAPI  # noqa: E402
 
 STEPS, M = 6, 4
@@ -44,9 +43,8 @@ class CountingAPI(CaptureAPI):
 
 
 def _runtime(stages: int, graphs: bool, api=None):
-    lowering = Lowering(capture=True)   # both ways run the program lowered for capture
-    return one_rank_runtime(gpt(layers=4, batch=2 * M, device="cuda"), stages, M, lowering, graphs=graphs,
-                            graph_api=api)
+    # both ways run the program lowered for capture
+    return one_rank_runtime(gpt(layers=4, batch=2 * M, device="cuda"), stages, M, graphs=graphs, graph_api=api)
 
 
 def _train(rt, model, x, y):

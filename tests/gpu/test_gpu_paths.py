@@ -24,15 +24,16 @@ from support.models import eager_accumulated, gpt  # noqa: E402
 from support.one_rank import one_rank_runtime, train_one_rank  # noqa: E402
 from support.threaded import run_threaded, vocab_rank_grads  # noqa: E402
 from zbcompile.compiler import split_for  # noqa: E402
-from zbcompile.passes.lower import Lowering, OffloadChoice  # noqa: E402
+from zbcompile.passes.lower import OffloadChoice  # noqa: E402
 from zbcompile.passes.schedules import generate  # noqa: E402
 
 STEPS, M = 6, 4
 
 
-def _both(case, stages, got: Lowering, ref: Lowering, *, graphs: bool):
-    a = train_one_rank(*one_rank_runtime(case, stages, M, got, graphs=graphs), STEPS)
-    b = train_one_rank(*one_rank_runtime(case, stages, M, ref, graphs=False), STEPS)
+def _both(case, stages, got: dict, ref: dict, *, graphs: bool):
+    """Training with one_rank_runtime's keyword arguments `got` (captured where `graphs`) and `ref` (eager)."""
+    a = train_one_rank(*one_rank_runtime(case, stages, M, graphs=graphs, **got), STEPS)
+    b = train_one_rank(*one_rank_runtime(case, stages, M, graphs=False, **ref), STEPS)
     return a, b
 
 
@@ -47,34 +48,31 @@ def _assert_same_training(got, ref, rtol: float, atol: float):
 @pytest.mark.parametrize("stages", [1, 2])
 def test_dropout_replays_draw_what_eager_steps_draw(stages):
     case = gpt(layers=4, dropout=0.2, batch=2 * M, device="cuda")
-    lowering = Lowering(capture=True)
-    got, ref = _both(case, stages, lowering, lowering, graphs=True)
+    got, ref = _both(case, stages, {}, {}, graphs=True)
     _assert_same_training(got, ref, 1e-5, 1e-6)
     # and the masks do change between replays: the same batch twice gives two losses
-    rt, model, x, y = one_rank_runtime(case, stages, M, lowering, graphs=True)
+    rt, model, x, y = one_rank_runtime(case, stages, M, graphs=True)
     losses = [rt.step_batch((x, y)) for _ in range(5)]   # 2 eager, capture, 2 replays; no optimizer step
     assert losses[3] != losses[4], losses
 
 
 def test_offload_under_capture_equals_eager_offload_and_no_offload():
     case = gpt(layers=4, batch=2 * M, device="cuda")
-    offload = Lowering(capture=True, offload=OffloadChoice(prefetch=1, min_bytes=0))
-    got, ref = _both(case, 2, offload, Lowering(capture=True), graphs=True)
+    got, ref = _both(case, 2, {"offload": OffloadChoice(prefetch=1, min_bytes=0)}, {}, graphs=True)
     _assert_same_training(got, ref, 1e-5, 1e-6)
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "captured"])
 def test_triton_stage_graphs_train_like_the_aten_graphs(graphs):
     case = gpt(layers=2, batch=2 * M, device="cuda")
-    got, ref = _both(case, 2, Lowering(capture=True, backend="inductor"), Lowering(capture=True), graphs=graphs)
+    got, ref = _both(case, 2, {"backend": "inductor"}, {}, graphs=graphs)
     _assert_same_training(got, ref, 1e-4, 1e-5)   # Triton's reductions add in another order
 
 
 def test_a_bfloat16_model_captured_trains_like_eager():
     case = gpt(layers=2, batch=2 * M, device="cuda")
     case.model.to(torch.bfloat16)
-    lowering = Lowering(capture=True)
-    got, ref = _both(case, 2, lowering, lowering, graphs=True)
+    got, ref = _both(case, 2, {}, {}, graphs=True)
     assert all(g.dtype == torch.bfloat16 for g in got[1][0].values())
     _assert_same_training(got, ref, 0.0, 0.0)   # the same kernels in the same order: bitwise
 

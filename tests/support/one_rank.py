@@ -7,36 +7,31 @@ import copy
 
 import torch
 
-from zbcompile.ir.schedule import Schedule
-from zbcompile.passes.lower import Lowering, emit_fx, lower_all
+from zbcompile.compiler import compile_staged, split_for
+from zbcompile.options import CompileOptions
+from zbcompile.passes.lower import OffloadChoice, emit_fx
+from zbcompile.passes.schedules import one_rank
 from zbcompile.runtime import RankRuntime
-from zbcompile.split import split_model
 
 from support.models import Case, train_sgd
 
-__all__ = ["one_rank_schedule", "one_rank_runtime", "train_one_rank"]
+__all__ = ["one_rank_runtime", "train_one_rank"]
 
 
-def one_rank_schedule(stages: int, m: int) -> Schedule:
-    """F of every stage, then B from the last stage back, per microbatch; the W's after all B's."""
-    row = []
-    for mb in range(m):
-        row += [f"{s}F{mb}" for s in range(stages)] + [f"{s}B{mb}" for s in reversed(range(stages))]
-    row += [f"{s}W{mb}" for mb in range(m) for s in reversed(range(stages))]
-    return Schedule.from_text(f"# zbcompile schedule one-rank: microbatches={m} placement={','.join('0' * stages)} "
-                              f"pipelines=1\nrank 0: {' '.join(row)}\n").validate()
-
-
-def one_rank_runtime(case: Case, stages: int, m: int, lowering: Lowering, *, graphs: bool, graph_api=None,
-                     device: torch.device | None = None):
-    """(runtime, its own copy of case.model, x, y) on `device` (default: the current CUDA device);
-    `lowering.capture` must be set where `graphs` is."""
+def one_rank_runtime(case: Case, stages: int, m: int, *, graphs: bool, backend: str | None = None,
+                     offload: OffloadChoice | None = None, graph_api=None, device: torch.device | None = None):
+    """(runtime, its own copy of case.model, x, y) on `device` (default: the current CUDA device): `stages`
+    stages on one rank (passes.schedules.one_rank), compiled as the cuda_graphs option lowers them whether or
+    not `graphs` captures the step, with the stage graphs compiled by `backend` and `offload`'s choice."""
     device = device or torch.device("cuda", torch.cuda.current_device())
     model = copy.deepcopy(case.model).to(device)
     x, y = (t.to(device) for t in case.example)
     mb = x.shape[0] // m
-    staged = split_model(model, case.loss_fn, ((x[:mb],), (y[:mb],)), num_stages=stages)
-    programs = lower_all(one_rank_schedule(stages, m), staged, lowering)
+    schedule = one_rank(stages, m)
+    options = CompileOptions(schedule=schedule, microbatches=m, loss_fn=case.loss_fn, example=((x[:mb],), (y[:mb],)),
+                             cuda_graphs=True, backend=backend)
+    staged = split_for(model, case.loss_fn, options.example, schedule)
+    programs = compile_staged(staged, schedule, options, offload_choices=[offload] if offload else None).programs
     rt = RankRuntime(programs[0], emit_fx(programs[0]), pg=None, device=device, params=dict(model.named_parameters()),
                      buffers=dict(model.named_buffers()), peers=programs, cuda_graphs=graphs,
                      graph_api=graph_api(device) if graph_api else None)
