@@ -53,8 +53,37 @@ def attach_share(root: nn.Module, model: nn.Module, params, buffers) -> None:
 class _Share(nn.Module):
     """A container of a PipelineModule's share: one module path of the user's model, holding this rank's tensors
     under their names. It is not the user's module (that one is in `pipe.model`, and the compiled step runs the
-    graphs traced from it): what would act on a module (a mode, a hook, apply, a call, an index) is refused
-    instead of being silently ignored."""
+    graphs traced from it): what would act on a module (a mode, a hook, apply, a call, an index, a new value
+    of a setting) is refused instead of being silently ignored.
+
+    To code that sorts a model's modules it is the user's module: `isinstance(m, nn.LayerNorm)` holds (its
+    `__class__` is the user's class, as a mock's is), its settings (eps, normalized_shape, p, ...) read as the
+    user's, and its repr is the user's. Optimizer groups built by module type (HF Trainer's no-decay names,
+    minGPT's configure_optimizers) then come out as on the plain model; the container's own type keeps the
+    user's methods (forward, reset_parameters) out of reach."""
+
+    def __init__(self, module: nn.Module | None = None):
+        nn.Module.__init__(self)   # not the next class of a subclass's MRO (a batch norm's needs num_features)
+        if module is not None:
+            settings = {k: v for k, v in vars(module).items()
+                        if not k.startswith("_") and k != "training" and _is_setting(v)}
+            self.__dict__.update(settings, _user_class=type(module), _settings=frozenset(settings))
+
+    @property
+    def __class__(self):
+        return self.__dict__.get("_user_class", type(self))
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.__dict__.get("_settings", ()) and not _same(value, self.__dict__[name]):
+            self._refuse(f"setting .{name} = {value!r}")
+        super().__setattr__(name, value)
+
+    def extra_repr(self) -> str:
+        user = self.__dict__.get("_user_class")
+        try:   # the user's extra_repr, where it reads only the settings copied here
+            return user.extra_repr(self) if user is not None else ""
+        except (AttributeError, KeyError, TypeError):
+            return ""
 
     def _refuse(self, what: str):
         raise UsageError(
@@ -101,10 +130,8 @@ class _BatchNormShare(_Share, nn.modules.batchnorm._BatchNorm):
     was traced with. Resetting and a new momentum are refused before anything is changed."""
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm):
-        nn.Module.__init__(self)
-        self.num_features, self.eps, self.affine = bn.num_features, bn.eps, bn.affine
-        self.track_running_stats = bn.track_running_stats
-        self.__dict__["momentum"] = bn.momentum   # under the property, which reads it from here
+        _Share.__init__(self, bn)   # momentum, under the property below, is read from __dict__ too
+        self.__dict__["_settings"] -= {"momentum"}
 
     @property
     def momentum(self):
@@ -138,4 +165,15 @@ def _container(module: nn.Module) -> _Share:
     """The container for the share of `module` (the user's module at that path)."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return _BatchNormShare(module)
-    return _Share()
+    return _Share(module)
+
+
+def _is_setting(value) -> bool:
+    """A module attribute that is a plain value (a number, a string, a dtype, a tuple of them), not an object."""
+    if isinstance(value, tuple):
+        return all(map(_is_setting, value))
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device))
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b

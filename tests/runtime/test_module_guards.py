@@ -317,6 +317,62 @@ def test_the_pipes_containers_refuse_what_would_act_on_a_module():
 
     assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
 
+def _no_decay_names(model: torch.nn.Module) -> set[str]:
+    """HF Trainer's get_decay_parameter_names, inverted: the parameters of LayerNorm / Embedding modules (found
+    with isinstance over named_children) and every bias."""
+    def decayed(mod):
+        out = []
+        for name, child in mod.named_children():
+            if not isinstance(child, (torch.nn.LayerNorm, torch.nn.Embedding)):
+                out += [f"{name}.{n}" for n in decayed(child)]
+        return out + list(mod._parameters)
+    keep = {n for n in decayed(model) if "bias" not in n}
+    return {n for n, _ in model.named_parameters()} - keep
+
+
+def test_optimizer_groups_chosen_by_module_type_are_eagers():
+    """Optimizer groups built by module type found none of the pipe's LayerNorms or Embeddings (its containers
+    were plain modules), so AdamW decayed them where eager did not: parameters 1e-2 off after three steps, no
+    error. The containers now pass isinstance for the user's class, read its settings and print as it does; a new
+    value for a setting (a norm's eps) is refused, not ignored. Float64, against eager's same loop."""
+    case = gpt(layers=4, batch=8)
+    case.model.double()
+    model, loss_fn, x, y, pipes = _pipes(case)
+    ref = copy.deepcopy(model)
+
+    def adamw(m, skip):
+        named = list(m.named_parameters())
+        return torch.optim.AdamW([{"params": [p for n, p in named if n not in skip], "weight_decay": 0.5},
+                                  {"params": [p for n, p in named if n in skip], "weight_decay": 0.0}], lr=0.01)
+
+    eager_skip = _no_decay_names(ref)
+    assert any(".ln1." in n for n in eager_skip) and "wte.weight" in eager_skip, eager_skip
+    opt = adamw(ref, eager_skip)
+    for _ in range(3):
+        eager_step(ref, loss_fn, x, y, M)
+        opt.step(), opt.zero_grad()
+
+    def run(r):
+        pipe = pipes[r]
+        skip = _no_decay_names(pipe)
+        assert skip == eager_skip & {n for n, _ in pipe.named_parameters()}, skip ^ eager_skip
+        norm = next(m for m in pipe.modules() if isinstance(m, torch.nn.LayerNorm))
+        assert norm.eps == 1e-5 and "(ln1): LayerNorm((32,), eps=1e-05, elementwise_affine=True" in repr(pipe)
+        with pytest.raises(UsageError, match=r"setting \.eps = 0\.1 .* is not your module"):
+            norm.eps = 0.1
+        norm.eps = 1e-5   # its own value is no change
+        opt = adamw(pipe, skip)
+        for _ in range(3):
+            pipe.step(x, y)
+            opt.step(), opt.zero_grad()
+        return {n: p.detach().clone() for n, p in pipe.named_parameters()}
+
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    for got in run_pipes(run, PP):
+        for n, p in got.items():
+            assert rel(p, want[n]) <= 1e-10, n
+
+
 def test_swa_update_bn_on_a_pipe_is_refused_before_it_resets_the_statistics():
     """torch.optim.swa_utils.update_bn(loader, pipe) found no batch norm among the pipe's containers and returned
     having done nothing. Their batch norms are batch norms to torch now (settings, repr, a state dict without
