@@ -209,6 +209,10 @@ def _signature_problem(exc: Exception) -> str:
         return ("the model returns an object torch.utils._pytree does not know (a dataclass or a class of your own)"
                 "; register its class before compile with torch.export.register_dataclass(cls) (a dataclass) or "
                 f"torch.utils._pytree.register_pytree_node (torch: {said})")
+    if "does not exist in the graph" in said:   # the decompositions dropped an output the loss never reads
+        return ("the loss does not read every output of the model (one is made by an op the traced step drops, "
+                "since nothing reads it), so the traced step never computes it; return only what the loss reads, "
+                f"or read every output in loss_fn (torch: {said})")
     return ("the usual cause is an output export cannot describe, such as a HuggingFace model's key-value cache "
             f"(compile it with use_cache=False); torch: {type(exc).__name__}: {said}")
 

@@ -11,11 +11,16 @@ graphs and the messages). `Traced` keeps what a later call is compared against.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import operator
-from typing import Sequence
+import types
+import weakref
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zbcompile.errors import UsageError
 
@@ -34,10 +39,11 @@ class Traced:
     watched: tuple = ((), (), (), (), (), (), ())   # what _quick reads: see `of`
     quick: tuple = ()  # _quick(*watched) at compile: what each call compares first
     slots: tuple = ()  # (name, module, dict name, key) of every submodule, parameter and buffer slot: `watched`'s
+    settings: tuple = ()   # (label, dict, key, value) of each plain value the traced code may have read
 
     @classmethod
-    def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]], model: nn.Module | None = None
-           ) -> Traced:
+    def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]], model: nn.Module | None = None,
+           loss_fn: Callable | None = None) -> Traced:
         tensors = [*module.named_parameters(), *module.named_buffers()]
         parts = [] if model is None else [*model.named_modules(), *model.named_parameters()]
         modules = tuple(m for _, m in parts if isinstance(m, nn.Module))
@@ -49,11 +55,12 @@ class Traced:
                    # each slot's dict, key and the object in it at compile: a module or a tensor replaced since
                    tuple(getattr(m, d) for _, m, d, _ in slots), tuple(k for *_, k in slots),
                    tuple(getattr(m, d)[k] for _, m, d, k in slots))
+        settings = _settings(model, loss_fn) if model is not None else ()
         return cls(tuple((n, p) for n, p in params if not p.requires_grad),
                    tuple((n, p) for n, p in params if p.requires_grad),
                    tuple((n, t, t.dtype, t.device) for n, t in tensors),
                    tuple((n, m, _mode(m)) for n, m in parts if isinstance(m, nn.Module)),
-                   tuple((n, x, _hooks(x)) for n, x in parts), watched, _quick(*watched), slots)
+                   tuple((n, x, _hooks(x)) for n, x in parts), watched, _quick(*watched), slots, settings)
 
     def check(self, rank: int, captured: bool) -> None:
         """UsageError for a parameter unfrozen since compile (its gradient was never traced), one frozen since
@@ -79,11 +86,15 @@ class Traced:
                                  "Convert the model before compiling (model.double(), then zbcompile.compile)")
 
     def check_model(self) -> None:
-        """UsageError for a module whose mode or dropout probability changed since compile, or a hook added or
-        removed (what evaluate() and pipe(x) check too). Every call pays only for _quick; the culprit is
-        looked for where it differs."""
-        if _quick(*self.watched) == self.quick:
-            return
+        """UsageError for a module whose mode or dropout probability changed since compile, a hook added or
+        removed, or a plain value the traced code read changed (what evaluate() and pipe(x) check too). Every
+        call pays only for _quick and one map over the values; the culprit is looked for where they differ."""
+        if _quick(*self.watched) != self.quick:
+            self._check_structure()
+        self._check_settings()
+
+    def _check_structure(self) -> None:
+        """check_model's search for the module, slot or hook that changed, where _quick differs."""
         for (name, m, kind, key), held in zip(self.slots, self.watched[6]):
             now = getattr(m, kind).get(key)
             if now is not held:
@@ -107,6 +118,122 @@ class Traced:
                                  "compiled step runs the graphs traced at compile, which never call a hook added "
                                  "later (and still run one removed). Register forward hooks before "
                                  "zbcompile.compile; act on gradients after step() returns (on p.grad)")
+
+
+    def _check_settings(self) -> None:
+        """UsageError for a plain value the traced code read (a module's `temperature`, a loss weight in loss_fn's
+        closure) that changed since compile: the graphs hold the value it had then. The comparison is one C-level
+        map over (dict, key) pairs; a closure cell is read through a dict of one entry refreshed each call."""
+        if not self.settings:
+            return
+        for view in {id(h): h for _, h, _, _ in self.settings if isinstance(h, _CellView)}.values():
+            view.refresh()
+        _, dicts, keys, values = zip(*self.settings)
+        if list(map(dict.get, dicts, keys, itertools.repeat(_MISSING))) == list(values):
+            return
+        for label, held, key, value in self.settings:
+            now = held.get(key, _MISSING)
+            if not _same(now, value):
+                raise UsageError(
+                    f"{label} changed after compile ({value!r} -> {'(deleted)' if now is _MISSING else repr(now)}), "
+                    "but the compiled step's graphs hold the value it had when they were traced: the change would "
+                    "be ignored. Set it before zbcompile.compile, or keep a value you change during training in a "
+                    "tensor the step reads: a buffer of the model (register_buffer, changed in place: "
+                    "buf.fill_(v)) or a batch argument")
+
+
+def plain_value(value) -> bool:
+    """A value the trace may have baked in as a constant: a number, a string, a dtype, a tuple of them."""
+    if isinstance(value, tuple):
+        return all(map(plain_value, value))
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device))
+
+
+def _same(a, b) -> bool:
+    return type(a) is type(b) and (a == b or (a != a and b != b))   # (NaN is NaN)
+
+
+_MISSING = object()
+
+
+class _CellView(dict):
+    """A closure cell as a dict of one entry {name: its contents}, refreshed before each comparison."""
+
+    def __init__(self, name: str, cell) -> None:
+        super().__init__()
+        self.name, self.cell = name, cell
+        self.refresh()
+
+    def refresh(self) -> None:
+        try:
+            self[self.name] = self.cell.cell_contents
+        except ValueError:   # emptied (del of the variable)
+            self.pop(self.name, None)
+
+
+def _settings(model: nn.Module, loss_fn) -> tuple:
+    """(label, dict, key, value) of every plain value the model's or loss_fn's code may read: each module's public
+    attributes whose names its class's methods mention (not __init__'s: what it sets is not what forward reads;
+    an attribute your loop keeps on a module is not watched unless the class reads it), and what loss_fn reads
+    from its closure and from the globals its code names, one level into a dict (a `cfg["aux_weight"]`)."""
+    out = []
+    for name, m in model.named_modules():
+        out += _module_settings(f"model attribute {name + '.' if name else ''}", m)
+    if isinstance(loss_fn, nn.Module):
+        for name, m in loss_fn.named_modules():
+            out += _module_settings(f"loss_fn attribute {name + '.' if name else ''}", m)
+    elif isinstance(loss_fn, types.FunctionType):
+        out += _function_settings(loss_fn)
+    return tuple(out)
+
+
+def _module_settings(label: str, m: nn.Module) -> list:
+    read = _names_read(type(m))
+    return [(label + k, vars(m), k, v) for k, v in vars(m).items()
+            if k in read and not k.startswith("_") and k != "training" and plain_value(v)]
+
+
+@functools.lru_cache(maxsize=None)
+def _names_read(cls: type) -> frozenset[str]:
+    """The names the code of `cls`'s methods mentions (its own and its bases' up to torch's nn.Module), but for
+    the methods that only build or print the module."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        for attr, value in vars(klass).items():
+            fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            if attr not in _NOT_READ_IN_STEPS and isinstance(fn, types.FunctionType):
+                names |= _code_names(fn.__code__)
+    return frozenset(names)
+
+
+_NOT_READ_IN_STEPS = frozenset({"__init__", "extra_repr", "__repr__", "__setstate__", "reset_parameters",
+                                "_reset_parameters", "_init_weights"})
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """co_names of `code` and of the code nested in it (lambdas, comprehensions, inner functions)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _function_settings(fn: types.FunctionType) -> list:
+    """loss_fn's closure cells and the globals its code names: each plain value, and a dict's plain items."""
+    held = [(f"loss_fn's {n}", _CellView(n, c), n) for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
+    held += [(f"loss_fn's global {n}", fn.__globals__, n) for n in sorted(_code_names(fn.__code__))
+             if n in fn.__globals__ and not n.startswith("__")]
+    out = []
+    for label, where, key in held:
+        value = where.get(key, _MISSING)
+        if plain_value(value):
+            out.append((label, where, key, value))
+        elif isinstance(value, dict):
+            out += [(f"{label}[{k!r}]", value, k, v) for k, v in value.items() if plain_value(v)]
+    return out
 
 
 _TRAINING, _P = operator.attrgetter("training"), operator.attrgetter("p")
@@ -293,3 +420,37 @@ def check_step_context(training: bool, traced_autocast, now_autocast) -> None:
         raise UsageError(f"step() runs under {found} but the step was compiled under {traced}: a compiled step's "
                          "casts are fixed when it is traced. Call zbcompile.compile(...) inside the same "
                          "torch.autocast region you train in (and call step() there too, or outside any)")
+
+
+# Optimizers whose step combines values across all their parameters (LBFGS: dot products of the whole parameter
+# vector, a line search on the whole loss): each rank of a pipeline holds only its share, so each would step by
+# its own share's curvature and stopping tests, a model no single process trains.
+_CROSS_PARAMETER = (torch.optim.LBFGS,)
+_PIPES: weakref.WeakSet = weakref.WeakSet()   # every live PipelineModule, for the optimizer hook below
+_HOOK: list = []
+
+
+def check_cross_parameter(optimizer) -> None:
+    """UsageError for an optimizer whose step combines every parameter's values (LBFGS)."""
+    if isinstance(optimizer, _CROSS_PARAMETER):
+        raise UsageError(f"{type(optimizer).__name__} over a pipeline's parameters: its step combines values "
+                         "across all the parameters it holds (dot products, a line search), but each pipeline "
+                         "rank holds only its own share, so every rank would step by its share alone, unlike "
+                         "eager. Use an optimizer that updates each parameter from its own state (SGD, Adam, "
+                         "AdamW, Adagrad, RMSprop, ...)")
+
+
+def watch_optimizers(pipe: nn.Module) -> None:
+    """Refuse, from then on, a step of an optimizer check_cross_parameter refuses over any of `pipe`'s
+    parameters (a user's own `lbfgs.step(closure)` around pipe.step), before it changes anything: one global
+    optimizer step pre-hook, registered once."""
+    _PIPES.add(pipe)
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_over_a_pipe))
+
+
+def _refuse_over_a_pipe(optimizer, args, kwargs) -> None:
+    if isinstance(optimizer, _CROSS_PARAMETER):
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(id(p) in held for pipe in list(_PIPES) for p in pipe.parameters()):
+            check_cross_parameter(optimizer)

@@ -60,7 +60,8 @@ class PipelineModule(nn.Module):
 
     As an nn.Module it holds exactly this rank's share of the user's model under the model's own fully qualified
     names (`zbcompile.share.attach_share`): the parameters its stages use — the user's own nn.Parameter
-    objects, so any torch optimizer works on parameters() — and the persistent buffers they read. A tied
+    objects, so a torch optimizer that updates each parameter from its own state works on parameters() (LBFGS,
+    which combines them all, is refused) — and the persistent buffers they read. A tied
     parameter is one Parameter under each of its names, as in the model itself: named_parameters() gives it
     once, under its first name; state_dict() under every name. So torch's state-dict helpers and
     torch.distributed.checkpoint see the user's keys (zbcompile/checkpoint.py: saving and loading at any layout).
@@ -118,7 +119,9 @@ class PipelineModule(nn.Module):
         real = None if vocab is None else max(0, min(vocab.rows, vocab.size - rank * vocab.rows))
         self.__dict__["_counted_rows"] = [real if vocab is not None and n in vocab.params else None for n in counted]
         # what later calls are compared against: which parameters have a gradient, every tensor's dtype and device
-        self.__dict__["_traced"] = call_checks.Traced.of(self, [(n, model.get_parameter(n)) for n in owned], model)
+        self.__dict__["_traced"] = call_checks.Traced.of(self, [(n, model.get_parameter(n)) for n in owned], model,
+                                                         compiled.options.loss_fn)
+        call_checks.watch_optimizers(self)
 
     def _new_runtime(self, runtime_for, programs, **kwargs) -> RankRuntime:
         runtime = runtime_for(programs, **kwargs)

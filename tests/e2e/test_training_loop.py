@@ -932,7 +932,7 @@ def test_a_dataclass_output_trains_and_comes_back_once_registered():
 def test_an_output_the_loss_does_not_read_made_by_a_plain_op_trains_as_eager(schedule):
     """`return logits, logits.argmax(-1)`: the decompositions drop the dead argmax, which failed the trace with
     torch's SpecViolationError (the model's call signature named it). It trains as eager does; `pipe(x)` is
-    refused, as for any output the loss does not read."""
+    refused, as for any output the loss does not read, and says so (it gave the key-value cache hint)."""
     case = type(gpt())(_WithPredictions(), lambda out, t: F.mse_loss(out[0], t),
                        (torch.randn(8, 16), torch.randn(8, 4)), 4)
     model, loss_fn, x, y, pipes = _pipes(case, schedule, dtype=torch.float64)
@@ -941,8 +941,9 @@ def test_an_output_the_loss_does_not_read_made_by_a_plain_op_trains_as_eager(sch
     losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
     assert all(abs(loss - want) <= 1e-12 * abs(want) for loss in losses), (losses, want)
     _assert_state_equal(pipes, ref, 1e-10, schedule)
-    with pytest.raises(UsageError):
+    with pytest.raises(UsageError, match="does not read every output") as info:   # not a key-value cache hint
         pipes[0].eval()(x)
+    assert "use_cache" not in str(info.value)
 
 
 def test_forward_is_refused_where_the_outputs_cannot_come_back_whole():

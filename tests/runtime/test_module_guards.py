@@ -23,7 +23,7 @@ import torch
 
 import zbcompile as zb
 from support.loops import eager_step, rel, shard_of
-from support.models import convnet, gpt, mlp
+from support.models import Case, convnet, gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
 from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError
 from zbcompile.options import CompileOptions
@@ -278,20 +278,40 @@ def test_a_module_parameter_or_buffer_replaced_after_compile_is_refused():
 
 def test_step_with_an_optimizer_of_nothing_here_or_no_optimizer_is_refused_before_it_runs():
     """step(optimizer=...) with an optimizer over another model's parameters updated nothing while the gradients
-    piled up, silently; a non-optimizer failed with an AttributeError after the step had run. Both are refused
-    before anything runs (no .grad written); zb.compile of something that is not a module is refused too."""
+    piled up, silently; a non-optimizer failed with an AttributeError after the step had run; LBFGS (whose step
+    combines every parameter's values, each rank holding a share) raised a raw TypeError after the exchange, and
+    stepped with a closure it trained silently unlike eager. All are refused before anything runs (no .grad
+    written, no parameter changed); zb.compile of something that is not a module is refused too."""
     model, loss_fn, x, y, pipes = _pipes(mlp(layers=4, batch=8))
     foreign = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)
 
     def run(r):
         pipe = pipes[r]
-        for optimizer, match in ((foreign, "over none of this rank's"), (3, "takes a torch.optim.Optimizer")):
+        lbfgs = torch.optim.LBFGS(pipe.parameters())
+        for optimizer, match in ((foreign, "over none of this rank's"), (3, "takes a torch.optim.Optimizer"),
+                                 (lbfgs, "LBFGS over a pipeline's parameters: its step combines")):
             with pytest.raises(UsageError, match=match):
                 pipe.step(x, y, optimizer=optimizer)
         assert all(p.grad is None for p in pipe.parameters())
+        before = [p.detach().clone() for p in pipe.parameters()]
+        with pytest.raises(UsageError, match="LBFGS over a pipeline's parameters"):   # the closure way: unchanged
+            lbfgs.step(lambda: torch.tensor(pipe.step(x, y)))
+        assert all(torch.equal(a, p) for a, p in zip(before, pipe.parameters()))
         return pipe.step(x, y, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))
 
     assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
+    plain = copy.deepcopy(model)   # LBFGS over a model that is no pipeline's still steps
+    lbfgs = torch.optim.LBFGS(plain.parameters(), max_iter=2)
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = loss_fn(plain(x), y)
+        loss.backward()
+        return loss
+
+    first = closure().item()
+    lbfgs.step(closure)
+    assert loss_fn(plain(x), y).item() < first
     with pytest.raises(UsageError, match="takes an nn.Module"):
         zb.compile("abc", schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=((x[:2],), (y[:2],)))
 
@@ -371,6 +391,76 @@ def test_optimizer_groups_chosen_by_module_type_are_eagers():
     for got in run_pipes(run, PP):
         for n, p in got.items():
             assert rel(p, want[n]) <= 1e-10, n
+
+
+class _Annealed(torch.nn.Module):
+    """Logits divided by a Python temperature and by a buffer: the first is baked into the trace, the second an
+    input of every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+                                            for _ in range(4)])
+        self.head = torch.nn.Linear(8, 3)
+        self.temperature = 1.0
+        self.register_buffer("scale", torch.ones((), dtype=torch.float64))
+
+    def forward(self, x):
+        return self.head(self.layers(x)) / self.temperature / self.scale
+
+
+LOSS_CFG = {"aux": 0.0}
+
+
+def test_a_plain_value_the_trace_read_and_the_loop_changed_is_refused():
+    """A Python number the forward or the loss reads (an annealed temperature, a loss weight in a closure or in
+    a global dict) was baked into the graphs, and changing it was silently ignored: eager's loss moved, the
+    pipeline's did not. Each is refused at the next call, naming the value; setting it back, an attribute no
+    code of the model reads (a step counter kept on the model) and a buffer changed in place (the way to anneal)
+    are fine, the buffer's new value read by the step as eager reads it."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    weight = 0.0
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out, y) + (weight + LOSS_CFG["aux"]) * out.pow(2).mean()
+
+    model = _Annealed().double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 3, (8,))
+    _, _, _, _, pipes = _pipes(Case(model, loss_fn, (x, y), 4))
+    ref = copy.deepcopy(model)
+
+    def attempt(change, undo, error):
+        change()
+        for r in range(PP):
+            with pytest.raises(UsageError, match=error):
+                pipes[r].step(x, y)
+        undo()
+
+    attempt(lambda: [setattr(p.model, "temperature", 0.5) for p in pipes],
+            lambda: [setattr(p.model, "temperature", 1.0) for p in pipes],
+            r"model attribute temperature changed after compile \(1.0 -> 0.5\)")
+    attempt(lambda: LOSS_CFG.update(aux=5.0), lambda: LOSS_CFG.update(aux=0.0),
+            r"loss_fn's global LOSS_CFG\['aux'\] changed after compile \(0.0 -> 5.0\)")
+
+    def set_weight(v):
+        nonlocal weight
+        weight = v
+
+    attempt(lambda: set_weight(1.0), lambda: set_weight(0.0), r"loss_fn's weight changed after compile")
+    for p in (*pipes, ref):
+        p_model = getattr(p, "model", p)
+        p_model.steps_seen = 7               # bookkeeping no code of the model reads
+    with torch.no_grad():
+        ref.scale.fill_(0.25)
+        held = [dict(p.named_buffers())["scale"] for p in pipes if "scale" in dict(p.named_buffers())]
+        assert held
+        for buf in held:
+            buf.fill_(0.25)   # on the rank holding it, in place
+    want = eager_step(ref, loss_fn, x, y, M)
+    got = run_pipes(lambda r: pipes[r].step(x, y), PP)
+    assert all(abs(g - want) <= 1e-12 * abs(want) for g in got), (got, want)
 
 
 def test_swa_update_bn_on_a_pipe_is_refused_before_it_resets_the_statistics():
