@@ -162,12 +162,30 @@ def schedule_for(options: CompileOptions, num_ranks: int) -> Schedule:
         if schedule.num_ranks != num_ranks or schedule.num_microbatches != m:
             raise UsageError(f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks and "
                              f"{schedule.num_microbatches} microbatches, not pp={num_ranks}, microbatches={m}")
+        _check_ready(schedule, options)
         return schedule.validate().check_order()
     from zbcompile.passes.schedules import generate
 
     _check_read(options)
     return generate(schedule, num_ranks, m, chunks=options.chunks, costs=options.costs,
                     mem_limit=options.mem_limit, vocab=options.vocab_parallel)
+
+
+def _check_ready(schedule: Schedule, options: CompileOptions) -> None:
+    """UsageError for the options that shape a generated schedule (chunks, costs, mem_limit, vocab_parallel)
+    given with a ready Schedule, which has its order, stages and vocabulary actions already: they would be
+    ignored without a word (vocab_parallel=True with a schedule without S / T actions: nothing sharded)."""
+    given = [name for name in ("chunks", "costs", "mem_limit") if getattr(options, name) is not None]
+    if given:
+        raise UsageError(f"{given[0]}={getattr(options, given[0])!r} with a ready Schedule ({schedule.name!r}): "
+                         f"{given[0]} shapes a schedule as it is generated, and this one is made already, so it "
+                         f"would be ignored. Drop {given[0]}, or pass it to zbcompile.generate(..., {given[0]}=...) "
+                         "or give the schedule by name")
+    if bool(schedule.vocab_shards) != bool(options.vocab_parallel):
+        has = "has" if schedule.vocab_shards else "has no"
+        raise UsageError(f"vocab_parallel={options.vocab_parallel} with a ready Schedule ({schedule.name!r}) that "
+                         f"{has} vocabulary actions (S / T): generate it with vocab={bool(options.vocab_parallel)} "
+                         "(zbcompile.generate), or give the schedule by name")
 
 
 def _check_read(options: CompileOptions) -> None:

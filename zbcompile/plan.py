@@ -436,7 +436,8 @@ def _generated(args: argparse.Namespace, mode: str) -> list:
     out = []
     for name in (schedule_names() if args.compare else [args.schedule]):
         try:
-            out.append(build_schedule(name, args.pp, args.microbatches, chunks=args.chunks, costs=args.costs))
+            out.append(build_schedule(name, args.pp, args.microbatches, chunks=args.chunks, costs=args.costs,
+                                      mem_limit=args.mem_limit))
         except ScheduleError:
             if not args.compare:
                 raise
@@ -467,7 +468,7 @@ def _run_vocab(args: argparse.Namespace, memory: MemoryModel) -> int:
     for name in names:
         try:
             built.append((name, build_schedule(name, args.pp, args.microbatches, chunks=args.chunks,
-                                               costs=args.costs)))
+                                               costs=args.costs, mem_limit=args.mem_limit)))
         except ScheduleError as exc:
             if not args.compare:
                 raise

@@ -81,6 +81,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = M
     Does not call `schedule.validate()` (the caller decides), but every dependency must be produced by some
     rank and the order must not deadlock, else SimulationError.
     """
+    costs = Costs() if costs is None else Costs.of(costs)   # (a string too: "F=1,B=1,W=1")
     schedule = schedule.flatten()  # an Overlap's sub-actions run back to back (see Overlap)
     # Work on integer codes (ScheduleProblem): hashing an Action hashes its Kind enum in Python, which would
     # dominate the run time of large schedules.

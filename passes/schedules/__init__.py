@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from zbcompile.errors import ScheduleError
+from zbcompile.ir.costs import Costs
 from zbcompile.ir.schedule import Schedule
 
 from .dualpipe import dualpipe, dualpipev
@@ -129,6 +130,7 @@ def generate(name: str, pp: int, microbatches: int, *, chunks: int | None = None
         raise ScheduleError(f"schedule {name!r} holds {spec.stages_per_rank} stage(s) per rank and cannot take "
                             f"--chunks {chunks}; drop --chunks, or pick interleaved-1f1b for a chosen number of "
                             f"chunks")
+    costs = Costs.of(costs)   # (a string too, as compile and the command line take it)
     given = {"chunks": chunks, "costs": costs, "mem_limit": mem_limit}
     schedule = spec.fn(pp, microbatches, **{key: given[key] for key in spec.accepts})
     return insert_vocab(schedule, costs) if vocab else schedule

@@ -86,6 +86,23 @@ def test_options_a_schedule_or_the_group_would_ignore_are_refused_before_tracing
         CompileOptions(**GOOD, pp=4).check_ranks(2)
 
 
+def test_options_that_shape_a_generated_schedule_are_refused_with_a_ready_one():
+    """A ready Schedule as `schedule=` dropped chunks, costs and mem_limit without a word, and vocab_parallel=True
+    with a schedule without S / T actions compiled without sharding anything; each is refused before tracing.
+    The schedule generated with what the options asked for compiles."""
+    m = GOOD["microbatches"]
+    plain, vocab = generate("1f1b", 2, m), generate("1f1b", 2, m, vocab=True)
+    cases = [(dict(schedule=plain, mem_limit=1.0), "mem_limit=1.0 with a ready Schedule"),
+             (dict(schedule=plain, costs=Costs(f=1, b=1, w=1)), "costs=.* with a ready Schedule"),
+             (dict(schedule=generate("interleaved-1f1b", 2, m, chunks=2), chunks=3), "chunks=3 with a ready"),
+             (dict(schedule=plain, vocab_parallel=True), "vocab_parallel=True .* has no vocabulary actions"),
+             (dict(schedule=vocab), "vocab_parallel=False .* has vocabulary actions")]
+    for more, says in cases:
+        with pytest.raises(UsageError, match=says):
+            compile_programs(Untraceable(), CompileOptions(**{**GOOD, **more}), 2)
+    compile_programs(_mlp(), CompileOptions(**{**GOOD, "schedule": plain}), 2)
+
+
 def test_unknown_and_missing_options_are_named():
     with pytest.raises(UsageError, match=r"unknown option\(s\) 'microbatch'.*microbatches"):
         zb.compile(Untraceable(), microbatch=2, **{k: v for k, v in GOOD.items() if k != "microbatches"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zbcompile.errors import ScheduleError
+from zbcompile.ir.schedule import Schedule
 from zbcompile.passes.schedules import GENERATORS, generate, list_schedules
 from zbcompile.simulate import Costs, simulate
 
@@ -52,6 +53,23 @@ def test_too_few_ranks_raise(name: str) -> None:
 def test_odd_pp_dualpipe_raises() -> None:
     with pytest.raises(ScheduleError, match="even pp"):
         generate("dualpipe", 3, 12)
+
+
+def test_costs_as_compile_takes_them() -> None:
+    """generate and simulate took only Costs (a string, as compile and the command line take it, raised a raw
+    AttributeError); a string now means Costs.parse of it, and anything else is a ScheduleError. A Schedule
+    saying it has 0 pipelines raised ZeroDivisionError."""
+    text = "F=1,B=2,W=0.5,comm=0.1"
+    for name, vocab in (("zb-auto", False), ("zbv", False), ("1f1b", True)):
+        assert generate(name, 4, 8, costs=text, vocab=vocab) == generate(name, 4, 8, costs=Costs.parse(text),
+                                                                         vocab=vocab)
+    sched = generate("zb-h1", 4, 8)
+    assert simulate(sched, text).makespan == simulate(sched, Costs.parse(text)).makespan
+    with pytest.raises(ScheduleError, match="costs=3: give a zbcompile.Costs"):
+        generate("zb-auto", 4, 8, costs=3)
+    header = "# zbcompile schedule x: microbatches=1 placement=0 pipelines=0\nrank 0: 0F0 0B0 0W0\n"
+    with pytest.raises(ScheduleError, match="pipelines must be an int >= 1"):
+        Schedule.from_text(header).validate()
 
 
 def test_unknown_name_lists_valid_names() -> None:

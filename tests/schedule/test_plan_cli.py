@@ -255,3 +255,20 @@ def test_a_flag_without_the_one_it_applies_with_is_refused(capsys, flags, named)
     assert main(["plan", "--compare", "--pp", "4", "-m", "8", *flags]) == 2
     assert f"zbcompile: error: {named}" in capsys.readouterr().err
     assert main(["plan", "--compare", "--pp", "4", "-m", "8", "--step-boundary", "1", "--boundary-latency", "1"]) == 0
+
+
+@pytest.mark.parametrize("mode", [["--step-boundary", "1"], ["--dp-comm", "1"], ["--vocab-parallel"]])
+def test_mem_limit_shapes_zb_auto_in_every_report(mode, capsys) -> None:
+    """--mem-limit was dropped by --step-boundary, --dp-comm and --vocab-parallel: their reports timed the
+    unlimited zb-auto (makespan 27 at p=4, m=8) while the plain report timed the limited one (72, peak 1)."""
+    args = ["plan", "--schedule", "zb-auto", "--pp", "4", "-m", "8", "--json"]
+    assert main([*args, "--mem-limit", "1"]) == 0
+    limited = json.loads(capsys.readouterr().out)
+    assert limited["makespan"] == 72 and limited["peak_memory"] == 1
+    assert main([*args, "--mem-limit", "1", *mode]) == 0
+    report = json.loads(capsys.readouterr().out)["schedules"][0]
+    assert main([*args, *mode]) == 0
+    unlimited = json.loads(capsys.readouterr().out)["schedules"][0]
+    assert report != unlimited, report
+    if "makespan" in report:
+        assert report["makespan"] == 72 and unlimited["makespan"] < 72

@@ -56,6 +56,15 @@ class Costs:
             object.__setattr__(self, "per_stage", tuple(rows))
 
     @staticmethod
+    def of(value) -> Costs | None:
+        """`value` as Costs: a Costs or None as it is, a string parsed (`parse`); ScheduleError otherwise."""
+        if value is None or isinstance(value, Costs):
+            return value
+        if isinstance(value, str):
+            return Costs.parse(value)
+        raise ScheduleError(f"costs={value!r}: give a zbcompile.Costs, a string ({_COSTS_FORM}) or None")
+
+    @staticmethod
     def parse(text: str) -> Costs:
         """`"F=1,B=1.1,W=0.6,comm=0.05"` -> Costs; keys are case-insensitive, missing ones keep defaults.
         `S=..,T=..,I=..` set the per-shard times of vocabulary parallelism's S, T and IF/IB."""

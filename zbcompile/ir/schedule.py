@@ -197,6 +197,9 @@ class Schedule:
         p, n = self.num_ranks, self.num_stages
         if self.num_microbatches < 1:
             raise ScheduleError(f"schedule {self.name!r}: needs at least 1 microbatch, got {self.num_microbatches}")
+        if not isinstance(self.pipelines, int) or self.pipelines < 1:
+            raise ScheduleError(f"schedule {self.name!r}: pipelines must be an int >= 1 (1, or 2 for DualPipe's "
+                                f"mirrored pair), got {self.pipelines!r}")
         if n % self.pipelines:
             raise ScheduleError(f"schedule {self.name!r}: {n} stages do not split into {self.pipelines} pipelines")
         if sorted(set(self.placement)) != list(range(p)):
