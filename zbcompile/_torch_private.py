@@ -170,3 +170,10 @@ def make_fx(fn, decomposition_table: dict):
     from torch.fx.experimental.proxy_tensor import make_fx as trace
 
     return trace(fn, decomposition_table=decomposition_table, tracing_mode="fake")
+
+
+def mark_optimizer_stepped(optimizer) -> None:
+    """`optimizer._opt_called = True` (2.11-2.13): what torch's wrapped `optimizer.step()` sets and
+    `LRScheduler.step()` reads on its first call, to warn that the schedule's first value was skipped. A
+    post-validated step that defers a rank's update to its verdict has an update pending, not skipped."""
+    optimizer._opt_called = True

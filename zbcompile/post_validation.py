@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 import torch
 
 from zbcompile import call_checks, grads
+from zbcompile._torch_private import mark_optimizer_stepped
 from zbcompile.agreement import STEP_ARGUMENTS, check_step_arguments, step_arguments
 from zbcompile.errors import DisagreementError, UsageError
 from zbcompile.ir.names import Role, role_of
@@ -318,6 +319,8 @@ class Boundary:
                 self._take_snapshot()
             self.optimizer.step()
             self.stepped = True
+        else:   # the update waits for the verdict; torch's first LR scheduler step would warn of a skipped one
+            mark_optimizer_stepped(self.optimizer)
         self._keep_grads()
 
     def _out_of_step(self, totals: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -369,6 +370,40 @@ def test_a_scheduler_stepped_after_each_step_changes_no_redone_update(name):
         assert sync[r][2] == post[r][2] == inverse[r][2]   # lr, momentum / betas, the scheduler's own state
         results = post[r][3]
         assert sum(x.clipped for x in results) > 2 and [i for i, x in enumerate(results) if x.skipped] == [NAN_STEP]
+
+
+def test_a_first_update_waiting_for_its_verdict_is_not_a_skipped_scheduler_value():
+    """Every step clips (max_norm 1e-3), so rank 0's prefix proves it and its update waits for the verdict: the
+    usual `sched.step()` after the first step made torch warn that the loop called the scheduler before
+    optimizer.step() and skipped the schedule's first value. It does not, and the rates follow the synchronous
+    run's."""
+    case = mlp(layers=4, batch=8)
+    options = CompileOptions(schedule="1f1b", microbatches=4, loss_fn=case.loss_fn,
+                             example=tuple(t[:2] for t in case.example))
+    compiled = compile_programs(case.model, options, 2)
+    x, y = case.example
+
+    def train(post_validate):
+        pipes = loopback_pipes(case.model, options, 2, compiled=compiled)
+
+        def run(r):
+            opt = torch.optim.SGD(pipes[r].parameters(), lr=0.1)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            for _ in range(3):
+                pipes[r].step(x, y, optimizer=opt, max_norm=1e-3, post_validate=post_validate)
+                sched.step()
+            pipes[r].settle()
+            return sched.get_last_lr(), [p.detach().clone() for p in pipes[r].parameters()]
+        return run_pipes(run, 2)
+
+    with warnings.catch_warnings(record=True) as caught:   # (the threads' warnings: caught around them all)
+        warnings.simplefilter("always")
+        post = train(True)
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)], [str(w.message) for w in caught]
+    sync = train(False)
+    for r in range(2):
+        assert post[r][0] == sync[r][0] == [0.1 * 0.5 ** 3]
+        assert all(torch.equal(a, b) for a, b in zip(post[r][1], sync[r][1])), r
 
 
 @pytest.mark.parametrize("schedule,pp", [("zbv", 2), ("1f1b", 4)])
