@@ -37,6 +37,7 @@ from tabulate import tabulate
 
 import zbcompile as zb
 from zbcompile import checkpoint
+from zbcompile.checkpoint_files import target_problem
 from zbcompile.errors import CheckpointError, RuntimeFailure
 from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
 
@@ -113,6 +114,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps {args.steps}: give the number of steps to train (at least 1)")
     if (args.resume == "auto" or args.save_every) and args.save is None:
         p.error("--resume auto and --save-every need --save DIR (where the checkpoints go)")
+    for flag in ("microbatches", "microbatch_size", "seq", "dim", "heads", "layers"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: give a positive number")
+    corpus = len(corpus_tokens())
+    if args.seq > corpus - 2:
+        p.error(f"--seq {args.seq}: the shipped corpus has {corpus} tokens, so a window (seq + 1 tokens, "
+                f"at random starts) is at most {corpus - 2} long")
+    if args.lr < 0 or args.eval_every < 0 or args.save_every < 0:
+        bad = next(f for f in ("lr", "eval_every", "save_every") if getattr(args, f) < 0)
+        p.error(f"--{bad.replace('_', '-')} {getattr(args, bad)}: give a value >= 0")
+    if args.save is not None and (problem := target_problem(args.save)) is not None:
+        p.error(f"--save: {problem}")   # found before training, not at its first save after every step
+    world = int(os.environ.get("WORLD_SIZE", 0))
+    for rank, step, attempt in args.kill_rank_at or ():
+        if world and rank >= world:
+            p.error(f"--kill-rank-at {rank}:{step}:{attempt}: the job has ranks 0..{world - 1}")
     for flag in ("metrics", "trace"):   # found before any training, not after it
         path = getattr(args, flag)
         if path is not None and (path.is_dir() or not path.parent.is_dir()):
