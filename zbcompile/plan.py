@@ -61,6 +61,9 @@ def load_schedule(path: str | Path, microbatches: int | None = None) -> Schedule
         text = path.read_text()
     except OSError as exc:
         raise ScheduleError(f"cannot read schedule file {str(path)!r}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ScheduleError(f"schedule file {str(path)!r} is not text (not UTF-8): give our text form "
+                            "('# zbcompile schedule ...') or torch's CSV") from None
     if text.lstrip().startswith("# zbcompile schedule"):
         schedule = Schedule.from_text(text)
     else:

@@ -102,6 +102,13 @@ def test_load_text_form_and_missing_file(tmp_path: Path, capsys: pytest.CaptureF
     assert json.loads(capsys.readouterr().out)["schedule"] == "1f1b"
     assert main(["plan", "--load", str(tmp_path / "nope.csv")]) == 2
     assert "cannot read schedule file" in capsys.readouterr().err
+    # a binary file and a placement with an empty item raised UnicodeDecodeError / ValueError tracebacks
+    (tmp_path / "bin.csv").write_bytes(b"\xff\xfe\x00")
+    assert main(["plan", "--load", str(tmp_path / "bin.csv")]) == 2
+    assert "is not text (not UTF-8)" in capsys.readouterr().err
+    path.write_text(path.read_text().replace("placement=0,1", "placement=0,,1", 1))
+    assert main(["plan", "--load", str(path)]) == 2
+    assert "not a zbcompile schedule: the first line must read" in capsys.readouterr().err
 
 
 def test_missing_sizes_and_compare_with_files(capsys: pytest.CaptureFixture) -> None:

@@ -354,7 +354,8 @@ class Schedule:
     @staticmethod
     def from_text(text: str) -> Schedule:
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-        head = re.match(r"#\s*zbcompile schedule (\S+): microbatches=(\d+) placement=([\d,]+) pipelines=(\d+)",
+        head = re.match(r"#\s*zbcompile schedule (\S+): microbatches=(\d+) placement=(\d+(?:,\d+)*) "
+                        r"pipelines=(\d+)",
                         lines[0] if lines else "")
         if not head:
             raise ScheduleError("not a zbcompile schedule: the first line must read "
