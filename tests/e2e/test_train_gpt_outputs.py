@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zbcompile.examples.train_gpt import _append_metrics, parse_args
+from zbcompile.examples.train_gpt import _append_metrics, _metrics_until, parse_args
 
 
 @pytest.mark.parametrize("flag", ["--metrics", "--trace"])
@@ -52,3 +52,13 @@ def test_metrics_on_a_full_disk_are_dropped_with_one_message(tmp_path, capsys):
     assert "--metrics /dev/full: cannot write it (No space left on device)" in capsys.readouterr().err
     good = tmp_path / "m.jsonl"
     assert _append_metrics(good, 1, 2.0) == good and good.read_text() == '{"step": 1, "loss": 2.0}\n'
+
+
+def test_a_resumed_run_drops_the_metrics_of_the_steps_it_trains_again(tmp_path):
+    """A restart from the checkpoint of step 2 trains step 3 again: its line from the killed attempt (and a line
+    the kill cut short) go, so that --metrics holds each step once; the lines up to the checkpoint stay."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.5}\n{"step": 3, "loss": 4.2}\n{"step": 4, "lo')
+    assert _metrics_until(path, 2) == path
+    assert path.read_text() == '{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.5}\n'
+    assert _metrics_until(tmp_path / "new.jsonl", 2) == tmp_path / "new.jsonl"   # nothing there yet

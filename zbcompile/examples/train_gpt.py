@@ -215,6 +215,8 @@ def main(argv=None) -> int:
             f"the job at step {total}")
         _close()
         return 0
+    if args.resume and args.metrics and rank == 0:   # a restart retrains the steps after the checkpoint
+        args.metrics = _metrics_until(args.metrics, done)
     try:
         _train(args, model, opt, data, x, y, say, rank, world, batch, done, total)
     except (RuntimeFailure, CheckpointError) as e:
@@ -293,6 +295,29 @@ def _append_metrics(path: Path, step: int, loss: float) -> Path | None:
         return path
     except OSError as e:
         print(f"zbcompile: --metrics {path}: cannot write it ({e.strerror or e}); training goes on without "
+              "metrics", file=sys.stderr)
+        return None
+
+
+def _metrics_until(path: Path, done: int) -> Path | None:
+    """--metrics without the lines of steps after `done` (the step the run resumes after), which the resumed
+    run trains and writes again, nor a line a kill cut short; rewritten whole (a new file, then a rename)."""
+    if not path.exists():
+        return path
+    kept = []
+    try:
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= done:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        part = path.with_name(path.name + ".part")
+        part.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(part, path)
+        return path
+    except OSError as e:
+        print(f"zbcompile: --metrics {path}: cannot rewrite it ({e.strerror or e}); training goes on without "
               "metrics", file=sys.stderr)
         return None
 
