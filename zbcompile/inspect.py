@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -320,10 +321,10 @@ def _memory(args: argparse.Namespace, programs) -> int:
           "(resident: parameters, buffers, static receive and input buffers; step: what the step allocates)")
     print(plan.table())
     if args.svg:
-        args.svg.write_text(svg_memory(plan))
+        _write(args.svg, svg_memory(plan), "svg")
         print(f"# wrote {args.svg}")
     if args.json:
-        args.json.write_text(json.dumps(plan.to_json(), indent=1))
+        _write(args.json, json.dumps(plan.to_json(), indent=1), "json")
         print(f"# wrote {args.json}")
     return 0
 
@@ -374,20 +375,33 @@ def _build(factory: Callable[[], tuple]) -> tuple:
 
 def _check_outputs(args: argparse.Namespace) -> None:
     """ZBCompileError, before anything is compiled, for an output path that cannot be written (a directory, a
-    missing folder)."""
+    missing or read-only folder, a name the filesystem refuses)."""
     for flag in ("svg", "json"):
         path = getattr(args, flag, None)
         if path is None:
             continue
-        if path.is_dir() or not path.parent.is_dir():
-            why = "it is a directory" if path.is_dir() else f"folder {str(path.parent)!r} does not exist"
+        try:
+            why = ("it is a directory" if path.is_dir() else f"folder {str(path.parent)!r} does not exist"
+                   if not path.parent.is_dir() else f"folder {str(path.parent)!r} is not writable"
+                   if not os.access(path.parent, os.W_OK) else None)
+        except OSError as exc:   # a name too long, a component that is a file
+            why = exc.strerror or str(exc)
+        if why:
             raise ZBCompileError(f"inspect: cannot write --{flag} {str(path)!r}: {why}; give a file path")
+
+
+def _write(path: Path, text: str, flag: str) -> None:
+    """`text` into `path`, or ZBCompileError naming the flag (what _check_outputs could not foresee)."""
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise ZBCompileError(f"inspect: cannot write --{flag} {str(path)!r}: {exc.strerror or exc}") from None
 
 
 def _draw(schedule, path: Path) -> None:
     from zbcompile.simulate import simulate
     from zbcompile.timeline import svg_timeline
 
-    path.write_text(svg_timeline(simulate(schedule), title=f"{schedule.name}: p={schedule.num_ranks}, "
-                                                           f"m={schedule.num_microbatches}"))
+    _write(path, svg_timeline(simulate(schedule), title=f"{schedule.name}: p={schedule.num_ranks}, "
+                                                       f"m={schedule.num_microbatches}"), "svg")
     print(f"# wrote {path}")

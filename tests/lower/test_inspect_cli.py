@@ -164,7 +164,9 @@ def test_inspect_names_a_failing_factory_module_or_output_path_with_status_2(tmp
              (["zb_cli_factories:not_module"], "with an nn.Module model; its first item is a str"),
              (["zbcompile.examples.train_gpt:tiny", "--svg", str(tmp_path)], "cannot write --svg"),
              (["zbcompile.examples.train_gpt:tiny", "--memory", "--json", str(tmp_path / "no" / "x.json")],
-              "does not exist; give a file path")]
+              "does not exist; give a file path"),
+             # a name the filesystem refuses raised OSError from the check itself
+             (["zbcompile.examples.train_gpt:tiny", "--svg", str(tmp_path / ("a" * 300 + ".svg"))], "cannot write")]
     for args, said in cases:
         assert main(["inspect", args[0], *common, *args[1:]]) == 2, args
         err = capsys.readouterr().err
