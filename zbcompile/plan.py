@@ -340,6 +340,7 @@ def _check_dependent(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_dependent(args)
+    _check_one_report(args)
     memory = MemoryModel(args.b_frees, args.act_bytes)
     if args.vocab_parallel:
         return _run_vocab(args, memory)
@@ -372,6 +373,18 @@ def run(args: argparse.Namespace) -> int:
     for line in written:
         print(line)
     return 0
+
+
+def _check_one_report(args: argparse.Namespace) -> None:
+    """ScheduleError for flags a report would drop: --vocab-parallel, --dp-comm and --step-boundary are reports
+    of their own (one of them), and the last two write no timeline (--svg / --csv)."""
+    modes = [flag for flag, on in (("--vocab-parallel", args.vocab_parallel), ("--dp-comm", args.dp_comm is not None),
+                                   ("--step-boundary", args.step_boundary is not None)) if on]
+    if len(modes) > 1:
+        raise ScheduleError(f"{' and '.join(modes)} are reports of their own: give one of them per run")
+    if modes and modes[0] != "--vocab-parallel" and (args.svg or args.csv):
+        raise ScheduleError(f"{modes[0]} prints a table per schedule and draws no timeline: drop --svg / --csv "
+                            "(plan --schedule NAME writes them)")
 
 
 def _require(args: argparse.Namespace, mode: str) -> None:
@@ -437,13 +450,22 @@ def _generated(args: argparse.Namespace, mode: str) -> list:
         raise ScheduleError(f"{mode} generates the schedules it times; use --schedule NAME or --compare")
     _require(args, mode)
     out = []
+    memory = MemoryModel(args.b_frees, args.act_bytes)
     for name in (schedule_names() if args.compare else [args.schedule]):
         try:
-            out.append(build_schedule(name, args.pp, args.microbatches, chunks=args.chunks, costs=args.costs,
-                                      mem_limit=args.mem_limit))
+            schedule = build_schedule(name, args.pp, args.microbatches, chunks=args.chunks, costs=args.costs,
+                                      mem_limit=args.mem_limit)
+            over = check_mem_limit(simulate(schedule, args.costs, memory), args.mem_limit)
+            if over:   # as the plain report refuses it; --compare leaves it out
+                raise ScheduleError(f"schedule {name!r} {over}; raise the limit or compare schedules with "
+                                    "--compare")
+            out.append(schedule)
         except ScheduleError:
             if not args.compare:
                 raise
+    if not out:
+        raise ScheduleError(f"{mode}: no schedule can be generated for p={args.pp}, m={args.microbatches}"
+                            + (f" within --mem-limit {args.mem_limit:g}" if args.mem_limit is not None else ""))
     return out
 
 
@@ -477,6 +499,7 @@ def _run_vocab(args: argparse.Namespace, memory: MemoryModel) -> int:
                 raise
             built.append((name, str(exc).splitlines()[0]))
     rows = compare_vocab(built, args.costs, memory, model)
+    written = _write_files(args, rows[0].vocab) if not args.compare and rows[0].vocab is not None else []
     if args.json:
         out = {"pp": args.pp, "microbatches": args.microbatches, "costs": str(args.costs),
                "vocab_ratio": model.ratio, "layers": layers, "vocab_act_ratio": args.vocab_act_ratio,
@@ -491,7 +514,7 @@ def _run_vocab(args: argparse.Namespace, memory: MemoryModel) -> int:
     if not args.compare and rows[0].vocab is not None:
         print()
         print(ascii_timeline(rows[0].vocab, args.width))
-        for line in _write_files(args, rows[0].vocab):
+        for line in written:
             print(line)
     elif args.svg:
         raise ScheduleError("--svg writes one schedule; use --schedule NAME with it, not --compare")

@@ -279,3 +279,23 @@ def test_mem_limit_shapes_zb_auto_in_every_report(mode, capsys) -> None:
     assert report != unlimited, report
     if "makespan" in report:
         assert report["makespan"] == 72 and unlimited["makespan"] < 72
+
+
+def test_flags_a_report_would_drop_are_refused(tmp_path: Path, capsys) -> None:
+    """Exit 0 with a flag dropped: --svg / --csv under --dp-comm or --step-boundary (no file written), two of
+    the reports at once (one table printed), a schedule over --mem-limit under --dp-comm; and --vocab-parallel
+    --json --svg wrote no SVG. Each report is now one per run, and the SVG is written."""
+    base = ["plan", "--schedule", "zb-h1", "--pp", "4", "-m", "8"]
+    cases = [(["--dp-comm", "1", "--svg", str(tmp_path / "a.svg")], "--dp-comm prints a table"),
+             (["--step-boundary", "1", "--csv", str(tmp_path / "a.csv")], "--step-boundary prints a table"),
+             (["--step-boundary", "1", "--dp-comm", "2"], "--dp-comm and --step-boundary are reports of their own"),
+             (["--vocab-parallel", "--dp-comm", "2"], "--vocab-parallel and --dp-comm are reports of their own"),
+             (["--dp-comm", "1", "--mem-limit", "2"], "needs 4 units on rank 0, above --mem-limit 2")]
+    for more, says in cases:
+        assert main([*base, *more]) == 2, more
+        assert says in capsys.readouterr().err, more
+    assert not list(tmp_path.iterdir())
+    svg = tmp_path / "v.svg"
+    assert main([*base, "--vocab-parallel", "--json", "--svg", str(svg)]) == 0
+    json.loads(capsys.readouterr().out)
+    ET.parse(svg)
