@@ -11,6 +11,7 @@ things `zbcompile.compile` takes; `zbcompile.examples.train_gpt:tiny` is one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 from pathlib import Path
@@ -103,9 +104,10 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag, None) is not None and getattr(args, "dp", 1) < 2:
             raise ZBCompileError(f"inspect: --{flag.replace('_', '-')} applies only with --dp N (N >= 2 replicas); "
                                  f"add --dp 2 or drop it")
+    capture = getattr(args, "capture_check", False) or getattr(args, "replay_check", None) is not None
+    _check_modes(args, capture)
     _check_outputs(args)
     model, loss_fn, example = _build(load_factory(args.target))
-    capture = getattr(args, "capture_check", False) or getattr(args, "replay_check", None) is not None
     options = CompileOptions(schedule=args.schedule, microbatches=args.microbatches or 2 * args.pp,
                              loss_fn=loss_fn, example=example, chunks=args.chunks,
                              split_points=args.split_points.split(",") if args.split_points else None,
@@ -317,6 +319,8 @@ def _memory(args: argparse.Namespace, programs) -> int:
     from zbcompile.timeline import svg_memory
 
     plan = memory_plan(programs)
+    if args.rank is not None:   # that rank's row, file and drawing only
+        plan = dataclasses.replace(plan, ranks=(plan.ranks[args.rank],))
     print(f"# memory plan of {args.schedule} on {args.pp} ranks, {programs[0].microbatches} microbatches "
           "(resident: parameters, buffers, static receive and input buffers; step: what the step allocates)")
     print(plan.table())
@@ -371,6 +375,21 @@ def _build(factory: Callable[[], tuple]) -> tuple:
         raise ZBCompileError(f"inspect: the factory must return (model, loss_fn, example) with an nn.Module "
                              f"model; its first item is a {type(built[0]).__name__}")
     return built
+
+
+def _check_modes(args: argparse.Namespace, capture: bool) -> None:
+    """ZBCompileError, before anything is compiled, for flags the chosen view would drop: --svg / --json write
+    the memory plan, which the capture checks do not print; the post-validated step's memory depends on the
+    optimizer (its snapshot), which inspect does not have."""
+    files = [f"--{flag}" for flag in ("svg", "json") if getattr(args, flag, None) is not None]
+    if capture and files:
+        raise ZBCompileError(f"inspect: {files[0]} writes the memory plan, which --capture-check / --replay-check "
+                             "do not make; run them apart (--memory for the plan)")
+    if getattr(args, "post_validate", False) and (args.memory or files):
+        raise ZBCompileError("inspect: --post-validate with --memory: a post-validated step also holds the "
+                             "snapshot of its optimistic update (the parameters and the optimizer's state) and the "
+                             "last step's gradients, which depend on the optimizer; read pipe.memory_plan() after a "
+                             "step(..., post_validate=True), or drop one of the flags")
 
 
 def _check_outputs(args: argparse.Namespace) -> None:

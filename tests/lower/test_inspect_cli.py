@@ -4,6 +4,8 @@ job)."""
 
 from __future__ import annotations
 
+import json
+
 import subprocess
 
 import pytest
@@ -171,3 +173,22 @@ def test_inspect_names_a_failing_factory_module_or_output_path_with_status_2(tmp
         assert main(["inspect", args[0], *common, *args[1:]]) == 2, args
         err = capsys.readouterr().err
         assert said in err, (args, err)
+
+
+def test_inspect_refuses_flags_its_view_would_drop_and_memory_follows_rank(tmp_path, capsys):
+    """--capture-check --svg wrote nothing, --memory --post-validate printed the plain plan (without the
+    snapshot and held gradients of a post-validated step), --memory --rank 1 printed every rank: the first two
+    are refused before compiling, and the plan is that rank's alone."""
+    from zbcompile.__main__ import main
+
+    common = ["inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "1f1b"]
+    cases = [(["--capture-check", "--svg", str(tmp_path / "c.svg")], "--svg writes the memory plan"),
+             (["--memory", "--post-validate"], "--post-validate with --memory")]
+    for more, said in cases:
+        assert main([*common, *more]) == 2, more
+        assert said in capsys.readouterr().err, more
+    assert not list(tmp_path.iterdir())
+    out = tmp_path / "m.json"
+    assert main([*common, "--memory", "--rank", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert [r["rank"] for r in json.loads(out.read_text())["ranks"]] == [1], table
