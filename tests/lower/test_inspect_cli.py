@@ -5,7 +5,6 @@ job)."""
 from __future__ import annotations
 
 import json
-
 import subprocess
 
 import pytest
