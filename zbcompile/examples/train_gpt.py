@@ -222,7 +222,8 @@ def main(argv=None) -> int:
     except (RuntimeFailure, CheckpointError) as e:
         # a peer died or stalled: the process group cannot be used again, so end this process now (a clean
         # teardown would wait on the dead peer); torchrun --max-restarts starts the job again
-        print(f"rank {rank}: {e}\nzbcompile: the process group is unusable after this failure; the job must "
+        said = str(e) if str(e).startswith(f"rank {rank}:") else f"rank {rank}: {e}"
+        print(f"{said}\nzbcompile: the process group is unusable after this failure; the job must "
               "restart (torchrun --max-restarts N with --save DIR --resume auto resumes from the newest complete "
               "checkpoint)", file=sys.stderr, flush=True)
         os._exit(1)
