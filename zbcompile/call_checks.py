@@ -24,7 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zbcompile.errors import UsageError
 
-__all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_conversion"]
+__all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_conversion",
+           "check_cross_parameter", "watch_optimizers", "module_settings", "plain_value", "same_value"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +134,7 @@ class Traced:
             return
         for label, held, key, value in self.settings:
             now = held.get(key, _MISSING)
-            if not _same(now, value):
+            if not same_value(now, value):
                 raise UsageError(
                     f"{label} changed after compile ({value!r} -> {'(deleted)' if now is _MISSING else repr(now)}), "
                     "but the compiled step's graphs hold the value it had when they were traced: the change would "
@@ -149,7 +150,7 @@ def plain_value(value) -> bool:
     return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device))
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     return type(a) is type(b) and (a == b or (a != a and b != b))   # (NaN is NaN)
 
 
@@ -187,10 +188,15 @@ def _settings(model: nn.Module, loss_fn) -> tuple:
     return tuple(out)
 
 
+def module_settings(m: nn.Module) -> dict:
+    """A module's settings: its public attributes holding plain values (eps, p, normalized_shape, a
+    temperature), not its mode (`training`), tensors, submodules or objects."""
+    return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training" and plain_value(v)}
+
+
 def _module_settings(label: str, m: nn.Module) -> list:
     read = _names_read(type(m))
-    return [(label + k, vars(m), k, v) for k, v in vars(m).items()
-            if k in read and not k.startswith("_") and k != "training" and plain_value(v)]
+    return [(label + k, vars(m), k, v) for k, v in module_settings(m).items() if k in read]
 
 
 @functools.lru_cache(maxsize=None)

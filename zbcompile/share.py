@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zbcompile.call_checks import module_settings, same_value
 from zbcompile.errors import UsageError
 
 __all__ = ["share_of", "attach_share"]
@@ -65,8 +66,7 @@ class _Share(nn.Module):
     def __init__(self, module: nn.Module | None = None):
         nn.Module.__init__(self)   # not the next class of a subclass's MRO (a batch norm's needs num_features)
         if module is not None:
-            settings = {k: v for k, v in vars(module).items()
-                        if not k.startswith("_") and k != "training" and _is_setting(v)}
+            settings = module_settings(module)
             self.__dict__.update(settings, _user_class=type(module), _settings=frozenset(settings))
 
     @property
@@ -74,7 +74,7 @@ class _Share(nn.Module):
         return self.__dict__.get("_user_class", type(self))
 
     def __setattr__(self, name: str, value) -> None:
-        if name in self.__dict__.get("_settings", ()) and not _same(value, self.__dict__[name]):
+        if name in self.__dict__.get("_settings", ()) and not same_value(value, self.__dict__[name]):
             self._refuse(f"setting .{name} = {value!r}")
         super().__setattr__(name, value)
 
@@ -167,13 +167,3 @@ def _container(module: nn.Module) -> _Share:
         return _BatchNormShare(module)
     return _Share(module)
 
-
-def _is_setting(value) -> bool:
-    """A module attribute that is a plain value (a number, a string, a dtype, a tuple of them), not an object."""
-    if isinstance(value, tuple):
-        return all(map(_is_setting, value))
-    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device))
-
-
-def _same(a, b) -> bool:
-    return type(a) is type(b) and a == b
