@@ -1,7 +1,8 @@
 """What a call of a PipelineModule is refused for before anything runs, each with a UsageError that says why and
 what to do: a batch that is not what the compiled step takes, a step in a context it cannot honour, and the
-model changed since compile (tensors converted or unfrozen, a module's mode or dropout, hooks added); and, before
-tracing, hooks the compiled step would never call.
+model changed since compile (tensors converted or unfrozen, a module's mode or dropout, hooks added, a plain value
+the traced code read); before tracing, hooks the compiled step would never call; and, from compile on, an optimizer
+whose step combines every parameter's values (LBFGS) over a pipeline's parameters.
 
 The compiled step is fixed when it is traced: the batch's shapes and dtypes (static P2P buffers), the autocast
 region (the casts are in the graphs), which parameters have a gradient, every tensor's dtype and device (the
