@@ -24,9 +24,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zbcompile.errors import UsageError
+from zbcompile.share import module_settings, plain_value, same_value
 
 __all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_conversion",
-           "check_cross_parameter", "watch_optimizers", "module_settings", "plain_value", "same_value"]
+           "check_cross_parameter", "watch_optimizers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,17 +145,6 @@ class Traced:
                     "buf.fill_(v)) or a batch argument")
 
 
-def plain_value(value) -> bool:
-    """A value the trace may have baked in as a constant: a number, a string, a dtype, a tuple of them."""
-    if isinstance(value, tuple):
-        return all(map(plain_value, value))
-    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device))
-
-
-def same_value(a, b) -> bool:
-    return type(a) is type(b) and (a == b or (a != a and b != b))   # (NaN is NaN)
-
-
 _MISSING = object()
 
 
@@ -187,12 +177,6 @@ def _settings(model: nn.Module, loss_fn) -> tuple:
     elif isinstance(loss_fn, types.FunctionType):
         out += _function_settings(loss_fn)
     return tuple(out)
-
-
-def module_settings(m: nn.Module) -> dict:
-    """A module's settings: its public attributes holding plain values (eps, p, normalized_shape, a
-    temperature), not its mode (`training`), tensors, submodules or objects."""
-    return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training" and plain_value(v)}
 
 
 def _module_settings(label: str, m: nn.Module) -> list:

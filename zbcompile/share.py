@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zbcompile.call_checks import module_settings, same_value
 from zbcompile.errors import UsageError
 
-__all__ = ["share_of", "attach_share"]
+__all__ = ["share_of", "attach_share", "module_settings", "plain_value", "same_value"]
 
 
 def share_of(model: nn.Module, params, buffers) -> dict[str, torch.Tensor]:
@@ -167,3 +166,19 @@ def _container(module: nn.Module) -> _Share:
         return _BatchNormShare(module)
     return _Share(module)
 
+
+def module_settings(m: nn.Module) -> dict:
+    """A module's settings: its public attributes holding plain values (eps, p, normalized_shape, a
+    temperature), not its mode (`training`), tensors, submodules or objects."""
+    return {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training" and plain_value(v)}
+
+
+def plain_value(value) -> bool:
+    """A value the trace may have baked in as a constant: a number, a string, a dtype, a tuple of them."""
+    if isinstance(value, tuple):
+        return all(map(plain_value, value))
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device))
+
+
+def same_value(a, b) -> bool:
+    return type(a) is type(b) and (a == b or (a != a and b != b))   # (NaN is NaN)
