@@ -46,9 +46,19 @@ def split_mesh(group):
     """(the pipeline's group as resolve_group takes it, the data-parallel ProcessGroup or None) of compile's
     `group`: a 2-D DeviceMesh whose dimensions are named "dp" and "pp" (in either order) gives its "pp" dimension
     and the group of its "dp" dimension; anything else is the pipeline's group alone."""
-    if not _is_mesh(group) or group.ndim == 1:
+    if not _is_mesh(group):
         return group, None
     names = tuple(group.mesh_dim_names or ())
+    if group.get_coordinate() is None:
+        raise UsageError(f"this process is not in the DeviceMesh given as group "
+                         f"{names or ''} ({group.mesh.tolist()}): call zbcompile.compile on the mesh's ranks only, "
+                         "or give a mesh over every rank")
+    if group.ndim == 1:
+        if names == ("dp",):
+            raise UsageError("a 1-D DeviceMesh named 'dp' was given: that is a data-parallel dimension, and it "
+                             "would run as one pipeline over its ranks; give the pipeline dimension (mesh['pp']) "
+                             "or the 2-D mesh with dimensions named 'dp' and 'pp'")
+        return group, None
     if group.ndim > 2:
         raise UsageError(f"a {group.ndim}-D DeviceMesh {names or ''} was given; zbcompile takes a 2-D mesh whose "
                          "dimensions are named 'dp' and 'pp' (data x pipeline parallel), or its pipeline "

@@ -299,7 +299,8 @@ def _reduce_scatter(ctx: StepContext, what: str, grads):
         rows = g.reshape(g.shape[0], k)
         if n * c != g.shape[0]:   # zero rows pad it to n equal chunks
             rows = torch.cat([rows, rows.new_zeros((n * c - g.shape[0], k))])
-        flat[:, offset:offset + c * k].copy_(rows.view(n, c * k))   # replica r's chunk in row r
+        flat[:, offset:offset + c * k].copy_(rows.reshape(n, c * k))   # replica r's chunk in row r (a view,
+        # or a copy where the gradient is laid out as a transposed parameter)
         mine = max(0, min(c, g.shape[0] - d * c))              # this replica's rows of the gradient
         views.append((offset, mine * k, (mine, *g.shape[1:])))
         offset += c * k
