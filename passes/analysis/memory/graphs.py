@@ -47,6 +47,9 @@ def _profile(gm: fx.GraphModule) -> GraphProfile:
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
     out_roots = tuple(roots.get(o, frozenset()) if isinstance(o, fx.Node) else frozenset() for o in outs)
     fresh = _fresh_bytes(nodes, roots)
+    # a multi-result op's results (`name[i]`, taken out by getitem nodes later) exist from the op on, while its
+    # inputs still do: born at the op, not at their getitem (a batch norm's backward held 2x its input)
+    made_at = {n.name: index[n] for n in nodes}
     end: dict = {}           # fresh root -> index of the last node that may still reference it
     born: dict[int, int] = {}
     done: dict[int, list[int]] = {}
@@ -61,7 +64,7 @@ def _profile(gm: fx.GraphModule) -> GraphProfile:
             elif r in fresh:
                 end[r] = max(end.get(r, -1), last)
                 if r not in born:
-                    born[r] = index[n]
+                    born[r] = made_at.get(r.partition("[")[0], index[n]) if "[" in r else index[n]
     survivors = set().union(*out_roots) if out_roots else set()
     dies: dict[int, list[str]] = {}
     for r, i in end.items():
