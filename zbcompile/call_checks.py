@@ -43,6 +43,8 @@ class Traced:
     quick: tuple = ()  # _quick(*watched) at compile: what each call compares first
     slots: tuple = ()  # (name, module, dict name, key) of every submodule, parameter and buffer slot: `watched`'s
     settings: tuple = ()   # (label, dict, key, value) of each plain value the traced code may have read
+    columns: tuple = ((), (), [], ())   # settings' dicts, keys, values (a list: what map's list equals) and the
+    #                                     closure cells among the dicts (refreshed before each comparison)
 
     @classmethod
     def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]], model: nn.Module | None = None,
@@ -63,7 +65,8 @@ class Traced:
                    tuple((n, p) for n, p in params if p.requires_grad),
                    tuple((n, t, t.dtype, t.device) for n, t in tensors),
                    tuple((n, m, _mode(m)) for n, m in parts if isinstance(m, nn.Module)),
-                   tuple((n, x, _hooks(x)) for n, x in parts), watched, _quick(*watched), slots, settings)
+                   tuple((n, x, _hooks(x)) for n, x in parts), watched, _quick(*watched), slots, settings,
+                   _columns(settings))
 
     def check(self, rank: int, captured: bool) -> None:
         """UsageError for a parameter unfrozen since compile (its gradient was never traced), one frozen since
@@ -127,12 +130,10 @@ class Traced:
         """UsageError for a plain value the traced code read (a module's `temperature`, a loss weight in loss_fn's
         closure) that changed since compile: the graphs hold the value it had then. The comparison is one C-level
         map over (dict, key) pairs; a closure cell is read through a dict of one entry refreshed each call."""
-        if not self.settings:
-            return
-        for view in {id(h): h for _, h, _, _ in self.settings if isinstance(h, _CellView)}.values():
+        dicts, keys, values, cells = self.columns
+        for view in cells:
             view.refresh()
-        _, dicts, keys, values = zip(*self.settings)
-        if list(map(dict.get, dicts, keys, itertools.repeat(_MISSING))) == list(values):
+        if list(map(dict.get, dicts, keys, itertools.repeat(_MISSING))) == values:
             return
         for label, held, key, value in self.settings:
             now = held.get(key, _MISSING)
@@ -146,6 +147,12 @@ class Traced:
 
 
 _MISSING = object()
+
+
+def _columns(settings: tuple) -> tuple:
+    """Traced.columns of `settings`, taken apart once at compile rather than at every call."""
+    _, dicts, keys, values = zip(*settings) if settings else ((), (), (), ())
+    return dicts, keys, list(values), tuple(d for d in dicts if isinstance(d, _CellView))
 
 
 class _CellView(dict):
