@@ -141,9 +141,24 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list):
     """Inductor's compiler for one post-autograd aten graph, without AOTAutograd in front:
     `torch._inductor.compile_fx.compile_fx_inner(gm, example_inputs)` (2.11-2.13), which returns a callable in
     the boxed convention (`fn(list_of_inputs)`, the list emptied on entry) and looks up / fills inductor's own
-    FX graph cache when a TracingContext with a ShapeEnv is active."""
+    FX graph cache when a TracingContext with a ShapeEnv is active.
+
+    Every output keeps its traced strides: each one is another graph's input, compiled for those strides (a
+    saved activation, a gradient sent to the previous stage). torch.compile's outer `compile_fx` marks only the
+    user's outputs so; unmarked ones inductor may lay out as it likes (a convolution's saved input and weight
+    channels-last on CPU, padded strides on CUDA). The mark is the output node's meta
+    `user_visible_output_idxs` + `original_output_strides`, which GraphLowering reads (2.11-2.13). The FX
+    graph cache's key does not read node meta but does read the GraphModule's own `meta` (its `__reduce__`
+    state): a note there keeps entries compiled without the mark from being served."""
     from torch._inductor.compile_fx import compile_fx_inner
 
+    gm.meta["zbcompile_outputs"] = "traced strides"
+
+    out = gm.graph.find_nodes(op="output")[0]
+    results = out.args[0] if isinstance(out.args[0], (tuple, list)) else out.args
+    vals = [r.meta.get("val") if isinstance(r, fx.Node) else None for r in results]
+    out.meta["original_output_strides"] = [v.stride() if isinstance(v, torch.Tensor) else None for v in vals]
+    out.meta["user_visible_output_idxs"] = [i for i, v in enumerate(vals) if isinstance(v, torch.Tensor)]
     return compile_fx_inner(gm, example_inputs)
 
 

@@ -20,13 +20,14 @@ import dataclasses
 import pytest
 import torch
 
-from support.models import eager_accumulated, gpt
-from support.threaded import max_grad_error, param_holders, run_threaded
+from support.models import convnet, eager_accumulated, gpt
+from support.threaded import assert_buffers_match, max_grad_error, param_holders, run_threaded
 from zbcompile.compiler import split_for
 from zbcompile.errors import UsageError, ZBCompileError
 from zbcompile.passes.analysis.aliases import graph_output_aliases
 from zbcompile.passes.lower import compiled, emit_fx, lower_all
 from zbcompile.passes.schedules import generate
+from zbcompile.split import split_model
 
 torch.set_num_threads(1)
 
@@ -232,3 +233,33 @@ def test_dropout_compiles_and_draws_the_aten_graphs_masks(monkeypatch):
     assert 0 < int(got[1].sum()) < got[1].numel(), "dropout dropped all or nothing"
     for k, (a, b) in enumerate(zip(want, got)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"output {k}")
+
+
+def test_a_convolution_nets_graphs_keep_their_traced_layouts():
+    """Conv2d + BatchNorm: inductor lays out a convolution's operands channels-last on CPU, and left to itself
+    returns the F graph's saved activations and weights in that layout, which the B graph (compiled for the
+    traced, contiguous strides) asserts against on its first call. Every compiled graph's outputs keep the
+    aten graph's strides, whatever a warm FX graph cache holds from before; a step trains like eager's
+    microbatches (loss, gradients, running statistics), in float64 so the comparison is tight."""
+    sched = generate("zb-h1", 2, MICROBATCHES)
+    model, loss_fn, (x, y), _ = convnet(blocks=4, batch=2 * MICROBATCHES)
+    model = model.double()
+    x = x.double()
+    staged = split_model(model, loss_fn, ((x[:2],), (y[:2],)), num_stages=2)
+    programs = lower_all(sched, staged, backend="inductor")
+    for p in programs:
+        for key, g in p.graphs.items():
+            if g.backend:
+                got = compiled.compiled_module(g, key).forward(_inputs(g))
+                outs = [getattr(n, "meta", {}).get("val") for n in g.gm.graph.find_nodes(op="output")[0].args[0]]
+                assert [t.stride() for t, v in zip(got, outs) if isinstance(v, torch.Tensor)] == \
+                    [v.stride() for v in outs if isinstance(v, torch.Tensor)], (p.rank, key)
+    ref = copy.deepcopy(model)
+    want = eager_accumulated(ref, loss_fn, x, y, MICROBATCHES)
+    losses, models, _ = run_threaded(model, staged, sched, (x, y), backend="inductor")
+    assert all(abs(v - want) <= 1e-10 * abs(want) for v in losses), (losses, want)
+    holders = param_holders(sched, staged)
+    owned = [[f for f, rs in holders.items() if r in rs] for r in range(2)]
+    err, where = max_grad_error(ref, models, owned)
+    assert err <= 1e-10, (err, where)
+    assert all(assert_buffers_match(ref, models, sched, staged))
