@@ -177,7 +177,13 @@ class _Walk:
         peak, split, workspace = st.live, tuple(st.totals), 0
         gone: dict[str, int] = {}
         for born, dead, inputs_done in prof.steps:
+            # a node's results exist while its operands do (relu(bn_out) holds both): the peak is read
+            # after the births and before the deaths of the same node
             workspace += born
+            now = st.live + workspace
+            if now > peak:
+                peak = now
+                split = tuple(st.totals[c] + (workspace if c == _WORKSPACE else 0) for c in range(len(CATEGORIES)))
             for r in dead:
                 workspace -= prof.fresh[r]
             if g.boxed:
@@ -187,10 +193,6 @@ class _Walk:
                     if v in handed and gone[v] == positions[v]:
                         st.release(v)
                         handed.discard(v)
-            now = st.live + workspace
-            if now > peak:
-                peak = now
-                split = tuple(st.totals[c] + (workspace if c == _WORKSPACE else 0) for c in range(len(CATEGORIES)))
         for v in handed:   # positional graphs: the caller's reference goes when the call returns
             st.release(v)
         fresh_sids: dict[str, int] = {}
