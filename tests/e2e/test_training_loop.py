@@ -193,6 +193,26 @@ def test_every_floating_dtype_trains_equal_to_eager(dtype, tol):
             assert p.grad.dtype == dtype and rel(p.grad, dict(ref.named_parameters())[n].grad) <= 10 * tol, n
 
 
+def test_a_float16_loss_sum_that_overflows_gives_the_finite_mean():
+    """A float16 model with the user's loss scale (x16384 in loss_fn): every microbatch loss is finite, their sum
+    is not (65504 at most). step() and evaluate() return the finite mean, as eager's mean of the microbatch
+    losses; the loss sum was taken in float16 and came back inf."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)).half()
+    x, y = torch.randn(8 * M, 8).half(), torch.randn(8 * M, 8).half()
+
+    def loss_fn(out, tgt):
+        return torch.nn.functional.mse_loss(out, tgt) * 16384.0
+
+    _, _, _, _, pipes = _pipes((model, loss_fn, (x, y), None))
+    ref = copy.deepcopy(model)
+    parts = [loss_fn(ref(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))]
+    assert sum(parts) > 65504 and all(abs(p) < 65504 for p in parts), parts   # the case is the overflow
+    want = sum(parts) / M
+    for got in run_pipes(lambda r: (pipes[r].step(x, y), pipes[r].evaluate(x, y)), PP):
+        assert all(abs(v - want) <= 1e-3 * want for v in got), (got, want)
+
+
 def test_autocast_around_compile_and_step():
     """Compiled under torch.autocast(bfloat16), stepped in the same region: equal to eager under autocast.
     A step outside the region it was compiled in (or inside one it was not) is refused with our error."""

@@ -504,8 +504,11 @@ def keep_outputs(*outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def sum_losses(*losses: torch.Tensor) -> torch.Tensor:
-    """This rank's microbatch losses (0-dim), summed in one device-side reduction."""
-    return torch.stack(losses).sum() if len(losses) > 1 else losses[0]
+    """This rank's microbatch losses (0-dim), summed in one device-side reduction, in float32 at least: finite
+    float16 losses (a loss scaled by the user) can overflow their sum, not their mean."""
+    if len(losses) == 1:
+        return losses[0]
+    return torch.stack(losses).sum(dtype=torch.promote_types(losses[0].dtype, torch.float32))
 
 
 def sum_in_order(*copies: torch.Tensor) -> torch.Tensor:

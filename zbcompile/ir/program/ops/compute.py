@@ -115,7 +115,7 @@ def _loss_aliases(op: Op, graph_aliases) -> list[tuple[str, str]]:
 
 
 def _loss_fresh(op: Op, nbytes, ranks: int) -> tuple[int, ...]:
-    return (nbytes(op.ins[0]) if len(op.ins) > 1 else 0,)
+    return (max(nbytes(op.ins[0]), 4) if len(op.ins) > 1 else 0,)   # the sum is float32 at least (abi)
 
 
 _ADD_LOSS = OpSpec(OpKind.ADD_LOSS, "sum the microbatch losses; outs = (loss,)", text="add_loss",
