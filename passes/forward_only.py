@@ -278,9 +278,10 @@ def _to_eval_mode(graph: fx.Graph, where: str) -> None:
 
 
 # what a normalization's running statistic passes through between its op and the buffer's new value
-# (InstanceNorm: the batch norm of the repeated statistics, viewed per instance and averaged)
+# (InstanceNorm: the batch norm of the repeated statistics, viewed per instance and averaged; a bfloat16 /
+# float16 batch norm: the float32 statistic cast back to the buffer's dtype)
 _STATISTIC_PATH = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.mean.dim,
-                             aten.detach.default, aten.alias.default, aten.clone.default})
+                             aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default})
 _BATCH_NORM = frozenset(op for op in TRAINING_ARGUMENT if "batch_norm" in str(op))
 
 

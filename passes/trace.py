@@ -3,7 +3,7 @@
     model, loss_fn, example  ->  Traced(graph=Graph(gm, inputs, outputs), tied, frozen, ...)   (zbcompile.ir.stages)
 
 Route (see the F/B/W notes): non-strict `torch.export.export` of a wrapper module, then `run_decompositions`,
-which only functionalizes (and writes out instance_norm): BatchNorm statistic updates become graph outputs while
+which only functionalizes (and writes out instance_norm and the feature / alpha dropouts, passes/trace_decompositions.py): BatchNorm statistic updates become graph outputs while
 linear / SDPA / layer_norm stay high level. Before it, what a `torch.no_grad()` region computes is detached where
 the step reads it, and while exporting a custom autograd.Function becomes an op that keeps its backward
 (passes/functions.py). Every placeholder of the result is named by its value name:
@@ -38,6 +38,7 @@ from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Traced, module_path
 from zbcompile.passes.functions import functions_as_ops
 from zbcompile.passes.trace_checks import check_example, check_step
+from zbcompile.passes.trace_decompositions import DECOMPOSITIONS, write_out_dropouts
 
 __all__ = ["trace", "flatten_example", "input_keywords", "retarget_device", "retarget_stages"]
 
@@ -219,31 +220,11 @@ def _signature_problem(exc: Exception) -> str:
 
 def _decomposed(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     _detach_no_grad_regions(ep.graph_module)
+    write_out_dropouts(ep.graph_module)
     with warnings.catch_warnings():
         # torch 2.13's own run_decompositions trips its LeafSpec deprecation; nothing a user can act on
         warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
-        return ep.run_decompositions({torch.ops.aten.instance_norm.default: _instance_norm})
-
-
-def _instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps, cudnn_enabled):
-    """aten.instance_norm as ATen's own composite computes it (a batch norm over the (1, B*C, ...) view of the
-    input), written out for the trace: the composite updates the running statistics through an alias its schema
-    does not declare, so export neither saw the update (running stats never changed) nor could a stage graph
-    carry it (aot refuses the hidden input mutation). Here it is a copy into the buffer, which export makes a
-    buffer update of the step, as it does BatchNorm's."""
-    b, c = input.shape[0], input.shape[1]
-
-    def per_sample(t):
-        return None if t is None else t.repeat(b)
-
-    mean, var = per_sample(running_mean), per_sample(running_var)
-    out = torch.batch_norm(input.contiguous().view(1, b * c, *input.shape[2:]), per_sample(weight),
-                           per_sample(bias), mean, var, use_input_stats, momentum, eps, cudnn_enabled)
-    if use_input_stats and running_mean is not None:
-        running_mean.copy_(mean.view(b, c).mean(0))
-    if use_input_stats and running_var is not None:
-        running_var.copy_(var.view(b, c).mean(0))
-    return out.view_as(input)
+        return ep.run_decompositions(DECOMPOSITIONS)
 
 
 def _detach_no_grad_regions(gm: fx.GraphModule) -> None:

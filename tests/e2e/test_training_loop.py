@@ -126,6 +126,52 @@ def test_eval_turns_dropout_off_and_train_mode_keeps_it():
         assert math.isfinite(out["step"]) and out["graded"]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_batch_norm_evaluates_in_eval_mode(dtype):
+    """A bfloat16 / float16 BatchNorm casts its float32 running statistics back to the buffers' dtype; eval
+    mode refused that cast as "an update of another buffer". evaluate() equals eager's eval loss, and leaves
+    the statistics as they were."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(dtype)
+    x, y = torch.randn(4 * M, 8, dtype=dtype), torch.randn(4 * M, 8, dtype=dtype)
+    _, loss_fn, _, _, pipes = _pipes((model, torch.nn.functional.mse_loss, (x, y), None), split_points=["3"])
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        want = sum(loss_fn(ref(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M
+    for got in run_pipes(lambda r: pipes[r].eval().evaluate(x, y), PP):
+        assert abs(got - want) <= 1e-2 * want, (got, want)
+    _assert_state_equal(pipes, ref, 0.0, "after evaluate")
+
+
+@pytest.mark.parametrize("dropout", [torch.nn.Dropout1d(0.4), torch.nn.Dropout2d(0.3), torch.nn.Dropout3d(0.5),
+                                     torch.nn.AlphaDropout(0.3), torch.nn.FeatureAlphaDropout(0.25),
+                                     torch.nn.Dropout2d(0.3, inplace=True)],
+                         ids=lambda d: type(d).__name__ + ("_inplace" if d.inplace else ""))
+def test_torchs_other_dropout_modules_train_as_eager_and_switch_off_in_eval(dropout):
+    """Dropout1d/2d/3d and the alpha dropouts: their composites draw with `bernoulli_`, which the eval switch
+    could not turn off (evaluate() refused them as a hand-written dropout). A train step equals eager's draw for
+    draw (the threads share eager's generator), and evaluate() in eval mode equals eager's eval loss."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), dropout, torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 8)).double()
+    shape = (8 * M, 4, 2, 3, 8) if isinstance(dropout, torch.nn.Dropout3d) else (8 * M, 4, 8)
+    x, y = torch.randn(*shape, dtype=torch.float64), torch.randn(*shape, dtype=torch.float64)
+    _, loss_fn, _, _, pipes = _pipes((model, torch.nn.functional.mse_loss, (x, y), None), split_points=["3"])
+    ref = copy.deepcopy(model)
+    torch.manual_seed(7)
+    want = eager_step(ref, loss_fn, x, y, M)
+    with torch.no_grad():
+        want_eval = sum(loss_fn(ref.eval()(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M
+    torch.manual_seed(7)
+    losses = run_pipes(lambda r: pipes[r].step(x, y), PP)
+    assert all(abs(v - want) <= 1e-12 * want for v in losses), (losses, want)
+    assert want != want_eval   # the step dropped something
+    _assert_state_equal(pipes, ref, 1e-12, "after the step")
+    for got in run_pipes(lambda r: pipes[r].eval().evaluate(x, y), PP):
+        assert abs(got - want_eval) <= 1e-12 * want_eval, (got, want_eval)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv", "dualpipe"])
 def test_evaluate_with_vocabulary_parallelism_between_steps_matches_eager(schedule):
     """vocab_parallel=True: evaluate() runs the sharded output layer forward only (IF, F, S, and T for the loss
