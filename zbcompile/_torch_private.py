@@ -59,6 +59,7 @@ __all__ = [
     "static_fake_mode",
     "tracing_context",
     "make_fx",
+    "global_module_hooks",
 ]
 
 # The class of `torch.ops.aten.<op>.<overload>`, to test "an aten op with a schema" (partition, cost, the alias
@@ -192,3 +193,13 @@ def mark_optimizer_stepped(optimizer) -> None:
     `LRScheduler.step()` reads on its first call, to warn that the schedule's first value was skipped. A
     post-validated step that defers a rank's update to its verdict has an update pending, not skipped."""
     optimizer._opt_called = True
+
+
+def global_module_hooks() -> tuple[dict, dict, dict, dict]:
+    """The hooks every module runs (`torch.nn.modules.register_module_forward_hook` and its kin): the dicts
+    torch.nn.modules.module keeps them in, `_global_forward_hooks`, `_global_forward_pre_hooks`,
+    `_global_backward_hooks`, `_global_backward_pre_hooks` (2.11-2.13), keyed by handle id."""
+    from torch.nn.modules import module
+
+    return (module._global_forward_hooks, module._global_forward_pre_hooks, module._global_backward_hooks,
+            module._global_backward_pre_hooks)

@@ -12,10 +12,7 @@ graphs and the messages). `Traced` keeps what a later call is compared against.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import operator
-import types
 import weakref
 from typing import Callable, Sequence
 
@@ -23,8 +20,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from zbcompile._torch_private import global_module_hooks
 from zbcompile.errors import UsageError
-from zbcompile.share import module_settings, plain_value, same_value
+from zbcompile.watch import Watched, watch_of
 
 __all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_conversion",
            "check_cross_parameter", "watch_optimizers"]
@@ -42,9 +40,7 @@ class Traced:
     watched: tuple = ((), (), (), (), (), (), ())   # what _quick reads: see `of`
     quick: tuple = ()  # _quick(*watched) at compile: what each call compares first
     slots: tuple = ()  # (name, module, dict name, key) of every submodule, parameter and buffer slot: `watched`'s
-    settings: tuple = ()   # (label, dict, key, value) of each plain value the traced code may have read
-    columns: tuple = ((), (), [], ())   # settings' dicts, keys, values (a list: what map's list equals) and the
-    #                                     closure cells among the dicts (refreshed before each comparison)
+    watch: Watched = Watched()   # the plain values and tensors the traced code may have read (zbcompile.watch)
 
     @classmethod
     def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]], model: nn.Module | None = None,
@@ -52,21 +48,24 @@ class Traced:
         tensors = [*module.named_parameters(), *module.named_buffers()]
         parts = [] if model is None else [*model.named_modules(), *model.named_parameters()]
         modules = tuple(m for _, m in parts if isinstance(m, nn.Module))
+        losses = loss_fn.named_modules(prefix="loss_fn", remove_duplicate=False) if isinstance(loss_fn, nn.Module) \
+            else ()   # (a class-weight buffer replaced: the step reads the one traced)
         slots = _slots([*module.named_modules(remove_duplicate=False),
-                        *(model.named_modules(remove_duplicate=False) if model is not None else ())])
+                        *(model.named_modules(remove_duplicate=False) if model is not None else ()), *losses])
         watched = (modules, tuple(m for m in modules if isinstance(m, nn.modules.dropout._DropoutNd)),
-                   tuple(getattr(m, k) for m in modules for k in _MODULE_HOOKS),   # dicts changed in place
+                   (*global_module_hooks(),   # dicts changed in place, keyed by increasing handle ids
+                    *(getattr(m, k) for m in modules for k in _MODULE_HOOKS)),
                    tuple(p for _, p in params),   # (this rank's: another rank's gradients are not made here)
                    # each slot's dict, key and the object in it at compile: a module or a tensor replaced since
                    tuple(getattr(m, d) for _, m, d, _ in slots), tuple(k for *_, k in slots),
                    tuple(getattr(m, d)[k] for _, m, d, k in slots))
-        settings = _settings(model, loss_fn) if model is not None else ()
+        watch = watch_of(model, loss_fn) if model is not None else Watched()
         return cls(tuple((n, p) for n, p in params if not p.requires_grad),
                    tuple((n, p) for n, p in params if p.requires_grad),
                    tuple((n, t, t.dtype, t.device) for n, t in tensors),
                    tuple((n, m, _mode(m)) for n, m in parts if isinstance(m, nn.Module)),
-                   tuple((n, x, _hooks(x)) for n, x in parts), watched, _quick(*watched), slots, settings,
-                   _columns(settings))
+                   tuple((n, x, _hooks(x)) for n, x in [*parts, ("", _EVERY_MODULE)]), watched, _quick(*watched),
+                   slots, watch)
 
     def check(self, rank: int, captured: bool) -> None:
         """UsageError for a parameter unfrozen since compile (its gradient was never traced), one frozen since
@@ -120,7 +119,8 @@ class Traced:
                                  "dropout, set it before zbcompile.compile")
         for name, x, hooks in self.hooks:
             if _hooks(x) != hooks:
-                raise UsageError(f"a hook was added to or removed from {name or 'the model'} after compile: the "
+                where = _EVERY_MODULE if x is _EVERY_MODULE else name or "the model"
+                raise UsageError(f"a hook was added to or removed from {where} after compile: the "
                                  "compiled step runs the graphs traced at compile, which never call a hook added "
                                  "later (and still run one removed). Register forward hooks before "
                                  "zbcompile.compile; act on gradients after step() returns (on p.grad)")
@@ -128,110 +128,16 @@ class Traced:
 
     def _check_settings(self) -> None:
         """UsageError for a plain value the traced code read (a module's `temperature`, a loss weight in loss_fn's
-        closure) that changed since compile: the graphs hold the value it had then. The comparison is one C-level
-        map over (dict, key) pairs; a closure cell is read through a dict of one entry refreshed each call."""
-        dicts, keys, values, cells = self.columns
-        for view in cells:
-            view.refresh()
-        if list(map(dict.get, dicts, keys, itertools.repeat(_MISSING))) == values:
+        closure) that changed since compile, or a tensor it read that was replaced: the graphs hold the value
+        and the tensor they had when they were traced. One C-level map over the values per call."""
+        change = self.watch.changed()
+        if change is None:
             return
-        for label, held, key, value in self.settings:
-            now = held.get(key, _MISSING)
-            if not same_value(now, value):
-                raise UsageError(
-                    f"{label} changed after compile ({value!r} -> {'(deleted)' if now is _MISSING else repr(now)}), "
-                    "but the compiled step's graphs hold the value it had when they were traced: the change would "
-                    "be ignored. Set it before zbcompile.compile, or keep a value you change during training in a "
-                    "tensor the step reads: a buffer of the model (register_buffer, changed in place: "
-                    "buf.fill_(v)) or a batch argument")
-
-
-_MISSING = object()
-
-
-def _columns(settings: tuple) -> tuple:
-    """Traced.columns of `settings`, taken apart once at compile rather than at every call."""
-    _, dicts, keys, values = zip(*settings) if settings else ((), (), (), ())
-    return dicts, keys, list(values), tuple(d for d in dicts if isinstance(d, _CellView))
-
-
-class _CellView(dict):
-    """A closure cell as a dict of one entry {name: its contents}, refreshed before each comparison."""
-
-    def __init__(self, name: str, cell) -> None:
-        super().__init__()
-        self.name, self.cell = name, cell
-        self.refresh()
-
-    def refresh(self) -> None:
-        try:
-            self[self.name] = self.cell.cell_contents
-        except ValueError:   # emptied (del of the variable)
-            self.pop(self.name, None)
-
-
-def _settings(model: nn.Module, loss_fn) -> tuple:
-    """(label, dict, key, value) of every plain value the model's or loss_fn's code may read: each module's public
-    attributes whose names its class's methods mention (not __init__'s: what it sets is not what forward reads;
-    an attribute your loop keeps on a module is not watched unless the class reads it), and what loss_fn reads
-    from its closure and from the globals its code names, one level into a dict (a `cfg["aux_weight"]`)."""
-    out = []
-    for name, m in model.named_modules():
-        out += _module_settings(f"model attribute {name + '.' if name else ''}", m)
-    if isinstance(loss_fn, nn.Module):
-        for name, m in loss_fn.named_modules():
-            out += _module_settings(f"loss_fn attribute {name + '.' if name else ''}", m)
-    elif isinstance(loss_fn, types.FunctionType):
-        out += _function_settings(loss_fn)
-    return tuple(out)
-
-
-def _module_settings(label: str, m: nn.Module) -> list:
-    read = _names_read(type(m))
-    return [(label + k, vars(m), k, v) for k, v in module_settings(m).items() if k in read]
-
-
-@functools.lru_cache(maxsize=None)
-def _names_read(cls: type) -> frozenset[str]:
-    """The names the code of `cls`'s methods mentions (its own and its bases' up to torch's nn.Module), but for
-    the methods that only build or print the module."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass in (nn.Module, object):
-            continue
-        for attr, value in vars(klass).items():
-            fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
-            if attr not in _NOT_READ_IN_STEPS and isinstance(fn, types.FunctionType):
-                names |= _code_names(fn.__code__)
-    return frozenset(names)
-
-
-_NOT_READ_IN_STEPS = frozenset({"__init__", "extra_repr", "__repr__", "__setstate__", "reset_parameters",
-                                "_reset_parameters", "_init_weights"})
-
-
-def _code_names(code: types.CodeType) -> set[str]:
-    """co_names of `code` and of the code nested in it (lambdas, comprehensions, inner functions)."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
-
-
-def _function_settings(fn: types.FunctionType) -> list:
-    """loss_fn's closure cells and the globals its code names: each plain value, and a dict's plain items."""
-    held = [(f"loss_fn's {n}", _CellView(n, c), n) for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
-    held += [(f"loss_fn's global {n}", fn.__globals__, n) for n in sorted(_code_names(fn.__code__))
-             if n in fn.__globals__ and not n.startswith("__")]
-    out = []
-    for label, where, key in held:
-        value = where.get(key, _MISSING)
-        if plain_value(value):
-            out.append((label, where, key, value))
-        elif isinstance(value, dict):
-            out += [(f"{label}[{k!r}]", value, k, v) for k, v in value.items() if plain_value(v)]
-    return out
+        raise UsageError(
+            f"{change}, but the compiled step's graphs hold what it was when they were traced: the change would "
+            "be ignored. Set it "
+            "before zbcompile.compile, or keep a value you change during training in a tensor the step reads, "
+            "changed in place: a buffer of the model (register_buffer, then buf.fill_(v)) or a batch argument")
 
 
 _TRAINING, _P = operator.attrgetter("training"), operator.attrgetter("p")
@@ -243,8 +149,8 @@ def _quick(modules, dropouts, hook_dicts, params, slot_dicts, keys, held) -> tup
     """Every module's mode, every dropout's p, the modules' hook count, whether a parameter has a hook, whether
     every submodule, parameter and buffer slot still holds its object: a few microseconds per hundred modules
     (C-level maps), against a few hundred for _mode and _hooks of each. (A hook added to one module and another
-    removed from a second between two calls keeps the count: not seen.)"""
-    return (list(map(_TRAINING, modules)), list(map(_P, dropouts)), sum(map(len, hook_dicts)),
+    removed from a second between two calls changes the sum of their handles' ids, which only grow.)"""
+    return (list(map(_TRAINING, modules)), list(map(_P, dropouts)), sum(map(sum, hook_dicts)),
             any(map(_GRAD_HOOKS, params)) or any(map(_ACCUMULATE_HOOKS, params)),
             all(map(operator.is_, map(dict.get, slot_dicts, keys), held)))
 
@@ -273,8 +179,14 @@ _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_ba
 _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
+_EVERY_MODULE = "every module (torch.nn.modules.module.register_module_*_hook)"
+
+
 def _hooks(x) -> tuple:
-    """The ids of a module's or a parameter's hooks (a parameter's dicts are None until one is added)."""
+    """The ids of a module's or a parameter's hooks (a parameter's dicts are None until one is added), or of
+    the hooks every module runs."""
+    if x is _EVERY_MODULE:
+        return tuple(map(tuple, global_module_hooks()))
     kinds = _MODULE_HOOKS if isinstance(x, nn.Module) else _TENSOR_HOOKS
     return tuple(tuple(getattr(x, k, None) or ()) for k in kinds)
 
@@ -291,6 +203,10 @@ def check_hooks(model: nn.Module) -> None:
             raise UsageError(f"parameter {name} has a gradient hook (register_hook / register_post_accumulate_grad_"
                              "hook), which the compiled step would never call: its W graphs write the gradient "
                              "themselves. Act on the gradients after step() returns (on p.grad), then compile")
+    if any(global_module_hooks()[2:]):
+        raise UsageError("a backward hook is registered for every module (torch.nn.modules.module.register_module_"
+                         "full_backward_hook / _pre_hook), which the compiled step would never call: remove it "
+                         "before zbcompile.compile (forward hooks are traced and run)")
     for name, m in model.named_modules():
         if m._backward_hooks or m._backward_pre_hooks:
             raise UsageError(f"module {name or '(the model)'} ({type(m).__name__}) has a backward hook "

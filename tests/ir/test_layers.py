@@ -1,7 +1,7 @@
 """The floor plan as a test: every import of the library (module level and inside functions) points down.
 
     api, pipeline module, tools (plan, inspect, simulate, timeline), examples     top
-    compiler core: options, compiler, split, distributed, data_parallel, agreement, checkpoint, share
+    compiler core: options, compiler, split, distributed, data_parallel, agreement, checkpoint, share, watch
     passes (zbcompile.passes = passes/)          runtime (zbcompile.runtime)     neither imports the other
     ir (zbcompile.ir): actions, schedule, costs, names, stages, program          a leaf
     errors, _torch_private, _format                                              the floor
@@ -31,7 +31,7 @@ MAY_IMPORT = {
 FLOOR = {"zbcompile.errors", "zbcompile._torch_private", "zbcompile._format"}
 CORE = {"zbcompile.options", "zbcompile.compiler", "zbcompile.split", "zbcompile.distributed",
         "zbcompile.agreement", "zbcompile.checkpoint", "zbcompile.checkpoint_files", "zbcompile.checkpoint_rows",
-        "zbcompile.data_parallel", "zbcompile.share"}
+        "zbcompile.data_parallel", "zbcompile.share", "zbcompile.watch"}
 
 
 def room(module: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 import time
 
@@ -461,6 +462,166 @@ def test_a_plain_value_the_trace_read_and_the_loop_changed_is_refused():
     want = eager_step(ref, loss_fn, x, y, M)
     got = run_pipes(lambda r: pipes[r].step(x, y), PP)
     assert all(abs(g - want) <= 1e-12 * abs(want) for g in got), (got, want)
+
+
+@dataclasses.dataclass
+class _Config:
+    scale: float = 1.0
+
+
+SKIP = False
+
+
+class _ReadsEverywhere(torch.nn.Module):
+    """A forward reading Python values from everywhere a model keeps them: a config object, a private
+    attribute, a list, an attribute of a child, a module global, a plain (unregistered) tensor attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(4)])
+        self.cfg, self._temp, self.mix = _Config(), 1.0, [1.0, 1.0]
+        self.layers[2].gain = 1.0
+        self.gate = torch.ones(8, dtype=torch.float64)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 0:
+                x = x * self.cfg.scale / self._temp * self.mix[0] * self.gate
+            if i == 2:
+                x = x * layer.gain + (1.0 if SKIP else 0.0)
+        return x
+
+
+class _WeightedLoss:
+    """A callable loss object (not a module) with a weight of its own."""
+
+    def __init__(self) -> None:
+        self.w = 1.0
+
+    def __call__(self, out, y):
+        return self.w * ((out - y) ** 2).mean()
+
+
+def _plain_loss(out, y, w=1.0):
+    return w * ((out - y) ** 2).mean()
+
+
+@pytest.mark.fresh_split   # the traced tensor constant must be this model's own (changed in place below)
+@pytest.mark.parametrize("change", ["config", "private", "list", "child", "global", "gate", "forward"])
+def test_a_value_the_model_reads_from_anywhere_changed_after_compile_is_refused(change):
+    """Each of these was read by the trace and ignored when the loop changed it (eager's loss moved, the
+    pipeline's did not): refused at the next call, naming it; put back, the pipeline trains as before. A plain
+    tensor attribute changed in place is read by every step, as in eager."""
+    global SKIP
+    torch.manual_seed(0)
+    model = _ReadsEverywhere().double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    _, _, _, _, pipes = _pipes(Case(model, _plain_loss, (x, y), 4))
+    ref = copy.deepcopy(model)
+    gates = {id(p.model): p.model.gate for p in pipes}   # (each rank's model is a copy of its own)
+
+    def apply(m, undo=False):
+        if change == "config":
+            m.cfg.scale = 1.0 if undo else 3.0
+        elif change == "private":
+            m._temp = 1.0 if undo else 0.25
+        elif change == "list":
+            m.mix[0] = 1.0 if undo else 3.0
+        elif change == "child":
+            m.layers[2].gain = 1.0 if undo else 3.0
+        elif change == "gate":
+            m.gate = gates[id(m)] if undo else gates[id(m)] * 2
+        elif undo:
+            del m.forward
+        else:
+            m.forward = lambda inp: type(m).forward(m, inp) * 2
+
+    names = {"config": r"cfg\.scale changed .*\(1\.0 -> 3\.0\)", "private": r"_temp changed", "list": r"mix changed",
+             "child": r"layers\.2\.gain changed", "global": r"global SKIP changed after compile \(False -> True\)",
+             "gate": r"gate was replaced", "forward": r"forward changed"}
+    if change == "global":   # one value for every rank's copy: changed once, each rank refuses
+        SKIP = True
+        try:
+            for r in range(PP):
+                with pytest.raises(UsageError, match=names[change]):
+                    pipes[r].step(x, y)
+        finally:
+            SKIP = False
+    else:
+        _refused_then_trains(pipes, x, y, apply, lambda m: apply(m, undo=True), names[change])
+    with torch.no_grad():   # (the threads' programs read the traced model's tensor constants)
+        for held in (ref, model):
+            held.gate.mul_(0.5)
+    eager_step(ref, _plain_loss, x, y, M)   # ref's parameters are as the pipes' before their last step
+    ref.zero_grad()
+    want = eager_step(ref, _plain_loss, x, y, M)
+    got = run_pipes(lambda r: pipes[r].step(x, y), PP)
+    assert all(abs(g - want) <= 1e-12 * abs(want) for g in got), (got, want)
+
+
+@pytest.mark.parametrize("loss", ["object", "partial", "module buffer", "closure tensor"])
+def test_a_value_the_loss_reads_changed_after_compile_is_refused(loss):
+    """A loss object's weight, a functools.partial's bound keyword, nn.CrossEntropyLoss's class weights
+    reassigned, a tensor in the loss's closure rebound: each was ignored; now refused at the next call."""
+    torch.manual_seed(0)
+    weights = torch.ones(3, dtype=torch.float64)
+
+    def closure_loss(out, y):
+        return torch.nn.functional.cross_entropy(out, y, weight=weights)
+
+    loss_fn = {"object": _WeightedLoss(), "partial": functools.partial(_plain_loss, w=1.0),
+               "module buffer": torch.nn.CrossEntropyLoss(weight=torch.ones(3, dtype=torch.float64)),
+               "closure tensor": closure_loss}[loss]
+    classes = loss in ("module buffer", "closure tensor")
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)],
+                                torch.nn.Linear(8, 3 if classes else 8)).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    y = torch.randint(0, 3, (8,)) if classes else torch.randn(8, 8, dtype=torch.float64)
+    _, _, _, _, pipes = _pipes(Case(model, loss_fn, (x, y), 4))
+    run_pipes(lambda r: pipes[r].step(x, y), PP)
+    if loss == "object":
+        loss_fn.w, match = 3.0, r"loss_fn attribute w changed after compile \(1\.0 -> 3\.0\)"
+    elif loss == "partial":
+        loss_fn.keywords["w"], match = 3.0, r"loss_fn's bound keyword w changed"
+    elif loss == "module buffer":
+        loss_fn.weight, match = torch.full((3,), 2.0, dtype=torch.float64), r"buffer loss_fn\.weight was replaced"
+    else:
+        weights, match = weights * 2, r"loss_fn's weights was replaced"
+    for r in range(PP):
+        with pytest.raises(UsageError, match=match):
+            pipes[r].step(x, y)
+
+
+def test_hooks_for_every_module_and_a_swapped_hook_are_refused():
+    """A hook registered for every module (torch.nn.modules.module.register_module_forward_hook) after compile,
+    and a traced forward hook removed while another module gets one (the hook count unchanged): the step ran
+    without them, silently. A global backward hook at compile is refused before tracing, naming it."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_full_backward_hook
+
+    model, loss_fn, (x, y), _ = mlp(layers=4, batch=8)
+    traced = _first(model, torch.nn.Linear).register_forward_hook(lambda m, i, o: o * 2)
+    _, _, x, y, pipes = _pipes(Case(model, loss_fn, (x, y), 4))
+    handle = register_module_forward_hook(lambda m, i, o: None)
+    try:
+        for r in range(PP):
+            with pytest.raises(UsageError, match=r"added to or removed from every module"):
+                pipes[r].step(x, y)
+    finally:
+        handle.remove()
+    for pipe in pipes:   # each rank's copy of the model: its first Linear's hook moves to the second
+        layers = [m for m in pipe.model.modules() if isinstance(m, torch.nn.Linear)]
+        del layers[0]._forward_hooks[traced.id]
+        layers[1].register_forward_hook(lambda m, i, o: o * 2)
+    for r in range(PP):
+        with pytest.raises(UsageError, match=r"hook was added to or removed from"):
+            pipes[r].step(x, y)
+    handle = register_module_full_backward_hook(lambda m, gi, go: None)
+    try:
+        with pytest.raises(UsageError, match="backward hook is registered for every module"):
+            zb.compile(model, schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=(x[:2], y[:2]))
+    finally:
+        handle.remove()
 
 
 def test_swa_update_bn_on_a_pipe_is_refused_before_it_resets_the_statistics():
