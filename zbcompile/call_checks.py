@@ -24,8 +24,8 @@ from zbcompile._torch_private import global_module_hooks
 from zbcompile.errors import UsageError
 from zbcompile.watch import Watched, watch_of
 
-__all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_conversion",
-           "check_cross_parameter", "watch_optimizers"]
+__all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_autocast",
+           "check_conversion", "check_cross_parameter", "watch_optimizers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,12 +328,19 @@ def check_step_context(training: bool, traced_autocast, now_autocast) -> None:
         raise UsageError("step() trains (it writes .grad) but was called under torch.no_grad() or "
                          "torch.inference_mode(); for a forward pass without gradients call evaluate(*batch) (the "
                          "loss) or run step() with gradients enabled")
+    check_autocast("step", traced_autocast, now_autocast)
+
+
+def check_autocast(what: str, traced_autocast, now_autocast) -> None:
+    """The autocast region of a call (step, evaluate, forward) is the one the step was traced under: the casts
+    are in the graphs, which evaluate() and pipe(x) run too."""
     if now_autocast != traced_autocast:
         traced = ", ".join(f"{d}: {t}" for d, t in traced_autocast) or "no autocast"
         found = ", ".join(f"{d}: {t}" for d, t in now_autocast) or "no autocast"
-        raise UsageError(f"step() runs under {found} but the step was compiled under {traced}: a compiled step's "
-                         "casts are fixed when it is traced. Call zbcompile.compile(...) inside the same "
-                         "torch.autocast region you train in (and call step() there too, or outside any)")
+        raise UsageError(f"{what}() runs under {found} but the step was compiled under {traced}: a compiled step's "
+                         "casts are fixed when it is traced (evaluate() and pipe(x) run its forward graphs). Call "
+                         "zbcompile.compile(...) inside the same torch.autocast region you train in (and call "
+                         f"{what}() there too, or outside any)")
 
 
 # Optimizers whose step combines values across all their parameters (LBFGS: dot products of the whole parameter

@@ -296,6 +296,7 @@ class PipelineModule(nn.Module):
         call_checks.check_kinds(batch, what, self.runtime.device)
         if what != "step":   # (step's context check covers it)
             self._traced.check_model()
+            call_checks.check_autocast(what, self._autocast, autocast_state())
         local = self._share(batch, what)
         staged = self.staged
         call_checks.check_shapes(local, self._batch_specs, self.runtime.data_specs,

@@ -261,7 +261,8 @@ def test_a_float16_loss_sum_that_overflows_gives_the_finite_mean():
 
 def test_autocast_around_compile_and_step():
     """Compiled under torch.autocast(bfloat16), stepped in the same region: equal to eager under autocast.
-    A step outside the region it was compiled in (or inside one it was not) is refused with our error."""
+    A step outside the region it was compiled in (or inside one it was not) is refused with our error, and so
+    are evaluate() and pipe(x) under another region (they returned a loss cast neither way)."""
     case = gpt(layers=4, batch=8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model, loss_fn, x, y, pipes = _pipes(case, "1f1b")
@@ -278,6 +279,10 @@ def test_autocast_around_compile_and_step():
         with pytest.raises(UsageError, match="compiled under no autocast"):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 plain[r].step(x, y)
+        for call in (lambda: pipes[r].evaluate(x, y), lambda: pipes[r](x)):   # the same graphs' casts
+            with pytest.raises(UsageError, match=r"\(\) runs under cpu: float16 but .* under cpu: bfloat16"):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    call()
         return loss
 
     assert all(abs(loss - want) <= 1e-6 * abs(want) for loss in run_pipes(run, PP))
