@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from zbcompile import agreement, call_checks, grads, rng
+from zbcompile import agreement, call_checks, grads, rng, share
 from zbcompile.compiler import Compiled
 from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError
 from zbcompile.grads import PipelineGradScaler
@@ -329,6 +329,7 @@ class PipelineModule(nn.Module):
         if not isinstance(mode, bool):
             raise UsageError(f"train(mode) takes a bool, got {mode!r}")
         self.training = mode
+        share.set_mode(self, mode)
         return self
 
     def _apply(self, fn, recurse: bool = True):

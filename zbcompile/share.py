@@ -13,7 +13,7 @@ from torch import nn
 
 from zbcompile.errors import UsageError
 
-__all__ = ["share_of", "attach_share", "module_settings", "plain_value", "same_value"]
+__all__ = ["share_of", "attach_share", "set_mode", "module_settings", "plain_value", "same_value"]
 
 
 def share_of(model: nn.Module, params, buffers) -> dict[str, torch.Tensor]:
@@ -48,6 +48,14 @@ def attach_share(root: nn.Module, model: nn.Module, params, buffers) -> None:
                 mod._modules[part] = _container(model.get_submodule(".".join(path[:depth])))
             mod = mod._modules[part]
         (mod._parameters if isinstance(tensor, nn.Parameter) else mod._buffers)[leaf] = tensor
+
+
+def set_mode(root: nn.Module, mode: bool) -> None:
+    """Every container under `root` reports `mode` as its `training`, as nn.Module.train sets each submodule's
+    (code reading `m.training` of a pipe's modules sees the pipe's mode; the containers refuse train() itself)."""
+    for m in root.modules():
+        if issubclass(type(m), _Share):
+            m.__dict__["training"] = mode
 
 
 class _Share(nn.Module):

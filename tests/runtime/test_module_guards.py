@@ -320,7 +320,8 @@ def test_step_with_an_optimizer_of_nothing_here_or_no_optimizer_is_refused_befor
 def test_the_pipes_containers_refuse_what_would_act_on_a_module():
     """pipe.<name> holds this rank's tensors under the model's names but is not the user's module: a hook on it
     was never called, .eval() on it changed nothing, pipe.apply(init) re-initialized nothing, pipe.blocks[0]
-    raised a raw TypeError. Each is refused saying where the module is and what to do; the pipe still trains."""
+    raised a raw TypeError. Each is refused saying where the module is and what to do; the pipe still trains.
+    pipe.eval() sets every container's `training` (they stayed True)."""
     _, _, x, y, pipes = _pipes(gpt(layers=4, batch=8))
 
     def run(r):
@@ -334,6 +335,12 @@ def test_the_pipes_containers_refuse_what_would_act_on_a_module():
         for what, attempt in attempts.items():
             with pytest.raises(UsageError, match=re.escape(what) + r".* is not your module"):
                 attempt()
+        modes = []   # pipe.eval() / train(): every module of the pipe reports the pipe's mode, as torch's do
+        for switch in (pipe.eval, pipe.train):
+            switch()
+            modes.append({m.training for m in pipe.modules()})
+        assert modes == [{False}, {True}], modes
+        assert all(m.training for m in pipe.model.modules())   # the user's modules keep the traced mode
         return pipe.step(x, y)
 
     assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
