@@ -20,8 +20,13 @@ __all__ = ["constant_nodes", "first_positions"]
 
 
 def constant_nodes(traced: Traced) -> dict[fx.Node, bool]:
-    """True for nodes whose value depends on no data and no parameter, and that draw no random numbers."""
-    buffers = {node for name, node in traced.graph.input_nodes().items() if role_of(name) is Role.BUFFER}
+    """True for nodes whose value depends on no data, no parameter and no buffer the step updates, and that draw
+    no random numbers. (A buffer the step updates is state: `self.t += 1` before a cut and `* self.t` after it
+    must read the value the update made for this microbatch, so it crosses the cut; recomputed by the later
+    stage from its own copy of the buffer it would read the wrong one.)"""
+    updated = {name for name in traced.graph.outputs if role_of(name) is Role.BUFFER}
+    buffers = {node for name, node in traced.graph.input_nodes().items()
+               if role_of(name) is Role.BUFFER and name not in updated}
     const: dict[fx.Node, bool] = {}
     for node in traced.gm.graph.nodes:
         if node.op == "placeholder":

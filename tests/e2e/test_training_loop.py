@@ -432,13 +432,29 @@ class _EMAAcross(torch.nn.Module):
         return x + self.ema
 
 
+class _CounterAcross(_EMAAcross):
+    """A step counter (`self.t += 1`, reading no activation) updated first, read at the end: a constant to the
+    split, so the later stage recomputed it from its own copy of the buffer, and the split refused the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("t", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.t += 1
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x * (1 + 0.01 * self.t)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_a_buffer_updated_in_one_stage_and_read_in_a_later_one_trains_as_eager(schedule):
+@pytest.mark.parametrize("buffer", [_EMAAcross, _CounterAcross], ids=["ema", "counter"])
+def test_a_buffer_updated_in_one_stage_and_read_in_a_later_one_trains_as_eager(schedule, buffer):
     """The update's value was both the buffer's new value and a sent activation: aot refused the stage (an output
     aliasing another), with a fix that did not apply; and its sender waited for a gradient no receiver makes.
     Now three SGD steps match eager: losses, gradients, parameters and the buffer."""
     torch.manual_seed(0)
-    model = _EMAAcross().double()
+    model = buffer().double()
     x, y = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
     case = type(gpt())(model, F.mse_loss, (x, y), 4)
     model, loss_fn, x, y, pipes = _pipes(case, schedule)
