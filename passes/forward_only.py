@@ -53,7 +53,7 @@ from zbcompile.ir.names import VOCAB_WHOLE, Role, key_of, role_of
 from zbcompile.ir.stages import (Constant, Graph, ModelOutputs, Partition, Stage, StagedModel, TensorSpec,
                                   VocabLayers)
 
-__all__ = ["forward_stages", "forward_graph", "forward_vocab", "output_graph", "output_stages", "OutputGraph",
+__all__ = ["forward_stages", "forward_graph", "forward_loss", "forward_vocab", "output_graph", "output_stages", "OutputGraph",
            "TRAINING_ARGUMENT", "OUTPUT"]
 
 OUTPUT = Role.OUTPUT.value   # out:<k>: the k-th tensor leaf of the model's outputs, from the loss stage
@@ -96,6 +96,12 @@ def forward_graph(stage: Stage, training: bool) -> Graph:
     keep = [i for i, n in enumerate(f.outputs)
             if role_of(n) in (Role.ACT, Role.LOSS) or (training and role_of(n) is Role.BUFFER)]
     return _forward_copy(f, keep, training, f"stage {stage.index}")
+
+
+def forward_loss(step: Graph, training: bool, where: str = "the traced step") -> Graph:
+    """A whole traced step (Traced.graph) returning only its loss, in eval mode unless `training`
+    (zbcompile/eval_check.py runs it against an eval-mode trace)."""
+    return _forward_copy(step, [step.outputs.index("loss")], training, where)
 
 
 def forward_vocab(vocab: VocabLayers, training: bool) -> VocabLayers:

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from zbcompile import agreement, call_checks, grads, rng, share
+from zbcompile import agreement, call_checks, eval_check, grads, rng, share
 from zbcompile.compiler import Compiled
 from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError
 from zbcompile.grads import PipelineGradScaler
@@ -319,6 +319,9 @@ class PipelineModule(nn.Module):
             raise UsageError("this PipelineModule was built without a way to make more runtimes; build it with "
                              "zbcompile.compile or PipelineModule.from_staged to evaluate")
         with torch.inference_mode(False):
+            options = self.compiled.options
+            if not training and options.example is not None and all(mode for mode, _ in self._forward):
+                eval_check.check_eval_branches(self.model, options.loss_fn, options.example)   # (once)
             programs = compile_forward(self.compiled, training, outputs=outputs)
             runtime = self._forward[training, outputs] = self._runtime_for(programs)
         return runtime

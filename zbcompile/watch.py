@@ -34,7 +34,7 @@ from torch import nn
 
 from zbcompile.share import plain_value, same_value
 
-__all__ = ["Watched", "watch_of", "MISSING"]
+__all__ = ["Watched", "watch_of", "names_read", "MISSING"]
 
 MISSING = object()
 _MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
@@ -108,7 +108,7 @@ def watch_of(model: nn.Module, loss_fn: Callable | None) -> Watched:
     modules = [(f"model attribute {n + '.' if n else ''}", m) for n, m in model.named_modules()]
     if isinstance(loss_fn, nn.Module):
         modules += [(f"loss_fn attribute {n + '.' if n else ''}", m) for n, m in loss_fn.named_modules()]
-    read = frozenset().union(*(_names_read(type(m)) for _, m in modules))
+    read = frozenset().union(*(names_read(type(m)) for _, m in modules))
     out: list = []
     for label, m in modules:
         out.append((label + "forward", vars(m), "forward", vars(m).get("forward", MISSING)))
@@ -165,7 +165,7 @@ def _callable_entries(fn, label: str = "loss_fn") -> list:
                  if plain_value(v) or isinstance(v, torch.Tensor)]
         return bound + _callable_entries(fn.func, label)
     if fn is not None and not isinstance(fn, nn.Module) and _plain_object(fn):
-        read = _names_read(type(fn))
+        read = names_read(type(fn))
         out = [e for k, v in vars(fn).items() if k in read for e in _entries(f"{label} attribute {k}", vars(fn),
                                                                               k, v, read)]
         return out + _globals_read(type(fn), f"{label}'s global")
@@ -198,7 +198,7 @@ def _methods(cls: type):
 
 
 @functools.lru_cache(maxsize=None)
-def _names_read(cls: type) -> frozenset[str]:
+def names_read(cls: type) -> frozenset[str]:
     """The names the code of `cls`'s methods mentions (its own and its bases' up to torch's nn.Module), but for
     the methods that only build or print the module."""
     names: set[str] = set()

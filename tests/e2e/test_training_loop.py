@@ -126,6 +126,64 @@ def test_eval_turns_dropout_off_and_train_mode_keeps_it():
         assert math.isfinite(out["step"]) and out["graded"]
 
 
+class _HalvedInTraining(torch.nn.Module):
+    """A train-only rescale behind `if self.training:` (no random op: nothing for the eval switch to find)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        if self.training:
+            h = h * 0.5
+        return self.c(h)
+
+
+class _ModeAware(torch.nn.Module):
+    """What eval() does switch: F.dropout(training=self.training), as HF models write it, and a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.nn.functional.dropout(self.bn(self.a(x)), p=0.3, training=self.training)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("model", [_HalvedInTraining, _ModeAware])
+def test_a_branch_on_self_training_is_refused_in_eval_mode_not_run_as_trained(model):
+    """A Python branch on `self.training` was fixed in its train-mode path by the trace: evaluate() and pipe(x)
+    after eval() returned the train-mode loss and outputs, silently. The first eval-mode call traces the model
+    in eval mode and compares; a branch is refused on every rank, naming the module. Where eval() switches
+    everything (dropout written as HF writes it, a BatchNorm) evaluation matches eager's eval mode."""
+    torch.manual_seed(0)
+    net = model().double()
+    x, y = torch.randn(4 * M, 8, dtype=torch.float64), torch.randn(4 * M, 8, dtype=torch.float64)
+    _, loss_fn, _, _, pipes = _pipes((net, torch.nn.functional.mse_loss, (x, y), None), split_points=["b"])
+    ref = copy.deepcopy(net).eval()
+    with torch.no_grad():
+        want = sum(loss_fn(ref(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M
+
+    def run(r):
+        pipe = pipes[r].eval()
+        if model is _ModeAware:
+            return pipe.evaluate(x, y)
+        for call in (lambda: pipe.evaluate(x, y), lambda: pipe(x)):
+            with pytest.raises(UsageError, match=r"branch on `self.training` in \(the model\) \(_HalvedInTraining\)"):
+                call()
+        return pipe.train().evaluate(x, y)   # train mode: the traced branch is the right one
+
+    got = run_pipes(run, PP)
+    if model is _ModeAware:
+        assert all(abs(v - want) <= 1e-12 * want for v in got), (got, want)
+    else:
+        with torch.no_grad():
+            trained = sum(loss_fn(ref.train()(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M
+        assert all(abs(v - trained) <= 1e-12 * trained for v in got), (got, trained)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_low_precision_batch_norm_evaluates_in_eval_mode(dtype):
     """A bfloat16 / float16 BatchNorm casts its float32 running statistics back to the buffers' dtype; eval

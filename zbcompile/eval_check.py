@@ -1,0 +1,137 @@
+"""Whether eval mode computes what the switched training graphs compute, checked before the first evaluation
+in eval mode.
+
+An evaluation runs the forward graphs traced in train mode, with dropout and batch norm switched by their ops
+(passes/forward_only.py). A Python branch on `self.training` that draws no random numbers (`if self.training:
+h = h * 0.5`, a hand-written batch norm choosing batch or running statistics) was fixed in its train-mode path
+by the trace and leaves no op to switch: evaluate() and pipe(x) would return the train-mode result, silently.
+So the first eval-mode evaluation traces the model again in eval mode and runs both steps, each whole and
+forward only, on the compile's example data and the same stand-in values for every parameter and buffer (a
+rank holds real values for its own stages only): a loss that differs is refused, naming the modules whose code
+reads `training`.
+
+    check_eval_branches(model, loss_fn, example)    UsageError, or None
+
+An example on the meta device, or a model of more than 2 GiB (the stand-ins are allocated whole), is not
+checked; a warning says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+
+import torch
+from torch import nn
+
+from zbcompile import split
+from zbcompile._torch_private import tree_map
+from zbcompile.errors import UsageError, ZBCompileError
+from zbcompile.ir.names import Role, key_of, role_of
+from zbcompile.passes.forward_only import forward_loss
+from zbcompile.passes.trace import flatten_example, retarget_device
+from zbcompile.watch import names_read
+
+__all__ = ["check_eval_branches"]
+
+log = logging.getLogger("zbcompile")
+
+# how far apart the two losses may be: the switched batch norm and the eval-mode one are other ops with the
+# same arithmetic (float32 rounding differs in the last bits); a branch moves the loss far more
+_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def check_eval_branches(model: nn.Module, loss_fn, example) -> None:
+    """UsageError where `model` in eval mode computes another loss than its train-mode trace with dropout and
+    batch norm switched off (see the module docstring)."""
+    flat, _, _ = flatten_example(example)
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if any(t.is_meta for t in flat) or size > _LARGEST:
+        log.warning("evaluate: the model's eval-mode branches are not checked (%s)",
+                    "its example is on the meta device" if size <= _LARGEST else
+                    f"{size / 2**30:.1f} GiB of parameters and buffers: more than the check allocates")
+        return
+    log.info("evaluate: tracing the model in eval mode once, to check it computes what the switched training "
+             "graphs do")
+    shape, device = _on_meta(model), flat[0].device
+    meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)
+    try:
+        switched = forward_loss(split.trace(shape, loss_fn, meta).graph, training=False)
+        with _eval_modes(shape):
+            plain = forward_loss(split.trace(shape, loss_fn, meta).graph, training=True)
+    except ZBCompileError as e:   # (a loss_fn holding a tensor of its own cannot meet meta ones)
+        log.warning("evaluate: the model's eval-mode branches are not checked (tracing its shape failed: %s)", e)
+        return
+    switched, plain = (dataclasses.replace(g, gm=retarget_device(g.gm, device)) for g in (switched, plain))
+    values = _values((switched, plain), flat)
+    got, want = (_loss(g, values) for g in (switched, plain))
+    tol = _TOLERANCE.get(want.dtype, 2e-2)
+    if not (got.isfinite() and want.isfinite()) or abs(got - want) <= tol * max(abs(want), abs(got), 1e-6):
+        return
+    readers = [f"{n or '(the model)'} ({type(m).__name__})" for n, m in model.named_modules()
+               if not type(m).__module__.startswith("torch.") and "training" in names_read(type(m))]
+    raise UsageError(
+        "the model computes another loss in eval mode than its training step with dropout and batch norm "
+        f"switched off ({want.item():.6g} against {got.item():.6g}, on the example's shapes): a Python branch on "
+        f"`self.training`{' in ' + ', '.join(readers) if readers else ''} changes what the forward computes, and "
+        "evaluate() / pipe(x) run the graphs traced in train mode, whose branches were fixed then. Evaluate in "
+        "train mode (pipe.train(), then evaluate(); under no_grad in eager that is the train-mode forward), "
+        "evaluate the plain model, or write the branch with nn.Dropout / BatchNorm modules (which eval() "
+        "switches)")
+
+
+# the check runs both steps on stand-in tensors of every parameter's shape (a rank holds real values for its
+# own stages only): above this many bytes it is not made
+_LARGEST = 2 * 2**30
+
+
+def _values(graphs, flat) -> dict[str, torch.Tensor]:
+    """One stand-in per input name of either graph, equal for both: floats in [0.5, 1.5) (a variance stays
+    positive, a log finite), integers 0 or 1 (valid token ids and classes), the example's data as it is."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for g in graphs:
+        for name, node in zip(g.inputs, g.gm.graph.find_nodes(op="placeholder")):
+            if name in out:
+                continue
+            if role_of(name) is Role.DATA:
+                out[name] = flat[int(key_of(name))]
+                continue
+            v = node.meta["val"]
+            t = (torch.rand(v.shape, generator=gen, dtype=torch.float64) + 0.5 if v.is_floating_point() else
+                 torch.randint(0, 2, v.shape, generator=gen))
+            out[name] = t.to(dtype=v.dtype, device=flat[0].device)
+    return out
+
+
+def _on_meta(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are meta tensors of their shapes (a rank holds real values
+    for its own stages only); the tensors are not copied."""
+    memo: dict[int, object] = {}
+    for t in model.parameters():
+        memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+    for t in model.buffers():
+        memo[id(t)] = torch.empty_like(t, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def _eval_modes(model: nn.Module):
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _loss(graph, values: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The graph's loss on `values`, with the global generator as it was (random ops of eval mode draw alike)."""
+    args = [values[n] for n in graph.inputs]
+    devices = sorted({t.device.index or 0 for t in args if t.is_cuda})
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        return graph.gm(*args)[0].detach().double()
