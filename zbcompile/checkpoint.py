@@ -64,8 +64,8 @@ def check_state_dict(state_dict: Mapping[str, object], expected: Mapping[str, to
     """Raise CheckpointError unless `state_dict` has a tensor of the expected shape for every key of `expected`
     and no other keys; strict=False skips missing and unexpected keys, as nn.Module.load_state_dict does (it then
     reports them in its result). Shapes are checked whatever `strict` says: nothing is copied on a mismatch."""
-    shapes = {k: tuple(v.shape) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
-    problems = _mismatches(shapes, {k: tuple(v.shape) for k, v in expected.items()}, missing=strict,
+    shapes = {k: _shape(v) for k, v in state_dict.items()}
+    problems = _mismatches(shapes, {k: _shape(v) for k, v in expected.items()}, missing=strict,
                            unexpected=strict)
     if problems:
         raise CheckpointError(_message(f"the state dict given to load_state_dict ({where})", problems,
@@ -73,14 +73,34 @@ def check_state_dict(state_dict: Mapping[str, object], expected: Mapping[str, to
                                        "missing and unexpected keys; shapes must match)"))
 
 
+def _shape(value) -> tuple | None:
+    """A tensor's shape; None for a module's extra state (get_extra_state: any object)."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _check_tensors_only(module: nn.Module) -> None:
+    """CheckpointError, before anything is written, for a state dict entry that is not a tensor: a module's
+    extra state (get_extra_state), which DCP stores flattened into keys of its own that a load cannot match."""
+    objects = [k for k, v in module.state_dict().items() if not isinstance(v, torch.Tensor)]
+    if objects:
+        raise CheckpointError(
+            f"the state dict holds {', '.join(objects[:_SHOWN])}: a module's extra state (get_extra_state), which "
+            "zbcompile.checkpoint does not store; nothing was written. Save it with the checkpoint as JSON values "
+            "(checkpoint.save(..., extra={'calibration': ...}), which load returns) and set it back after the load")
+
+
 def _mismatches(got: Mapping[str, tuple], want: Mapping[str, tuple], *, missing: bool = True,
                 unexpected: bool = True, prefix: str = "") -> list[str]:
     """(missing) Missing keys, then other shapes, then (unexpected) unexpected keys, each as one line."""
-    absent = [f"missing: {prefix}{k} {list(s)}" for k, s in want.items() if k not in got] if missing else []
-    shape = [f"shape: {prefix}{k} is {list(got[k])} there, {list(s)} in the model" for k, s in want.items()
+    absent = [f"missing: {prefix}{k} {_said(s)}" for k, s in want.items() if k not in got] if missing else []
+    shape = [f"shape: {prefix}{k} is {_said(got[k])} there, {_said(s)} in the model" for k, s in want.items()
              if k in got and got[k] != s]
     extra = [f"unexpected: {prefix}{k}" for k in got if k not in want] if unexpected else []
     return absent + shape + extra
+
+
+def _said(shape: tuple | None) -> str:
+    return "(extra state)" if shape is None else str(list(shape))
 
 
 def _message(what: str, problems: list[str], fix: str) -> str:
@@ -119,6 +139,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     stage = files.staging(path)
     _check_optimizer(module, optimizer)
     _check_extra(extra)
+    _check_tensors_only(module)
     committing = False   # from here on the checkpoint at `path` may be this save's
     try:
         # nobody writes before the stale staging directory is gone; where rank 0 cannot clear it (a path under a
@@ -384,8 +405,9 @@ def _checkpoint_problems(meta: Mapping[str, object], module: nn.Module, optimize
     """This rank's mismatches between the checkpoint's index `meta` and `module` / `optimizer`: keys this rank
     loads that are missing or have other shapes, model keys that no rank of this model would load, and
     parameters of `optimizer` without saved optimizer state."""
-    saved = {k[len("model."):]: tuple(m.size) for k, m in meta.items() if k.startswith("model.") and hasattr(m, "size")}
-    mine = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    saved = {k[len("model."):]: tuple(m.size) if hasattr(m, "size") else None   # (None: an object, extra state)
+             for k, m in meta.items() if k.startswith("model.")}
+    mine = {k: _shape(v) for k, v in module.state_dict(keep_vars=True).items()}
     found = vocab_rows(module)
     if found is not None:   # the checkpoint holds the whole tables this rank holds rows of
         for name in vocab_names(module, found[0]):

@@ -12,8 +12,9 @@ reads `training`.
 
     check_eval_branches(model, loss_fn, example)    UsageError, or None
 
-An example on the meta device, or a model of more than 2 GiB (the stand-ins are allocated whole), is not
-checked; a warning says so.
+An example on the meta device, a model of more than 2 GiB (the stand-ins are allocated whole), a step that
+fails on the stand-ins, and a vocabulary-parallel pipe (its model holds this rank's rows of the tables) are
+not checked; a warning says so (the last: the README).
 """
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> None:
         return
     switched, plain = (dataclasses.replace(g, gm=retarget_device(g.gm, device)) for g in (switched, plain))
     values = _values((switched, plain), flat)
-    got, want = (_loss(g, values) for g in (switched, plain))
+    try:
+        got, want = (_loss(g, values) for g in (switched, plain))
+    except (RuntimeError, IndexError, ValueError) as e:   # stand-ins a model cannot take (an id past a table)
+        log.warning("evaluate: the model's eval-mode branches are not checked (its step fails on stand-in "
+                    "weights: %s)", e)
+        return
     tol = _TOLERANCE.get(want.dtype, 2e-2)
     if not (got.isfinite() and want.isfinite()) or abs(got - want) <= tol * max(abs(want), abs(got), 1e-6):
         return

@@ -321,7 +321,9 @@ class PipelineModule(nn.Module):
         with torch.inference_mode(False):
             options = self.compiled.options
             if not training and options.example is not None and all(mode for mode, _ in self._forward):
-                eval_check.check_eval_branches(self.model, options.loss_fn, options.example)   # (once)
+                # (once; with vocabulary parallelism the model's tables hold this rank's rows: not checked)
+                if self.staged.vocab is None:
+                    eval_check.check_eval_branches(self.model, options.loss_fn, options.example)
             programs = compile_forward(self.compiled, training, outputs=outputs)
             runtime = self._forward[training, outputs] = self._runtime_for(programs)
         return runtime

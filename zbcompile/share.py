@@ -74,7 +74,8 @@ class _Share(nn.Module):
         nn.Module.__init__(self)   # not the next class of a subclass's MRO (a batch norm's needs num_features)
         if module is not None:
             settings = module_settings(module)
-            self.__dict__.update(settings, _user_class=type(module), _settings=frozenset(settings))
+            self.__dict__.update(settings, _user_class=type(module), _user_module=module,
+                                 _settings=frozenset(settings))
 
     @property
     def __class__(self):
@@ -84,6 +85,34 @@ class _Share(nn.Module):
         if name in self.__dict__.get("_settings", ()) and not same_value(value, self.__dict__[name]):
             self._refuse(f"setting .{name} = {value!r}")
         super().__setattr__(name, value)
+
+    # ---- state dicts: the user's class's own code, as torch would run it on the user's module ----
+    # torch asks `self.__class__` (the user's class) whether there is extra state, then calls it on this
+    # container; a class's own _save_to_state_dict / _load_from_state_dict (an extra key, a legacy key renamed)
+    # run here with this container as self, so their super() calls read and write this rank's tensors
+    def get_extra_state(self):
+        return self.__dict__["_user_module"].get_extra_state()
+
+    def set_extra_state(self, state) -> None:
+        self.__dict__["_user_module"].set_extra_state(state)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        own = self._user_code("_save_to_state_dict")
+        if own is None:
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        return own(self, destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        own = self._user_code("_load_from_state_dict")
+        if own is None:
+            return super()._load_from_state_dict(state_dict, prefix, *args)
+        return own(self, state_dict, prefix, *args)
+
+    def _user_code(self, name: str):
+        """The user's class's own `name` (None: torch's nn.Module one, or no user module)."""
+        user = self.__dict__.get("_user_class")
+        fn = getattr(user, name, None)
+        return None if fn is None or fn is getattr(nn.Module, name) else fn
 
     def extra_repr(self) -> str:
         user = self.__dict__.get("_user_class")

@@ -26,7 +26,8 @@ import zbcompile as zb
 from support.loops import eager_step, rel, shard_of
 from support.models import Case, convnet, gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
-from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError
+from zbcompile import checkpoint
+from zbcompile.errors import CheckpointError, DisagreementError, RuntimeFailure, UsageError
 from zbcompile.options import CompileOptions
 
 torch.set_num_threads(1)
@@ -629,6 +630,69 @@ def test_hooks_for_every_module_and_a_swapped_hook_are_refused():
             zb.compile(model, schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=(x[:2], y[:2]))
     finally:
         handle.remove()
+
+
+class _Calibrated(torch.nn.Linear):
+    """Extra state through torch's API (a quantization calibration), kept on the module."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calibration = {"amax": 1.0}
+
+    def get_extra_state(self):
+        return dict(self.calibration)
+
+    def set_extra_state(self, state) -> None:
+        self.calibration = dict(state)
+
+
+class _Renamed(torch.nn.Linear):
+    """Its own state-dict code: an extra entry saved, a legacy name of its weight accepted on load."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "version"] = torch.tensor(2)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if prefix + "w_old" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "w_old")
+        state_dict.pop(prefix + "version", None)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def test_a_modules_own_state_dict_code_runs_on_the_pipe(tmp_path):
+    """torch's extra-state API made pipe.state_dict() raise torch's internal RuntimeError ("should never be
+    called"), and a module's own _save_to_state_dict / _load_from_state_dict were skipped (its extra key
+    missing, a legacy key not loaded). The pipe's state dict has eager's keys and values for this rank's
+    modules, and loads what eager loads. zbcompile.checkpoint refuses extra state before writing anything."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Calibrated(8, 8), torch.nn.Tanh(), _Renamed(8, 8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    _, _, _, _, pipes = _pipes(Case(model, _plain_loss, (x, y), 4), split_points=["4"])
+    want = model.state_dict()
+    legacy = {("2.w_old" if k == "2.weight" else k): torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+              for k, v in want.items()}
+    assert want["0._extra_state"] == {"amax": 1.0} and "2.version" in want
+
+    def run(r):
+        pipe = pipes[r]
+        got = pipe.state_dict()
+        for k, v in got.items():
+            assert k in want and (torch.equal(v, want[k]) if isinstance(v, torch.Tensor) else v == want[k]), k
+        if r == 0:
+            assert {"0._extra_state", "2.version", "2.weight"} <= got.keys(), got.keys()
+            pipe.model[0].calibration = {"amax": 3.0}   # the module's state: the pipe's state dict reads it
+            assert pipe.state_dict()["0._extra_state"] == {"amax": 3.0}
+            pipe.load_state_dict(dict(legacy), strict=False)
+            assert torch.equal(pipe.get_parameter("2.weight"), torch.zeros(8, 8, dtype=torch.float64))
+            assert pipe.model[0].calibration == {"amax": 1.0}
+            with pytest.raises(CheckpointError, match=r"0\._extra_state: a module's extra state .* nothing was"):
+                checkpoint.save(tmp_path / "ckpt", pipe)   # (DCP would flatten it into keys a load cannot match)
+            assert not list(tmp_path.iterdir())
+        return pipe.step(x, y)
+
+    assert all(torch.isfinite(torch.tensor(v)) for v in run_pipes(run, PP))
 
 
 def test_swa_update_bn_on_a_pipe_is_refused_before_it_resets_the_statistics():
