@@ -297,8 +297,9 @@ def _explain_export_failure(exc: BaseException, model: nn.Module) -> str:
         return (
             f"data-dependent control flow in {where}: {text}\n"
             "The pipeline needs one static graph per stage, so Python `if`/`while`/`.item()` on tensor values "
-            "cannot be captured. Rewrite the branch with torch.where / torch.cond, or move it outside the "
-            "model (compute the condition once from the data and pass it in as a plain Python value)."
+            "cannot be captured. Compute both sides and select with torch.where (torch.cond is refused too: "
+            "the stage graphs are split op by op), or decide outside the model: a Python setting of the model "
+            "or loss_fn, fixed before compile (compile again to change it)."
         )
     return f"could not capture the training step ({where}): {type(exc).__name__}: {text}"
 

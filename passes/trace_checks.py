@@ -58,12 +58,20 @@ def check_step(graph: Graph, frozen: frozenset[str]) -> None:
                              "which eager refuses (mat1 and mat2 must have the same dtype): give the example (and "
                              "the batches) the model's dtype, or cast in forward (x.float()); for ids, look them "
                              "up in an nn.Embedding first")
+        if node.op == "call_function" and getattr(node.target, "name", lambda: "")() in _CONTROL_FLOW:
+            raise TraceError(f"{_where(node)} runs torch.{node.target.name()}, a branch or loop taken on the data "
+                             "at run time: the stages' graphs are split into F, B and W graphs op by op, which a "
+                             "graph holding subgraphs cannot be; compute both sides and select with torch.where")
         size = _data_dependent(node)
         if size is not None:
             raise TraceError(f"{_where(node)} makes a tensor whose size depends on the data ({size}: "
                              "torch.nonzero, boolean-mask indexing, unique ...): pipeline stages exchange tensors "
                              "of sizes fixed at compile; use a fixed-size form (torch.where, a multiplied mask)")
     _check_loss_trains(graph, frozen)
+
+
+# torch's control-flow operators (higher-order ops holding subgraphs), by name
+_CONTROL_FLOW = frozenset({"cond", "while_loop", "map_impl", "scan", "associative_scan"})
 
 
 def _check_loss_trains(graph: Graph, frozen: frozenset[str]) -> None:

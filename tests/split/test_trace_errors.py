@@ -46,7 +46,25 @@ def test_data_dependent_control_flow_names_the_module():
     text = str(info.value)
     assert "data-dependent control flow" in text
     assert "`layers.1`" in text and "Gate" in text
-    assert "torch.where" in text or "torch.cond" in text
+    assert "torch.where" in text and "plain Python value" not in text   # (an example argument must be a tensor)
+
+
+class _Conditional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers[0](x)
+        x = torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t * 0.5, (x,))
+        return self.layers[1](x)
+
+
+def test_torch_cond_is_refused_saying_so():
+    """torch.cond (which the data-dependent advice once suggested) reached the cost model, which raised a bare
+    ZBCompileError about a subgraph's missing meta['val']."""
+    with pytest.raises(TraceError, match=r"runs torch.cond, a branch .* select with torch.where"):
+        split_model(_Conditional(), F.mse_loss, _mlp_example())
 
 
 
