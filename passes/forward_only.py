@@ -53,8 +53,8 @@ from zbcompile.ir.names import VOCAB_WHOLE, Role, key_of, role_of
 from zbcompile.ir.stages import (Constant, Graph, ModelOutputs, Partition, Stage, StagedModel, TensorSpec,
                                   VocabLayers)
 
-__all__ = ["forward_stages", "forward_graph", "forward_loss", "forward_vocab", "output_graph", "output_stages", "OutputGraph",
-           "TRAINING_ARGUMENT", "OUTPUT"]
+__all__ = ["forward_stages", "forward_graph", "forward_loss", "forward_vocab", "output_graph", "output_stages",
+           "OutputGraph", "TRAINING_ARGUMENT", "OUTPUT"]
 
 OUTPUT = Role.OUTPUT.value   # out:<k>: the k-th tensor leaf of the model's outputs, from the loss stage
 

@@ -3,8 +3,9 @@
     model, loss_fn, example  ->  Traced(graph=Graph(gm, inputs, outputs), tied, frozen, ...)   (zbcompile.ir.stages)
 
 Route (see the F/B/W notes): non-strict `torch.export.export` of a wrapper module, then `run_decompositions`,
-which only functionalizes (and writes out instance_norm and the feature / alpha dropouts, passes/trace_decompositions.py): BatchNorm statistic updates become graph outputs while
-linear / SDPA / layer_norm stay high level. Before it, what a `torch.no_grad()` region computes is detached where
+which only functionalizes (and writes out instance_norm and the feature / alpha dropouts:
+passes/trace_decompositions.py): BatchNorm statistic updates become graph outputs while linear / SDPA /
+layer_norm stay high level. Before it, what a `torch.no_grad()` region computes is detached where
 the step reads it, and while exporting a custom autograd.Function becomes an op that keeps its backward
 (passes/functions.py). Every placeholder of the result is named by its value name:
 

@@ -80,8 +80,9 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> None:
                if not type(m).__module__.startswith("torch.") and "training" in names_read(type(m))]
     raise UsageError(
         "the model computes another loss in eval mode than its training step with dropout and batch norm "
-        f"switched off ({want.item():.6g} against {got.item():.6g}, on the example's shapes): a Python branch on "
-        f"`self.training`{' in ' + ', '.join(readers) if readers else ''} changes what the forward computes, and "
+        f"switched off ({want.item():.6g} against {got.item():.6g}, on the example with stand-in weights): a "
+        f"Python branch on `self.training`{' in ' + ', '.join(readers) if readers else ''} changes what the "
+        "forward computes, and "
         "evaluate() / pipe(x) run the graphs traced in train mode, whose branches were fixed then. Evaluate in "
         "train mode (pipe.train(), then evaluate(); under no_grad in eager that is the train-mode forward), "
         "evaluate the plain model, or write the branch with nn.Dropout / BatchNorm modules (which eval() "
