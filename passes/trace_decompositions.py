@@ -55,7 +55,7 @@ def write_out_dropouts(gm: fx.GraphModule) -> None:
     preservable ops), so this edits the graph instead."""
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _DROPOUTS]:
         feature, alpha, inplace = _DROPOUTS[node.target]
-        x, p, train = node.args
+        x, p, train = (*node.args, *(node.kwargs[k] for k in ("input", "p", "train") if k in node.kwargs))
         with gm.graph.inserting_before(node):
             call = _Writer(gm.graph, node)
             out = _dropout(call, x, p, train, x.meta["val"], feature=feature, alpha=alpha)
