@@ -155,10 +155,8 @@ def _callable_entries(fn, label: str = "loss_fn") -> list:
         for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             view = CellView(n, c)
             out += _entries(f"{label}'s {n}", view, n, view.get(n, MISSING), frozenset())
-        names = sorted(_code_names(fn.__code__))
-        for n in names:
-            if n in fn.__globals__ and not n.startswith("__"):
-                out += _entries(f"{label}'s global {n}", fn.__globals__, n, fn.__globals__[n], frozenset())
+        for n, value in _globals_named(fn):
+            out += _entries(f"{label}'s global {n}", fn.__globals__, n, value, frozenset())
         return out
     if isinstance(fn, functools.partial):
         bound = [(f"{label}'s bound keyword {k}", fn.keywords, k, v) for k, v in fn.keywords.items()
@@ -179,12 +177,17 @@ def _globals_read(cls: type, label: str) -> list:
         return []
     out = []
     for fn in _methods(cls):
-        for n in sorted(_code_names(fn.__code__)):
-            if n in fn.__globals__ and not n.startswith("__"):
-                value = fn.__globals__[n]
-                if plain_value(value) or isinstance(value, dict):
-                    out += _entries(f"{label} {n}", fn.__globals__, n, value, frozenset())
+        for n, value in _globals_named(fn):
+            if plain_value(value) or isinstance(value, dict):
+                out += _entries(f"{label} {n}", fn.__globals__, n, value, frozenset())
     return out
+
+
+def _globals_named(fn: types.FunctionType):
+    """(name, value) of each global `fn`'s code names (its nested code's too), but dunders, in name order."""
+    for n in sorted(_code_names(fn.__code__)):
+        if n in fn.__globals__ and not n.startswith("__"):
+            yield n, fn.__globals__[n]
 
 
 def _methods(cls: type):
