@@ -6,12 +6,13 @@ handed through the object it had then.
 
 settings: (label, dict, key, value) of each plain value (a number, a string, a tuple of them, a list or dict of
 them as a copy) the code may read, compared by value at every call:
-- a module's attributes whose names the model's code mentions (its classes' methods but `__init__`: what a
-  constructor sets is not what forward reads), public or private (`self._temp`), on the module itself or read by
-  another module of the model (`self.head.scale` in the root's forward); one level into a plain object held
-  there (a config: `self.cfg.scale`);
-- the globals the model's classes' code and loss_fn's code name (one level into a dict: `CFG["aux"]`), loss_fn's
-  closure cells, a functools.partial's bound arguments, a callable object's attributes its class reads;
+- a module's attributes whose names the code a step may run mentions (`_methods`: forward, the methods of the
+  class's own file but `__init__` and the like, what they call by name, a helper function of the same file:
+  not a library base class's `save_pretrained`), public or private (`self._temp`), on the module itself or read
+  by another module of the model (`self.head.scale` in the root's forward); one level into a plain object held
+  there (a config: `self.cfg.scale`, and what a property read there reads);
+- the globals that code and loss_fn's code (with its helpers) name (one level into a dict: `CFG["aux"]`),
+  loss_fn's closure cells, a functools.partial's bound arguments, a callable object's attributes its class reads;
 - each module's own `forward` attribute (a `model.forward = partial(...)` rebound after compile).
 objects: (label, dict, key, object) of each tensor held outside parameters and buffers (a module's plain tensor
 attribute, a tensor in loss_fn's closure), compared by identity: a tensor replaced is not read by the step,
@@ -134,9 +135,18 @@ def _entries(label: str, where: dict, key, value, read: frozenset) -> list:
         return [(f"{label}[{k!r}]", value, k, v) for k, v in value.items()
                 if plain_value(v) or isinstance(v, torch.Tensor)]
     if _plain_object(value):
+        read = read | _properties_read(type(value), read)
         return [(f"{label}.{k}", vars(value), k, v) for k, v in vars(value).items()
                 if k in read and (plain_value(v) or isinstance(v, torch.Tensor))]
     return []
+
+
+def _properties_read(cls: type, read: frozenset) -> frozenset:
+    """The names the code of `cls`'s properties among `read` mentions: a config's `_attn_implementation`
+    property reads the attribute `_attn_implementation_internal`, which is where a change lands."""
+    props = [getattr(cls, n, None) for n in read]
+    return frozenset().union(*(_code_names(p.fget.__code__) for p in props
+                               if isinstance(p, property) and isinstance(p.fget, types.FunctionType)))
 
 
 def _plain_object(value) -> bool:
@@ -155,8 +165,10 @@ def _callable_entries(fn, label: str = "loss_fn") -> list:
         for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             view = CellView(n, c)
             out += _entries(f"{label}'s {n}", view, n, view.get(n, MISSING), frozenset())
-        for n, value in _globals_named(fn):
-            out += _entries(f"{label}'s global {n}", fn.__globals__, n, value, frozenset())
+        for f in _reached([fn]):
+            for n, value in _globals_named(f):
+                if not isinstance(value, types.FunctionType):
+                    out += _entries(f"{label}'s global {n}", f.__globals__, n, value, frozenset())
         return out
     if isinstance(fn, functools.partial):
         bound = [(f"{label}'s bound keyword {k}", fn.keywords, k, v) for k, v in fn.keywords.items()
@@ -171,14 +183,14 @@ def _callable_entries(fn, label: str = "loss_fn") -> list:
 
 
 def _globals_read(cls: type, label: str) -> list:
-    """The plain globals (and a dict's plain items) the code of `cls`'s own methods names, for a class of the
-    user's (torch's own modules read no global a training loop changes)."""
+    """The plain globals (and a dict's plain items) and the global tensors (by identity) the code a step may run
+    of `cls` names, for a class of the user's (torch's own modules read no global a training loop changes)."""
     if cls.__module__.startswith("torch."):
         return []
     out = []
     for fn in _methods(cls):
         for n, value in _globals_named(fn):
-            if plain_value(value) or isinstance(value, dict):
+            if plain_value(value) or isinstance(value, (dict, torch.Tensor)):
                 out += _entries(f"{label} {n}", fn.__globals__, n, value, frozenset())
     return out
 
@@ -190,23 +202,53 @@ def _globals_named(fn: types.FunctionType):
             yield n, fn.__globals__[n]
 
 
-def _methods(cls: type):
+def _methods(cls: type) -> list[types.FunctionType]:
+    """The code a step may run of `cls`: its methods defined in the class's own Python module and `forward`,
+    then, transitively, every method (along the MRO) and every plain function of the same Python module that
+    this code names. A library base class's other methods (HuggingFace's `save_pretrained`, `push_to_hub`) are
+    left out, with the globals they read: those are the library's business, and change when it is used."""
+    defined: dict[str, list[types.FunctionType]] = {}
     for klass in cls.__mro__:
         if klass in (nn.Module, object):
             continue
         for attr, value in vars(klass).items():
             fn = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
             if attr not in _NOT_READ_IN_STEPS and isinstance(fn, types.FunctionType):
-                yield fn
+                defined.setdefault(attr, []).append(fn)
+    found = {fn.__code__: fn for attr, fns in defined.items() for fn in fns
+             if attr == "forward" or fn.__module__ == cls.__module__}
+    return _reached(list(found.values()), defined)
+
+
+def _reached(functions: list[types.FunctionType], methods: dict | None = None) -> list[types.FunctionType]:
+    """`functions`, and what their code names, transitively: a method of `methods` by its name (every
+    definition along the MRO: `super().forward()` names the base's), a plain function of the same Python
+    module by its global name (a helper such as `attention(self, q, k)` reads the module's attributes as much
+    as forward does; a library's utilities elsewhere are not the model's), a function in its closure (the
+    method a decorator wraps)."""
+    seen = {fn.__code__: fn for fn in functions}
+    todo = list(functions)
+    while todo:
+        fn = todo.pop()
+        names = _code_names(fn.__code__)
+        called = [f for n in names for f in (methods or {}).get(n, ())]
+        called += [v for n in sorted(names) if isinstance(v := fn.__globals__.get(n), types.FunctionType)
+                   and v.__globals__ is fn.__globals__]
+        called += [v for v in map(_cell_contents, fn.__closure__ or ()) if isinstance(v, types.FunctionType)]
+        for f in called:
+            if f.__code__ not in seen:
+                seen[f.__code__] = f
+                todo.append(f)
+    return list(seen.values())
 
 
 @functools.lru_cache(maxsize=None)
 def names_read(cls: type) -> frozenset[str]:
-    """The names the code of `cls`'s methods mentions (its own and its bases' up to torch's nn.Module), but for
-    the methods that only build or print the module."""
+    """The attribute names the code a step may run of `cls` mentions (`_methods`): by name, or as a string
+    (`getattr(self.config, "use_cache", None)`)."""
     names: set[str] = set()
     for fn in _methods(cls):
-        names |= _code_names(fn.__code__)
+        names |= _code_names(fn.__code__, strings=True)
     return frozenset(names)
 
 
@@ -214,10 +256,22 @@ _NOT_READ_IN_STEPS = frozenset({"__init__", "extra_repr", "__repr__", "__setstat
                                 "_reset_parameters", "_init_weights"})
 
 
-def _code_names(code: types.CodeType) -> set[str]:
-    """co_names of `code` and of the code nested in it (lambdas, comprehensions, inner functions)."""
+def _cell_contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:   # an empty cell
+        return None
+
+
+def _code_names(code: types.CodeType, strings: bool = False) -> set[str]:
+    """co_names of `code` and of the code nested in it (lambdas, comprehensions, inner functions); with
+    `strings`, its string constants that are identifiers too."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _code_names(const)
+            names |= _code_names(const, strings)
+        elif strings and isinstance(const, str) and const.isidentifier():
+            names.add(const)
+        elif strings and isinstance(const, tuple):   # a constant list of names: ("use_cache", ...)
+            names |= {c for c in const if isinstance(c, str) and c.isidentifier()}
     return names

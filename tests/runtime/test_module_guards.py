@@ -478,6 +478,15 @@ class _Config:
 
 
 SKIP = False
+SHIFT = 0.0
+
+
+OFFSET = torch.zeros(8, dtype=torch.float64)
+
+
+def _tilted(m, x):
+    """A helper the forward calls, reading an attribute the model's own methods never name, and globals."""
+    return x * m.tilt + SHIFT + OFFSET
 
 
 class _ReadsEverywhere(torch.nn.Module):
@@ -490,6 +499,7 @@ class _ReadsEverywhere(torch.nn.Module):
         self.cfg, self._temp, self.mix = _Config(), 1.0, [1.0, 1.0]
         self.layers[2].gain = 1.0
         self.gate = torch.ones(8, dtype=torch.float64)
+        self.tilt = 1.0
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
@@ -498,7 +508,7 @@ class _ReadsEverywhere(torch.nn.Module):
                 x = x * self.cfg.scale / self._temp * self.mix[0] * self.gate
             if i == 2:
                 x = x * layer.gain + (1.0 if SKIP else 0.0)
-        return x
+        return _tilted(self, x)
 
 
 class _WeightedLoss:
@@ -515,13 +525,27 @@ def _plain_loss(out, y, w=1.0):
     return w * ((out - y) ** 2).mean()
 
 
+POWER = 2
+
+
+def _residual(out, y):
+    return (out - y).abs() ** POWER
+
+
+def _helped_loss(out, y):
+    """A loss whose helper reads a global the loss's own code never names."""
+    return _residual(out, y).mean()
+
+
 @pytest.mark.fresh_split   # the traced tensor constant must be this model's own (changed in place below)
-@pytest.mark.parametrize("change", ["config", "private", "list", "child", "global", "gate", "forward"])
+@pytest.mark.parametrize("change", ["config", "private", "list", "child", "global", "gate", "forward", "helper",
+                                    "helper global", "global tensor"])
 def test_a_value_the_model_reads_from_anywhere_changed_after_compile_is_refused(change):
     """Each of these was read by the trace and ignored when the loop changed it (eager's loss moved, the
-    pipeline's did not): refused at the next call, naming it; put back, the pipeline trains as before. A plain
+    pipeline's did not), also where only a helper function the forward calls reads it: refused at the next call,
+    naming it; put back, the pipeline trains as before. A plain
     tensor attribute changed in place is read by every step, as in eager."""
-    global SKIP
+    global SKIP, SHIFT, OFFSET
     torch.manual_seed(0)
     model = _ReadsEverywhere().double()
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
@@ -540,6 +564,8 @@ def test_a_value_the_model_reads_from_anywhere_changed_after_compile_is_refused(
             m.layers[2].gain = 1.0 if undo else 3.0
         elif change == "gate":
             m.gate = gates[id(m)] if undo else gates[id(m)] * 2
+        elif change == "helper":
+            m.tilt = 1.0 if undo else 3.0
         elif undo:
             del m.forward
         else:
@@ -547,15 +573,19 @@ def test_a_value_the_model_reads_from_anywhere_changed_after_compile_is_refused(
 
     names = {"config": r"cfg\.scale changed .*\(1\.0 -> 3\.0\)", "private": r"_temp changed", "list": r"mix changed",
              "child": r"layers\.2\.gain changed", "global": r"global SKIP changed after compile \(False -> True\)",
-             "gate": r"gate was replaced", "forward": r"forward changed"}
-    if change == "global":   # one value for every rank's copy: changed once, each rank refuses
-        SKIP = True
+             "gate": r"gate was replaced", "forward": r"forward changed", "helper": r"attribute tilt changed",
+             "helper global": r"global SHIFT changed after compile \(0\.0 -> 1\.0\)",
+             "global tensor": r"global OFFSET was replaced"}
+    if "global" in change:   # one value for every rank's copy: changed once, each rank refuses
+        offset = OFFSET
+        SKIP, SHIFT = change == "global", 1.0 if change == "helper global" else 0.0
+        OFFSET = offset + 1 if change == "global tensor" else offset
         try:
             for r in range(PP):
                 with pytest.raises(UsageError, match=names[change]):
                     pipes[r].step(x, y)
         finally:
-            SKIP = False
+            SKIP, SHIFT, OFFSET = False, 0.0, offset
     else:
         _refused_then_trains(pipes, x, y, apply, lambda m: apply(m, undo=True), names[change])
     with torch.no_grad():   # (the threads' programs read the traced model's tensor constants)
@@ -568,10 +598,12 @@ def test_a_value_the_model_reads_from_anywhere_changed_after_compile_is_refused(
     assert all(abs(g - want) <= 1e-12 * abs(want) for g in got), (got, want)
 
 
-@pytest.mark.parametrize("loss", ["object", "partial", "module buffer", "closure tensor"])
+@pytest.mark.parametrize("loss", ["object", "partial", "module buffer", "closure tensor", "helper global"])
 def test_a_value_the_loss_reads_changed_after_compile_is_refused(loss):
     """A loss object's weight, a functools.partial's bound keyword, nn.CrossEntropyLoss's class weights
-    reassigned, a tensor in the loss's closure rebound: each was ignored; now refused at the next call."""
+    reassigned, a tensor in the loss's closure rebound, a global its helper reads: each was ignored; now refused
+    at the next call."""
+    global POWER
     torch.manual_seed(0)
     weights = torch.ones(3, dtype=torch.float64)
 
@@ -580,7 +612,7 @@ def test_a_value_the_loss_reads_changed_after_compile_is_refused(loss):
 
     loss_fn = {"object": _WeightedLoss(), "partial": functools.partial(_plain_loss, w=1.0),
                "module buffer": torch.nn.CrossEntropyLoss(weight=torch.ones(3, dtype=torch.float64)),
-               "closure tensor": closure_loss}[loss]
+               "closure tensor": closure_loss, "helper global": _helped_loss}[loss]
     classes = loss in ("module buffer", "closure tensor")
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)],
                                 torch.nn.Linear(8, 3 if classes else 8)).double()
@@ -592,13 +624,18 @@ def test_a_value_the_loss_reads_changed_after_compile_is_refused(loss):
         loss_fn.w, match = 3.0, r"loss_fn attribute w changed after compile \(1\.0 -> 3\.0\)"
     elif loss == "partial":
         loss_fn.keywords["w"], match = 3.0, r"loss_fn's bound keyword w changed"
+    elif loss == "helper global":
+        POWER, match = 3, r"loss_fn's global POWER changed after compile \(2 -> 3\)"
     elif loss == "module buffer":
         loss_fn.weight, match = torch.full((3,), 2.0, dtype=torch.float64), r"buffer loss_fn\.weight was replaced"
     else:
         weights, match = weights * 2, r"loss_fn's weights was replaced"
-    for r in range(PP):
-        with pytest.raises(UsageError, match=match):
-            pipes[r].step(x, y)
+    try:
+        for r in range(PP):
+            with pytest.raises(UsageError, match=match):
+                pipes[r].step(x, y)
+    finally:
+        POWER = 2
 
 
 def test_hooks_for_every_module_and_a_swapped_hook_are_refused():
