@@ -148,13 +148,13 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
         failed = [why for why in _exchange(pg, prepared) if why]
         if failed:
             raise OSError(failed[0])
-        with _single_process_is_meant():
+        with _single_process_is_meant(), _kept_stateless(module, optimizer) as stateless:
             state, _ = _state_dict(module, optimizer)
             state[files.MARKER[0]] = {files.MARKER[1]: files.FORMAT}
             dcp.save(state, checkpoint_id=stage, process_group=pg, no_dist=not _distributed(pg))
-        sums = _exchange(pg, files.item_checksums(stage, rank, ranks))
+        sums, stateless = zip(*_exchange(pg, (files.item_checksums(stage, rank, ranks), stateless)))
         committing = True
-        committed = _commit(stage, path, sums, extra) if rank == 0 else None
+        committed = _commit(stage, path, sums, extra, sorted(set().union(*stateless))) if rank == 0 else None
         failed = [why for why in _exchange(pg, committed) if why]   # every rank returns once it is in place
         if failed:
             raise OSError(failed[0])
@@ -179,11 +179,11 @@ def _prepare(path: Path, stage: Path) -> str | None:
     return None
 
 
-def _commit(stage: Path, path: Path, sums: list[dict], extra) -> str | None:
+def _commit(stage: Path, path: Path, sums: list[dict], extra, stateless: list[str]) -> str | None:
     """Rank 0 once every rank has written: the manifest, then the commit; None, or why it failed (every rank
     raises it)."""
     try:
-        files.write_manifest(stage, {k: v for part in sums for k, v in part.items()}, dict(extra or {}))
+        files.write_manifest(stage, {k: v for part in sums for k, v in part.items()}, dict(extra or {}), stateless)
         files.commit(stage, path)
     except OSError as e:
         return f"rank 0 could not commit: {_line(e)}"
@@ -246,6 +246,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     else:
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=OPTIONS)
+        _drop_state(module, optimizer, files.stateless(path))   # as they were saved: not stepped yet
     return extra
 
 
@@ -261,6 +262,32 @@ def _read(path: Path, state: dict, pg) -> None:
         raise CheckpointError(f"checkpoint {os.fspath(path)!r}: damaged, nothing was loaded:\n  reading it failed "
                               f"({_reason(exc)}){unverified}\nload an earlier checkpoint; the model and the "
                               "optimizer were not changed") from exc
+
+
+@contextlib.contextmanager
+def _kept_stateless(module: nn.Module, optimizer):
+    """Yield the names of the parameters `optimizer` has no state for yet, and leave them without state after
+    the save: torch's get_state_dict makes it by stepping the optimizer once with lr 0 (_init_optim_state), and
+    that state is not a fresh one (AdamW's step count 1, SGD's dampened momentum buffer of zeros), so training
+    on would differ from training without the save. The manifest lists them, and `load` drops their state
+    again (`_drop_state`)."""
+    if optimizer is None:
+        yield []
+        return
+    held = {p for g in optimizer.param_groups for p in g["params"]}
+    names = [n for n, p in module.named_parameters(remove_duplicate=False) if p in held and p not in optimizer.state]
+    try:
+        yield names
+    finally:
+        _drop_state(module, optimizer, names)
+
+
+def _drop_state(module: nn.Module, optimizer, names) -> None:
+    """`optimizer` without state for the parameters named `names` (as before their first step)."""
+    names = set(names)
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if n in names:
+            optimizer.state.pop(p, None)
 
 
 @contextlib.contextmanager

@@ -125,10 +125,15 @@ def item_checksums(path: Path, part: int, parts: int) -> dict[str, list]:
             if f in files}
 
 
-def write_manifest(path: Path, items: dict[str, list], extra: dict | None = None) -> None:
+def write_manifest(path: Path, items: dict[str, list], extra: dict | None = None,
+                   stateless: list[str] | None = None) -> None:
+    """The manifest: the checksums of the index, the files and every item, `extra`, and `stateless` (the
+    parameters the optimizer had no state for yet, whose saved state is the one torch made to save it)."""
     files = {f: (path / f).stat().st_size for f, *_ in items.values()}
     body = {"format": FORMAT, "metadata": _sha(path / METADATA), "files": files,
             "items": dict(sorted(items.items())), "extra": extra or {}}
+    if stateless:
+        body["stateless"] = list(stateless)
     body = json.loads(json.dumps(body))   # as load parses it (tuples as lists, keys as strings): what is summed
     body["checksum"] = _digest(body)
     tmp = path / (MANIFEST + ".tmp")
@@ -225,6 +230,12 @@ def extra(path: Path) -> dict:
     """The values saved with the checkpoint (`save(..., extra=)`); {} without a manifest."""
     body = _manifest(path)
     return dict(body["extra"]) if body else {}
+
+
+def stateless(path: Path) -> list[str]:
+    """The parameters whose optimizer had not stepped when the checkpoint was saved; [] without a manifest."""
+    body = _manifest(path)
+    return list(body.get("stateless", ())) if body else []
 
 
 def metadata_problems(path: Path) -> list[str]:

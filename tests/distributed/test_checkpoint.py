@@ -138,3 +138,38 @@ def test_saving_with_another_modules_optimizer_is_refused_before_writing(tmp_pat
     with pytest.raises(CheckpointError, match="not parameters of the module being saved"):
         checkpoint.save(tmp_path / "ckpt", model, common.adamw(other.parameters()))
     assert not checkpoint.exists(tmp_path / "ckpt") and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_a_save_before_the_first_step_changes_nothing_and_resumes_fresh(tmp_path, opt):
+    """torch's get_state_dict makes a fresh optimizer's state by stepping it with lr 0 (AdamW's step count 1,
+    SGD's dampened momentum buffer of zeros): a save at step 0 changed all the training after it, and a load of
+    that checkpoint resumed from that state. Both now train as if no save had happened."""
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6)).double()
+        make_opt = (lambda ps: torch.optim.AdamW(ps, lr=0.01)) if opt == "adamw" else (
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5))
+        return model, make_opt(model.parameters())
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 6, dtype=torch.float64, generator=g), torch.randn(4, 6, dtype=torch.float64,
+                                                                                 generator=g)) for _ in range(3)]
+
+    def train(model, optimizer):
+        for x, y in batches:
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    want = train(*make())
+    model, optimizer = make()
+    checkpoint.save(tmp_path / "ckpt", model, optimizer)
+    assert not optimizer.state
+    assert all(torch.equal(a, b) for a, b in zip(train(model, optimizer), want))
+    model, optimizer = make()
+    train(model, optimizer)   # a run that has stepped, loading the checkpoint from before its first step
+    checkpoint.load(tmp_path / "ckpt", model, optimizer)
+    assert not optimizer.state
+    assert all(torch.equal(a, b) for a, b in zip(train(model, optimizer), want))
