@@ -248,6 +248,10 @@ class Boundary:
         self._snapshot = None
         self._snapshot_buffers: list | None = None
         self._hyper: list[dict] | None = None    # the param_groups' hyperparameters of the pending update
+        self._after: list[dict] | None = None    # ... right after it (what the optimistic step wrote there)
+        self._written: list[str] = []            # the gradients the optimistic step itself changed in place
+        self._weights: list[tuple] = []          # (name, param, version) after the update, for the next call
+        self._groups = 0                         # how many param_groups the optimizer had at the step
         self._prefix: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None   # rank p-1: the last step's totals
         self.snapshot_bytes = 0
@@ -281,16 +285,16 @@ class Boundary:
         else:
             right = verdict == "step" and self.stepped
             if not right:   # undone and redone as the step made it, whatever a scheduler has set since
-                with _in_force(self.optimizer, self._hyper):
+                with _in_force(self.optimizer, self._hyper, self._after):
                     if self.stepped:
                         self._undo()
                     self._apply(verdict, norm)
         self._snapshot, self._snapshot_buffers, self._hyper, self.stepped = None, None, None, False
-        self._grads = []
+        self._after, self._grads, self._written, self._weights = None, [], [], []
         values = totals.tolist()
         if self.scaler is not None:   # the scale for the next backward, as scaler.update() makes it
             self._update_scale(values[1])
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         result._fill(self.mean_loss(values[2] / self.m), None if norm is None else float(norm), verdict)
         self.redone += not right
         return right
@@ -299,12 +303,12 @@ class Boundary:
     def after_step(self, result: StepResult) -> None:
         """Update on this rank's prefix: optimistically, or (rank p-1, which has the totals) rightly."""
         prefix, self._prefix = self._prefix, None
-        self.pending = result
+        self.pending, self._groups = result, len(self.optimizer.param_groups)
         if self.rank == self.ranks - 1:
             self._kept = prefix
             verdict, norm = self._verdict(prefix)
             if not _mixed(prefix):   # a step of mixed batches raises at its verdict, on every rank, unapplied
-                self._apply(verdict, norm)
+                self._written = self._apply(verdict, norm)   # (checked as on every rank: the same error)
             self._keep_grads()   # not needed here, but checked as on every rank: the same error everywhere
             return
         self._hyper = _hyperparameters(self.optimizer)
@@ -317,10 +321,11 @@ class Boundary:
                 self._inverse.before_step()
             else:
                 self._take_snapshot()
-            self.optimizer.step()
+            self._written = self._step()
             self.stepped = True
         else:   # the update waits for the verdict; torch's first LR scheduler step would warn of a skipped one
             mark_optimizer_stepped(self.optimizer)
+        self._after = _hyperparameters(self.optimizer)
         self._keep_grads()
 
     def _out_of_step(self, totals: torch.Tensor) -> None:
@@ -330,7 +335,8 @@ class Boundary:
         if self.stepped:
             self._undo()
         self.pending, self._snapshot, self._snapshot_buffers, self.stepped, self._grads = None, None, None, False, []
-        self.optimizer.zero_grad(set_to_none=True)
+        self._written, self._weights = [], []
+        self._zero_grad()
         first, last = (int(v) for v in totals.tolist()[3:5])
         raise DisagreementError(
             f"rank {self.rank}: the ranks are out of step (they ran calls {first} to {last} of step() together): a "
@@ -338,16 +344,43 @@ class Boundary:
             "pairing different calls, so the last post-validated step mixed different batches; it was not applied. "
             "Refuse or skip a batch on every rank alike (hand every rank the same batch), and restart the job")
 
+    def _zero_grad(self) -> None:
+        """The synchronous step's optimizer.zero_grad() after its update: of the groups the optimizer had then
+        (a parameter outside them accumulates its gradient, as in eager, also where a group added since holds
+        it)."""
+        groups = self.optimizer.param_groups
+        self.optimizer.param_groups = groups[:self._groups]
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            self.optimizer.param_groups = groups
+
     def _keep_grads(self) -> None:
         """Hold the gradients the verdict may redo the update from (on a rank before the last), and their
         versions: the user's loop may clear .grad between two steps (opt.zero_grad(), as after a synchronous
         step)."""
         self._grads = [(n, p, p.grad, grads.local(p.grad)._version) for n, p in zip(self.names, self.params)
                        if p.grad is not None]
+        self._weights = [(n, p, grads.local(p.detach())._version) for n, p in zip(self.names, self.params)]
 
     def reclaim_grads(self) -> None:
         """Before anything of the next call runs: put the pending step's gradients back where .grad was set to
-        None or rebound since, and refuse (UsageError, nothing run) where one was changed in place."""
+        None or rebound since, and refuse (UsageError, nothing run) where one was changed in place, by the
+        optimizer's own step or since, or where a parameter was changed in place since."""
+        if self._written:
+            raise UsageError(
+                f"{type(self.optimizer).__name__}.step() changed the gradient of {self._written[0]} in place (a "
+                "weight decay added into .grad?), but a post-validated step may have to redo its update from the "
+                "step's gradients, and they are lost. Use post_validate=False with this optimizer, or one that "
+                "leaves .grad alone (torch's own optimizers do). Resume from a checkpoint")
+        for name, p, version in self._weights:
+            if grads.local(p.detach())._version != version:
+                raise UsageError(
+                    f"{name} was changed in place after a post-validated step (a clamp, a weight constraint?), but "
+                    "the step's verdict, made during the next step, may undo and redo its update, which would "
+                    "lose the change or apply the update to the changed values. Call pipe.settle() before changing "
+                    "parameters between post-validated steps (it validates the step now). Resume from a "
+                    "checkpoint")
         for name, p, g, version in self._grads:
             if grads.local(g)._version != version:
                 raise UsageError(
@@ -363,8 +396,18 @@ class Boundary:
     def _verdict(self, values: torch.Tensor) -> tuple[str, torch.Tensor | None]:
         return verdict(values.tolist(), self.p, self.max_norm, self.dtype, self.device)
 
-    def _apply(self, kind: str, norm: torch.Tensor | None) -> None:
-        apply(kind, norm, self.params, self.max_norm, self.optimizer)
+    def _apply(self, kind: str, norm: torch.Tensor | None) -> list[str]:
+        """`apply`; the names of the gradients the optimizer's step changed in place."""
+        if kind == "clip":
+            grads.clip_grads(self.params, self.max_norm, norm)
+        return self._step() if kind != "skip" else []
+
+    def _step(self) -> list[str]:
+        """optimizer.step(); the names of the gradients it changed in place (a redo would read them changed)."""
+        versions = [grads.local(p.grad)._version if p.grad is not None else None for p in self.params]
+        self.optimizer.step()
+        return [n for n, p, v in zip(self.names, self.params, versions)
+                if v is not None and p.grad is not None and grads.local(p.grad)._version != v]
 
     # ---- loss scaling (GradScaler semantics) -------------------------------------------------------------
     def _unscale(self) -> float:
@@ -396,7 +439,10 @@ class Boundary:
         kept = self._snapshot_buffers = [t.clone() for t in sources]
         others = {p: {k: copy.deepcopy(v) for k, v in state[p].items() if not isinstance(v, torch.Tensor)}
                   for p in params if p in state}
-        self._snapshot = (params, keys, others)
+        # a hand-written optimizer's own counters (`self.t += 1` in its step): its public plain attributes
+        own = {k: copy.deepcopy(v) for k, v in vars(self.optimizer).items()
+               if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, type(None)))}
+        self._snapshot = (params, keys, others, own)
         self.snapshot_bytes = sum(t.numel() * t.element_size() for t in kept)
 
     def _undo(self) -> None:
@@ -404,7 +450,7 @@ class Boundary:
         self._inverse.undo() if self._inverse is not None else self._restore()
 
     def _restore(self) -> None:
-        params, keys, others = self._snapshot
+        params, keys, others, own = self._snapshot
         state = self.optimizer.state
         for p in params:
             if p not in others:   # no state before this update (its first): none after the rollback
@@ -412,8 +458,12 @@ class Boundary:
         live = [grads.local(p.detach()) for p in params] + [grads.local(state[p][k]) for p, k in keys]
         with torch.no_grad():
             torch._foreach_copy_(live, self._snapshot_buffers)
+        had = {(p, k) for p, k in keys}
         for p, values in others.items():
+            for k in [k for k in state[p] if k not in values and (p, k) not in had]:   # made by this update
+                del state[p][k]
             state[p].update(values)
+        vars(self.optimizer).update(own)
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
@@ -425,19 +475,48 @@ def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
 
 
 @contextlib.contextmanager
-def _in_force(optimizer: torch.optim.Optimizer, kept: list[dict]):
-    """The optimizer with the hyperparameters `kept` while the block undoes or redoes the update made under
-    them; afterwards each group holds the user's current entries again, the very objects (a scheduler that fills
-    a tensor lr in place keeps its tensor), and no scheduler's state (last_epoch, _last_lr) was touched."""
+def _in_force(optimizer: torch.optim.Optimizer, kept: list[dict], after: list[dict]):
+    """The optimizer as it was for the update (`kept`: its groups' entries before it; the groups added since
+    left out) while the block undoes or redoes that update. Afterwards each group holds, for each entry, what
+    the user (a scheduler) has set since the update (`after`: the entries right after it), the very object (a
+    scheduler that fills a tensor lr in place keeps its tensor); an entry the user has not touched holds the
+    redo's value (an optimizer counting its steps in a group entry, as Prodigy does). No scheduler's state
+    (last_epoch, _last_lr) is touched."""
     groups = optimizer.param_groups
     current = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-    for group, entries in zip(groups, kept):
+    held = [dict(entries) for entries in kept]
+    for group, entries in zip(groups, held):
+        for k in [k for k in group if k != "params" and k not in entries]:   # written first by the update
+            del group[k]
         group.update(entries)
+    optimizer.param_groups = groups[:len(kept)]   # a group added since (add_param_group) took no part in it
     try:
         yield
     finally:
-        for group, entries in zip(groups, current):
-            group.update(entries)
+        optimizer.param_groups = groups
+        for group, now, entries, then in zip(groups, current, held, after):
+            for k, v in now.items():
+                if k not in then or not _same(v, then[k]):   # set since the update: the user's
+                    group[k] = v
+                elif group.get(k, _MISSING) is entries.get(k, _MISSING):   # the redo did not rebind it
+                    if isinstance(v, torch.Tensor) and v is not group[k]:
+                        with torch.no_grad():
+                            v.copy_(group[k])   # (the redo changed it in place: its value, in the user's tensor)
+                    group[k] = v
+
+
+_MISSING = object()
+
+
+def _same(a, b) -> bool:
+    """Whether two group entries hold the same value (tensors by value; anything else by ==, or identity)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+    try:
+        return a is b or bool(a == b)
+    except Exception:   # a value without a plain == (an array): a change unless it is the very object
+        return False
 
 
 def _nbytes(value) -> int:

@@ -34,7 +34,8 @@ def check_invertible(optimizer: torch.optim.Optimizer) -> None:
     kind = _kind(optimizer)
     why = None
     if kind is None:
-        why = f"{type(optimizer).__name__} has no closed-form inverse here (AdamW, Adam and SGD have)"
+        why = (f"{type(optimizer).__name__} has no closed-form inverse here (torch's AdamW, Adam and SGD have; "
+               "a subclass of them may step differently)")
     for group in optimizer.param_groups:
         if why is None and group.get("amsgrad"):
             why = "amsgrad keeps a running maximum, which has no inverse"
@@ -47,11 +48,9 @@ def check_invertible(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _kind(optimizer) -> str | None:
-    if isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW):
-        return "adam"
-    if isinstance(optimizer, torch.optim.SGD):
-        return "sgd"
-    return None
+    """The closed form that inverts `optimizer`'s step: torch's own classes only, not a subclass, whose step
+    may do anything more (a decay after SGD's update)."""
+    return {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}.get(type(optimizer))
 
 
 def _decoupled(optimizer, group) -> bool:

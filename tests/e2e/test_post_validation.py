@@ -557,6 +557,7 @@ def test_post_validate_refuses_what_it_cannot_do():
         # the closed-form rollback: what it cannot invert, by name
         for opt, match in ((torch.optim.AdamW(pipes[r].parameters(), amsgrad=True), "amsgrad"),
                            (torch.optim.RMSprop(pipes[r].parameters()), "RMSprop has no closed-form inverse"),
+                           (_DecayIntoGrad(pipes[r].parameters(), lr=0.1), "_DecayIntoGrad has no closed-form"),
                            (torch.optim.Adam(pipes[r].parameters(), weight_decay=0.1), "coupled weight decay")):
             with pytest.raises(UsageError, match=match):
                 pipes[r].step(x, y, optimizer=opt, post_validate="inverse")
@@ -593,3 +594,137 @@ def test_ranks_stepping_with_other_clipping_are_refused_on_every_rank(post_valid
         assert text.startswith(f"rank {r}: step() was called with other arguments on different ranks: max_norm: "
                                "rank 0: 0.05; rank 1: 1000000000.0"), text
         assert unchanged and math.isfinite(loss), (r, unchanged, loss)
+
+
+class _Counting(torch.optim.Optimizer):
+    """A hand-written optimizer keeping counters where real ones do: in its groups (Prodigy, D-Adaptation), on
+    itself, and a state entry made at its second step only."""
+
+    def __init__(self, params, lr: float = 0.01):
+        super().__init__(params, {"lr": lr})
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t += 1
+        for group in self.param_groups:
+            group["k"] = group.get("k", 0) + 1
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if group["k"] >= 2:
+                    state.setdefault("v", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                    p.add_(state["v"], alpha=-group["lr"] / group["k"] / self.t)
+                else:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+class _DecayIntoGrad(torch.optim.SGD):
+    """An old-style weight decay: added into .grad in place, inside the step."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.add_(p, alpha=0.1)
+        return super().step(closure)
+
+
+def _pv_case(pp: int = 2, m: int = 4, steps: int = NAN_STEP + 3):
+    torch.manual_seed(0)
+    case = mlp(layers=4, batch=2)
+    model = case.model.double()
+    case = case._replace(model=model, example=tuple(t.double() for t in case.example))
+    batches = batches_with_nan(case, m, steps=steps)
+    max_norm = median_norm(model, case.loss_fn, batches, m)
+    compiled = compile_programs(model, CompileOptions(schedule="zbv", microbatches=m, loss_fn=case.loss_fn,
+                                                      example=case.example), pp)
+    return model, compiled, batches, max_norm
+
+
+@pytest.mark.parametrize("change", ["counters", "add_param_group"])
+def test_what_an_optimizer_keeps_and_gains_between_post_validated_steps(change):
+    """A rolled-back update put back only the parameters and the state entries it found: a group entry the step
+    wrote (a step counter) kept the optimistic value or lost the redo's, an attribute of the optimizer kept both
+    increments, a state entry the update made kept its optimistic value, and a group added after the step took
+    part in its redo (its parameters updated from a step they were not in). Each equals the synchronous step now,
+    bit for bit, on every rank."""
+    model, compiled, batches, max_norm = _pv_case()
+    pp = 2
+    added = None   # the group is added right after a step whose update is redone (found by a first run)
+
+    def loop(post_validate):
+        pipes = loopback_pipes(model, compiled.options, pp, compiled=compiled)
+
+        def run(r):
+            pipe, results = pipes[r], []
+            if change == "counters":
+                opt = _Counting(pipe.parameters())
+            else:
+                opt = torch.optim.AdamW([p for n, p in pipe.named_parameters() if n.endswith("weight")], lr=0.01)
+            for k, (x, y) in enumerate(batches):
+                results.append(pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=post_validate))
+                if change == "add_param_group" and k == added:
+                    opt.add_param_group({"params": [p for n, p in pipe.named_parameters() if n.endswith("bias")],
+                                         "lr": 0.05})
+            pipe.settle()
+            counters = (opt.t, [g["k"] for g in opt.param_groups]) if change == "counters" else None
+            clipped = [k for k, v in enumerate(results) if getattr(v, "clipped", False)]
+            return [float(v) for v in results], {k: v.clone() for k, v in pipe.state_dict().items()}, counters, \
+                pipe._pv, clipped
+        return run_pipes(run, pp)
+
+    if change == "add_param_group":
+        added = loop(True)[0][4][0]
+    sync, post = loop(False), loop(True)
+    assert all(post[r][3].boundary.redone for r in range(pp))   # some updates were rolled back
+    for r in range(pp):
+        assert _same_list(sync[r][0], post[r][0]), (r, sync[r][0], post[r][0])
+        assert all(torch.equal(sync[r][1][k], post[r][1][k]) for k in sync[r][1]), r
+        assert sync[r][2] == post[r][2], (r, sync[r][2], post[r][2])
+
+
+@pytest.mark.parametrize("change", ["weights", "optimizer writes grad"])
+def test_what_a_rollback_would_lose_is_refused_at_the_next_call(change):
+    """A weight changed in place between post-validated steps (a clamp) was undone by a rollback, or had the
+    redone update applied on top; an optimizer that adds into .grad in its own step had the addition made twice
+    by a redo. The next call now refuses on every rank, before anything runs; pipe.settle() before the change
+    makes it safe, and then it equals the synchronous step."""
+    model, compiled, batches, max_norm = _pv_case()
+    pp = 2
+    pipes = loopback_pipes(model, compiled.options, pp, compiled=compiled)
+    match = {"weights": r"was changed in place after a post-validated step.*pipe\.settle\(\)",
+             "optimizer writes grad": r"_DecayIntoGrad\.step\(\) changed the gradient of .* in place"}[change]
+
+    def refused(r):
+        pipe, (x, y) = pipes[r], batches[0]
+        opt = (_DecayIntoGrad if change != "weights" else torch.optim.SGD)(pipe.parameters(), lr=0.1)
+        pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=True)
+        if change == "weights":
+            with torch.no_grad():
+                for p in pipe.parameters():
+                    p.clamp_(-0.1, 0.1)
+        with pytest.raises(UsageError, match=match):
+            pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=True)
+    run_pipes(refused, pp)
+
+    def clamped(post_validate):
+        pipes = loopback_pipes(model, compiled.options, pp, compiled=compiled)
+
+        def run(r):
+            pipe = pipes[r]
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+            for x, y in batches:
+                pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=post_validate)
+                pipe.settle()
+                with torch.no_grad():
+                    for p in pipe.parameters():
+                        p.clamp_(-0.3, 0.3)
+            return {k: v.clone() for k, v in pipe.state_dict().items()}
+        return run_pipes(run, pp)
+
+    if change == "weights":
+        sync, post = clamped(False), clamped(True)
+        assert all(torch.equal(sync[r][k], post[r][k]) for r in range(pp) for k in sync[r])
