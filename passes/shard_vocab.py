@@ -131,6 +131,13 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
                          f"weights and no label smoothing; found weight={'given' if weight is not None else None}, "
                          f"label_smoothing={smoothing}, reduction={['none', 'mean', 'sum'][reduction]}.\n"
                          "fix: use plain cross-entropy, or compile without vocab_parallel")
+    target = loss.args[1].meta.get("val") if isinstance(loss.args[1], fx.Node) else None
+    if target is None or target.is_floating_point() or target.dim() != 1:
+        shape = "" if target is None else f" ({target.dtype}, {list(target.shape)})"
+        raise VocabError(f"vocab_parallel=True takes the cross-entropy's targets as class indices, one per token; "
+                         f"these{shape} are not (probabilities, or another layout). Each rank holds only its rows of "
+                         "the vocabulary, so it picks its share of the target logit by index.\n"
+                         "fix: pass `targets.view(-1)` of integer class ids, or compile without vocab_parallel")
     chain, node = [], loss.args[0]
     while isinstance(node, fx.Node) and node.op == "call_function" and (node.target in (
             *_RESHAPES, *_IDENTITIES, *_TOKEN_OPS, _CAST) or _per_logit(node)):

@@ -36,9 +36,15 @@ _SAME_DTYPE = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "m
 
 
 def check_example(flat) -> None:
-    """TraceError for an example tensor with no rows: the example is one microbatch."""
+    """TraceError for an example tensor with no rows, or no first dimension to split: the example is one
+    microbatch, and every batch is split into microbatches along the first dimension of each tensor."""
     for i, t in enumerate(flat):
-        if t.dim() and t.shape[0] == 0:
+        if not t.dim():
+            raise TraceError(f"example argument data:{i} is a 0-dimensional tensor ({t.dtype}): every tensor of "
+                             "the batch is split into microbatches along its first dimension, and this one has "
+                             "none. Give it one value per row (x.expand(rows), or [rows, 1]), or keep a setting "
+                             "shared by every row in the model (a buffer, which the step reads as it is)")
+        if t.shape[0] == 0:
             raise TraceError(f"example argument data:{i} has 0 rows ({list(t.shape)}): the example is one "
                              "microbatch of real data, at least one row (the batch given to step() is split into "
                              "microbatches of the example's shape)")

@@ -264,6 +264,8 @@ def _case(loss_fn=None, model=None, V=32, d=8):
     (lambda lg, t: 2 * F.cross_entropy(lg.view(-1, 32), t.view(-1)), "the loss is computed by"),
     (lambda lg, t: F.cross_entropy(lg.view(-1, 32), t.view(-1)) + lg.mean(), "the loss is computed by"),
     (lambda lg, t: F.cross_entropy(lg[..., :16].reshape(-1, 16), t.view(-1) % 16), "input as [tokens, V=32]; it is [8, 16]"),
+    (lambda lg, t: F.cross_entropy(lg.view(-1, 32), F.one_hot(t.view(-1), 32).float()),
+     "targets as class indices, one per token; these (torch.float32, [8, 32]) are not"),
 ])
 def test_a_loss_that_is_not_plain_cross_entropy_says_what_was_found(loss_fn, found):
     model, loss_fn, example = _case(loss_fn)

@@ -86,6 +86,15 @@ class _DataSized(_TwoLinears):
         return self.b(h) + torch.nonzero(h > 0).shape[0]
 
 
+class _ScaledBy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, scale):
+        return self.b(self.a(x)) * scale
+
+
 @pytest.mark.parametrize("model,loss_fn,example,match", [
     (_ScalarRead, F.mse_loss, _mlp_example, r"h / h.abs\(\).max\(\).item.*reads a Python number out of a tensor"),
     (_DataSized, F.mse_loss, _mlp_example, r"torch.nonzero\(h > 0\).*size depends on the data"),
@@ -94,10 +103,12 @@ class _DataSized(_TwoLinears):
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).requires_grad_(False), F.mse_loss, _mlp_example,
      r"the loss does not depend on any trained parameter"),
     (lambda: nn.Linear(4, 4), F.mse_loss, lambda: (torch.randn(0, 4), torch.randn(0, 4)), r"data:0 has 0 rows"),
+    (lambda: _ScaledBy(), F.mse_loss, lambda: ((torch.randn(2, 4), torch.tensor(2.0)), torch.randn(2, 4)),
+     r"data:1 is a 0-dimensional tensor .* split into microbatches along its first dimension"),
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), F.mse_loss,
      lambda: (torch.ones(2, 4, dtype=torch.long), torch.randn(2, 4)),
      r"module '0' multiplies tensors of different dtypes \(float32, int64\) in linear"),
-], ids=["item", "nonzero", "detached-loss", "all-frozen", "empty-example", "int-into-linear"])
+], ids=["item", "nonzero", "detached-loss", "all-frozen", "empty-example", "0-dim-example", "int-into-linear"])
 def test_a_step_no_pipeline_can_run_is_refused_by_the_trace(model, loss_fn, example, match):
     """Steps export accepts but no pipeline can run: each failed later, deep in the split, with torch's own
     exception (DataDependentOutputException, a sympy TypeError) or one about graph internals; now a TraceError
