@@ -56,12 +56,32 @@ class _Step(nn.Module):
         object.__setattr__(self, "_loss_fn", loss_fn)  # not a submodule: its state is no model state
         self._num_inputs = num_inputs
         self._keywords = keywords
+        # per output leaf, the names of the parameter or buffer it is; kept through a function (export traces
+        # with copies of the module's attributes in place, and puts the originals back)
+        returned: list[frozenset] = []
+        self.returned = lambda: list(returned)
+        object.__setattr__(self, "_keep_returned", lambda leaves: returned.__setitem__(slice(None), leaves))
 
     def forward(self, *flat: torch.Tensor) -> torch.Tensor:
         inputs, targets = flat[: self._num_inputs], flat[self._num_inputs :]
         if self._keywords:
-            return self._loss_fn(self.model(**dict(zip(self._keywords, inputs))), *targets)
-        return self._loss_fn(self.model(*inputs), *targets)
+            out = self.model(**dict(zip(self._keywords, inputs)))
+        else:
+            out = self.model(*inputs)
+        self._keep_returned(_state_returned(self.model, out))
+        return self._loss_fn(out, *targets)
+
+
+def _state_returned(model: nn.Module, out) -> list[frozenset]:
+    """Per leaf of the model's output tree, the value names (param:<fqn>, buffer:<fqn>) of the parameter or
+    buffer it is, itself (a CLIP model returning its logit_scale); empty for anything else. export's signature
+    names some parameter also where an output is dead, so only these are taken as returned state."""
+    names: dict[int, set] = {}
+    for prefix, items in (("param:", model.named_parameters(remove_duplicate=False)),
+                          ("buffer:", model.named_buffers(remove_duplicate=False))):
+        for n, t in items:
+            names.setdefault(id(t), set()).add(prefix + n)
+    return [frozenset(names.get(id(leaf), ())) for leaf in torch.utils._pytree.tree_leaves(out)]
 
 
 def flatten_example(example) -> tuple[tuple[torch.Tensor, ...], int, int]:
@@ -118,13 +138,13 @@ def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
         # a model built on the meta device traces with meta data: nothing is ever computed
         device = next((x.device for x in flat if not x.is_meta), torch.device("cpu"))
         flat = tuple(x.to("meta") for x in flat)
-    ep, unknown = _export(model, loss_fn, flat, num_inputs, input_keywords(example))
+    ep, unknown, returned = _export(model, loss_fn, flat, num_inputs, input_keywords(example))
     aliases = _tied_groups(model)
     graph = _name_values(ep, aliases)
     frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
     check_step(graph, frozen)
     return Traced(graph, num_inputs, num_targets, tuple(aliases.values()), frozen, device,
-                  _model_outputs(ep, graph), unknown)
+                  _model_outputs(ep, graph, returned), unknown)
 
 
 def retarget_stages(cut: Partition) -> Partition:
@@ -158,14 +178,15 @@ def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
 
 
 def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
-            keywords: tuple[str, ...] = ()) -> tuple[torch.export.ExportedProgram, str]:
-    """The exported step, and why it does not keep the model's call signature ("" where it does)."""
+            keywords: tuple[str, ...] = ()) -> tuple[torch.export.ExportedProgram, str, list[frozenset]]:
+    """The exported step, why it does not keep the model's call signature ("" where it does), and which output
+    leaves are the model's parameters or buffers themselves (_state_returned)."""
     step = _Step(model, loss_fn, num_inputs, keywords)
     try:
         # a custom autograd.Function keeps its backward (passes/functions.py); an op that fails on the fake
         # tensors (an example of the wrong shape) is our TraceError below, without fake_tensor's logged tracebacks
         with functions_as_ops(), _quiet("torch._subclasses.fake_tensor"):
-            return _export_step(step, flat)
+            return (*_export_step(step, flat), step.returned())
     except TraceError:
         raise
     except Exception as exc:  # torch raises many types here; ours names the module and the fix
@@ -253,10 +274,11 @@ def _detach_no_grad_regions(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _model_outputs(ep, graph: Graph) -> ModelOutputs | None:
+def _model_outputs(ep, graph: Graph, returned: list[frozenset]) -> ModelOutputs | None:
     """The model's outputs in the traced step, from the call signature export kept (None where it kept none):
-    each tensor leaf by the name of the value it is (a node's name, or a placeholder's value name), any other
-    leaf as its constant, and the tree they flatten from."""
+    each tensor leaf by the name of the value it is (a node's name, or a placeholder's value name: a parameter
+    or buffer the model returns itself, `returned`), any other leaf as its constant, and the tree they flatten
+    from."""
     entry = next((e for e in ep.module_call_graph if e.fqn == _WRAPPED and e.signature is not None), None)
     if entry is None:
         return None
@@ -266,10 +288,12 @@ def _model_outputs(ep, graph: Graph) -> ModelOutputs | None:
     for arg in entry.signature.outputs:
         name = getattr(arg, "name", None)
         value = names.get(name, name)
-        # a parameter or buffer as an output is what export's signature names where the value was removed as
-        # dead (the loss does not read it), so it counts as missing: returning a parameter is no model output
-        if type(arg).__name__ == "TensorArgument" and name in nodes and role_of(value) not in (Role.PARAM,
-                                                                                               Role.BUFFER):
+        # export's signature also names a parameter or buffer where the value was removed as dead (the loss
+        # does not read it): it is the leaf only where the model returned that very tensor
+        state = role_of(value) in (Role.PARAM, Role.BUFFER) if isinstance(value, str) else False
+        k = len(leaves)
+        if type(arg).__name__ == "TensorArgument" and name in nodes and (
+                not state or value in (returned[k] if k < len(returned) else ())):
             leaves.append(value)
         elif type(arg).__name__ == "ConstantArgument":
             leaves.append(Constant(arg.value))

@@ -938,6 +938,44 @@ def test_forward_rebuilds_an_output_tree_with_a_scalar_per_microbatch():
     assert aux.shape == (M,) and rel(aux, torch.stack([w[1] for w in want])) <= 1e-6
 
 
+class _Contrastive(torch.nn.Module):
+    """CLIP's pattern: two encoders and the learned temperature, returned itself for the loss to read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc_a = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        self.enc_b = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+        self.logit_scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, a, b):
+        return F.normalize(self.enc_a(a), dim=-1), F.normalize(self.enc_b(b), dim=-1), self.logit_scale
+
+
+def _contrastive_loss(out, labels):
+    za, zb, scale = out
+    logits = za @ zb.t() * scale.exp()
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+@pytest.mark.fresh_split   # the output tree is read from this model's own trace
+def test_forward_returns_a_parameter_the_model_returns_itself():
+    """pipe(a, b) of a model returning its logit_scale Parameter (which the loss reads) was refused as "the
+    loss does not read every output": export's signature also names a parameter for a dead output, and every
+    parameter leaf was taken for one. A parameter the forward returned itself comes back as eager's does, once,
+    not once per microbatch; the encoders' outputs are eager's."""
+    torch.manual_seed(0)
+    model = _Contrastive().double()
+    a, b = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    labels = torch.arange(2).repeat(4)
+    pipes = loopback_pipes(model, CompileOptions(schedule="1f1b", microbatches=M, loss_fn=_contrastive_loss,
+                                                 example=((a[:2], b[:2]), labels[:2])), PP)
+    ref = copy.deepcopy(model)
+    _, (za, zb, scale) = _outputs(run_pipes(lambda r: pipes[r](a, b), PP))
+    want = ref(a, b)
+    assert rel(za, want[0]) <= 1e-12 and rel(zb, want[1]) <= 1e-12
+    assert isinstance(scale, torch.nn.Parameter) and scale.shape == () and float(scale) == 1.5
+
+
 def _untied_gpt(vocab: int = 61, dropout: float = 0.3):
     """The tests' GPT with a head of its own over `vocab` tokens (61: the last vocabulary shard is padded)."""
     case = gpt(layers=4, batch=8)

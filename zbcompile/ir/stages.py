@@ -164,12 +164,14 @@ class ModelOutputs:
 
     def rebuild(self, flat, microbatches: int):
         """The model's output tree from a forward's flat result (microbatch by microbatch, each its tensor
-        leaves in order): each leaf's microbatches concatenated on dim 0, a 0-dim leaf's stacked."""
+        leaves in order): each leaf's microbatches concatenated on dim 0, a 0-dim leaf's stacked; a parameter
+        or buffer the model returns itself as it is (the same tensor in every microbatch)."""
         from torch.utils._pytree import tree_unflatten
 
         k = len(flat) // microbatches
-        tensors = iter([torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts)
-                        for parts in (flat[j::k] for j in range(k))])
+        state = [role_of(leaf) in (Role.PARAM, Role.BUFFER) for leaf in self.leaves if not isinstance(leaf, Constant)]
+        tensors = iter([parts[0] if whole else torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts)
+                        for whole, parts in zip(state, (flat[j::k] for j in range(k)))])
         leaves = [leaf.value if isinstance(leaf, Constant) else next(tensors) for leaf in self.leaves]
         return tree_unflatten(leaves, self.spec)
 
