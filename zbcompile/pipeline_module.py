@@ -9,6 +9,7 @@ generated code of any rank, the last step's timeline).
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Sequence
 
 import torch
@@ -16,7 +17,7 @@ from torch import fx, nn
 
 from zbcompile import agreement, call_checks, eval_check, grads, rng, share
 from zbcompile.compiler import Compiled
-from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError
+from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError, ZBCompileWarning
 from zbcompile.grads import PipelineGradScaler
 from zbcompile.post_validation import check_optimizer, synchronous_step
 from zbcompile.split import autocast_state
@@ -259,7 +260,15 @@ class PipelineModule(nn.Module):
             flat = runtime.run_batch(local)
         if flat is None:
             return None
-        outputs = self.staged.meta["outputs"].outputs.rebuild(flat, self.schedule.num_microbatches)
+        model_outputs = self.staged.meta["outputs"].outputs
+        if model_outputs.numbers and not getattr(self, "_numbers_said", False):
+            self._numbers_said = True
+            warnings.warn(f"the model's outputs hold Python numbers ({_said_numbers(model_outputs.numbers)}): "
+                          "pipe(x) returns them as the trace computed them, once, on one microbatch of the "
+                          "example, so a shape or a count read in forward is the microbatch's, not the batch's; "
+                          "return such values as tensors (one per row) to have them per batch", ZBCompileWarning,
+                          stacklevel=2)
+        outputs = model_outputs.rebuild(flat, self.schedule.num_microbatches)
         if self._dp is None or self._local_batches:   # dp_batch="local": the replica's own rows, as DDP's
             return outputs
         leaves, spec = torch.utils._pytree.tree_flatten(outputs)
@@ -516,3 +525,7 @@ class PipelineModule(nn.Module):
                              "no timings; run one synchronous step(...) to trace)")
         return self.runtime.last_step.save_chrome_trace(path)
 
+
+def _said_numbers(numbers: list[tuple[int, object]]) -> str:
+    shown = ", ".join(f"leaf {k}: {v!r}" for k, v in numbers[:4])
+    return shown + (f" and {len(numbers) - 4} more" if len(numbers) > 4 else "")

@@ -976,6 +976,29 @@ def test_forward_returns_a_parameter_the_model_returns_itself():
     assert isinstance(scale, torch.nn.Parameter) and scale.shape == () and float(scale) == 1.5
 
 
+class _Counted(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+
+    def forward(self, x):
+        return {"out": self.body(x), "rows": x.shape[0]}
+
+
+def test_forward_says_that_python_numbers_in_the_outputs_are_the_traces():
+    """A model returning a Python number read off its input's shape: pipe(x) returned the example microbatch's
+    (2) where eager's whole batch gives 8, without a word. The tensors come back as eager's; the number is said
+    to be the trace's, once."""
+    torch.manual_seed(0)
+    model = _Counted().double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipes = loopback_pipes(model, CompileOptions(schedule="1f1b", microbatches=M, loss_fn=lambda o, y: F.mse_loss(
+        o["out"], y), example=(x[:2], x[:2])), PP)
+    with pytest.warns(UserWarning, match=r"Python numbers \(leaf 1: 2\).*one microbatch of the example"):
+        _, got = _outputs(run_pipes(lambda r: pipes[r](x), PP))
+    assert rel(got["out"], model(x)["out"]) <= 1e-12 and got["rows"] == 2
+
+
 def _untied_gpt(vocab: int = 61, dropout: float = 0.3):
     """The tests' GPT with a head of its own over `vocab` tokens (61: the last vocabulary shard is padded)."""
     case = gpt(layers=4, batch=8)

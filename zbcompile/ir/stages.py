@@ -162,6 +162,13 @@ class ModelOutputs:
     def missing(self) -> list[str]:
         return [c.missing for c in self.leaves if isinstance(c, Constant) and c.missing]
 
+    @property
+    def numbers(self) -> list[tuple[int, object]]:
+        """(leaf index, value) of each Python number among the leaves: fixed as the trace computed it, for one
+        microbatch of the example (a shape or a count read in forward is the microbatch's)."""
+        return [(k, c.value) for k, c in enumerate(self.leaves) if isinstance(c, Constant)
+                and isinstance(c.value, (int, float)) and not isinstance(c.value, bool)]
+
     def rebuild(self, flat, microbatches: int):
         """The model's output tree from a forward's flat result (microbatch by microbatch, each its tensor
         leaves in order): each leaf's microbatches concatenated on dim 0, a 0-dim leaf's stacked; a parameter
