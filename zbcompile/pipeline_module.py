@@ -24,6 +24,7 @@ from zbcompile.split import autocast_state
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
 from zbcompile.passes.lower import emit_fx
+from zbcompile.passes.trace import input_keywords
 from zbcompile.runtime import RankRuntime, StepTimings, abi
 
 __all__ = ["PipelineModule"]
@@ -153,7 +154,7 @@ class PipelineModule(nn.Module):
     @_unusable_after_a_failure
     def step(self, *batch: torch.Tensor, scaler: PipelineGradScaler | None = None,
              optimizer: torch.optim.Optimizer | None = None, max_norm: float | None = None, norm_type: float = 2.0,
-             post_validate: bool | str = False):
+             post_validate: bool | str = False, **inputs: torch.Tensor):
         """One training step on the whole batch (model inputs, then loss targets; split on dim 0 into
         microbatches). Returns the batch's mean loss, the same value on every rank. scaler: a grad_scaler() of
         this pipeline, whose scale seeds the backward (loss scaling for float16; the loss returned is not
@@ -167,6 +168,7 @@ class PipelineModule(nn.Module):
         step has validated this one (or `settle()` was called); losses and parameters equal the synchronous
         step's. post_validate="inverse" undoes a wrong optimistic update in closed form instead of from a copy
         (AdamW, SGD: zbcompile/rollback.py; no snapshot memory, exact to rounding)."""
+        batch = self._bound(batch, inputs, "step")
         call = self._enter("step")
         self._check_step_context()
         if optimizer is not None:
@@ -249,9 +251,10 @@ class PipelineModule(nn.Module):
         leaf, e.g. an auxiliary loss, one value per microbatch). Returned on the rank that runs the loss stage,
         None on the others (as torch.distributed.pipelining's eval). Call it on every rank; `pipe(*inputs)`
         calls it."""
-        if keywords:
-            raise UsageError(f"forward() takes the model's inputs by position, flat, in the order of the example's "
-                             f"inputs; got keyword arguments {sorted(keywords)}")
+        if keywords and inputs:
+            raise UsageError(f"forward() takes the model's inputs either by position or by keyword, not both; got "
+                             f"{len(inputs)} by position and {sorted(keywords)} by keyword")
+        inputs = self._bound(inputs, keywords, "forward")
         self.settle()
         local = self._checked(inputs, "forward", targets=False)
         runtime = self._forward.get((self.training, True)) or self._forward_runtime(self.training, outputs=True)
@@ -277,12 +280,13 @@ class PipelineModule(nn.Module):
                                                    for t in leaves], spec)
 
     @_unusable_after_a_failure
-    def evaluate(self, *batch: torch.Tensor) -> float:
+    def evaluate(self, *batch: torch.Tensor, **inputs: torch.Tensor) -> float:
         """The batch's mean loss from a forward-only step (model inputs, then loss targets, as step() takes them):
         no backward, no gradients written, nothing kept for a backward. It runs in the module's mode: after
         eval(), dropout is off and BatchNorm uses (and keeps) its running statistics; in train mode it is the
         forward of a training step (what `with torch.no_grad(): loss_fn(model(x), y)` does). The forward-only
         programs are lowered from the same split when first asked for. Call it on every rank."""
+        batch = self._bound(batch, inputs, "evaluate")
         call = self._enter("evaluate")
         self.settle()
         local = self._checked(batch, "evaluate")
@@ -298,6 +302,23 @@ class PipelineModule(nn.Module):
     def _local_batches(self) -> bool:
         """Whether each data-parallel replica is handed its own rows (options.dp_batch="local")."""
         return self.compiled.options.dp_batch == "local"
+
+    def _bound(self, batch: tuple, inputs: dict, what: str) -> tuple:
+        """The batch flat, as the step takes it: the model's inputs given by keyword (`step(**batch)`, named as
+        the example's dict of inputs) in the example's order, then what came by position (the loss targets).
+        By position a dict's values bind by its order, which a collator may not keep: keywords are safer."""
+        if not inputs:
+            return batch
+        names = input_keywords(self.compiled.options.example)
+        if not names:
+            raise UsageError(f"{what}() takes the batch by position: the example's model inputs are not a dict of "
+                             f"keyword arguments; got keyword arguments {sorted(inputs)}")
+        missing, extra = [n for n in names if n not in inputs], sorted(set(inputs) - set(names))
+        if missing or extra:
+            said = "; ".join(f"{k} {v}" for k, v in (("missing", missing), ("not in the example", extra)) if v)
+            raise UsageError(f"{what}(**inputs) takes the model's inputs named as the example's: {list(names)} "
+                             f"({said}); loss targets go by position after them")
+        return (*(inputs[n] for n in names), *batch)
 
     def _checked(self, batch: Sequence[torch.Tensor], what: str, targets: bool = True) -> Sequence[torch.Tensor]:
         """This rank's share of a batch (_share), refused with UsageError unless it is what the compiled step

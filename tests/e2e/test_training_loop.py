@@ -976,6 +976,37 @@ def test_forward_returns_a_parameter_the_model_returns_itself():
     assert isinstance(scale, torch.nn.Parameter) and scale.shape == () and float(scale) == 1.5
 
 
+def test_a_dict_batch_is_passed_by_keyword_in_any_order():
+    """With the example's inputs as a dict, step(*batch.values()) bound by the dict's order, which a collator
+    need not keep (the mask went in as the ids, silently), and step(**batch) raised torch's TypeError. step,
+    evaluate and pipe(x) take the inputs by the example's names now, in any order, and equal eager's; a name
+    missing or unknown is refused, naming the example's."""
+    from support.models import keyword_lm
+
+    model, loss_fn, ((inputs, (tgt,))), _ = keyword_lm(batch=2 * M)
+    model = model.double()
+    mask = inputs["attention_mask"].double()
+    ids = inputs["input_ids"]
+    example = ({"input_ids": ids[:2], "attention_mask": mask[:2]}, (tgt[:2],))
+    pipes = loopback_pipes(model, CompileOptions(schedule="1f1b", microbatches=M, loss_fn=loss_fn,
+                                                 example=example), PP)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        want = sum(float(loss_fn(ref(input_ids=i, attention_mask=m), t))
+                   for i, m, t in zip(ids.chunk(M), mask.chunk(M), tgt.chunk(M))) / M
+    batch = {"attention_mask": mask, "input_ids": ids}   # not the example's order
+    got = run_pipes(lambda r: pipes[r].evaluate(tgt, **batch), PP)
+    assert all(abs(g - want) <= 1e-12 * want for g in got), (got, want)
+    got = run_pipes(lambda r: pipes[r].step(tgt, **batch), PP)
+    assert all(abs(g - want) <= 1e-12 * want for g in got), (got, want)
+    _, logits = _outputs(run_pipes(lambda r: pipes[r].eval()(**batch), PP))
+    with torch.no_grad():
+        assert rel(logits, ref(input_ids=ids, attention_mask=mask)) <= 1e-12
+    with pytest.raises(UsageError, match=r"named as the example's: \['input_ids', 'attention_mask'\] \(missing "
+                                         r"\['attention_mask'\]; not in the example \['labels'\]\)"):
+        pipes[0].step(tgt, input_ids=ids, labels=tgt)
+
+
 class _Counted(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
