@@ -3,7 +3,8 @@ but no pipeline can run, each named with the module that made it and what to wri
 
     check_example(flat)         an example argument with no rows (the example is one microbatch)
     check_step(graph, frozen)   a Python number read from a tensor (.item(), float(x)); a matmul or convolution of
-                                mixed dtypes (eager refuses it; the trace's fake tensors do not); a size that
+                                mixed dtypes, class targets not int64 (eager refuses them; the trace's fake
+                                tensors do not); a size that
                                 depends on the data (nonzero, boolean indexing); a loss that reaches no trained
                                 parameter
 
@@ -64,6 +65,12 @@ def check_step(graph: Graph, frozen: frozenset[str]) -> None:
                              "which eager refuses (mat1 and mat2 must have the same dtype): give the example (and "
                              "the batches) the model's dtype, or cast in forward (x.float()); for ids, look them "
                              "up in an nn.Embedding first")
+        target = _class_target_dtype(node)
+        if target is not None:
+            raise TraceError(f"{_where(node)} takes class targets of dtype {target} in "
+                             f"{node.target.overloadpacket.__name__}, which eager refuses (expected target dtype "
+                             "to be Long or Byte): give the targets as int64 (y.long()), in the example and the "
+                             "batches")
         if node.op == "call_function" and getattr(node.target, "name", lambda: "")() in _CONTROL_FLOW:
             raise TraceError(f"{_where(node)} runs torch.{node.target.name()}, a branch or loop taken on the data "
                              "at run time: the stages' graphs are split into F, B and W graphs op by op, which a "
@@ -103,6 +110,22 @@ def _mixed_dtypes(node: fx.Node) -> list[str]:
     dtypes = [str(v.dtype).removeprefix("torch.") for v in (a.meta.get("val") for a in node.all_input_nodes)
               if isinstance(v, torch.Tensor)]
     return sorted(set(dtypes)) if len(set(dtypes)) > 1 else []
+
+
+# the losses whose class-index targets eager takes as int64 (or uint8) only; their decompositions take any integer
+_CLASS_TARGETS = frozenset({"cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d",
+                            "nll_loss2d_forward", "nll_loss_nd"})
+
+
+def _class_target_dtype(node: fx.Node) -> str | None:
+    """The dtype of a classification loss's integer targets where eager refuses it (int32, int16 ...)."""
+    packet = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+    if node.op != "call_function" or packet not in _CLASS_TARGETS or len(node.args) < 2:
+        return None
+    val = node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.is_floating_point() or val.dtype in (torch.int64, torch.uint8):
+        return None
+    return str(val.dtype).removeprefix("torch.")
 
 
 def _data_dependent(node: fx.Node) -> str | None:

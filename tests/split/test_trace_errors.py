@@ -108,7 +108,11 @@ class _ScaledBy(nn.Module):
     (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), F.mse_loss,
      lambda: (torch.ones(2, 4, dtype=torch.long), torch.randn(2, 4)),
      r"module '0' multiplies tensors of different dtypes \(float32, int64\) in linear"),
-], ids=["item", "nonzero", "detached-loss", "all-frozen", "empty-example", "0-dim-example", "int-into-linear"])
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), F.cross_entropy,
+     lambda: (torch.randn(2, 4), torch.tensor([1, 3], dtype=torch.int32)),
+     r"class targets of dtype int32 in cross_entropy_loss, which eager refuses"),
+], ids=["item", "nonzero", "detached-loss", "all-frozen", "empty-example", "0-dim-example", "int-into-linear",
+        "int32-targets"])
 def test_a_step_no_pipeline_can_run_is_refused_by_the_trace(model, loss_fn, example, match):
     """Steps export accepts but no pipeline can run: each failed later, deep in the split, with torch's own
     exception (DataDependentOutputException, a sympy TypeError) or one about graph internals; now a TraceError
