@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -100,6 +101,7 @@ class PipelineModule(nn.Module):
         self._post_validated_last = False   # the last step was post-validated (memory_plan is then its plan)
         self._dp = dp   # zbcompile.data_parallel.Replicas: this rank's data-parallel group, or None
         self._calls: dict[str, int] = {}   # step / evaluate / forward calls past the batch check (check_batch)
+        self._optimizers_agreed = weakref.WeakSet()   # the optimizers every rank's checks have passed
         self._entered: dict[str, int] = {}   # step / evaluate calls, refused ones included (RankRuntime.call)
         self.offload_report = compiled.offload   # per rank, what activation offload chose (compile's offload=)
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
@@ -172,7 +174,7 @@ class PipelineModule(nn.Module):
         call = self._enter("step")
         self._check_step_context()
         if optimizer is not None:
-            check_optimizer(self, optimizer)
+            self._check_optimizer(optimizer)
         if post_validate is not False:
             return self._post_validated(batch, optimizer, max_norm, norm_type, scaler, post_validate, call)
         self.settle()
@@ -408,6 +410,34 @@ class PipelineModule(nn.Module):
         return scaler.seed(m)
 
     # ---- the optimizer step over the whole pipeline (zbcompile/grads.py) ---------------------------------
+    def _check_optimizer(self, optimizer) -> None:
+        """check_optimizer, on every rank alike: the first step with an optimizer compares the ranks' findings
+        (one all-gather), so that a rank whose optimizer is refused does not leave the others waiting for it in
+        the step until the timeout."""
+        try:
+            check_optimizer(self, optimizer)
+            problem = None
+        except UsageError as e:
+            problem = e
+        try:
+            agreed = optimizer in self._optimizers_agreed
+        except TypeError:   # not weak-referenceable: not an optimizer, refused on every rank alike
+            agreed = False
+        if agreed:
+            if problem is not None:
+                raise problem
+            return
+        flags = self._gather(torch.tensor([float(problem is not None)], dtype=torch.float64),
+                             "comparing the ranks' optimizers (the first step with one)").reshape(-1).tolist()
+        if problem is not None:
+            raise problem
+        refused = [r for r, f in enumerate(flags) if f]
+        if refused:
+            raise UsageError(f"rank {self.rank}: step(optimizer=...) was refused on rank(s) {refused} (their error "
+                             "says why: an optimizer over none of their trained parameters?), so no rank runs the "
+                             "step; give every rank an optimizer over its own pipe.parameters()")
+        self._optimizers_agreed.add(optimizer)
+
     def _gather(self, values: torch.Tensor, what: str = "reducing gradient statistics over the pipeline"):
         return self.runtime.allgather(values, what)
 

@@ -318,6 +318,25 @@ def test_step_with_an_optimizer_of_nothing_here_or_no_optimizer_is_refused_befor
         zb.compile("abc", schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=((x[:2],), (y[:2],)))
 
 
+def test_an_optimizer_refused_on_one_rank_is_refused_on_every_rank():
+    """An optimizer over none of rank 0's parameters was refused there while rank 1 went into the step and
+    waited for rank 0 until the timeout. The first step with an optimizer compares the ranks' checks: every
+    rank raises at once, nothing runs, and the pipeline then trains."""
+    model, loss_fn, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+    foreign = torch.optim.SGD(copy.deepcopy(model).parameters(), lr=0.1)
+
+    def run(r):
+        pipe = pipes[r]
+        own = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        start = time.monotonic()
+        with pytest.raises(UsageError, match="over none of this rank's" if r == 0 else r"refused on rank\(s\) \[0\]"):
+            pipe.step(x, y, optimizer=foreign if r == 0 else own)
+        assert time.monotonic() - start < 20 and all(p.grad is None for p in pipe.parameters())
+        return pipe.step(x, y, optimizer=own)
+
+    assert all(torch.isfinite(torch.tensor(loss)) for loss in run_pipes(run, PP))
+
+
 def test_the_pipes_containers_refuse_what_would_act_on_a_module():
     """pipe.<name> holds this rank's tensors under the model's names but is not the user's module: a hook on it
     was never called, .eval() on it changed nothing, pipe.apply(init) re-initialized nothing, pipe.blocks[0]
