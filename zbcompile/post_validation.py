@@ -33,8 +33,6 @@ then (the next step, or `pipe.settle()`, which every other call of the pipeline 
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import functools
 from typing import Callable, Sequence
 
@@ -47,7 +45,7 @@ from zbcompile.errors import DisagreementError, UsageError
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.program.ops import OpKind
 from zbcompile.ir.program.ops.step_boundary import VALUES
-from zbcompile.rollback import Inverse
+from zbcompile.rollback import Inverse, Snapshot, hyperparameters, in_force
 from zbcompile.runtime import abi
 
 __all__ = ["StepResult", "Boundary", "PostValidated", "synchronous_step"]
@@ -245,8 +243,7 @@ class Boundary:
         self.scaler, self.reseed = scaler, reseed   # loss scaling: the scaler, and how to seed the next backward
         self.pending: StepResult | None = None   # the step whose verdict is still to come
         self.stepped = False                     # this rank updated optimistically (the snapshot holds the before)
-        self._snapshot = None
-        self._snapshot_buffers: list | None = None
+        self._snapshot: Snapshot | None = None
         self._hyper: list[dict] | None = None    # the param_groups' hyperparameters of the pending update
         self._after: list[dict] | None = None    # ... right after it (what the optimistic step wrote there)
         self._written: list[str] = []            # the gradients the optimistic step itself changed in place
@@ -285,11 +282,11 @@ class Boundary:
         else:
             right = verdict == "step" and self.stepped
             if not right:   # undone and redone as the step made it, whatever a scheduler has set since
-                with _in_force(self.optimizer, self._hyper, self._after):
+                with in_force(self.optimizer, self._hyper, self._after):
                     if self.stepped:
                         self._undo()
                     self._apply(verdict, norm)
-        self._snapshot, self._snapshot_buffers, self._hyper, self.stepped = None, None, None, False
+        self._snapshot, self._hyper, self.stepped = None, None, False
         self._after, self._grads, self._written, self._weights = None, [], [], []
         values = totals.tolist()
         if self.scaler is not None:   # the scale for the next backward, as scaler.update() makes it
@@ -311,7 +308,7 @@ class Boundary:
                 self._written = self._apply(verdict, norm)   # (checked as on every rank: the same error)
             self._keep_grads()   # not needed here, but checked as on every rank: the same error everywhere
             return
-        self._hyper = _hyperparameters(self.optimizer)
+        self._hyper = hyperparameters(self.optimizer)
         verdict, _ = self._verdict(prefix)
         # wait only where the prefix proves the totals' verdict, as it grows along the chain: an inf does, and a
         # norm over max_norm for norm_type >= 0. A negative order's norm shrinks along the chain: its prefix
@@ -320,12 +317,13 @@ class Boundary:
             if self._inverse is not None:
                 self._inverse.before_step()
             else:
-                self._take_snapshot()
+                self._snapshot = Snapshot(self.optimizer)
+                self.snapshot_bytes = self._snapshot.nbytes
             self._written = self._step()
             self.stepped = True
         else:   # the update waits for the verdict; torch's first LR scheduler step would warn of a skipped one
             mark_optimizer_stepped(self.optimizer)
-        self._after = _hyperparameters(self.optimizer)
+        self._after = hyperparameters(self.optimizer)
         self._keep_grads()
 
     def _out_of_step(self, totals: torch.Tensor) -> None:
@@ -334,7 +332,7 @@ class Boundary:
         of it is undone first: every rank is left as before that step."""
         if self.stepped:
             self._undo()
-        self.pending, self._snapshot, self._snapshot_buffers, self.stepped, self._grads = None, None, None, False, []
+        self.pending, self._snapshot, self.stepped, self._grads = None, None, False, []
         self._written, self._weights = [], []
         self._zero_grad()
         first, last = (int(v) for v in totals.tolist()[3:5])
@@ -428,95 +426,9 @@ class Boundary:
         self.scaler.update()
         self.reseed(self.scaler.seed(self.m))
 
-    # ---- the snapshot ---------------------------------------------------------------------------------------
-    def _take_snapshot(self) -> None:
-        """Copy what optimizer.step() changes: the parameters and their tensor state, and the state's other
-        values. Freed at the verdict, so the plan holds it until VALIDATE only (memory_plan)."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        state = self.optimizer.state
-        keys = [(p, k) for p in params if p in state for k, v in state[p].items() if isinstance(v, torch.Tensor)]
-        sources = [grads.local(p.detach()) for p in params] + [grads.local(state[p][k]) for p, k in keys]
-        kept = self._snapshot_buffers = [t.clone() for t in sources]
-        others = {p: {k: copy.deepcopy(v) for k, v in state[p].items() if not isinstance(v, torch.Tensor)}
-                  for p in params if p in state}
-        # a hand-written optimizer's own counters (`self.t += 1` in its step): its public plain attributes
-        own = {k: copy.deepcopy(v) for k, v in vars(self.optimizer).items()
-               if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, type(None)))}
-        self._snapshot = (params, keys, others, own)
-        self.snapshot_bytes = sum(t.numel() * t.element_size() for t in kept)
-
     def _undo(self) -> None:
         """Undo the optimistic update: in closed form (rollback="inverse") or from the snapshot."""
-        self._inverse.undo() if self._inverse is not None else self._restore()
-
-    def _restore(self) -> None:
-        params, keys, others, own = self._snapshot
-        state = self.optimizer.state
-        for p in params:
-            if p not in others:   # no state before this update (its first): none after the rollback
-                state.pop(p, None)
-        live = [grads.local(p.detach()) for p in params] + [grads.local(state[p][k]) for p, k in keys]
-        with torch.no_grad():
-            torch._foreach_copy_(live, self._snapshot_buffers)
-        had = {(p, k) for p, k in keys}
-        for p, values in others.items():
-            for k in [k for k in state[p] if k not in values and (p, k) not in had]:   # made by this update
-                del state[p][k]
-            state[p].update(values)
-        vars(self.optimizer).update(own)
-
-
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """A copy of each param_group's entries but its parameters: what an LR scheduler (or the user) may change
-    before the verdict, lr and, with OneCycleLR / CyclicLR, momentum or betas. The user's loop steps the
-    scheduler right after step(), so a rank that redoes the update at the next step's deadline would otherwise
-    use the next step's values, and rank p-1 (which updated at once) this step's."""
-    return [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
-
-
-@contextlib.contextmanager
-def _in_force(optimizer: torch.optim.Optimizer, kept: list[dict], after: list[dict]):
-    """The optimizer as it was for the update (`kept`: its groups' entries before it; the groups added since
-    left out) while the block undoes or redoes that update. Afterwards each group holds, for each entry, what
-    the user (a scheduler) has set since the update (`after`: the entries right after it), the very object (a
-    scheduler that fills a tensor lr in place keeps its tensor); an entry the user has not touched holds the
-    redo's value (an optimizer counting its steps in a group entry, as Prodigy does). No scheduler's state
-    (last_epoch, _last_lr) is touched."""
-    groups = optimizer.param_groups
-    current = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-    held = [dict(entries) for entries in kept]
-    for group, entries in zip(groups, held):
-        for k in [k for k in group if k != "params" and k not in entries]:   # written first by the update
-            del group[k]
-        group.update(entries)
-    optimizer.param_groups = groups[:len(kept)]   # a group added since (add_param_group) took no part in it
-    try:
-        yield
-    finally:
-        optimizer.param_groups = groups
-        for group, now, entries, then in zip(groups, current, held, after):
-            for k, v in now.items():
-                if k not in then or not _same(v, then[k]):   # set since the update: the user's
-                    group[k] = v
-                elif group.get(k, _MISSING) is entries.get(k, _MISSING):   # the redo did not rebind it
-                    if isinstance(v, torch.Tensor) and v is not group[k]:
-                        with torch.no_grad():
-                            v.copy_(group[k])   # (the redo changed it in place: its value, in the user's tensor)
-                    group[k] = v
-
-
-_MISSING = object()
-
-
-def _same(a, b) -> bool:
-    """Whether two group entries hold the same value (tensors by value; anything else by ==, or identity)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
-                and a.dtype == b.dtype and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
-    try:
-        return a is b or bool(a == b)
-    except Exception:   # a value without a plain == (an array): a change unless it is the very object
-        return False
+        self._inverse.undo() if self._inverse is not None else self._snapshot.restore()
 
 
 def _nbytes(value) -> int:

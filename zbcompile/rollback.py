@@ -1,5 +1,6 @@
-"""One optimizer step undone in closed form: post-validation's rollback without a snapshot
-(`step(..., post_validate="inverse")`, zbcompile/post_validation.py).
+"""One optimizer step undone: post-validation's rollback (zbcompile/post_validation.py), from a Snapshot
+(`post_validate=True`) or in closed form without one (`post_validate="inverse"`), and the hyperparameters the
+update ran under put back for its redo (`in_force`).
 
 The snapshot rollback keeps a copy of the parameters and the optimizer state from the optimistic update to the
 verdict (three times the parameters with AdamW). The reference instead inverts the update from the state after
@@ -19,6 +20,8 @@ SGD; without amsgrad (a running maximum has no inverse). Anything else raises Us
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 
 import torch
@@ -26,7 +29,7 @@ import torch
 from zbcompile.errors import UsageError
 from zbcompile.grads import local
 
-__all__ = ["Inverse", "check_invertible"]
+__all__ = ["Inverse", "Snapshot", "check_invertible", "hyperparameters", "in_force"]
 
 
 def check_invertible(optimizer: torch.optim.Optimizer) -> None:
@@ -122,3 +125,94 @@ class Inverse:
             del state["momentum_buffer"]
             return
         buf.sub_(g + wd * x if wd else g, alpha=1 - damp).div_(mu)
+
+
+class Snapshot:
+    """What optimizer.step() changes, copied before it (post_validate=True): the parameters and their tensor
+    state, the state's other values, and a hand-written optimizer's own counters (`self.t += 1` in its step:
+    its public plain attributes). Freed at the verdict, so the plan holds it until VALIDATE only (memory_plan)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = optimizer.state
+        self.keys = [(p, k) for p in self.params if p in state for k, v in state[p].items()
+                     if isinstance(v, torch.Tensor)]
+        sources = [local(p.detach()) for p in self.params] + [local(state[p][k]) for p, k in self.keys]
+        self.kept = [t.clone() for t in sources]
+        self.others = {p: {k: copy.deepcopy(v) for k, v in state[p].items() if not isinstance(v, torch.Tensor)}
+                       for p in self.params if p in state}
+        self.own = {k: copy.deepcopy(v) for k, v in vars(optimizer).items()
+                    if not k.startswith("_") and isinstance(v, (int, float, bool, str, tuple, type(None)))}
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.kept)
+
+    def restore(self) -> None:
+        """The optimizer and the parameters as they were: a state the update made (its first, or a key it
+        added) is dropped again."""
+        state = self.optimizer.state
+        for p in self.params:
+            if p not in self.others:   # no state before this update (its first): none after the rollback
+                state.pop(p, None)
+        live = [local(p.detach()) for p in self.params] + [local(state[p][k]) for p, k in self.keys]
+        with torch.no_grad():
+            torch._foreach_copy_(live, self.kept)
+        had = set(self.keys)
+        for p, values in self.others.items():
+            for k in [k for k in state[p] if k not in values and (p, k) not in had]:   # made by this update
+                del state[p][k]
+            state[p].update(values)
+        vars(self.optimizer).update(self.own)
+
+
+# ---- the hyperparameters an update ran under ----------------------------------------------------------------
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """A copy of each param_group's entries but its parameters: what an LR scheduler (or the user) may change
+    before the verdict, lr and, with OneCycleLR / CyclicLR, momentum or betas. The user's loop steps the
+    scheduler right after step(), so a rank that redoes the update at the next step's deadline would otherwise
+    use the next step's values, and rank p-1 (which updated at once) this step's."""
+    return [copy.deepcopy({k: v for k, v in group.items() if k != "params"}) for group in optimizer.param_groups]
+
+
+@contextlib.contextmanager
+def in_force(optimizer: torch.optim.Optimizer, kept: list[dict], after: list[dict]):
+    """The optimizer as it was for the update (`kept`: its groups' entries before it; the groups added since
+    left out) while the block undoes or redoes that update. Afterwards each group holds, for each entry, what
+    the user (a scheduler) has set since the update (`after`: the entries right after it), the very object (a
+    scheduler that fills a tensor lr in place keeps its tensor); an entry the user has not touched holds the
+    redo's value (an optimizer counting its steps in a group entry, as Prodigy does). No scheduler's state
+    (last_epoch, _last_lr) is touched."""
+    groups = optimizer.param_groups
+    current = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    held = [dict(entries) for entries in kept]
+    for group, entries in zip(groups, held):
+        for k in [k for k in group if k != "params" and k not in entries]:   # written first by the update
+            del group[k]
+        group.update(entries)
+    optimizer.param_groups = groups[:len(kept)]   # a group added since (add_param_group) took no part in it
+    try:
+        yield
+    finally:
+        optimizer.param_groups = groups
+        for group, now, entries, then in zip(groups, current, held, after):
+            for k, v in now.items():
+                if k not in then or not _same(v, then[k]):   # set since the update: the user's
+                    group[k] = v
+                elif group.get(k, _MISSING) is entries.get(k, _MISSING):   # the redo did not rebind it
+                    if isinstance(v, torch.Tensor) and v is not group[k]:
+                        with torch.no_grad():
+                            v.copy_(group[k])   # (the redo changed it in place: its value, in the user's tensor)
+                    group[k] = v
+
+
+_MISSING = object()
+
+
+def _same(a, b) -> bool:
+    """Whether two group entries hold the same value (tensors by value; anything else by ==, or identity)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.equal(a.detach().cpu(), b.detach().cpu())))
+    try:
+        return a is b or bool(a == b)
+    except Exception:   # a value without a plain == (an array): a change unless it is the very object
+        return False

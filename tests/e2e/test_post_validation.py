@@ -472,14 +472,15 @@ def test_no_pipeline_wide_collective_runs_in_a_post_validated_step(monkeypatch):
 
     out = run_pipes(run, pp)
     results = [row for _, row in out]
-    # the synchronous step's loss gather and norm exchange on every rank, the first post-validated step's one
-    # check that every rank steps with the same arguments (agreement.check_step_arguments), and nothing after them
-    assert sorted(gathers) == ["_gather"] * pp + ["allgather"] * (2 * pp)
+    # the synchronous step's loss gather and norm exchange on every rank, the first step's one comparison of the
+    # ranks' optimizer checks (PipelineModule._check_optimizer), the first post-validated step's one check that
+    # every rank steps with the same arguments (agreement.check_step_arguments), and nothing after them
+    assert sorted(gathers) == ["_gather"] * pp + ["allgather"] * (3 * pp)
     assert all(had for had, _ in out) and all(p.last_step is None for p in pipes)
     assert all(not x.validated for x in (results[0][-1], results[1][-1]))
     assert sum(x.clipped for x in results[0][:-1]) == 3   # max_norm=0.01: every step clips (and is run again)
     run_pipes(lambda r: pipes[r].settle(), pp)
-    assert len(gathers) == 3 * pp and all(x.validated for row in results for x in row)
+    assert len(gathers) == 4 * pp and all(x.validated for row in results for x in row)
 
 
 def test_the_pending_step_is_settled_before_anything_else_reads_the_pipeline():
