@@ -174,7 +174,27 @@ def retarget_device(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
         if node.op == "call_function":
             new.args, new.kwargs = tree_map(swap, (new.args, new.kwargs))
         env[node] = new
-    return fx.GraphModule(gm, g, class_name=type(gm).__name__)
+    out = fx.GraphModule(gm, g, class_name=type(gm).__name__)
+    for node in g.find_nodes(op="get_attr"):
+        _retarget_constant(out, node.target, device)
+    return out
+
+
+def _retarget_constant(gm: fx.GraphModule, target: str, device: torch.device) -> None:
+    """A tensor constant the meta trace made (HuggingFace's key-value cache starts as one) on `device`: an
+    empty one as it is; one with values is refused, since a meta tensor has none."""
+    owner, _, name = target.rpartition(".")
+    holder = gm.get_submodule(owner) if owner else gm
+    value = getattr(holder, name, None)
+    if not isinstance(value, torch.Tensor) or not value.is_meta:
+        return
+    if value.numel():
+        raise TraceError(f"the model, built on the meta device, makes a tensor constant of shape "
+                         f"{list(value.shape)} in its forward ({target}): on meta it has no values, so the stages "
+                         "could not compute with it. A HuggingFace model's key-value cache is one: compile it with "
+                         "use_cache=False (config.use_cache = False); otherwise make the tensor a buffer, which "
+                         "init_fn fills, or build the model on a real device")
+    setattr(holder, name, torch.empty(value.shape, dtype=value.dtype, device=device))
 
 
 def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,

@@ -116,6 +116,24 @@ def test_meta_device_model_traces_and_runs_with_real_parameters():
     check_against_eager(staged, real)
 
 
+def test_a_huggingface_model_on_meta_with_its_cache_traces_and_runs_with_real_parameters():
+    """transformers' Llama with use_cache=True (its default) built on meta: the key-value cache starts as an
+    empty tensor constant made on the model's device, which the stages kept on meta, so the split failed with
+    torch's device mismatch. An empty constant comes to the example's device; the stages equal eager's."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=16)
+    with torch.device("meta"):
+        meta = models.HFLogits(LlamaForCausalLM(cfg))
+    torch.manual_seed(0)
+    real = models.HFLogits(LlamaForCausalLM(cfg))
+    example = (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
+    staged = split_model(meta, models.gpt_loss, example, num_stages=2)
+    check_against_eager(staged, models.Case(real, models.gpt_loss, example, 2))
+
+
 def _mm_flops(graph) -> int:
     return sum(cost.node_cost(n).flops for n in graph.gm.graph.nodes if n.target is torch.ops.aten.mm.default)
 
