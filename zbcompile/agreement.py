@@ -39,8 +39,8 @@ from torch import nn
 
 from zbcompile.errors import DisagreementError, RuntimeFailure
 
-__all__ = ["fingerprint", "check_agreement", "first_difference", "batch_checksum", "check_batch", "check_same_batch",
-           "version", "step_arguments", "check_step_arguments"]
+__all__ = ["fingerprint", "check_agreement", "wait_until_compiled", "first_difference", "batch_checksum",
+           "check_batch", "check_same_batch", "version", "step_arguments", "check_step_arguments"]
 
 # the options that shape what a rank builds or the collectives it calls (group, init_fn, loss_fn, example and
 # timeout do not, or are checked through what they produce: example through `batch`, loss_fn through `stages`)
@@ -173,15 +173,31 @@ def _gather_objects(obj, pg, rank: int, timeout: float) -> list:
     return [pickle.loads(row[:int(n.item())].cpu().numpy().tobytes()) for row, n in zip(rows, sizes)]
 
 
-def _gathered(t: torch.Tensor, pg, rank: int, timeout: float) -> list[torch.Tensor]:
+def _gathered(t: torch.Tensor, pg, rank: int, timeout: float,
+              what: str = "comparing what each rank compiled") -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(pg.size())]
     try:
         dist.all_gather(out, t, group=pg, async_op=True).wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
-        raise RuntimeFailure(f"rank {rank}: comparing what each rank compiled (zbcompile.compile on every rank) "
-                             f"failed or ran past the timeout of {timeout:g} s: a rank did not call compile, or "
-                             f"is slower than that to reach it; {e}") from e
+        raise RuntimeFailure(f"rank {rank}: {what} (zbcompile.compile on every rank) failed or ran past the "
+                             f"timeout of {timeout:g} s: a rank did not call compile, or is slower than that to "
+                             f"reach it; {e}") from e
     return out
+
+
+# how long the ranks wait for each other at the end of compile: each compiles its own stage graphs (inductor),
+# which takes each rank its own time, minutes on a big model; not the step's timeout, which bounds a message
+READY_TIMEOUT = 3600.0
+
+
+def wait_until_compiled(pg, rank: int, timeout: float) -> None:
+    """Every rank waits here until every rank has finished compile (one all-gather), so that a rank whose graphs
+    took longer to build does not count against the first step's timeout, as a peer that died would."""
+    if pg is None or not isinstance(pg, dist.ProcessGroup) or pg.size() < 2:
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else "cpu"
+    _gathered(torch.ones(1, device=device), pg, rank, max(timeout, READY_TIMEOUT),
+              "waiting for every rank to finish compiling its stage graphs")
 
 
 def batch_checksum(batch: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from zbcompile import call_checks
-from zbcompile.agreement import check_agreement
+from zbcompile.agreement import check_agreement, wait_until_compiled
 from zbcompile.compiler import Compiled, compile_programs, compile_staged
 from zbcompile.data_parallel import Replicas
 from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, resolve_group,
@@ -137,5 +137,7 @@ def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = 
     runtime = runtime_for(compiled.programs, cuda_graphs=options.capture,
                           warmup=options.cuda_graphs or WARMUP_STEPS,
                           graph_api=graphs.capture_api(device) if options.capture else None)
-    return PipelineModule(model, compiled, runtime, rank, owned_params, owned_buffers, pg, runtime_for=runtime_for,
+    pipe = PipelineModule(model, compiled, runtime, rank, owned_params, owned_buffers, pg, runtime_for=runtime_for,
                           dp=dp)
+    wait_until_compiled(pg, rank, options.timeout)
+    return pipe

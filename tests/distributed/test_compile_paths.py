@@ -9,6 +9,7 @@ and a peer that raises (pp=2) or stalls (pp=4). One launch per pp runs tests/dis
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -98,6 +99,14 @@ def test_tied_copies_that_start_different_are_made_equal(run):
     assert all(v["copies_equal"] for v in vals)
     assert "wte.weight" in vals[0]["shared"]   # the tied embedding / head: first and last stage
     _matches_eager(vals, "different_starts")
+
+
+def test_a_rank_slower_to_compile_than_the_timeout_is_waited_for_at_compile(run_pp2):
+    """Inductor builds each rank's own stage graphs, so ranks left compile up to a minute apart, and the first
+    step counted that against `timeout` (RuntimeFailure: "peer dead or stalled"). compile now ends together on
+    every rank: rank 1, 4 s late with a timeout of 2 s, steps with rank 0."""
+    vals = _case(run_pp2[1], "slow_compile")
+    assert len({v["loss"] for v in vals}) == 1 and all(math.isfinite(v["loss"]) for v in vals), vals
 
 
 def test_a_failing_peer_is_named_within_the_timeout(run):

@@ -150,6 +150,30 @@ def dropout_case(results, pp, timeout):
         results["dropout"] = dict(error=traceback.format_exc())
 
 
+def slow_compile_case(results) -> None:
+    """Rank 1 finishes compile 4 s after rank 0 (as inductor building a bigger stage's graphs does), past the
+    step's timeout of 2 s: the first step must not count that against the timeout."""
+    model, loss_fn, (x, y), _ = mlp(layers=4, batch=4)
+    real = zb.PipelineModule
+
+    def slow(*args, **kwargs):
+        pipe = real(*args, **kwargs)
+        if pipe.rank == 1:
+            time.sleep(4.0)
+        return pipe
+
+    try:
+        zb.PipelineModule = slow
+        try:
+            pipe = zb.compile(copy.deepcopy(model), schedule="1f1b", microbatches=4, loss_fn=loss_fn,
+                              example=((x[:1],), (y[:1],)), timeout=2.0)
+        finally:
+            zb.PipelineModule = real
+        results["slow_compile"] = dict(loss=float(pipe.step(x, y)))
+    except Exception:
+        results["slow_compile"] = dict(error=traceback.format_exc())
+
+
 def failure_case(results, pp, key, victim, action):
     """One rank's B graph raises (or hangs) in the second step; the others must raise RuntimeFailure naming it."""
     model, loss_fn, (x, y), _ = mlp(layers=4, batch=8)
@@ -223,6 +247,7 @@ def main() -> None:
     different_starts_case(results, pp, t)
     if full:
         dropout_case(results, pp, t)
+        slow_compile_case(results)
     dump()
     failure_case(results, pp, "failure", victim=pp - 1, action=args.failure)
     dump()
