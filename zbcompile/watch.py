@@ -167,8 +167,7 @@ def _callable_entries(fn, label: str = "loss_fn") -> list:
             out += _entries(f"{label}'s {n}", view, n, view.get(n, MISSING), frozenset())
         for f in _reached([fn]):
             for n, value in _globals_named(f):
-                if not isinstance(value, types.FunctionType):
-                    out += _entries(f"{label}'s global {n}", f.__globals__, n, value, frozenset())
+                out += _entries(f"{label}'s global {n}", f.__globals__, n, value, frozenset())
         return out
     if isinstance(fn, functools.partial):
         bound = [(f"{label}'s bound keyword {k}", fn.keywords, k, v) for k, v in fn.keywords.items()
