@@ -39,7 +39,8 @@ from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Traced, module_path
 from zbcompile.passes.functions import functions_as_ops
 from zbcompile.passes.trace_checks import check_example, check_step
-from zbcompile.passes.trace_decompositions import DECOMPOSITIONS, write_out_dropouts
+from zbcompile.passes.trace_decompositions import (DECOMPOSITIONS, detach_no_grad_regions, write_out_dropouts,
+                                                   write_out_recurrent_dropouts)
 
 __all__ = ["trace", "flatten_example", "input_keywords", "retarget_device", "retarget_stages"]
 
@@ -261,37 +262,13 @@ def _signature_problem(exc: Exception) -> str:
 
 
 def _decomposed(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    _detach_no_grad_regions(ep.graph_module)
+    detach_no_grad_regions(ep.graph_module)
+    write_out_recurrent_dropouts(ep.graph_module)
     write_out_dropouts(ep.graph_module)
     with warnings.catch_warnings():
         # torch 2.13's own run_decompositions trips its LeafSpec deprecation; nothing a user can act on
         warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
         return ep.run_decompositions(DECOMPOSITIONS)
-
-
-def _detach_no_grad_regions(gm: fx.GraphModule) -> None:
-    """Every value a `with torch.no_grad():` region of the step computes, detached where the step reads it.
-
-    Export keeps such a region as a `wrap_with_set_grad_enabled(False, ...)` call, but `run_decompositions`
-    inlines it and the grad mode is gone: the joint trace of a stage would then differentiate through it (a
-    scale or a mask computed under no_grad, an EMA buffer read back) where eager does not. A detach says the
-    same thing in a graph that has no grad mode. The step's outputs (a buffer's new value) stay as they are:
-    export names them in its signature, and split_fbw detaches a buffer's new value anyway."""
-    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
-    for node in list(gm.graph.nodes):
-        if hop is None or node.target is not hop or node.args[0] is not False:
-            continue
-        for item in list(node.users):
-            readers = [u for u in item.users if u.op != "output"]
-            if not readers:
-                continue
-            with gm.graph.inserting_after(item):
-                detached = gm.graph.call_function(torch.ops.aten.detach.default, (item,))
-            if isinstance(item.meta.get("val"), torch.Tensor):
-                detached.meta["val"] = item.meta["val"].detach()
-            for user in readers:
-                user.replace_input_with(item, detached)
-    gm.recompile()
 
 
 def _model_outputs(ep, graph: Graph, returned: list[frozenset]) -> ModelOutputs | None:

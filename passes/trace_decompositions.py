@@ -2,6 +2,11 @@
 composite hides, applied to the exported graph before `run_decompositions`.
 
     DECOMPOSITIONS: instance_norm               its running-statistic updates, as copies into the buffers
+    detach_no_grad_regions: torch.no_grad()      what the region reads and what it returns, detached (the
+                                                region's grad mode, which run_decompositions drops)
+    write_out_recurrent_dropouts:               each layer a call of its own, the dropout between them an
+      lstm, gru, rnn_tanh, rnn_relu             aten.dropout (torch's decomposition drops it: it sets the
+                                                probability to 0 by a test that is never true)
     write_out_dropouts: feature_dropout,        their mask drawn by `native_dropout` (whose `training`
       alpha_dropout, feature_alpha_dropout      argument the eval switch turns off), the output chosen by it
 
@@ -16,13 +21,14 @@ train and the input itself where it was eval, which is what torch's modules retu
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 
 import torch
 from torch import fx
 
-__all__ = ["DECOMPOSITIONS", "write_out_dropouts"]
+__all__ = ["DECOMPOSITIONS", "detach_no_grad_regions", "write_out_dropouts", "write_out_recurrent_dropouts"]
 
 aten = torch.ops.aten
 _ALPHA = 1.7580993408473766   # SELU's alpha, as ATen's alpha dropout has it
@@ -64,6 +70,175 @@ def write_out_dropouts(gm: fx.GraphModule) -> None:
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     gm.recompile()
+
+
+def detach_no_grad_regions(gm: fx.GraphModule) -> None:
+    """Every `with torch.no_grad():` region of the step with its reads and its results detached.
+
+    Export keeps such a region as a `wrap_with_set_grad_enabled(False, ...)` call, but `run_decompositions`
+    inlines it and the grad mode is gone: the joint trace of a stage would then differentiate through it where
+    eager does not. A detach says the same thing in a graph that has no grad mode. Detaching the results (a scale
+    or a mask computed under no_grad, an EMA buffer read back) keeps gradients from flowing out of the region;
+    detaching the reads keeps the region's own values gradient-free, which matters where a stage boundary falls
+    inside it (a frozen backbone run under no_grad, cut in two): otherwise the first stage's output would
+    carry a gradient, the next stage would send back zeros for it, and parameters eager leaves without a
+    `.grad` would get zeros, which weight decay then moves. A read the region writes in place (a buffer's
+    running average) stays as it is: the write must reach the buffer, and a buffer carries no gradient."""
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    for node in list(gm.graph.nodes):
+        if hop is None or node.target is not hop or node.args[0] is not False:
+            continue
+        _detach_reads(gm, node)
+        if _inline(gm, node):
+            continue
+        for item in list(node.users):
+            readers = [u for u in item.users if u.op != "output"]
+            if readers:
+                _detach_for(gm.graph, item, readers, after=item)
+    gm.recompile()
+
+
+def _inline(gm: fx.GraphModule, region: fx.Node) -> bool:
+    """The no_grad `region`'s body copied in its place, each result detached; False (nothing done) for a body
+    holding submodules (a nested grad-mode region). Inlined here, the body's ops keep their own modules:
+    `run_decompositions` would give each the region's (the model, for a backbone called under no_grad), and a
+    split point inside the region would find its module computing nothing. Each result becomes a detach of the
+    value under the result's own node and name, which the export signature may name."""
+    body = getattr(gm, region.args[1].target)
+    if any(n.op in ("get_attr", "call_module") for n in body.graph.nodes) or any(
+            u.target is not operator.getitem for u in region.users):
+        return False
+    env = dict(zip(body.graph.find_nodes(op="placeholder"), region.args[2:]))
+    with gm.graph.inserting_before(region):
+        for n in body.graph.nodes:
+            if n.op not in ("placeholder", "output"):
+                env[n] = gm.graph.node_copy(n, lambda a: env[a])
+    results = body.graph.output_node().args[0]
+    for item in list(region.users):
+        item.target, item.args = aten.detach.default, (env[results[item.args[1]]],)
+    owner = region.args[1]
+    gm.graph.erase_node(region)
+    if not owner.users:
+        gm.graph.erase_node(owner)
+        delattr(gm, owner.target)
+    return True
+
+
+def _detach_reads(gm: fx.GraphModule, region: fx.Node) -> None:
+    """The operands of the no_grad `region` that carry a gradient, detached for it (those it writes in place
+    kept as they are)."""
+    body = getattr(gm, region.args[1].target)
+    written = _written_placeholders(body.graph)
+    for i, (operand, ph) in enumerate(zip(region.args[2:], body.graph.find_nodes(op="placeholder"))):
+        val = operand.meta.get("val") if isinstance(operand, fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.requires_grad and ph not in written:
+            with gm.graph.inserting_before(region):
+                _detach_for(gm.graph, operand, [region], after=None)
+
+
+def _detach_for(graph: fx.Graph, value: fx.Node, readers, *, after: fx.Node | None) -> None:
+    """`value` detached, read by `readers` in its place (inserted after `after`, or at the graph's cursor)."""
+    with graph.inserting_after(after) if after is not None else contextlib.nullcontext():
+        detached = graph.call_function(aten.detach.default, (value,))
+    if isinstance(value.meta.get("val"), torch.Tensor):
+        detached.meta["val"] = value.meta["val"].detach()
+    for user in readers:
+        user.replace_input_with(value, detached)
+
+
+def _written_placeholders(graph: fx.Graph) -> set[fx.Node]:
+    """The placeholders of `graph` that an op writes in place, directly or through a view of them."""
+    written, aliases = set(), {ph: ph for ph in graph.find_nodes(op="placeholder")}
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        first = node.args[0] if node.args else None
+        root = aliases.get(first) if isinstance(first, fx.Node) else None
+        if schema.is_mutable:
+            written.update(aliases[a] for a in node.all_input_nodes if a in aliases
+                           and _writes(schema, node, a))
+        if root is not None and (schema.is_mutable or getattr(node.target, "is_view", False)):
+            aliases[node] = root   # a view of the placeholder, or an in-place op returning it
+    return written
+
+
+def _writes(schema, node: fx.Node, arg: fx.Node) -> bool:
+    """Whether `node` (an op with schema `schema`) writes its argument `arg`."""
+    for i, a in enumerate(schema.arguments):
+        given = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+        if given is arg and a.alias_info is not None and a.alias_info.is_write:
+            return True
+    return False
+
+
+_RECURRENT = {   # op -> (its hidden state is a list (LSTM: h and c), its input is packed (data, batch_sizes))
+    aten.lstm.input: (True, False), aten.gru.input: (False, False),
+    aten.rnn_tanh.input: (False, False), aten.rnn_relu.input: (False, False),
+    aten.lstm.data: (True, True), aten.gru.data: (False, True),
+    aten.rnn_tanh.data: (False, True), aten.rnn_relu.data: (False, True),
+}
+
+
+def write_out_recurrent_dropouts(gm: fx.GraphModule) -> None:
+    """Every multi-layer recurrent op of the exported graph that drops between its layers (LSTM(num_layers=3,
+    dropout=p) in train mode), in place, as one call per layer with `aten.dropout` between them, as ATen's own
+    kernel runs it (aten/src/ATen/native/RNN.cpp: the dropout of each layer's sequence-first output but the
+    last). torch's decomposition of these ops, which aot's joint trace uses, never drops: the training step
+    would silently train without the dropout. Written as `aten.dropout`, the draw is the one nn.Dropout makes,
+    and evaluation switches it off as it does nn.Dropout's."""
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _RECURRENT]:
+        bound = _bind(node)
+        if (bound["num_layers"] > 1 and bound["dropout"] > 0 and bound["train"]
+                and all(u.target is operator.getitem for u in node.users)):
+            with gm.graph.inserting_before(node):
+                results = _layer_by_layer(_Writer(gm.graph, node), node.target, bound)
+            for user in list(node.users):
+                user.replace_all_uses_with(results[user.args[1]])
+                gm.graph.erase_node(user)
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _bind(node: fx.Node) -> dict:
+    """The node's arguments by their schema names, defaults filled in."""
+    args = node.target._schema.arguments
+    return {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
+            for i, a in enumerate(args)}
+
+
+def _layer_by_layer(call: "_Writer", op, bound: dict) -> list[fx.Node]:
+    """The results of recurrent `op` (output, h_n[, c_n]) computed one layer at a time, with dropout between."""
+    lstm, packed = _RECURRENT[op]
+    layers, directions = bound["num_layers"], 2 if bound["bidirectional"] else 1
+    params = list(bound["params"])
+    per_layer = len(params) // layers
+    states = list(bound["hx"]) if lstm else [bound["hx"]]
+    x, finals = bound["data" if packed else "input"], [[] for _ in states]
+    for i in range(layers):
+        hx = [call(aten.slice.Tensor, h, 0, i * directions, (i + 1) * directions) for h in states]
+        layer = {**bound, "hx": hx if lstm else hx[0], "params": params[i * per_layer:(i + 1) * per_layer],
+                 "num_layers": 1, "dropout": 0.0}
+        if packed:
+            layer["data"] = x
+        else:
+            layer["input"] = x
+        out = call(op, *(layer[a.name] for a in op._schema.arguments))
+        x = call(operator.getitem, out, 0)
+        for k, final in enumerate(finals):
+            final.append(call(operator.getitem, out, k + 1))
+        if i < layers - 1:
+            x = _dropped(call, x, bound["dropout"], batch_first=not packed and bound["batch_first"])
+    return [x, *(call(aten.cat.default, final, 0) for final in finals)]
+
+
+def _dropped(call: "_Writer", x: fx.Node, p: float, *, batch_first: bool) -> fx.Node:
+    """`aten.dropout` of a layer's output in train mode, drawn over its sequence-first layout as ATen's kernel
+    draws it."""
+    if not batch_first:
+        return call(aten.dropout.default, x, p, True)
+    seq_first = call(aten.transpose.int, x, 0, 1)
+    return call(aten.transpose.int, call(aten.dropout.default, seq_first, p, True), 0, 1)
 
 
 class _Writer:

@@ -12,8 +12,9 @@ reads `training`.
 
     check_eval_branches(model, loss_fn, example)    UsageError, or None
 
-An example on the meta device, a model of more than 2 GiB (the stand-ins are allocated whole), a step that
-fails on the stand-ins, and a vocabulary-parallel pipe (its model holds this rank's rows of the tables) are
+The shapes are traced on the meta device, or where that fails (a forward making a tensor without `device=`) on
+stand-ins where the example is. An example on the meta device, a model of more than 2 GiB (the stand-ins are
+allocated whole), a step that fails on the stand-ins, and a vocabulary-parallel pipe (its model holds this rank's rows of the tables) are
 not checked; a warning says so (the last: the README).
 """
 
@@ -56,15 +57,18 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> None:
         return
     log.info("evaluate: tracing the model in eval mode once, to check it computes what the switched training "
              "graphs do")
-    shape, device = _on_meta(model), flat[0].device
+    device = flat[0].device
     meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)
     try:
-        switched = forward_loss(split.trace(shape, loss_fn, meta).graph, training=False)
-        with _eval_modes(shape):
-            plain = forward_loss(split.trace(shape, loss_fn, meta).graph, training=True)
-    except ZBCompileError as e:   # (a loss_fn holding a tensor of its own cannot meet meta ones)
-        log.warning("evaluate: the model's eval-mode branches are not checked (tracing its shape failed: %s)", e)
-        return
+        switched, plain = _both_modes(_stand_ins(model, "meta"), loss_fn, meta)
+    except ZBCompileError:
+        # a forward that makes a tensor without device= (torch.eye(n)), or a loss_fn holding a tensor of its
+        # own, cannot meet meta weights: the same on stand-ins allocated where the example is
+        try:
+            switched, plain = _both_modes(_stand_ins(model, device), loss_fn, example)
+        except ZBCompileError as e:
+            log.warning("evaluate: the model's eval-mode branches are not checked (tracing it failed: %s)", e)
+            return
     switched, plain = (dataclasses.replace(g, gm=retarget_device(g.gm, device)) for g in (switched, plain))
     values = _values((switched, plain), flat)
     try:
@@ -113,14 +117,23 @@ def _values(graphs, flat) -> dict[str, torch.Tensor]:
     return out
 
 
-def _on_meta(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers are meta tensors of their shapes (a rank holds real values
-    for its own stages only); the tensors are not copied."""
+def _both_modes(shape: nn.Module, loss_fn, example):
+    """The step of `shape` traced in train mode with dropout and batch norm switched off, and traced in eval
+    mode: each as a forward-only graph of the loss."""
+    switched = forward_loss(split.trace(shape, loss_fn, example).graph, training=False)
+    with _eval_modes(shape):
+        plain = forward_loss(split.trace(shape, loss_fn, example).graph, training=True)
+    return switched, plain
+
+
+def _stand_ins(model: nn.Module, device) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are uninitialised tensors of their shapes on `device` (a
+    rank holds real values for its own stages only); the tensors are not copied."""
     memo: dict[int, object] = {}
     for t in model.parameters():
-        memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+        memo[id(t)] = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
     for t in model.buffers():
-        memo[id(t)] = torch.empty_like(t, device="meta")
+        memo[id(t)] = torch.empty_like(t, device=device)
     return copy.deepcopy(model, memo)
 
 

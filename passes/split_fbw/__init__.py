@@ -156,10 +156,11 @@ def split_stage(stage: Graph, requires_grad: Callable[[str], bool], device: torc
         out_rg.update(dict.fromkeys(graded_buffers, False))
     in_rg = {name: bool(a.requires_grad) for name, a in zip(stage.inputs, args)}
     rg = {**in_rg, **out_rg, **{p: in_rg[p] for p in stage.passthrough}}
-    if not any(in_rg.values()) or not diff_names:
-        # nothing to differentiate: no input requires grad, or the stage only re-sends what it received (a
+    if not any(in_rg.values()) or not any(out_rg.values()):
+        # nothing to differentiate: no input requires grad, no output carries a gradient (the stage's work is
+        # detached or under torch.no_grad(), as eager's is), or the stage only re-sends what it received (a
         # stage that returns its input, e.g. one doing nothing but `.to(dtype)`); aot cannot trace a joint
-        # without outputs
+        # without a graded output
         return _stage(stage, *_trivial_program(stage, diff_names, diff_gm, in_rg), rg)
     try:
         joint = aot_export_joint_simple(diff_gm, args, trace_joint=True)

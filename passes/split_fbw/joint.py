@@ -3,6 +3,7 @@ joint trace and for the wire, and the F, B, W, BW of a stage with nothing to dif
 
 from __future__ import annotations
 
+import operator
 from typing import Mapping, Sequence
 
 import torch
@@ -40,6 +41,8 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
     - every `aten.view` is an `aten.reshape`, which views where the layout allows and copies where not;
     - every functional `aten.copy` (what export makes of a slice assignment `q[:, :k] = x`) is an
       `expand_copy` of its source (`_differentiable_copy`): autograd has no derivative for aten.copy.
+    - linalg.inv, solve, cholesky, lu_factor, ldl_factor are their `_ex` forms with an `_assert_async` of their
+      error check (`_unchecked_linalg`).
 
     Why contiguous sends and reshape, rather than recording strides in the boundary spec and restoring them
     with as_strided on receive: the layouts export recorded are not the layouts the stage graphs produce. Export
@@ -56,6 +59,8 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
     for node in stage.gm.graph.nodes:
         if node.target is _aten.copy.default:
             env[node] = _differentiable_copy(g, node, env)
+        elif node.target in _CHECKED_LINALG:
+            env[node] = _unchecked_linalg(g, node, env)
         elif node.op != "output":
             env[node] = g.node_copy(node, lambda n: env[n])
             if node.target is _aten.view.default:
@@ -91,6 +96,40 @@ def _may_decompose_to_view(node: fx.Node) -> bool:
     target = node.target
     return (isinstance(target, OpOverload) and not target.is_view
             and torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"))
+
+
+_CHECKED_LINALG = {   # op -> (its `_ex` form, returning `info` last; how many results the op returns)
+    _aten.linalg_inv.default: (_aten.linalg_inv_ex.default, 1),
+    _aten.inverse.default: (_aten.linalg_inv_ex.default, 1),
+    _aten.linalg_solve.default: (_aten.linalg_solve_ex.default, 1),
+    _aten.linalg_cholesky.default: (_aten.linalg_cholesky_ex.default, 1),
+    _aten.linalg_lu_factor.default: (_aten.linalg_lu_factor_ex.default, 2),
+    _aten.linalg_ldl_factor.default: (_aten.linalg_ldl_factor_ex.default, 2),
+    **{ex: (ex, None) for ex in (_aten.linalg_inv_ex.default, _aten.linalg_solve_ex.default,
+                                 _aten.linalg_cholesky_ex.default, _aten.linalg_lu_factor_ex.default,
+                                 _aten.linalg_ldl_factor_ex.default)},
+}
+
+
+def _unchecked_linalg(g: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:
+    """A linalg op that raises on a singular matrix (or one not positive-definite), as its `_ex` form without
+    the check and an `_assert_async` on the `info` it returns. The check itself (`_linalg_check_errors`, which
+    the op's composite calls) is an ordered side effect to aot, which threads it through the joint as an
+    effect token: an extra input and output that the stage programs have no place for."""
+    ex, results = _CHECKED_LINALG[node.target]
+    if results is None and not node.kwargs.get("check_errors", False):
+        return g.node_copy(node, lambda n: env[n])   # an `_ex` form that does not check: nothing to do
+    kwargs = {**node.kwargs, "check_errors": False}
+    call = g.call_function(ex, tuple(env[a] if isinstance(a, fx.Node) else a for a in node.args), kwargs)
+    info = g.call_function(operator.getitem, (call, len(ex._schema.returns) - 1))
+    ok = g.call_function(_aten.all.default, (g.call_function(_aten.eq.Scalar, (info, 0)),))
+    g.call_function(_aten._assert_async.msg, (ok, f"{ex._schema.name.split('::')[1].removesuffix('_ex')}: the "
+                                              "matrix is singular (or, for a Cholesky factorization, not "
+                                              "positive-definite); eager torch raises a LinAlgError here"))
+    if results == 1:
+        call = g.call_function(operator.getitem, (call, 0))
+        call.meta = dict(node.meta)
+    return call
 
 
 def _differentiable_copy(g: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]) -> fx.Node:

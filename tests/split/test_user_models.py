@@ -295,6 +295,80 @@ def test_values_computed_under_no_grad_carry_no_gradient(schedule):
     threaded_step_matches_eager(_case(NoGradNet(), (torch.randn(2, 8), torch.randn(2, 8))), schedule, 2)
 
 
+class FrozenBackbone(nn.Module):
+    """A backbone run under torch.no_grad() (`detach`: its output detached instead), its parameters left
+    requires_grad=True, as fine-tuning code often does; a trained head. Eager gives the backbone no gradient."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.backbone = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, x):
+        if self.how == "detach":
+            return self.head(self.backbone(x).detach())
+        with torch.no_grad():
+            f = self.backbone(x)
+        return self.head(f)
+
+
+@pytest.mark.parametrize("how, split_points", [("no_grad", ["backbone.2"]), ("no_grad", ["head"]),
+                                               ("detach", ["head"]), ("no_grad", None)])
+def test_a_backbone_under_no_grad_gets_no_gradient_wherever_the_cut_falls(how, split_points):
+    """A cut inside the no_grad region sent its first half's output with a gradient: the next stage sent back
+    zeros, and the backbone's parameters got zero .grad where eager leaves None (AdamW's weight decay then moved
+    them). A cut right after the region (or a `.detach()`) failed with an internal SplitError. The union check
+    asserts a gradient exactly where eager has one."""
+    torch.manual_seed(0)
+    threaded_step_matches_eager(_case(FrozenBackbone(how), (torch.randn(2, 8), torch.randn(2, 8))), "1f1b", 2,
+                                split_points=split_points)
+
+
+class LinalgBlock(nn.Module):
+    """A block solving with its own weight matrix: linalg ops whose eager form checks for a singular matrix."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x):
+        a = self.w + 3 * torch.eye(8, dtype=self.w.dtype, device=self.w.device)
+        y = {"inv": lambda: x @ torch.linalg.inv(a), "solve": lambda: torch.linalg.solve(a, x.T).T,
+             "cholesky": lambda: x @ torch.linalg.cholesky(a @ a.T),
+             "lu_factor": lambda: x @ torch.linalg.lu_factor(a)[0],
+             "inv_ex_checked": lambda: x @ torch.linalg.inv_ex(a, check_errors=True)[0]}[self.op]()
+        return torch.tanh(y)
+
+
+@pytest.mark.parametrize("op", ["inv", "solve", "cholesky", "lu_factor", "inv_ex_checked"])
+def test_linalg_ops_that_check_for_a_singular_matrix_train_equal_to_eager(op):
+    """torch marks their check (`_linalg_check_errors`) an ordered side effect, which aot's joint trace threads
+    through as an effect token: the split failed with an internal SplitError. They are now their `_ex` forms and
+    an assert of the check."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), LinalgBlock(op), nn.Linear(8, 8), LinalgBlock(op), nn.Linear(8, 8))
+    threaded_step_matches_eager(_case(model.double(), (torch.randn(2, 8, dtype=torch.float64),
+                                                       torch.randn(2, 8, dtype=torch.float64))), "1f1b", 2,
+                                split_points=["2"])
+
+
+def test_a_singular_matrix_raises_in_the_pipeline_as_in_eager():
+    """The assert that stands for linalg's check raises on a singular matrix, naming the op."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), LinalgBlock("inv"), nn.Linear(8, 8))
+    with torch.no_grad():
+        model[1].w.copy_(-3 * torch.eye(8))   # w + 3 I == 0
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+        model(x)
+    sched = generate("1f1b", 2, 2)
+    staged = split_model(model, F.mse_loss, ((x[:2],), (y[:2],)), split_points=["2"])
+    with pytest.raises(RuntimeError, match="linalg_inv: the matrix is singular"):
+        run_threaded(model, staged, sched, (x, y))
+
+
 class ReadForItsShape(nn.Module):
     """`x` crosses the cut with a gradient (the first stage computes it from a parameter) but the next stage
     reads it only where no gradient passes: a dtype, a mask, a shape, an argmax."""
