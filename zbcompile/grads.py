@@ -141,8 +141,9 @@ def promoted(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
 
 def norm_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
     """The dtype of torch's get_total_norm over `tensors`: it stacks one norm per tensor, each in the tensor's
-    dtype, so their promotion (a bfloat16 model's norm is bfloat16); None for no tensors."""
-    return promoted(t.dtype for t in tensors)
+    dtype, so their promotion (a bfloat16 model's norm is bfloat16; a complex tensor's norm is real: float64 for
+    complex128); None for no tensors."""
+    return promoted(t.dtype.to_real() for t in tensors)
 
 
 def partial_device(grads: Sequence[torch.Tensor], device) -> torch.device:

@@ -139,7 +139,7 @@ def norm_dtype(pipe) -> torch.dtype:
     every stage's gradient outputs (their traced dtypes), not from this rank's parameters alone."""
     staged = pipe.compiled.staged
     graphs = [st.w for st in staged.stages] + [staged.vocab.graphs[k] for k in ("t", "ib") if staged.vocab]
-    dtypes = [node.meta["val"].dtype for g in graphs for name, node in g.output_nodes().items()
+    dtypes = [node.meta["val"].dtype.to_real() for g in graphs for name, node in g.output_nodes().items()
               if role_of(name) is Role.GRAD_PARAM and isinstance(node, torch.fx.Node) and "val" in node.meta]
     return grads.promoted(dtypes) or torch.get_default_dtype()
 
@@ -163,6 +163,7 @@ def _any_not_finite(tensors: Sequence[torch.Tensor]) -> bool:
     found = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
     groups: dict = {}
     for t in tensors:
+        t = torch.view_as_real(t) if t.is_complex() else t   # (the check takes real tensors only)
         groups.setdefault((t.device, t.dtype), []).append(t)
     one = torch.ones((), dtype=torch.float32, device=tensors[0].device)
     for group in groups.values():

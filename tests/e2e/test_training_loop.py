@@ -634,6 +634,53 @@ def test_the_norm_of_mixed_dtypes_is_torchs_on_every_rank():
         assert abs(post_norm - want.item()) <= 1e-12 * want.item(), (r, post_norm, want)
 
 
+class _SpectralFilter(torch.nn.Module):
+    """A learned complex filter over the sequence's spectrum (FNO / global-filter style), then a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.filt = torch.nn.Parameter(torch.randn(3, 8, dtype=torch.complex128) * 3)
+        self.lin = torch.nn.Linear(8, 8).double()
+
+    def forward(self, x):
+        y = torch.fft.irfft(torch.fft.rfft(x, dim=1) * self.filt, n=x.shape[1], dim=1)
+        return x + self.lin(torch.tanh(y))
+
+
+def test_the_norm_and_clipping_of_complex_parameters_are_torchs():
+    """A complex parameter's gradient norm is real (vector_norm of complex128 is float64): the total's dtype was
+    promoted to complex, and clip_grad_norm_ / step(max_norm=) failed in torch's clamp. get_total_norm of every
+    order, clip_grad_norm_ and the post-validated step's norm are eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_SpectralFilter(), _SpectralFilter(), _SpectralFilter())
+    x, y = torch.randn(4 * M, 5, 8, dtype=torch.float64), 5 * torch.randn(4 * M, 5, 8, dtype=torch.float64)
+    _, loss_fn, _, _, pipes = _pipes((model, F.mse_loss, (x, y), None), split_points=["1"])
+    ref = copy.deepcopy(model)
+    eager_step(ref, loss_fn, x, y, M)
+    grads = [p.grad.clone() for p in ref.parameters()]
+    want = torch.nn.utils.get_total_norm(grads)
+
+    def run(r):
+        pipes[r].step(x, y)
+        norms = {p: pipes[r].get_total_norm(p) for p in ORDERS}
+        clipped = pipes[r].clip_grad_norm_(0.5)
+        after = {n: p.grad.clone() for n, p in pipes[r].named_parameters()}
+        opt = torch.optim.SGD(pipes[r].parameters(), lr=0.1)
+        opt.zero_grad()
+        result = pipes[r].step(x, y, optimizer=opt, max_norm=0.5, post_validate=True)
+        pipes[r].settle()
+        return norms, clipped, after, result.norm
+
+    out = run_pipes(run, PP)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    refp = dict(ref.named_parameters())
+    for r, (norms, clipped, after, post_norm) in enumerate(out):
+        _assert_norms_are_torchs(norms, grads, f"rank {r}")
+        assert clipped.dtype == torch.float64 and abs(clipped.item() - want.item()) <= 1e-12 * want.item()
+        assert all(rel(g, refp[n].grad) <= 1e-12 for n, g in after.items()), r
+        assert abs(post_norm - want.item()) <= 1e-12 * want.item(), (r, post_norm, want)
+
+
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
     """A NaN in one rank's gradient makes grads_finite() False on every rank, and clip_grad_norm_ returns a NaN
     norm everywhere (error_if_nonfinite=True raises everywhere): the loop skips the step and nothing changes.
