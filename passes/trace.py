@@ -38,7 +38,8 @@ from zbcompile.errors import TraceError
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Traced, module_path
 from zbcompile.passes.functions import functions_as_ops
-from zbcompile.passes.trace_checks import check_example, check_step
+from zbcompile.passes.trace_checks import (buffer_slots, check_example, check_state_sizes, check_step,
+                                           update_reassigned_buffers)
 from zbcompile.passes.trace_decompositions import (DECOMPOSITIONS, detach_no_grad_regions, write_out_dropouts,
                                                    write_out_recurrent_dropouts)
 
@@ -65,10 +66,12 @@ class _Step(nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> torch.Tensor:
         inputs, targets = flat[: self._num_inputs], flat[self._num_inputs :]
+        slots = buffer_slots(self.model)
         if self._keywords:
             out = self.model(**dict(zip(self._keywords, inputs)))
         else:
             out = self.model(*inputs)
+        update_reassigned_buffers(slots)
         self._keep_returned(_state_returned(self.model, out))
         return self._loss_fn(out, *targets)
 
@@ -262,6 +265,7 @@ def _signature_problem(exc: Exception) -> str:
 
 
 def _decomposed(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    check_state_sizes(ep.graph_module)
     detach_no_grad_regions(ep.graph_module)
     write_out_recurrent_dropouts(ep.graph_module)
     write_out_dropouts(ep.graph_module)

@@ -24,7 +24,7 @@ from zbcompile.ir.names import Role, key_of, role_of
 from zbcompile.ir.stages import Graph, module_path
 from zbcompile.passes.graph_walk import ancestors
 
-__all__ = ["check_example", "check_step"]
+__all__ = ["buffer_slots", "check_example", "check_state_sizes", "check_step", "update_reassigned_buffers"]
 
 _aten = torch.ops.aten
 _SCALAR_READS = (_aten._local_scalar_dense.default, _aten.item.default)
@@ -155,3 +155,63 @@ def _where(node: fx.Node) -> str:
         k = own[-1]
         where += f" ({lines[k]}: {lines[k + 1]})" if k + 1 < len(lines) else f" ({lines[k]})"
     return where
+
+
+def check_state_sizes(gm: fx.GraphModule) -> None:
+    """TraceError for an op of the exported step that resizes state to another shape: `resize_` to a size its
+    tensor does not have, a per-channel fused observer (QAT's FusedMovingAvgObsFakeQuantize before calibration)
+    whose statistics do not have one entry per channel yet. The kernel resizes its buffers as it runs, which
+    the trace does not see: the stage graphs would be traced for the old shape."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.resize_.default):
+        val = node.args[0].meta.get("val")
+        if isinstance(val, torch.Tensor) and tuple(val.shape) != tuple(node.args[1]):
+            _refuse_resize(node, f"resizes a tensor of shape {tuple(val.shape)} to {tuple(node.args[1])}")
+    fused = torch.ops.aten.fused_moving_avg_obs_fake_quant.default
+    for node in gm.graph.find_nodes(op="call_function", target=fused):
+        args = dict(zip((a.name for a in fused._schema.arguments), node.args))
+        if not args.get("per_row_fake_quant", False):
+            continue
+        channels = args["self"].meta["val"].shape[args["ch_axis"]]
+        sizes = [args[k].meta["val"].numel() for k in ("running_min", "running_max", "scale", "zero_point")]
+        if any(n != channels for n in sizes):
+            _refuse_resize(node, f"holds {sizes[0]} running minima for {channels} channels (an observer not "
+                                 "calibrated yet: it sizes its statistics on its first call)")
+
+
+def _refuse_resize(node: fx.Node, what: str) -> None:
+    paths = [p for p in module_path(node) if p]
+    where = f"module `{paths[-1]}`" if paths else "the model"
+    raise TraceError(
+        f"the training step changes the shape of its state in {where}: `{node.target}` {what}. The pipeline's "
+        "graphs are traced for one shape. Run the model once in eager before compile (for quantization-aware "
+        "training: one calibration forward), so the state has its final shape")
+
+
+def buffer_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """(module, name, tensor) of every buffer of `model`, as it is before the traced forward."""
+    return [(m, name, t) for m in model.modules() for name, t in m._buffers.items() if t is not None]
+
+
+def update_reassigned_buffers(slots) -> None:
+    """Inside the traced step, after the model's forward: each buffer the forward reassigned (`self.ema = 0.9 *
+    self.ema + 0.1 * x.mean(0)`) put back, with the new value copied into it in place. Export records an
+    in-place update as the step's new value of the buffer, but drops a reassignment: the update would be lost
+    after every step, silently. A new value of another shape or dtype is refused: each stage graph is traced for
+    the buffer as it is."""
+    for module, name, old in slots:
+        new = module._buffers.get(name)
+        if new is old or not isinstance(new, torch.Tensor):
+            continue
+        if new.shape != old.shape or new.dtype != old.dtype:
+            raise TraceError(
+                f"the training step reassigns buffer `{name}` of {type(module).__name__} with a tensor of "
+                f"{_layout(new)} where it holds {_layout(old)}; the pipeline's graphs are traced for one shape and "
+                "dtype. Keep the buffer's shape and dtype (update it in place: `self.buf.copy_(new)`), or give it "
+                "its final shape before compile (run the model once in eager)")
+        module._buffers[name] = old
+        with torch.no_grad():
+            old.copy_(new)
+
+
+def _layout(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} {t.dtype}"

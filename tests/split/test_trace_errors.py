@@ -251,3 +251,51 @@ def test_an_example_of_the_wrong_shape_is_one_error_without_torchs_logged_traceb
         split_model(model, F.mse_loss, ((torch.randn(2, 3),), (torch.randn(2, 4),)), num_stages=2)
     err = capfd.readouterr().err
     assert "fake_tensor" not in err and "Traceback" not in err, err[:2000]
+
+
+class _Grows(nn.Module):
+    """State that takes another shape in the step: a buffer resized in place, or reassigned longer."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros(0))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.how == "resize_":
+            self.seen.resize_(4).copy_(y.detach().mean(0))
+        else:
+            self.seen = torch.cat([self.seen, y.detach().mean(0)])
+        return y
+
+
+def _qat(calibrated: bool) -> nn.Module:
+    import torch.ao.quantization as q
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).train()
+    model.qconfig = q.get_default_qat_qconfig("fbgemm")
+    with pytest.warns(Warning):   # torch.ao's deprecation and observer warnings
+        q.prepare_qat(model, inplace=True)
+    if calibrated:
+        model(torch.randn(8, 4))
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("make, match", [
+    (lambda: _Grows("resize_"), r"in the model: `aten.resize_.default` resizes a tensor of shape \(0,\) to \(4,\)"),
+    (lambda: _Grows("cat"), r"reassigns buffer `seen` of _Grows with a tensor of shape \(4,\) torch.float32 where "
+                            r"it holds shape \(0,\)"),
+    (lambda: _qat(False), r"module `0.weight_fake_quant`: .* holds 0 running minima for 4 channels .* calibration"),
+])
+def test_state_that_changes_shape_in_the_step_is_refused(make, match):
+    """The graphs are traced for one shape: the step crashed in copy_buffer (an uncalibrated QAT observer,
+    whose fused kernel resizes its statistics unseen by the trace), or would have traced a stale shape."""
+    with pytest.raises(TraceError, match=match):
+        split_model(make(), F.mse_loss, _mlp_example(), num_stages=2)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_a_calibrated_qat_model_splits():
+    assert len(split_model(_qat(True), F.mse_loss, _mlp_example(), num_stages=2).stages) == 2

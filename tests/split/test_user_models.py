@@ -295,6 +295,32 @@ def test_values_computed_under_no_grad_carry_no_gradient(schedule):
     threaded_step_matches_eager(_case(NoGradNet(), (torch.randn(2, 8), torch.randn(2, 8))), schedule, 2)
 
 
+class ReassignedAverage(nn.Module):
+    """A running average kept by reassigning its buffer (`self.avg = 0.9 * self.avg + ...`), read back in the
+    same step and in the next stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 1:
+                self.avg = 0.9 * self.avg + 0.1 * x.detach().mean(0)
+                x = x + self.avg
+        return x + self.avg
+
+
+def test_a_buffer_updated_by_reassignment_updates_as_in_eager():
+    """Export drops a reassigned buffer from the step's updates: the average never moved after a step, silently.
+    It is now the step's new value of the buffer, as an in-place update is."""
+    torch.manual_seed(0)
+    threaded_step_matches_eager(_case(ReassignedAverage(), (torch.randn(2, 8), torch.randn(2, 8))), "1f1b", 2,
+                                split_points=["layers.2"])
+
+
 class FrozenBackbone(nn.Module):
     """A backbone run under torch.no_grad() (`detach`: its output detached instead), its parameters left
     requires_grad=True, as fine-tuning code often does; a trained head. Eager gives the backbone no gradient."""
