@@ -171,6 +171,10 @@ class PipelineModule(nn.Module):
         step's. post_validate="inverse" undoes a wrong optimistic update in closed form instead of from a copy
         (AdamW, SGD: zbcompile/rollback.py; no snapshot memory, exact to rounding)."""
         batch = self._bound(batch, inputs, "step")
+        if max_norm is not None and optimizer is None:   # refused before anything runs, as every argument is
+            raise UsageError("step(max_norm=...) clips before an optimizer step: pass optimizer= too (or call "
+                             "pipe.clip_grad_norm_(max_norm) yourself after step())")
+        norm_type = grads.check_norm_type(norm_type)
         call = self._enter("step")
         self._check_step_context()
         if optimizer is not None:
@@ -188,15 +192,12 @@ class PipelineModule(nn.Module):
         loss = loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
         if optimizer is not None:
             try:
-                synchronous_step(self, optimizer, max_norm, grads.check_norm_type(norm_type), scaler)
+                synchronous_step(self, optimizer, max_norm, norm_type, scaler)
             except DisagreementError:   # raised on every rank alike, before any update
                 raise
             except BaseException as e:   # after the exchange: the peers update, this rank did not, or in part
                 self._failure = f"its optimizer step failed on this rank after the ranks' exchange: {e!r}"[:300]
                 raise
-        elif max_norm is not None:
-            raise UsageError("step(max_norm=...) clips before an optimizer step: pass optimizer= too (or call "
-                             "pipe.clip_grad_norm_(max_norm) yourself after step())")
         return loss
 
     def _post_validated(self, batch, optimizer, max_norm, norm_type, scaler, how, call: int):

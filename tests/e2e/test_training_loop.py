@@ -681,6 +681,35 @@ def test_the_norm_and_clipping_of_complex_parameters_are_torchs():
         assert abs(post_norm - want.item()) <= 1e-12 * want.item(), (r, post_norm, want)
 
 
+def test_a_step_with_bad_clipping_arguments_is_refused_before_it_runs():
+    """max_norm without optimizer= was refused after the step had run (gradients written, BatchNorm statistics
+    moved); a norm_type torch does not take was refused inside the optimizer step, which marked the pipeline
+    failed for good. Both are refused before anything runs, and the pipeline trains on."""
+    model, loss_fn, x, y, pipes = _pipes(convnet(batch=8), dtype=torch.float64)
+    ref = copy.deepcopy(model)
+
+    def run(r):
+        pipe = pipes[r]
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        before = {n: b.clone() for n, b in pipe.named_buffers()}
+        with pytest.raises(UsageError, match="pass optimizer= too"):
+            pipe.step(x, y, max_norm=1.0)
+        with pytest.raises(UsageError, match="norm_type must be a number .* got 'fro'"):
+            pipe.step(x, y, optimizer=opt, max_norm=1.0, norm_type="fro")
+        untouched = all(torch.equal(b, before[n]) for n, b in pipe.named_buffers())
+        graded = [n for n, p in pipe.named_parameters() if p.grad is not None]
+        return untouched, graded, pipe.step(x, y, optimizer=opt, max_norm=1.0)
+
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = eager_step(ref, loss_fn, x, y, M)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    opt_ref.step()
+    opt_ref.zero_grad()
+    for untouched, graded, loss in run_pipes(run, PP):
+        assert untouched and not graded and abs(loss - want) <= 1e-12 * abs(want)
+    _assert_state_equal(pipes, ref, 1e-12, "after the step")
+
+
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
     """A NaN in one rank's gradient makes grads_finite() False on every rank, and clip_grad_norm_ returns a NaN
     norm everywhere (error_if_nonfinite=True raises everywhere): the loop skips the step and nothing changes.
