@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zbcompile._torch_private import global_module_hooks
+from zbcompile.distributed import PLACED
 from zbcompile.errors import UsageError
 from zbcompile.watch import Watched, watch_of
 
@@ -198,6 +199,13 @@ def check_hooks(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise UsageError(f"zbcompile.compile takes an nn.Module (the model, or its class to decorate); got a "
                          f"{type(model).__name__}")
+    if getattr(model, PLACED, False) and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise UsageError(
+            "this model was compiled before: compile keeps on each rank only the parameters and buffers of its own "
+            "stages and moves the others to the meta device, so it is no whole model any more. To compile again "
+            "(another shape, other options), build the model again and load its weights (pipe.state_dict() holds "
+            "this rank's, zbcompile.checkpoint.save / load every rank's), or compile a copy.deepcopy(model) taken "
+            "before the first compile")
     for name, p in model.named_parameters():
         if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
             raise UsageError(f"parameter {name} has a gradient hook (register_hook / register_post_accumulate_grad_"
@@ -280,13 +288,13 @@ def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts:
         shape, dtype = spec
         if t.dtype != dtype and t.shape[0] // m == shape[0] and t.shape[1:] == shape[1:]:
             raise UsageError(f"batch argument {i} is {t.dtype}, but the model was compiled for {dtype} from "
-                             f"`example`: pass it as .to({dtype}), or compile again with an example of this dtype")
+                             f"`example`: pass it as .to({dtype}), or compile a fresh model with an example of this dtype")
         if t.dtype != dtype or t.shape[0] // m != shape[0] or t.shape[1:] != shape[1:]:
             got = (t.shape[0] // m, *t.shape[1:])
             raise UsageError(
                 f"batch argument {i}: {m} microbatches of shape {list(got)} ({t.dtype}), but the model was compiled "
                 f"for microbatches of shape {list(shape)} ({dtype}) from `example`; pass a batch of {m} x "
-                f"{shape[0]} rows with the example's other sizes, or compile again for this shape")
+                f"{shape[0]} rows with the example's other sizes, or compile a fresh model for this shape")
 
 
 def check_vocabulary(batch: Sequence[torch.Tensor], vocab, m: int, what: str, targets: bool = True) -> None:

@@ -175,9 +175,13 @@ def device_for(model: nn.Module, pg) -> torch.device:
     return torch.device("cpu")
 
 
+PLACED = "_zbcompile_placed"   # set on a model whose other ranks' state keep_only has dropped
+
+
 def keep_only(model: nn.Module, params: Sequence[str], buffers: Sequence[str], device: torch.device,
                init_fn) -> None:
-    """Drop (to meta) what this rank does not use; give real storage to owned meta tensors and initialize them."""
+    """Drop (to meta) what this rank does not use; give real storage to owned meta tensors and initialize them.
+    The model is marked placed (PLACED)."""
     keep = {id(model.get_parameter(n)) for n in params}
     keep_buf = {id(model.get_buffer(n)) for n in buffers}
     swapped: dict[int, torch.Tensor] = {}
@@ -207,6 +211,8 @@ def keep_only(model: nn.Module, params: Sequence[str], buffers: Sequence[str], d
                     to_init[id(mod)] = mod
                 elif id(b) not in keep_buf and not b.is_meta:
                     mod._buffers[name] = torch.empty_like(b, device="meta")
+        # (compile_with refuses the model from now on: the other ranks' state is gone from it)
+        object.__setattr__(model, PLACED, True)
         for mod in to_init.values():
             if init_fn is not None:
                 init_fn(mod)

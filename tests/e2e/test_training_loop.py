@@ -710,6 +710,21 @@ def test_a_step_with_bad_clipping_arguments_is_refused_before_it_runs():
     _assert_state_equal(pipes, ref, 1e-12, "after the step")
 
 
+def test_compiling_a_model_compiled_before_is_refused_saying_why():
+    """compile keeps each rank's own stages and moves the rest of the model to meta: a second compile of that
+    model (or of a deepcopy of pipe.model, after training) failed deep in the trace with torch's device
+    mismatch ("meta and cpu"). It is refused before anything runs, saying how to compile again."""
+    from zbcompile.api import compile_with
+
+    model, loss_fn, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+    opts = CompileOptions.from_kwargs(None, schedule="1f1b", microbatches=M, loss_fn=loss_fn,
+                                      example=((x[:2],), (y[:2],)))
+    for placed in (pipes[0].model, copy.deepcopy(pipes[1].model)):
+        assert any(p.is_meta for p in placed.parameters())
+        with pytest.raises(UsageError, match="this model was compiled before: .* build the model again"):
+            compile_with(placed, opts)
+
+
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank():
     """A NaN in one rank's gradient makes grads_finite() False on every rank, and clip_grad_norm_ returns a NaN
     norm everywhere (error_if_nonfinite=True raises everywhere): the loop skips the step and nothing changes.
