@@ -37,7 +37,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils import _pytree as pytree
 
-from zbcompile._torch_private import OpOverload, StorageWeakRef, TorchDispatchMode
+from zbcompile._torch_private import OpOverload, StorageWeakRef, TorchDispatchMode, is_fake
 from zbcompile.errors import TraceError
 
 __all__ = ["functions_as_ops", "op_parts", "op_from_parts"]
@@ -51,7 +51,8 @@ _names: dict[str, tuple] = {}           # op name -> the key it was made for
 
 @contextmanager
 def functions_as_ops():
-    """While active (one trace), `Function.apply` of a user Function calls its custom op (module docstring)."""
+    """While active (one trace), `Function.apply` of a user Function calls its custom op (module docstring), and
+    a gradient hook registered on a traced tensor raises TraceError."""
     base = torch.autograd.Function
     original = base.__dict__["apply"]
 
@@ -67,12 +68,25 @@ def functions_as_ops():
             args, kwargs = inspect.signature(cls.forward).bind(*args, **kwargs).args, {}
         return _op_for(cls, args, kwargs)(args, kwargs)
 
+    register_hook = torch.Tensor.register_hook
+
+    def refuse_hook(tensor, hook):
+        if not is_fake(tensor):   # (another thread's real tensors, while this one traces)
+            return register_hook(tensor, hook)
+        raise TraceError(
+            "the model registers a gradient hook on a tensor inside forward (`tensor.register_hook`): the traced "
+            "step does not record it, and the gradients before it would silently differ from eager's. Write it as "
+            "a custom torch.autograd.Function whose backward does what the hook does (zbcompile traces those): "
+            "e.g. forward returns x.view_as(x), backward returns the hook's result for the gradient")
+
     with _lock:   # one patched trace at a time: the patch is process-wide
         base.apply = classmethod(apply)
+        torch.Tensor.register_hook = refuse_hook
         try:
             yield
         finally:
             base.apply = original
+            torch.Tensor.register_hook = register_hook
 
 
 def op_parts(target) -> tuple | None:

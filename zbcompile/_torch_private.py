@@ -23,6 +23,11 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 # unchanged on 2.11-2.13.
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+# is_fake(t): whether t is a fake tensor or wraps one (a FunctionalTensor of export's trace); what tells a tensor
+# hook registered while the step is traced from one registered on real tensors (passes/functions.py);
+# torch._subclasses.fake_tensor, unchanged on 2.11-2.13.
+from torch._subclasses.fake_tensor import is_fake
+
 # StorageWeakRef(storage): a hashable key for a (fake) tensor's storage, equal for every view of it, by the
 # storage's C++ identity (FakeTensor storages have no data_ptr); what functionalization and the partitioners use,
 # in torch.multiprocessing.reductions without a public twin on 2.11-2.13 (passes/lower/offload.py).
@@ -40,6 +45,7 @@ __all__ = [
     "aot_export_joint_simple",
     "min_cut_rematerialization_partition",
     "FakeTensorMode",
+    "is_fake",
     "StorageWeakRef",
     "tree_leaves",
     "tree_map",

@@ -299,3 +299,23 @@ def test_state_that_changes_shape_in_the_step_is_refused(make, match):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
 def test_a_calibrated_qat_model_splits():
     assert len(split_model(_qat(True), F.mse_loss, _mlp_example(), num_stages=2).stages) == 2
+
+
+class _HookInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h.register_hook(lambda g: g * 2)   # gradient scaling, as a gradient-reversal layer writes it
+        return self.b(h)
+
+
+def test_a_gradient_hook_registered_in_forward_is_refused():
+    """Export does not record a tensor hook: the gradients before it silently differed from eager's (halved)."""
+    with pytest.raises(TraceError, match=r"gradient hook on a tensor inside forward .*torch.autograd.Function"):
+        split_model(_HookInForward(), F.mse_loss, _mlp_example(), num_stages=2)
+    x = torch.randn(2, 4, requires_grad=True)
+    x.register_hook(lambda g: g)   # outside a trace, torch's own method is back
+    _HookInForward()(x).sum().backward()
