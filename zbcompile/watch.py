@@ -224,7 +224,7 @@ def _reached(functions: list[types.FunctionType], methods: dict | None = None) -
     definition along the MRO: `super().forward()` names the base's), a plain function of the same Python
     module by its global name (a helper such as `attention(self, q, k)` reads the module's attributes as much
     as forward does; a library's utilities elsewhere are not the model's), a function in its closure (the
-    method a decorator wraps)."""
+    method a decorator wraps), the methods of a custom autograd.Function named (_function_code)."""
     seen = {fn.__code__: fn for fn in functions}
     todo = list(functions)
     while todo:
@@ -234,11 +234,23 @@ def _reached(functions: list[types.FunctionType], methods: dict | None = None) -
         called += [v for n in sorted(names) if isinstance(v := fn.__globals__.get(n), types.FunctionType)
                    and v.__globals__ is fn.__globals__]
         called += [v for v in map(_cell_contents, fn.__closure__ or ()) if isinstance(v, types.FunctionType)]
+        called += [f for n in sorted(names) for f in _function_code(fn.__globals__.get(n))]
         for f in called:
             if f.__code__ not in seen:
                 seen[f.__code__] = f
                 todo.append(f)
     return list(seen.values())
+
+
+def _function_code(value) -> list[types.FunctionType]:
+    """The forward, backward and setup_context of `value` where it is a torch.autograd.Function class of the
+    user's (`GradReverse.apply(x, ...)`): code a step runs, whose backward the trace recorded with the globals it
+    read then (a gradient-reversal coefficient annealed through a global)."""
+    if not (isinstance(value, type) and issubclass(value, torch.autograd.Function)):
+        return []
+    return [f for klass in value.__mro__ if not klass.__module__.startswith("torch.")
+            for attr in ("forward", "backward", "setup_context")
+            if isinstance(f := getattr(vars(klass).get(attr), "__func__", vars(klass).get(attr)), types.FunctionType)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -501,6 +501,19 @@ SHIFT = 0.0
 
 
 OFFSET = torch.zeros(8, dtype=torch.float64)
+REVERSAL = 1.0
+
+
+class _Reverse(torch.autograd.Function):
+    """Gradient reversal scaled by a global (DANN anneals it): only the backward reads it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -REVERSAL * g
 
 
 def _tilted(m, x):
@@ -525,6 +538,8 @@ class _ReadsEverywhere(torch.nn.Module):
             x = torch.tanh(layer(x))
             if i == 0:
                 x = x * self.cfg.scale / self._temp * self.mix[0] * self.gate
+            if i == 1:
+                x = _Reverse.apply(x)
             if i == 2:
                 x = x * layer.gain + (1.0 if SKIP else 0.0)
         return _tilted(self, x)
@@ -558,13 +573,14 @@ def _helped_loss(out, y):
 
 @pytest.mark.fresh_split   # the traced tensor constant must be this model's own (changed in place below)
 @pytest.mark.parametrize("change", ["config", "private", "list", "child", "global", "gate", "forward", "helper",
-                                    "helper global", "global tensor"])
+                                    "helper global", "global tensor", "function global"])
 def test_a_value_the_model_reads_from_anywhere_changed_after_compile_is_refused(change):
     """Each of these was read by the trace and ignored when the loop changed it (eager's loss moved, the
-    pipeline's did not), also where only a helper function the forward calls reads it: refused at the next call,
+    pipeline's did not), also where only a helper function the forward calls reads it, or only the backward of a
+    custom autograd.Function (gradients moved, not the loss): refused at the next call,
     naming it; put back, the pipeline trains as before. A plain
     tensor attribute changed in place is read by every step, as in eager."""
-    global SKIP, SHIFT, OFFSET
+    global SKIP, SHIFT, OFFSET, REVERSAL
     torch.manual_seed(0)
     model = _ReadsEverywhere().double()
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
@@ -594,17 +610,19 @@ def test_a_value_the_model_reads_from_anywhere_changed_after_compile_is_refused(
              "child": r"layers\.2\.gain changed", "global": r"global SKIP changed after compile \(False -> True\)",
              "gate": r"gate was replaced", "forward": r"forward changed", "helper": r"attribute tilt changed",
              "helper global": r"global SHIFT changed after compile \(0\.0 -> 1\.0\)",
-             "global tensor": r"global OFFSET was replaced"}
+             "global tensor": r"global OFFSET was replaced",
+             "function global": r"global REVERSAL changed after compile \(1\.0 -> 0\.5\)"}
     if "global" in change:   # one value for every rank's copy: changed once, each rank refuses
         offset = OFFSET
         SKIP, SHIFT = change == "global", 1.0 if change == "helper global" else 0.0
         OFFSET = offset + 1 if change == "global tensor" else offset
+        REVERSAL = 0.5 if change == "function global" else 1.0
         try:
             for r in range(PP):
                 with pytest.raises(UsageError, match=names[change]):
                     pipes[r].step(x, y)
         finally:
-            SKIP, SHIFT, OFFSET = False, 0.0, offset
+            SKIP, SHIFT, OFFSET, REVERSAL = False, 0.0, offset, 1.0
     else:
         _refused_then_trains(pipes, x, y, apply, lambda m: apply(m, undo=True), names[change])
     with torch.no_grad():   # (the threads' programs read the traced model's tensor constants)
