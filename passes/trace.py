@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import traceback
 import warnings
 from typing import Callable, Mapping
@@ -269,10 +270,37 @@ def _decomposed(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgra
     detach_no_grad_regions(ep.graph_module)
     write_out_recurrent_dropouts(ep.graph_module)
     write_out_dropouts(ep.graph_module)
+    items = _output_items(ep)
     with warnings.catch_warnings():
         # torch 2.13's own run_decompositions trips its LeafSpec deprecation; nothing a user can act on
         warnings.filterwarnings("ignore", message=".*LeafSpec.* is deprecated", category=FutureWarning)
-        return ep.run_decompositions(DECOMPOSITIONS)
+        out = ep.run_decompositions(DECOMPOSITIONS)
+    out.graph_module.meta[_RENAMED] = _items_renamed(out, items)
+    return out
+
+
+_RENAMED = "zbcompile_output_names"   # the model outputs' names in the decomposed graph, where they moved
+
+
+def _output_items(ep) -> dict[str, tuple[str, int]]:
+    """Each model output the call signature names that is an item of a multi-result op (a custom Function's
+    result: `getitem(op, 0)`), as (the op's name, the index). run_decompositions numbers the getitems anew but
+    keeps the signature's names: `getitem_1` may then be another value (the loss's)."""
+    entry = next((e for e in ep.module_call_graph if e.fqn == _WRAPPED and e.signature is not None), None)
+    nodes = {n.name: n for n in ep.graph.nodes}
+    out = {}
+    for arg in entry.signature.outputs if entry is not None else ():
+        node = nodes.get(getattr(arg, "name", None))
+        if node is not None and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            out[node.name] = (node.args[0].name, node.args[1])
+    return out
+
+
+def _items_renamed(ep, items: dict[str, tuple[str, int]]) -> dict[str, str]:
+    """The names `items` (_output_items) have in the decomposed `ep`."""
+    where = {(n.args[0].name, n.args[1]): n.name for n in ep.graph.nodes
+             if n.target is operator.getitem and isinstance(n.args[0], fx.Node)}
+    return {old: where[item] for old, item in items.items() if item in where}
 
 
 def _model_outputs(ep, graph: Graph, returned: list[frozenset]) -> ModelOutputs | None:
@@ -285,9 +313,10 @@ def _model_outputs(ep, graph: Graph, returned: list[frozenset]) -> ModelOutputs 
         return None
     names = dict(zip((n.name for n in graph.gm.graph.find_nodes(op="placeholder")), graph.inputs))
     nodes = {n.name for n in graph.gm.graph.nodes}
+    renamed = ep.graph_module.meta.get(_RENAMED, {})
     leaves: list = []
     for arg in entry.signature.outputs:
-        name = getattr(arg, "name", None)
+        name = renamed.get(getattr(arg, "name", None), getattr(arg, "name", None))
         value = names.get(name, name)
         # export's signature also names a parameter or buffer where the value was removed as dead (the loss
         # does not read it): it is the leaf only where the model returned that very tensor

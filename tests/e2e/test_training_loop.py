@@ -1045,6 +1045,47 @@ def _outputs(outs: list) -> tuple[int, object]:
     return held[0]
 
 
+class _Split(torch.autograd.Function):
+    """A custom Function with two results: the model's outputs come straight out of it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 3, x.sum(-1)
+
+    @staticmethod
+    def backward(ctx, g, gs):
+        return 3 * g + gs[..., None]
+
+
+class _EndsInAFunction(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return _Split.apply(x)
+
+
+def _loss_through_max(out, y):
+    return F.mse_loss(out[0].max(-1).values + out[1], y.mean(-1))
+
+
+def test_forward_returns_outputs_that_come_straight_out_of_a_custom_function():
+    """run_decompositions numbers the getitems anew but keeps the call signature's names: pipe(x) looked up the
+    Function's result by a name the loss's own getitem then had, and returned the row maxima the loss computes
+    (or read the targets: a raw IndexError). It returns eager's outputs."""
+    torch.manual_seed(0)
+    model = _EndsInAFunction().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    _, _, _, _, pipes = _pipes((model, _loss_through_max, (x, y), None))
+    with torch.no_grad():
+        want = model(x)
+    _, (out, total) = _outputs(run_pipes(lambda r: pipes[r](x), PP))
+    assert out.shape == (8, 6) and rel(out, want[0]) <= 1e-12 and rel(total, want[1]) <= 1e-12
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv", "dualpipev"])
 def test_forward_returns_the_model_outputs_in_eval_mode(schedule):
     """pipe(x) after eval() returns what the eager model returns under no_grad in eval mode (dropout in the
