@@ -129,7 +129,7 @@ def _detach_reads(gm: fx.GraphModule, region: fx.Node) -> None:
     kept as they are)."""
     body = getattr(gm, region.args[1].target)
     written = _written_placeholders(body.graph)
-    for i, (operand, ph) in enumerate(zip(region.args[2:], body.graph.find_nodes(op="placeholder"))):
+    for operand, ph in zip(region.args[2:], body.graph.find_nodes(op="placeholder")):
         val = operand.meta.get("val") if isinstance(operand, fx.Node) else None
         if isinstance(val, torch.Tensor) and val.requires_grad and ph not in written:
             with gm.graph.inserting_before(region):

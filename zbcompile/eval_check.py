@@ -14,8 +14,8 @@ reads `training`.
 
 The shapes are traced on the meta device, or where that fails (a forward making a tensor without `device=`) on
 stand-ins where the example is. An example on the meta device, a model of more than 2 GiB (the stand-ins are
-allocated whole), a step that fails on the stand-ins, and a vocabulary-parallel pipe (its model holds this rank's rows of the tables) are
-not checked; a warning says so (the last: the README).
+allocated whole), a step that fails on the stand-ins, and a vocabulary-parallel pipe (its model holds this
+rank's rows of the tables) are not checked; a warning says so (the last: the README).
 """
 
 from __future__ import annotations

@@ -201,7 +201,8 @@ def _globals_named(fn: types.FunctionType):
             yield n, fn.__globals__[n]
 
 
-def _methods(cls: type) -> list[types.FunctionType]:
+@functools.lru_cache(maxsize=None)   # (names_read and _globals_read both walk it, per class)
+def _methods(cls: type) -> tuple[types.FunctionType, ...]:
     """The code a step may run of `cls`: its methods defined in the class's own Python module and `forward`,
     then, transitively, every method (along the MRO) and every plain function of the same Python module that
     this code names. A library base class's other methods (HuggingFace's `save_pretrained`, `push_to_hub`) are
@@ -216,7 +217,7 @@ def _methods(cls: type) -> list[types.FunctionType]:
                 defined.setdefault(attr, []).append(fn)
     found = {fn.__code__: fn for attr, fns in defined.items() for fn in fns
              if attr == "forward" or fn.__module__ == cls.__module__}
-    return _reached(list(found.values()), defined)
+    return tuple(_reached(list(found.values()), defined))
 
 
 def _reached(functions: list[types.FunctionType], methods: dict | None = None) -> list[types.FunctionType]:

@@ -170,12 +170,15 @@ def accumulating_graph(g: ProgramGraph) -> ProgramGraph:
     """
     graph = fx.Graph()
     outs = list(graph.graph_copy(g.gm.graph, {}))
-    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    # (a graph without inputs returns only zeros: a parameter its stage reads without a gradient, see split_fbw)
+    anchor = ([n for n in graph.nodes if n.op == "placeholder"] or [None])[-1]
     sums = {}
     extra = []
     for i, name in enumerate(g.outputs):
         if role_of(name) is Role.GRAD_PARAM:
-            with graph.inserting_after(anchor):
+            where = graph.inserting_after(anchor) if anchor is not None else graph.inserting_before(
+                next(iter(graph.nodes)))
+            with where:
                 anchor = sums[i] = graph.placeholder("acc_" + python_name(name))
             if "val" in outs[i].meta:   # the sum is shaped as the gradient; a compiler reads placeholders' vals
                 sums[i].meta["val"] = outs[i].meta["val"]

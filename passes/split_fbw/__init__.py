@@ -40,6 +40,7 @@ The package, in the order a stage goes through it:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Callable, Mapping, Sequence
 
@@ -52,9 +53,9 @@ from zbcompile.ir.names import VOCAB_EMB, Role, key_of, role_of
 from zbcompile.ir.stages import Graph, Partition, Stage, StagedModel, TensorSpec
 from zbcompile.passes.forward_only import output_graph
 from zbcompile.passes.split_fbw.b_w import _split_b_w
-from zbcompile.passes.split_fbw.common import _aten
+from zbcompile.passes.split_fbw.common import _aten, _placeholder
 from zbcompile.passes.split_fbw.diagnose import _explain_joint_failure
-from zbcompile.passes.split_fbw.fbw import _backward_graph, _forward_graph
+from zbcompile.passes.split_fbw.fbw import _backward_graph, _forward_graph, _zeros
 from zbcompile.passes.split_fbw.joint import _differentiable_forward, _fake_arg, _trivial_program
 
 __all__ = ["split_fbw", "split_stage"]
@@ -84,8 +85,39 @@ def split_fbw(cut: Partition) -> StagedModel:
     # the loss stage's forward returning the model's outputs, kept for an evaluation step that asks for them
     meta = {"split_points": cut.split_points, "outputs": output_graph(cut)}
     sharded = frozenset(cut.vocab.params) if cut.vocab is not None else frozenset()
+    stages = _grade_shared(stages, traced.frozen, traced.device)
     return StagedModel(_hold_unused(tuple(stages), traced, sharded), traced.num_inputs, traced.num_targets,
                        traced.tied, meta, cut.vocab)
+
+
+def _grade_shared(stages: list[Stage], frozen, device) -> list[Stage]:
+    """`stages` where a stage that reads a trained parameter without a gradient (under torch.no_grad(), through
+    a detach) while another stage differentiates it returns a zero gradient for it. Its rank holds a copy of the
+    parameter: without a gradient of its own it would take no part in the sum of the copies' gradients, keep
+    `.grad` None, and its copy would never move while the others do. A parameter no stage differentiates keeps
+    no gradient anywhere, as in eager."""
+    graded = {key_of(n) for st in stages for n in st.w.outputs if role_of(n) is Role.GRAD_PARAM}
+    out = []
+    for st in stages:
+        missing = [p for p in st.params if p in graded and p not in frozen and f"grad:param:{p}" not in st.w.outputs]
+        if missing:
+            likes = [_placeholder(st.f.gm, st.f.inputs.index(f"param:{p}")).meta["val"] for p in missing]
+            names = tuple(f"grad:param:{p}" for p in missing)
+            st = dataclasses.replace(st, w=_with_zeros(st.w, names, likes, device),
+                                     bw=_with_zeros(st.bw, names, likes, device))
+        out.append(st)
+    return out
+
+
+def _with_zeros(graph: Graph, names: tuple[str, ...], likes, device) -> Graph:
+    """`graph` returning zeros shaped as each of `likes` too, named `names`."""
+    gm = fx.GraphModule(graph.gm, copy.deepcopy(graph.gm.graph), class_name=type(graph.gm).__name__)
+    out = gm.graph.output_node()
+    with gm.graph.inserting_before(out):
+        zeros = [_zeros(gm.graph, like, device) for like in likes]
+    out.args = (tuple(out.args[0]) + tuple(zeros),)
+    gm.recompile()
+    return dataclasses.replace(graph, gm=gm, outputs=graph.outputs + names)
 
 
 def _reads(stages: Sequence[Graph]) -> tuple[set[str], set[str]]:

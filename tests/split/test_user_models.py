@@ -351,6 +351,34 @@ def test_a_backbone_under_no_grad_gets_no_gradient_wherever_the_cut_falls(how, s
                                 split_points=split_points)
 
 
+class SharedUnderNoGrad(nn.Module):
+    """`b` used in both stages, in one of them only under torch.no_grad() (`first`: the first stage's use)."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        if self.first:
+            with torch.no_grad():
+                h = self.b(self.a(x))
+            return self.d(self.b(self.c(h)))
+        g = self.c(self.b(self.a(x)))
+        with torch.no_grad():
+            scale = self.b(g).norm()   # reads c's output: in the last stage
+        return self.d(g) / scale
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["no_grad-first", "no_grad-last"])
+def test_a_parameter_one_stage_reads_under_no_grad_gets_the_other_stages_gradient(first):
+    """The rank whose stage reads `b` only under no_grad took no part in summing the copies' gradients: its
+    `.grad` stayed None and its copy never moved while the other rank's did. Every holder now has eager's."""
+    torch.manual_seed(0)
+    threaded_step_matches_eager(_case(SharedUnderNoGrad(first), (torch.randn(2, 8), torch.randn(2, 8))), "1f1b", 2,
+                                split_points=["c"])
+
+
 class LinalgBlock(nn.Module):
     """A block solving with its own weight matrix: linalg ops whose eager form checks for a singular matrix."""
 
