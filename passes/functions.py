@@ -51,8 +51,9 @@ _names: dict[str, tuple] = {}           # op name -> the key it was made for
 
 @contextmanager
 def functions_as_ops():
-    """While active (one trace), `Function.apply` of a user Function calls its custom op (module docstring), and
-    a gradient hook registered on a traced tensor raises TraceError."""
+    """While active (one trace), `Function.apply` of a user Function calls its custom op (module docstring), a
+    gradient hook registered on a traced tensor raises TraceError, and `torch.inference_mode()` in the traced
+    thread is a no_grad region."""
     base = torch.autograd.Function
     original = base.__dict__["apply"]
 
@@ -79,14 +80,32 @@ def functions_as_ops():
             "a custom torch.autograd.Function whose backward does what the hook does (zbcompile traces those): "
             "e.g. forward returns x.view_as(x), backward returns the hook's result for the gradient")
 
+    inference = torch.inference_mode
+    enter, leave, tracer = inference.__enter__, inference.__exit__, threading.get_ident()
+
+    def enter_as_no_grad(self):
+        # export records a grad-mode switch (a no_grad region), not inference mode: gradients flowed through
+        # the region where eager's have none. Traced as the no_grad region it is to autograd.
+        if threading.get_ident() != tracer or not self.mode:
+            return enter(self)
+        self._zb_grad = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
+
+    def leave_as_no_grad(self, *exc):
+        if not hasattr(self, "_zb_grad"):
+            return leave(self, *exc)
+        torch.set_grad_enabled(self.__dict__.pop("_zb_grad"))
+
     with _lock:   # one patched trace at a time: the patch is process-wide
         base.apply = classmethod(apply)
         torch.Tensor.register_hook = refuse_hook
+        inference.__enter__, inference.__exit__ = enter_as_no_grad, leave_as_no_grad
         try:
             yield
         finally:
             base.apply = original
             torch.Tensor.register_hook = register_hook
+            inference.__enter__, inference.__exit__ = enter, leave
 
 
 def op_parts(target) -> tuple | None:

@@ -379,6 +379,37 @@ def test_a_parameter_one_stage_reads_under_no_grad_gets_the_other_stages_gradien
                                 split_points=["c"])
 
 
+class InferenceRegion(nn.Module):
+    """A gate computed under torch.inference_mode() (`decorated`: a submodule whose forward is decorated)."""
+
+    def __init__(self, decorated: bool) -> None:
+        super().__init__()
+        self.decorated = decorated
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    @torch.inference_mode()
+    def _gate(self, h):
+        return self.b(h).sigmoid()
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.decorated:
+            s = self._gate(h)
+        else:
+            with torch.inference_mode():
+                s = self.b(h).sigmoid()
+        return self.d(self.c(h) * s.clone())
+
+
+@pytest.mark.parametrize("decorated", [False, True], ids=["context", "decorator"])
+def test_an_inference_mode_region_carries_no_gradient(decorated):
+    """Export recorded no grad-mode switch for torch.inference_mode(): gradients flowed through the region (`b`
+    got one where eager's is None, `a`'s was 14% off). The trace takes it as the no_grad region it is."""
+    torch.manual_seed(0)
+    threaded_step_matches_eager(_case(InferenceRegion(decorated), (torch.randn(2, 8), torch.randn(2, 8))), "1f1b",
+                                2, split_points=["c"])
+
+
 class LinalgBlock(nn.Module):
     """A block solving with its own weight matrix: linalg ops whose eager form checks for a singular matrix."""
 
