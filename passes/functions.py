@@ -52,8 +52,8 @@ _names: dict[str, tuple] = {}           # op name -> the key it was made for
 @contextmanager
 def functions_as_ops():
     """While active (one trace), `Function.apply` of a user Function calls its custom op (module docstring), a
-    gradient hook registered on a traced tensor raises TraceError, and `torch.inference_mode()` in the traced
-    thread is a no_grad region."""
+    gradient hook registered on a traced tensor and torch.autograd.grad over traced tensors raise TraceError,
+    and `torch.inference_mode()` in the traced thread is a no_grad region."""
     base = torch.autograd.Function
     original = base.__dict__["apply"]
 
@@ -69,7 +69,7 @@ def functions_as_ops():
             args, kwargs = inspect.signature(cls.forward).bind(*args, **kwargs).args, {}
         return _op_for(cls, args, kwargs)(args, kwargs)
 
-    register_hook = torch.Tensor.register_hook
+    register_hook, tracer = torch.Tensor.register_hook, threading.get_ident()
 
     def refuse_hook(tensor, hook):
         if not is_fake(tensor):   # (another thread's real tensors, while this one traces)
@@ -80,8 +80,19 @@ def functions_as_ops():
             "a custom torch.autograd.Function whose backward does what the hook does (zbcompile traces those): "
             "e.g. forward returns x.view_as(x), backward returns the hook's result for the gradient")
 
+    autograd_grad = torch.autograd.grad
+
+    def refuse_grad(outputs, inputs, *args, **kwargs):
+        leaves = [t for t in (*pytree.tree_leaves(outputs), *pytree.tree_leaves(inputs)) if isinstance(t, torch.Tensor)]
+        if threading.get_ident() != tracer or not any(map(is_fake, leaves)):
+            return autograd_grad(outputs, inputs, *args, **kwargs)
+        raise TraceError(
+            "the model calls torch.autograd.grad inside forward (a gradient penalty, an input-gradient feature): "
+            "a pipeline stage's backward is split from its forward and cannot run a backward of its own inside "
+            "the forward. Compute such a term outside the pipelined step, or write it as ops of the forward")
+
     inference = torch.inference_mode
-    enter, leave, tracer = inference.__enter__, inference.__exit__, threading.get_ident()
+    enter, leave = inference.__enter__, inference.__exit__
 
     def enter_as_no_grad(self):
         # export records a grad-mode switch (a no_grad region), not inference mode: gradients flowed through
@@ -100,12 +111,14 @@ def functions_as_ops():
         base.apply = classmethod(apply)
         torch.Tensor.register_hook = refuse_hook
         inference.__enter__, inference.__exit__ = enter_as_no_grad, leave_as_no_grad
+        torch.autograd.grad = refuse_grad
         try:
             yield
         finally:
             base.apply = original
             torch.Tensor.register_hook = register_hook
             inference.__enter__, inference.__exit__ = enter, leave
+            torch.autograd.grad = autograd_grad
 
 
 def op_parts(target) -> tuple | None:

@@ -356,6 +356,10 @@ def _explain_export_failure(exc: BaseException, model: nn.Module) -> str:
             "the stage graphs are split op by op), or decide outside the model: a Python setting of the model "
             "or loss_fn, fixed before compile (compile again to change it)."
         )
+    if "fake tensor in the exported program constant" in text:   # export's words for a tensor it lost track of
+        return (f"could not capture the training step ({where}): a tensor was made outside what the trace "
+                "records, the usual cause `tensor.data` in forward (write `.detach()`, which the trace keeps); "
+                f"torch: {text}")
     return f"could not capture the training step ({where}): {type(exc).__name__}: {text}"
 
 

@@ -319,3 +319,28 @@ def test_a_gradient_hook_registered_in_forward_is_refused():
     x = torch.randn(2, 4, requires_grad=True)
     x.register_hook(lambda g: g)   # outside a trace, torch's own method is back
     _HookInForward()(x).sum().backward()
+
+
+class _GradInForward(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.how == "autograd.grad":   # an input-gradient feature
+            (g,) = torch.autograd.grad((self.b(h) ** 2).sum(), h, create_graph=True)
+            return h + g
+        return self.b(h) * h.data
+
+
+@pytest.mark.parametrize("how, match", [
+    ("autograd.grad", r"calls torch.autograd.grad inside forward"),
+    (".data", r"the usual cause `tensor.data` in forward \(write `.detach\(\)`"),
+])
+def test_a_gradient_or_data_taken_inside_forward_is_refused_naming_it(how, match):
+    """Both gave only torch.export's internal text ("a fake tensor in the exported program constant's list ...
+    Please file an issue"), naming neither the construct nor the fix."""
+    with pytest.raises(TraceError, match=match):
+        split_model(_GradInForward(how), F.mse_loss, _mlp_example(), num_stages=2)
