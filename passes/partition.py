@@ -169,8 +169,11 @@ def cut_starts(traced: Traced, split_points: Sequence[str]) -> list[int]:
     last: dict[str, int] = {}
     for i, node in enumerate(nodes):
         for path in module_path(node):
-            first.setdefault(path, i)
-            last[path] = i
+            # a torch.compile'd submodule (`self.b = torch.compile(block)`) runs its module as `b._orig_mod`:
+            # named by the user's path, `b`, as well
+            for name in {path, ".".join(p for p in path.split(".") if p != "_orig_mod")}:
+                first.setdefault(name, i)
+                last[name] = i
     position = {n: i for i, n in enumerate(nodes)}
     marks = [position[n] for n in _marker_nodes(traced)]
     by_name = {n.name: i for i, n in enumerate(nodes)}

@@ -410,6 +410,15 @@ def test_an_inference_mode_region_carries_no_gradient(decorated):
                                 2, split_points=["c"])
 
 
+def test_a_split_point_on_a_torch_compiled_submodule_names_it_as_the_user_does():
+    """`self.b = torch.compile(block)` runs as `b._orig_mod` in the trace: split_points=["b"] was refused as a
+    module that computes nothing."""
+    torch.manual_seed(0)
+    block = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), backend="eager")
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), block, nn.Linear(8, 8))
+    threaded_step_matches_eager(_case(model, (torch.randn(2, 8), torch.randn(2, 8))), "1f1b", 2, split_points=["2"])
+
+
 class LinalgBlock(nn.Module):
     """A block solving with its own weight matrix: linalg ops whose eager form checks for a singular matrix."""
 
