@@ -106,6 +106,13 @@ class Traced:
             if now is not held:
                 what = {"_modules": "module", "_parameters": "parameter", "_buffers": "buffer"}[kind]
                 full = f"{name}.{key}" if name else key
+                if isinstance(now, torch.Tensor) and isinstance(held, torch.Tensor) and (
+                        now.dtype, now.device) != (held.dtype, held.device):   # model.float(), .to() on the model
+                    raise UsageError(
+                        f"{what} {full} was converted after compile, from {held.dtype} on {held.device} to "
+                        f"{now.dtype} on {now.device} (through the original model, or a part of it: .float(), "
+                        ".to()), but a compiled pipeline's graphs and messages are fixed to the dtypes and device "
+                        "it was compiled with. Convert the model before compiling")
                 raise UsageError(f"{what} {full} was {'removed' if now is None else 'replaced'} after compile, but "
                                  f"the compiled step keeps reading the {what} it was traced with (a new one would "
                                  "never be used, nor get a gradient). Make the change before zbcompile.compile (a "

@@ -147,6 +147,22 @@ def test_a_conversion_that_bypasses_the_pipeline_is_refused_at_the_next_step():
         pipe.step(x, y)
 
 
+def test_the_original_model_converted_whole_is_refused_as_a_conversion_on_every_rank():
+    """pipe.model.double() replaces each buffer with a converted copy: it was refused as a buffer "replaced",
+    with advice for a new module. Every rank (holding the buffer, or its meta stand-in) now names the
+    conversion."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    _, _, _, _, pipes = _pipes(Case(model, torch.nn.functional.mse_loss, (x, y), 4))
+    for pipe in pipes:
+        pipe.model.double()
+        with pytest.raises(UsageError, match=r"buffer 1\.running_mean was converted after compile, from "
+                                             r"torch\.float32 on (cpu|meta) to torch\.float64"):
+            pipe.step(x, y)
+
+
 def test_a_conversion_that_changes_nothing_and_state_loading_still_work(mlp_pipes):
     """.to(float32) / .float() / .cpu() / .to("cpu") on a float32 CPU pipeline, share_memory() and a
     state-dict round trip are accepted, and the pipeline then steps as eager does."""
