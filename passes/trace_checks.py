@@ -196,22 +196,23 @@ def update_reassigned_buffers(slots) -> None:
     """Inside the traced step, after the model's forward: each buffer the forward reassigned (`self.ema = 0.9 *
     self.ema + 0.1 * x.mean(0)`) put back, with the new value copied into it in place. Export records an
     in-place update as the step's new value of the buffer, but drops a reassignment: the update would be lost
-    after every step, silently. A new value of another shape or dtype is refused: each stage graph is traced for
-    the buffer as it is."""
+    after every step, silently. A new value of another shape is refused: each stage graph is traced for the
+    buffer as it is; one of another dtype or device (a cast cache) is left as export has it."""
     for module, name, old in slots:
         new = module._buffers.get(name)
         if new is old or not isinstance(new, torch.Tensor):
             continue
-        if new.shape != old.shape or new.dtype != old.dtype:
+        if new.shape != old.shape:
             raise TraceError(
-                f"the training step reassigns buffer `{name}` of {type(module).__name__} with a tensor of "
-                f"{_layout(new)} where it holds {_layout(old)}; the pipeline's graphs are traced for one shape and "
-                "dtype. Keep the buffer's shape and dtype (update it in place: `self.buf.copy_(new)`), or give it "
-                "its final shape before compile (run the model once in eager)")
+                f"the training step reassigns buffer `{name}` of {type(module).__name__} with a tensor of shape "
+                f"{tuple(new.shape)} where it holds {tuple(old.shape)}; the pipeline's graphs are traced for one "
+                "shape. Keep the buffer's shape (update it in place: `self.buf.copy_(new)`), or give it its final "
+                "shape before compile (run the model once in eager)")
+        if (new.dtype, new.device) != (old.dtype, old.device):
+            # a cache cast to the input's dtype or moved to its device (`self.cos = self.cos.to(x.dtype)`): each
+            # step's graph makes the same conversion of the buffer as it is, and reads that
+            continue
         module._buffers[name] = old
         with torch.no_grad():
             old.copy_(new)
 
-
-def _layout(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)} {t.dtype}"

@@ -321,6 +321,34 @@ def test_a_buffer_updated_by_reassignment_updates_as_in_eager():
                                 split_points=["layers.2"])
 
 
+class CastCache(nn.Module):
+    """A float32 table cast to the input's dtype by reassignment in forward, as some models keep a rotary cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.register_buffer("table", torch.linspace(0, 1, 8))
+
+    def forward(self, x):
+        self.table = self.table.to(x.dtype)
+        return self.b(torch.tanh(self.a(x)) * self.table)
+
+
+def test_a_buffer_cast_by_reassignment_is_no_update_and_trains_as_eager():
+    """A reassignment of another dtype is a cast of the buffer as it is, which every step's graph makes again:
+    not refused, not written back."""
+    torch.manual_seed(0)
+    model = CastCache().double()
+    model.table = model.table.float()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    staged = split_model(model, F.mse_loss, ((x[:2],), (y[:2],)), split_points=["b"])
+    assert not any(n.startswith("buffer:") for st in staged.stages for n in st.f.outputs)
+    losses, _, _ = run_threaded(model, staged, generate("1f1b", 2, 4), (x, y))
+    ref = copy.deepcopy(model)
+    want = sum(F.mse_loss(ref(a), b).item() for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+    assert all(abs(v - want) <= 1e-12 * want for v in losses), (losses, want)
+
+
 class FrozenBackbone(nn.Module):
     """A backbone run under torch.no_grad() (`detach`: its output detached instead), its parameters left
     requires_grad=True, as fine-tuning code often does; a trained head. Eager gives the backbone no gradient."""
