@@ -60,16 +60,16 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> None:
     device = flat[0].device
     meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)
     try:
-        switched, plain = _both_modes(_stand_ins(model, "meta"), loss_fn, meta)
+        switched, plain = _both_modes(_stand_ins(model, "meta"), loss_fn, meta, device)
     except ZBCompileError:
-        # a forward that makes a tensor without device= (torch.eye(n)), or a loss_fn holding a tensor of its
-        # own, cannot meet meta weights: the same on stand-ins allocated where the example is
+        # a forward that makes a tensor without device= (torch.eye(n)), one that makes a constant on the input's
+        # device (meta, then: no values to move), or a loss_fn holding a tensor of its own, cannot meet meta
+        # weights: the same on stand-ins allocated where the example is
         try:
-            switched, plain = _both_modes(_stand_ins(model, device), loss_fn, example)
+            switched, plain = _both_modes(_stand_ins(model, device), loss_fn, example, device)
         except ZBCompileError as e:
             log.warning("evaluate: the model's eval-mode branches are not checked (tracing it failed: %s)", e)
             return
-    switched, plain = (dataclasses.replace(g, gm=retarget_device(g.gm, device)) for g in (switched, plain))
     values = _values((switched, plain), flat)
     try:
         got, want = (_loss(g, values) for g in (switched, plain))
@@ -117,13 +117,13 @@ def _values(graphs, flat) -> dict[str, torch.Tensor]:
     return out
 
 
-def _both_modes(shape: nn.Module, loss_fn, example):
+def _both_modes(shape: nn.Module, loss_fn, example, device):
     """The step of `shape` traced in train mode with dropout and batch norm switched off, and traced in eval
-    mode: each as a forward-only graph of the loss."""
+    mode: each as a forward-only graph of the loss, its constants on `device`."""
     switched = forward_loss(split.trace(shape, loss_fn, example).graph, training=False)
     with _eval_modes(shape):
         plain = forward_loss(split.trace(shape, loss_fn, example).graph, training=True)
-    return switched, plain
+    return tuple(dataclasses.replace(g, gm=retarget_device(g.gm, device)) for g in (switched, plain))
 
 
 def _stand_ins(model: nn.Module, device) -> nn.Module:

@@ -151,6 +151,17 @@ class _HalvedWithAConstant(_HalvedInTraining):
         return self.c(h)
 
 
+class _HalvedWithADeviceConstant(_HalvedInTraining):
+    """The same branch beside a constant made on the input's device (HF Falcon's attention): on the meta trace
+    it is a meta constant with no values to move, and the check failed with a TraceError about meta models."""
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x))) * torch.tensor([0.5], device=x.device, dtype=x.dtype)
+        if self.training:
+            h = h * 0.5
+        return self.c(h)
+
+
 class _ModeAware(torch.nn.Module):
     """What eval() does switch: F.dropout(training=self.training), as HF models write it, and a BatchNorm."""
 
@@ -163,7 +174,7 @@ class _ModeAware(torch.nn.Module):
         return self.b(torch.tanh(h))
 
 
-@pytest.mark.parametrize("model", [_HalvedInTraining, _HalvedWithAConstant, _ModeAware])
+@pytest.mark.parametrize("model", [_HalvedInTraining, _HalvedWithAConstant, _HalvedWithADeviceConstant, _ModeAware])
 def test_a_branch_on_self_training_is_refused_in_eval_mode_not_run_as_trained(model):
     """A Python branch on `self.training` was fixed in its train-mode path by the trace: evaluate() and pipe(x)
     after eval() returned the train-mode loss and outputs, silently. The first eval-mode call traces the model
