@@ -267,6 +267,7 @@ class _Recurrent(torch.nn.Module):
         return self.b(self.rnn(self.a(x).transpose(0, 1))[0].transpose(0, 1))
 
 
+@pytest.mark.slow   # 15-35 s each: the recurrent layers' joint traces
 @pytest.mark.parametrize("rnn, batch_first, kwargs", [
     (torch.nn.LSTM, True, {}), (torch.nn.GRU, False, {"bidirectional": True}),
     (torch.nn.LSTM, True, {"proj_size": 4, "bidirectional": True}), (torch.nn.RNN, False, {"nonlinearity": "relu"}),
