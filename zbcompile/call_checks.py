@@ -86,10 +86,7 @@ class Traced:
         self.check_model()
         for name, t, dtype, device in self.layouts:
             if t.dtype != dtype or t.device != device:
-                raise UsageError(f"rank {rank}: {name} was converted after compiling, from {dtype} on {device} to "
-                                 f"{t.dtype} on {t.device} (through the original model, or a part of it); a "
-                                 "compiled pipeline's graphs and messages are fixed to what it was compiled with. "
-                                 "Convert the model before compiling (model.double(), then zbcompile.compile)")
+                raise _converted(f"rank {rank}: {name}", dtype, device, t)
 
     def check_model(self) -> None:
         """UsageError for a module whose mode or dropout probability changed since compile, a hook added or
@@ -107,12 +104,8 @@ class Traced:
                 what = {"_modules": "module", "_parameters": "parameter", "_buffers": "buffer"}[kind]
                 full = f"{name}.{key}" if name else key
                 if isinstance(now, torch.Tensor) and isinstance(held, torch.Tensor) and (
-                        now.dtype, now.device) != (held.dtype, held.device):   # model.float(), .to() on the model
-                    raise UsageError(
-                        f"{what} {full} was converted after compile, from {held.dtype} on {held.device} to "
-                        f"{now.dtype} on {now.device} (through the original model, or a part of it: .float(), "
-                        ".to()), but a compiled pipeline's graphs and messages are fixed to the dtypes and device "
-                        "it was compiled with. Convert the model before compiling")
+                        now.dtype, now.device) != (held.dtype, held.device):   # a buffer, by model.double()
+                    raise _converted(f"{what} {full}", held.dtype, held.device, now)
                 raise UsageError(f"{what} {full} was {'removed' if now is None else 'replaced'} after compile, but "
                                  f"the compiled step keeps reading the {what} it was traced with (a new one would "
                                  "never be used, nor get a gradient). Make the change before zbcompile.compile (a "
@@ -199,10 +192,19 @@ def _hooks(x) -> tuple:
     return tuple(tuple(getattr(x, k, None) or ()) for k in kinds)
 
 
+def _converted(name: str, dtype: torch.dtype, device: torch.device, now: torch.Tensor) -> UsageError:
+    """The refusal of tensor `name`, compiled as `dtype` on `device`, converted since to `now`'s."""
+    return UsageError(f"{name} was converted after compiling, from {dtype} on {device} to {now.dtype} on "
+                      f"{now.device} (through the original model, or a part of it); a compiled pipeline's graphs "
+                      "and messages are fixed to what it was compiled with. Convert the model before compiling "
+                      "(model.double(), then zbcompile.compile)")
+
+
 def check_hooks(model: nn.Module) -> None:
     """UsageError before tracing for a hook the compiled step would never call: a parameter's gradient hooks
     (register_hook, register_post_accumulate_grad_hook) and a module's backward hooks. The stage graphs compute
-    the gradients themselves; forward hooks are traced into them and run. (First: that it is a module at all.)"""
+    the gradients themselves; forward hooks are traced into them and run. (First: that it is a module at all, and
+    not one compiled before, whose other ranks' state is on meta.)"""
     if not isinstance(model, nn.Module):
         raise UsageError(f"zbcompile.compile takes an nn.Module (the model, or its class to decorate); got a "
                          f"{type(model).__name__}")
@@ -295,7 +297,8 @@ def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts:
         shape, dtype = spec
         if t.dtype != dtype and t.shape[0] // m == shape[0] and t.shape[1:] == shape[1:]:
             raise UsageError(f"batch argument {i} is {t.dtype}, but the model was compiled for {dtype} from "
-                             f"`example`: pass it as .to({dtype}), or compile a fresh model with an example of this dtype")
+                             f"`example`: pass it as .to({dtype}), or compile a fresh model with an example of "
+                             "this dtype")
         if t.dtype != dtype or t.shape[0] // m != shape[0] or t.shape[1:] != shape[1:]:
             got = (t.shape[0] // m, *t.shape[1:])
             raise UsageError(

@@ -158,7 +158,7 @@ def test_the_original_model_converted_whole_is_refused_as_a_conversion_on_every_
     _, _, _, _, pipes = _pipes(Case(model, torch.nn.functional.mse_loss, (x, y), 4))
     for pipe in pipes:
         pipe.model.double()
-        with pytest.raises(UsageError, match=r"buffer 1\.running_mean was converted after compile, from "
+        with pytest.raises(UsageError, match=r"buffer 1\.running_mean was converted after compiling, from "
                                              r"torch\.float32 on (cpu|meta) to torch\.float64"):
             pipe.step(x, y)
 
