@@ -23,6 +23,7 @@ from zbcompile.errors import TraceError
 from zbcompile.ir.names import Role, key_of, role_of
 from zbcompile.ir.stages import Graph, module_path
 from zbcompile.passes.graph_walk import ancestors
+from zbcompile.passes.trace_decompositions import bound_arguments
 
 __all__ = ["buffer_slots", "check_example", "check_state_sizes", "check_step", "update_reassigned_buffers"]
 
@@ -168,8 +169,8 @@ def check_state_sizes(gm: fx.GraphModule) -> None:
             _refuse_resize(node, f"resizes a tensor of shape {tuple(val.shape)} to {tuple(node.args[1])}")
     fused = torch.ops.aten.fused_moving_avg_obs_fake_quant.default
     for node in gm.graph.find_nodes(op="call_function", target=fused):
-        args = dict(zip((a.name for a in fused._schema.arguments), node.args))
-        if not args.get("per_row_fake_quant", False):
+        args = bound_arguments(node)   # (per_row_fake_quant given by keyword, or left at its default)
+        if not args["per_row_fake_quant"]:
             continue
         channels = args["self"].meta["val"].shape[args["ch_axis"]]
         sizes = [args[k].meta["val"].numel() for k in ("running_min", "running_max", "scale", "zero_point")]

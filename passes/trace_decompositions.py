@@ -28,7 +28,8 @@ import operator
 import torch
 from torch import fx
 
-__all__ = ["DECOMPOSITIONS", "detach_no_grad_regions", "write_out_dropouts", "write_out_recurrent_dropouts"]
+__all__ = ["DECOMPOSITIONS", "bound_arguments", "detach_no_grad_regions", "write_out_dropouts",
+           "write_out_recurrent_dropouts"]
 
 aten = torch.ops.aten
 _ALPHA = 1.7580993408473766   # SELU's alpha, as ATen's alpha dropout has it
@@ -188,7 +189,7 @@ def write_out_recurrent_dropouts(gm: fx.GraphModule) -> None:
     would silently train without the dropout. Written as `aten.dropout`, the draw is the one nn.Dropout makes,
     and evaluation switches it off as it does nn.Dropout's."""
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _RECURRENT]:
-        bound = _bind(node)
+        bound = bound_arguments(node)
         if (bound["num_layers"] > 1 and bound["dropout"] > 0 and bound["train"]
                 and all(u.target is operator.getitem for u in node.users)):
             with gm.graph.inserting_before(node):
@@ -200,7 +201,7 @@ def write_out_recurrent_dropouts(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _bind(node: fx.Node) -> dict:
+def bound_arguments(node: fx.Node) -> dict:
     """The node's arguments by their schema names, defaults filled in."""
     args = node.target._schema.arguments
     return {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
