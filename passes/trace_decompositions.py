@@ -28,6 +28,8 @@ import operator
 import torch
 from torch import fx
 
+from zbcompile.passes.analysis.aliases import written_inputs
+
 __all__ = ["DECOMPOSITIONS", "bound_arguments", "detach_no_grad_regions", "write_out_dropouts",
            "write_out_recurrent_dropouts"]
 
@@ -128,11 +130,10 @@ def _inline(gm: fx.GraphModule, region: fx.Node) -> bool:
 def _detach_reads(gm: fx.GraphModule, region: fx.Node) -> None:
     """The operands of the no_grad `region` that carry a gradient, detached for it (those it writes in place
     kept as they are)."""
-    body = getattr(gm, region.args[1].target)
-    written = _written_placeholders(body.graph)
-    for operand, ph in zip(region.args[2:], body.graph.find_nodes(op="placeholder")):
+    written = written_inputs(getattr(gm, region.args[1].target))
+    for i, operand in enumerate(region.args[2:]):
         val = operand.meta.get("val") if isinstance(operand, fx.Node) else None
-        if isinstance(val, torch.Tensor) and val.requires_grad and ph not in written:
+        if isinstance(val, torch.Tensor) and val.requires_grad and i not in written:
             with gm.graph.inserting_before(region):
                 _detach_for(gm.graph, operand, [region], after=None)
 
@@ -145,32 +146,6 @@ def _detach_for(graph: fx.Graph, value: fx.Node, readers, *, after: fx.Node | No
         detached.meta["val"] = value.meta["val"].detach()
     for user in readers:
         user.replace_input_with(value, detached)
-
-
-def _written_placeholders(graph: fx.Graph) -> set[fx.Node]:
-    """The placeholders of `graph` that an op writes in place, directly or through a view of them."""
-    written, aliases = set(), {ph: ph for ph in graph.find_nodes(op="placeholder")}
-    for node in graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        first = node.args[0] if node.args else None
-        root = aliases.get(first) if isinstance(first, fx.Node) else None
-        if schema.is_mutable:
-            written.update(aliases[a] for a in node.all_input_nodes if a in aliases
-                           and _writes(schema, node, a))
-        if root is not None and (schema.is_mutable or getattr(node.target, "is_view", False)):
-            aliases[node] = root   # a view of the placeholder, or an in-place op returning it
-    return written
-
-
-def _writes(schema, node: fx.Node, arg: fx.Node) -> bool:
-    """Whether `node` (an op with schema `schema`) writes its argument `arg`."""
-    for i, a in enumerate(schema.arguments):
-        given = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-        if given is arg and a.alias_info is not None and a.alias_info.is_write:
-            return True
-    return False
 
 
 _RECURRENT = {   # op -> (its hidden state is a list (LSTM: h and c), its input is packed (data, batch_sizes))

@@ -25,6 +25,9 @@ Per node, by the op alone (the split side, which asks about one node at a time):
     moves_no_data(node)    a view, a getitem, or an aten op that in practice returns its input's memory
                            (_unsafe_view, alias, lift_fresh, _reshape_alias): the cost model charges nothing
 
+And one question of writes: written_inputs(gm), the placeholder positions an op writes in place, directly or
+through a view (`b.mul_(0.9)`, `w[0].zero_()`).
+
 Every function here is pure: it reads the graph and writes nothing into it (nor into `gm.meta`).
 """
 
@@ -38,8 +41,8 @@ from torch import fx
 
 from zbcompile._torch_private import OpOverload, op_schema
 
-__all__ = ["graph_output_aliases", "graph_output_owned", "node_roots", "is_view", "view_base", "may_alias_input",
-           "moves_no_data"]
+__all__ = ["graph_output_aliases", "graph_output_owned", "node_roots", "written_inputs", "is_view", "view_base",
+           "may_alias_input", "moves_no_data"]
 
 # aten ops whose schema calls the result fresh but that return (a view of) their input's memory
 _NO_COPY = frozenset({"_unsafe_view", "alias", "lift_fresh", "_reshape_alias"})
@@ -106,6 +109,18 @@ def node_roots(gm: fx.GraphModule) -> dict[fx.Node, frozenset]:
         elif node.op != "output":
             roots[node] = _node_roots(node, roots)
     return roots
+
+
+def written_inputs(gm: fx.GraphModule) -> frozenset[int]:
+    """The positions of the placeholders whose memory an op writes in place (a `Tensor(a!)` argument)."""
+    roots = node_roots(gm)
+    written: set = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, OpOverload):
+            for schema_arg, value in _bound_args(node):
+                if schema_arg.alias_info is not None and schema_arg.alias_info.is_write:
+                    fx.node.map_arg(value, lambda n: written.update(roots.get(n, ())))
+    return frozenset(r for r in written if isinstance(r, int))
 
 
 def _node_roots(node: fx.Node, roots: dict[fx.Node, frozenset]) -> frozenset:
