@@ -210,8 +210,7 @@ class PipelineModule(nn.Module):
         if optimizer is None:
             raise UsageError("step(post_validate=True) updates the parameters itself: pass optimizer= (a torch "
                              "optimizer over pipe.parameters())")
-        norm_type = grads.check_norm_type(norm_type)
-        if norm_type == 0 and max_norm is not None and self.staged.vocab is not None:
+        if norm_type == 0 and max_norm is not None and self.staged.vocab is not None:   # (step checked norm_type)
             raise UsageError("step(max_norm=..., norm_type=0, post_validate=True) with vocab_parallel: the 0-\"norm\" "
                              "counts nonzero tensors, and a vocabulary parameter is one tensor over every rank's "
                              "rows, which the prefix chain cannot count once; use post_validate=False (the "
