@@ -28,6 +28,7 @@ import operator
 import torch
 from torch import fx
 
+from zbcompile._torch_private import op_schema
 from zbcompile.passes.analysis.aliases import written_inputs
 
 __all__ = ["DECOMPOSITIONS", "bound_arguments", "detach_no_grad_regions", "write_out_dropouts",
@@ -178,7 +179,7 @@ def write_out_recurrent_dropouts(gm: fx.GraphModule) -> None:
 
 def bound_arguments(node: fx.Node) -> dict:
     """The node's arguments by their schema names, defaults filled in."""
-    args = node.target._schema.arguments
+    args = op_schema(node.target).arguments
     return {a.name: node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value)
             for i, a in enumerate(args)}
 
@@ -199,7 +200,7 @@ def _layer_by_layer(call: "_Writer", op, bound: dict) -> list[fx.Node]:
             layer["data"] = x
         else:
             layer["input"] = x
-        out = call(op, *(layer[a.name] for a in op._schema.arguments))
+        out = call(op, *(layer[a.name] for a in op_schema(op).arguments))
         x = call(operator.getitem, out, 0)
         for k, final in enumerate(finals):
             final.append(call(operator.getitem, out, k + 1))

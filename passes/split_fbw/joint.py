@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import fx
 
-from zbcompile._torch_private import FakeTensorMode, OpOverload
+from zbcompile._torch_private import FakeTensorMode, OpOverload, op_schema
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Graph
 from zbcompile.passes.analysis.aliases import may_alias_input
@@ -121,9 +121,9 @@ def _unchecked_linalg(g: fx.Graph, node: fx.Node, env: Mapping[fx.Node, fx.Node]
         return g.node_copy(node, lambda n: env[n])   # an `_ex` form that does not check: nothing to do
     kwargs = {**node.kwargs, "check_errors": False}
     call = g.call_function(ex, tuple(env[a] if isinstance(a, fx.Node) else a for a in node.args), kwargs)
-    info = g.call_function(operator.getitem, (call, len(ex._schema.returns) - 1))
+    info = g.call_function(operator.getitem, (call, len(op_schema(ex).returns) - 1))
     ok = g.call_function(_aten.all.default, (g.call_function(_aten.eq.Scalar, (info, 0)),))
-    g.call_function(_aten._assert_async.msg, (ok, f"{ex._schema.name.split('::')[1].removesuffix('_ex')}: the "
+    g.call_function(_aten._assert_async.msg, (ok, f"{ex.overloadpacket.__name__.removesuffix('_ex')}: the "
                                               "matrix is singular (or, for a Cholesky factorization, not "
                                               "positive-definite); eager torch raises a LinAlgError here"))
     if results == 1:
