@@ -76,12 +76,22 @@ def split_fbw(cut: Partition) -> StagedModel:
             return acts[name]
         return False  # buffers and user data
 
-    stages, (read, detached) = [], _reads(cut.stages)
-    for sg in cut.stages:
-        dropped = frozenset(n for n in sg.outputs if n in detached and n not in read)
-        stage = split_stage(sg, requires_grad, device=traced.device, no_grad_sends=dropped)
-        acts.update((spec.name, spec.requires_grad) for spec in stage.send)
-        stages.append(stage)
+    read, detached = _reads(cut.stages)
+    gradless = frozenset(n for n in detached if n not in read)
+    memo: dict = {}
+    while True:   # twice at most where a stage sends on only what carries no gradient (below)
+        stages = []
+        for sg in cut.stages:
+            dropped = frozenset(n for n in sg.outputs if n in gradless)
+            key = (sg.index, dropped, tuple(requires_grad(n) for n in sg.inputs))
+            if key not in memo:
+                memo[key] = split_stage(sg, requires_grad, device=traced.device, no_grad_sends=dropped)
+            stages.append(memo[key])
+            acts.update((spec.name, spec.requires_grad) for spec in stages[-1].send)
+        unanswered = _unanswered(stages)
+        if not unanswered:
+            break
+        gradless |= unanswered
     # the loss stage's forward returning the model's outputs, kept for an evaluation step that asks for them
     meta = {"split_points": cut.split_points, "outputs": output_graph(cut)}
     sharded = frozenset(cut.vocab.params) if cut.vocab is not None else frozenset()
@@ -118,6 +128,18 @@ def _with_zeros(graph: Graph, names: tuple[str, ...], likes, device) -> Graph:
     out.args = (tuple(out.args[0]) + tuple(zeros),)
     gm.recompile()
     return dataclasses.replace(graph, gm=gm, outputs=graph.outputs + names)
+
+
+def _unanswered(stages: Sequence[Stage]) -> frozenset[str]:
+    """The activations sent with a gradient that the next stage's backward never returns: it reads them only
+    through ops without a derivative (`h.argmax(-1)`) and has no graded output of its own, so it has no backward.
+    Their senders must not wait for that gradient: they are split again sending them without one, and in turn
+    may have no backward left (upstream of an argmax eager gives no gradient either)."""
+    missing = set()
+    for st in stages[1:]:
+        missing.update(spec.name for spec in st.recv
+                       if spec.requires_grad and spec.name != VOCAB_EMB and f"grad:{spec.name}" not in st.bw.outputs)
+    return frozenset(missing)
 
 
 def _reads(stages: Sequence[Graph]) -> tuple[set[str], set[str]]:

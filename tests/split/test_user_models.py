@@ -597,3 +597,32 @@ def test_one_tensor_given_twice_in_the_example_is_two_arguments():
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(8, 8), nn.Tanh())])
     x = torch.randn(2, 8)
     threaded_step_matches_eager(models.Case(model, F.mse_loss, (x, x), 4), "1f1b", 2)
+
+
+class ArgmaxRelay(nn.Module):
+    """A middle stage that reads its input only through argmax (no gradient) and sends on the indices alone:
+    nothing upstream of it gets a gradient (eager: None); `skip` also sends the first stage's output around it,
+    so the first stage does get one through the last."""
+
+    def __init__(self, skip: bool) -> None:
+        super().__init__()
+        self.skip = skip
+        self.a = nn.Linear(8, 8)
+        self.relay = nn.Tanh()
+        self.emb = nn.Embedding(8, 8)
+        self.d = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        idx = self.relay(h).argmax(-1)
+        out = self.d(self.emb(idx))
+        return out + h if self.skip else out
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["relay", "relay+skip"])
+def test_a_stage_sending_on_only_what_has_no_gradient_ends_the_backward_there(skip):
+    """The first stage waited for the gradient of `h`, which the middle stage (argmax alone) never sends:
+    lowering failed with "no rank's program produces it". The first stage now knows no gradient comes back."""
+    torch.manual_seed(0)
+    threaded_step_matches_eager(_case(ArgmaxRelay(skip), (torch.randn(2, 8), torch.randn(2, 8))), "1f1b", 3,
+                                split_points=["relay", "emb"])
