@@ -163,6 +163,21 @@ def test_the_original_model_converted_whole_is_refused_as_a_conversion_on_every_
             pipe.step(x, y)
 
 
+def test_a_part_converted_on_every_rank_is_refused_on_every_rank_at_once():
+    """The same edit on every rank (`pipe.model[0].double()`, a part only rank 0 holds) was refused on rank 0
+    alone: the others, whose copy of the part is on meta, entered the step and waited for rank 0 until the
+    timeout. Their meta stand-ins are converted too, so every rank refuses before sending anything."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    _, _, _, _, pipes = _pipes(Case(model, torch.nn.functional.mse_loss, (x, y), 4), timeout=5)
+    for r, pipe in enumerate(pipes):
+        pipe.model[0].double()
+        with pytest.raises(UsageError, match=rf"rank {r}: 0\.weight was converted after compiling, from "
+                                             r"torch\.float32 on (cpu|meta) to torch\.float64"):
+            pipe.step(x, y)
+
+
 def test_a_conversion_that_changes_nothing_and_state_loading_still_work(mlp_pipes):
     """.to(float32) / .float() / .cpu() / .to("cpu") on a float32 CPU pipeline, share_memory() and a
     state-dict round trip are accepted, and the pipeline then steps as eager does."""
