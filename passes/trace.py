@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import operator
+import threading
 import traceback
 import warnings
 from typing import Callable, Mapping
@@ -207,6 +208,17 @@ def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
     """The exported step, why it does not keep the model's call signature ("" where it does), and which output
     leaves are the model's parameters or buffers themselves (_state_returned)."""
     step = _Step(model, loss_fn, num_inputs, keywords)
+    # one export at a time in a process: non-strict export patches nn.Module.__call__ and torch functions for
+    # the whole process while it traces, so ranks run as threads (the loopback world: each rank's first
+    # evaluate() in eval mode traces its eval check) could see each other's patches mid-trace
+    with _EXPORTING:
+        return _export_locked(step, model, flat)
+
+
+_EXPORTING = threading.RLock()
+
+
+def _export_locked(step: _Step, model: nn.Module, flat):
     try:
         # a custom autograd.Function keeps its backward (passes/functions.py); an op that fails on the fake
         # tensors (an example of the wrong shape) is our TraceError below, without fake_tensor's logged tracebacks
