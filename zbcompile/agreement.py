@@ -201,12 +201,14 @@ def wait_until_compiled(pg, rank: int, timeout: float) -> None:
 
 
 def batch_checksum(batch: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per argument: its sum and a weighted sum, in float64, the weights fixed pseudo-random numbers in [1, 2)
-    (the same on every rank): a batch whose rows are shuffled, or whose tokens changed in a pattern a linear
-    weighting cancels (+1, -1, -1, +1 on four neighbours), has another weighted sum."""
+    """Per argument: its sum and a weighted sum, in float64 (of a complex one's real and imaginary parts), the
+    weights fixed pseudo-random numbers in [1, 2) (the same on every rank): a batch whose rows are shuffled, or
+    whose tokens changed in a pattern a linear weighting cancels (+1, -1, -1, +1 on four neighbours), has another
+    weighted sum."""
     sums = []
     for t in batch:
-        flat = t.detach().reshape(-1).to(torch.float64)
+        t = t.detach()
+        flat = (torch.view_as_real(t.resolve_conj()) if t.is_complex() else t).reshape(-1).to(torch.float64)
         sums += [flat.sum(), (flat * _weights(flat.numel()).to(flat.device)).sum()]
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
 
