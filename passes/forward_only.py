@@ -131,7 +131,7 @@ def _without_unread_inputs(g: Graph) -> Graph:
 
 def _forward_copy(f: Graph, keep: list[int], training: bool, where: str) -> Graph:
     """A copy of `f` returning its outputs at `keep`, in eval mode unless `training`, with what computed only
-    the others removed."""
+    the others removed, and every view a reshape (which views where the layout allows)."""
     gm = fx.GraphModule(f.gm, copy.deepcopy(f.gm.graph))
     graph = gm.graph
     out = graph.output_node()
@@ -140,6 +140,10 @@ def _forward_copy(f: Graph, keep: list[int], training: bool, where: str) -> Grap
     out.args = (tuple(out.args[0][i] for i in keep),)
     if not training:
         _to_eval_mode(graph, where)
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        # as in the step's graphs (split_fbw's _differentiable_forward): a received activation is contiguous,
+        # where the trace may have seen a permuted view whose `.contiguous()` export dropped as redundant
+        node.target = torch.ops.aten.reshape.default
     graph.eliminate_dead_code(is_impure_node=_impure)
     gm.recompile()
     outputs = tuple(f.outputs[i] for i in keep)

@@ -111,13 +111,19 @@ def flatten_example(example) -> tuple[tuple[torch.Tensor, ...], int, int]:
 
 
 def _distinct(flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """The example's tensors, a copy where one object comes again (`example=(x, x)`): export makes one graph input
-    of a repeated object, so the step would read one batch argument where the model reads the other (the targets
-    fed to the model). Each argument of a step is its own tensor; only the example's values are shared."""
+    """The example's tensors as a step hands them to the stage graphs:
+
+    - contiguous: the runtime stages every microbatch in a contiguous buffer, so a trace on the example's own
+      layout (a slice `batch[:, :-1]`, a channels_last image) would fix strides the graphs never see: frames cut
+      by `x.as_strided(..., x.stride(0), ...)` read other samples, a `reshape` after a permute traced as a
+      `view` fails;
+    - a copy where one object comes again (`example=(x, x)`): export makes one graph input of a repeated object,
+      so the step would read one batch argument where the model reads the other (the targets fed to the model).
+      Each argument of a step is its own tensor; only the example's values are shared."""
     seen: set[int] = set()
     out = []
     for x in flat:
-        out.append(x.clone() if id(x) in seen else x)
+        out.append(x.clone(memory_format=torch.contiguous_format) if id(x) in seen else x.contiguous())
         seen.add(id(x))
     return tuple(out)
 
