@@ -273,8 +273,8 @@ class RankRuntime:
         m = self.ir.microbatches
         data: list = [None] * len(batch)
         for i in self.data_args:
-            # contiguous, as the example the graphs were traced with (a view in a graph may need it): a batch
-            # sliced out of a larger tensor (`batch[:, :-1]`) is not
+            # contiguous, as the trace made the example (passes/trace.py `_distinct`: a view or an as_strided in
+            # a graph reads the strides it was traced with): a batch sliced out of a larger tensor is not
             data[i] = batch[i].to(self.device, non_blocking=True).contiguous().chunk(m)   # m views in one C++ call
         return data
 
