@@ -12,8 +12,8 @@ reads `training`.
 
     check_eval_branches(model, loss_fn, example)    UsageError, or None
 
-The shapes are traced on the meta device, or where that fails (a forward making a tensor without `device=`) on
-stand-ins where the example is. An example on the meta device, a model of more than 2 GiB (the stand-ins are
+The shapes are traced on the meta device, or where that fails to trace (a forward making a tensor without
+`device=`) or to run (code choosing by device) on stand-ins where the example is. An example on the meta device, a model of more than 2 GiB (the stand-ins are
 allocated whole), a step that fails on the stand-ins, and a vocabulary-parallel pipe (its model holds this
 rank's rows of the tables) are not checked; a warning says so (the last: the README).
 """
@@ -57,26 +57,11 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> None:
         return
     log.info("evaluate: tracing the model in eval mode once, to check it computes what the switched training "
              "graphs do")
-    device = flat[0].device
-    meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)
-    try:
-        switched, plain = _both_modes(_stand_ins(model, "meta"), loss_fn, meta, device)
-    except ZBCompileError:
-        # a forward that makes a tensor without device= (torch.eye(n)), one that makes a constant on the input's
-        # device (meta, then: no values to move), or a loss_fn holding a tensor of its own, cannot meet meta
-        # weights: the same on stand-ins allocated where the example is
-        try:
-            switched, plain = _both_modes(_stand_ins(model, device), loss_fn, example, device)
-        except ZBCompileError as e:
-            log.warning("evaluate: the model's eval-mode branches are not checked (tracing it failed: %s)", e)
-            return
-    values = _values((switched, plain), flat)
-    try:
-        got, want = (_loss(g, values) for g in (switched, plain))
-    except (RuntimeError, IndexError, ValueError) as e:   # stand-ins a model cannot take (an id past a table)
-        log.warning("evaluate: the model's eval-mode branches are not checked (its step fails on stand-in "
-                    "weights: %s)", e)
+    losses, problem = _losses(model, loss_fn, example, flat)
+    if losses is None:
+        log.warning("evaluate: the model's eval-mode branches are not checked (%s)", problem)
         return
+    got, want = losses
     tol = _TOLERANCE.get(want.dtype, 2e-2)
     if not (got.isfinite() and want.isfinite()) or abs(got - want) <= tol * max(abs(want), abs(got), 1e-6):
         return
@@ -91,6 +76,29 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> None:
         "train mode (pipe.train(), then evaluate(); under no_grad in eager that is the train-mode forward), "
         "evaluate the plain model, or write the branch with nn.Dropout / BatchNorm modules (which eval() "
         "switches)")
+
+
+def _losses(model: nn.Module, loss_fn, example, flat):
+    """((switched train-mode loss, eval-mode loss), None) on stand-in weights, or (None, why not). Traced on meta
+    first (nothing allocated); where that fails to trace or its graphs fail to run, on stand-ins where the example
+    is: a forward making a tensor without `device=` (torch.eye(n)) or a constant on the input's device cannot meet
+    meta weights, and code choosing by device (HF's MoE router loss: `histc` on int32 unless on the CPU) traces
+    another path on meta than the one the step runs."""
+    device = flat[0].device
+    meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)
+    problem = ""
+    for where, data in (("meta", meta), (device, example)):
+        try:
+            graphs = _both_modes(_stand_ins(model, where), loss_fn, data, device)
+        except ZBCompileError as e:
+            problem = f"tracing it failed: {e}"
+            continue
+        values = _values(graphs, flat)
+        try:
+            return tuple(_loss(g, values) for g in graphs), None
+        except (RuntimeError, IndexError, ValueError) as e:   # stand-ins a model cannot take (an id past a table)
+            problem = f"its step fails on stand-in weights: {e}"
+    return None, problem
 
 
 # the check runs both steps on stand-in tensors of every parameter's shape (a rank holds real values for its

@@ -162,6 +162,20 @@ class _HalvedWithADeviceConstant(_HalvedInTraining):
         return self.c(h)
 
 
+class _HalvedWithADeviceBranch(_HalvedInTraining):
+    """The same branch beside code that picks a dtype by device (HF's MoE router loss: `histc` on float32 on the
+    CPU, int32 elsewhere, which the CPU's histc does not take): the meta trace took the int32 path, its graphs
+    failed on the stand-ins, and the check was skipped with a log line."""
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        kind = torch.float32 if h.device.type == "cpu" else torch.int32
+        counts = torch.histc(h.argmax(-1).to(kind), bins=8, min=0, max=8)
+        if self.training:
+            h = h * 0.5
+        return self.c(h) + counts.sum().to(h.dtype) * 0
+
+
 class _ModeAware(torch.nn.Module):
     """What eval() does switch: F.dropout(training=self.training), as HF models write it, and a BatchNorm."""
 
@@ -174,7 +188,8 @@ class _ModeAware(torch.nn.Module):
         return self.b(torch.tanh(h))
 
 
-@pytest.mark.parametrize("model", [_HalvedInTraining, _HalvedWithAConstant, _HalvedWithADeviceConstant, _ModeAware])
+@pytest.mark.parametrize("model", [_HalvedInTraining, _HalvedWithAConstant, _HalvedWithADeviceConstant,
+                                   _HalvedWithADeviceBranch, _ModeAware])
 def test_a_branch_on_self_training_is_refused_in_eval_mode_not_run_as_trained(model):
     """A Python branch on `self.training` was fixed in its train-mode path by the trace: evaluate() and pipe(x)
     after eval() returned the train-mode loss and outputs, silently. The first eval-mode call traces the model
