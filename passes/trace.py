@@ -65,6 +65,9 @@ class _Step(nn.Module):
         returned: list[frozenset] = []
         self.returned = lambda: list(returned)
         object.__setattr__(self, "_keep_returned", lambda leaves: returned.__setitem__(slice(None), leaves))
+        tree: list = [None]   # the model's output tree (a pytree spec), as it returned it
+        self.tree = lambda: tree[0]
+        object.__setattr__(self, "_keep_tree", lambda spec: tree.__setitem__(0, spec))
 
     def forward(self, *flat: torch.Tensor) -> torch.Tensor:
         inputs, targets = flat[: self._num_inputs], flat[self._num_inputs :]
@@ -75,6 +78,7 @@ class _Step(nn.Module):
             out = self.model(*inputs)
         update_reassigned_buffers(slots)
         self._keep_returned(_state_returned(self.model, out))
+        self._keep_tree(torch.utils._pytree.tree_structure(out))
         return self._loss_fn(out, *targets)
 
 
@@ -150,13 +154,13 @@ def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
         # a model built on the meta device traces with meta data: nothing is ever computed
         device = next((x.device for x in flat if not x.is_meta), torch.device("cpu"))
         flat = tuple(x.to("meta") for x in flat)
-    ep, unknown, returned = _export(model, loss_fn, flat, num_inputs, input_keywords(example))
+    ep, unknown, returned, tree = _export(model, loss_fn, flat, num_inputs, input_keywords(example))
     aliases = _tied_groups(model)
     graph = _name_values(ep, aliases)
     frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
     check_step(graph, frozen)
     return Traced(graph, num_inputs, num_targets, tuple(aliases.values()), frozen, device,
-                  _model_outputs(ep, graph, returned), unknown)
+                  _model_outputs(ep, graph, returned), unknown, tree)
 
 
 def retarget_stages(cut: Partition) -> Partition:
@@ -210,9 +214,9 @@ def _retarget_constant(gm: fx.GraphModule, target: str, device: torch.device) ->
 
 
 def _export(model: nn.Module, loss_fn: Callable, flat, num_inputs: int,
-            keywords: tuple[str, ...] = ()) -> tuple[torch.export.ExportedProgram, str, list[frozenset]]:
-    """The exported step, why it does not keep the model's call signature ("" where it does), and which output
-    leaves are the model's parameters or buffers themselves (_state_returned)."""
+            keywords: tuple[str, ...] = ()) -> tuple[torch.export.ExportedProgram, str, list[frozenset], object]:
+    """The exported step, why it does not keep the model's call signature ("" where it does), which output
+    leaves are the model's parameters or buffers themselves (_state_returned), and the model's output tree."""
     step = _Step(model, loss_fn, num_inputs, keywords)
     # one export at a time in a process: non-strict export patches nn.Module.__call__ and torch functions for
     # the whole process while it traces, so ranks run as threads (the loopback world: each rank's first
@@ -229,7 +233,7 @@ def _export_locked(step: _Step, model: nn.Module, flat):
         # a custom autograd.Function keeps its backward (passes/functions.py); an op that fails on the fake
         # tensors (an example of the wrong shape) is our TraceError below, without fake_tensor's logged tracebacks
         with functions_as_ops(), _quiet("torch._subclasses.fake_tensor"):
-            return (*_export_step(step, flat), step.returned())
+            return (*_export_step(step, flat), step.returned(), step.tree())
     except TraceError:
         raise
     except Exception as exc:  # torch raises many types here; ours names the module and the fix

@@ -10,7 +10,7 @@ forward only, on the compile's example data and the same stand-in values for eve
 rank holds real values for its own stages only): a loss that differs is refused, naming the modules whose code
 reads `training`.
 
-    check_eval_branches(model, loss_fn, example)    UsageError, or None
+    check_eval_branches(model, loss_fn, example)    UsageError; else why pipe(x) cannot run in eval mode, or None
 
 The shapes are traced on the meta device, or where that fails to trace (a forward making a tensor without
 `device=`) or to run (code choosing by device) on stand-ins where the example is. An example on the meta device, a model of more than 2 GiB (the stand-ins are
@@ -24,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import threading
 
 import torch
 from torch import nn
@@ -45,31 +46,33 @@ log = logging.getLogger("zbcompile")
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
-def check_eval_branches(model: nn.Module, loss_fn, example) -> None:
+def check_eval_branches(model: nn.Module, loss_fn, example) -> str | None:
     """UsageError where `model` in eval mode computes another loss than its train-mode trace with dropout and
-    batch norm switched off (see the module docstring)."""
+    batch norm switched off (see the module docstring); else why pipe(x) in eval mode cannot return the model's
+    outputs (the eval-mode trace returns another output tree), or None."""
     flat, _, _ = flatten_example(example)
     size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     if any(t.is_meta for t in flat) or size > _LARGEST:
         log.warning("evaluate: the model's eval-mode branches are not checked (%s)",
                     "its example is on the meta device" if size <= _LARGEST else
                     f"{size / 2**30:.1f} GiB of parameters and buffers: more than the check allocates")
-        return
+        return None
     log.info("evaluate: tracing the model in eval mode once, to check it computes what the switched training "
              "graphs do")
-    losses, problem = _losses(model, loss_fn, example, flat)
+    with _CHECKING:   # ranks run as threads (the loopback world) would race on fx's process-wide annotations
+        losses, trees = _losses(model, loss_fn, example, flat)
     if losses is None:
-        log.warning("evaluate: the model's eval-mode branches are not checked (%s)", problem)
-        return
+        log.warning("evaluate: the model's eval-mode branches are not checked (%s)", trees)
+        return None
     got, want = losses
     tol = _TOLERANCE.get(want.dtype, 2e-2)
     if not (got.isfinite() and want.isfinite()) or abs(got - want) <= tol * max(abs(want), abs(got), 1e-6):
-        return
+        return _outputs_differ(trees)
     readers = [f"{n or '(the model)'} ({type(m).__name__})" for n, m in model.named_modules()
                if not type(m).__module__.startswith("torch.") and "training" in names_read(type(m))]
     raise UsageError(
         "the model computes another loss in eval mode than its training step with dropout and batch norm "
-        f"switched off ({want.item():.6g} against {got.item():.6g}, on the example with stand-in weights): a "
+        f"switched off ({want.item():.12g} against {got.item():.12g}, on the example with stand-in weights): a "
         f"Python branch on `self.training`{' in ' + ', '.join(readers) if readers else ''} changes what the "
         "forward computes, and "
         "evaluate() / pipe(x) run the graphs traced in train mode, whose branches were fixed then. Evaluate in "
@@ -79,7 +82,7 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> None:
 
 
 def _losses(model: nn.Module, loss_fn, example, flat):
-    """((switched train-mode loss, eval-mode loss), None) on stand-in weights, or (None, why not). Traced on meta
+    """((switched train-mode loss, eval-mode loss), their output trees) on stand-in weights, or (None, why not). Traced on meta
     first (nothing allocated); where that fails to trace or its graphs fail to run, on stand-ins where the example
     is: a forward making a tensor without `device=` (torch.eye(n)) or a constant on the input's device cannot meet
     meta weights, and code choosing by device (HF's MoE router loss: `histc` on int32 unless on the CPU) traces
@@ -89,13 +92,13 @@ def _losses(model: nn.Module, loss_fn, example, flat):
     problem = ""
     for where, data in (("meta", meta), (device, example)):
         try:
-            graphs = _both_modes(_stand_ins(model, where), loss_fn, data, device)
+            graphs, trees = _both_modes(_stand_ins(model, where), loss_fn, data, device)
         except ZBCompileError as e:
             problem = f"tracing it failed: {e}"
             continue
         values = _values(graphs, flat)
         try:
-            return tuple(_loss(g, values) for g in graphs), None
+            return tuple(_loss(g, values) for g in graphs), trees
         except (RuntimeError, IndexError, ValueError) as e:   # stand-ins a model cannot take (an id past a table)
             problem = f"its step fails on stand-in weights: {e}"
     return None, problem
@@ -104,6 +107,7 @@ def _losses(model: nn.Module, loss_fn, example, flat):
 # the check runs both steps on stand-in tensors of every parameter's shape (a rank holds real values for its
 # own stages only): above this many bytes it is not made
 _LARGEST = 2 * 2**30
+_CHECKING = threading.Lock()
 
 
 def _values(graphs, flat) -> dict[str, torch.Tensor]:
@@ -127,11 +131,35 @@ def _values(graphs, flat) -> dict[str, torch.Tensor]:
 
 def _both_modes(shape: nn.Module, loss_fn, example, device):
     """The step of `shape` traced in train mode with dropout and batch norm switched off, and traced in eval
-    mode: each as a forward-only graph of the loss, its constants on `device`."""
-    switched = forward_loss(split.trace(shape, loss_fn, example).graph, training=False)
+    mode: each as a forward-only graph of the loss, its constants on `device`; and each trace's output tree."""
+    trained = split.trace(shape, loss_fn, example)
     with _eval_modes(shape):
-        plain = forward_loss(split.trace(shape, loss_fn, example).graph, training=True)
-    return tuple(dataclasses.replace(g, gm=retarget_device(g.gm, device)) for g in (switched, plain))
+        evaluated = split.trace(shape, loss_fn, example)
+    graphs = (forward_loss(trained.graph, training=False), forward_loss(evaluated.graph, training=True))
+    return (tuple(dataclasses.replace(g, gm=retarget_device(g.gm, device)) for g in graphs),
+            tuple(_tree(t) for t in (trained, evaluated)))
+
+
+def _tree(traced):
+    """The model's output tree in `traced` (its pytree spec), as its forward returned it."""
+    return traced.output_tree
+
+
+def _outputs_differ(trees) -> str | None:
+    """Why pipe(x) in eval mode cannot return eager's outputs: the eval-mode trace returns another tree (HF
+    XLNet adds its `mems` in eval mode), or None."""
+    trained, evaluated = trees
+    if trained is None or evaluated is None or trained == evaluated:
+        return None
+    return (f"the model returns other outputs in eval mode ({_fields(evaluated)}) than in the training step "
+            f"traced at compile ({_fields(trained)}), and pipe(x) returns what the traced graphs compute. Make "
+            "both modes return the same (HF: use_cache=False, use_mems_eval=False), call pipe(x) in train mode "
+            "(dropout as in training: pipe.train()), or run the plain model; evaluate() is not affected")
+
+
+def _fields(tree) -> str:
+    keys = tree.context if isinstance(getattr(tree, "context", None), (list, tuple)) else None
+    return f"{', '.join(map(str, keys))}" if keys else f"{tree.num_leaves} values"
 
 
 def _stand_ins(model: nn.Module, device) -> nn.Module:

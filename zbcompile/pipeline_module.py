@@ -352,10 +352,14 @@ class PipelineModule(nn.Module):
                              "zbcompile.compile or PipelineModule.from_staged to evaluate")
         with torch.inference_mode(False):
             options = self.compiled.options
-            if not training and options.example is not None and all(mode for mode, _ in self._forward):
-                # (once; with vocabulary parallelism the model's tables hold this rank's rows: not checked)
-                if self.staged.vocab is None:
-                    eval_check.check_eval_branches(self.model, options.loss_fn, options.example)
+            # once (it raises until the check passes); with vocabulary parallelism the model's tables hold this
+            # rank's rows: not checked. What it finds about the outputs (another tree in eval mode) is kept for pipe(x)
+            if not training and options.example is not None and self.staged.vocab is None:
+                if "_eval_outputs" not in self.__dict__:
+                    self.__dict__["_eval_outputs"] = eval_check.check_eval_branches(self.model, options.loss_fn,
+                                                                                    options.example)
+                if outputs and self.__dict__["_eval_outputs"]:
+                    raise UsageError(self.__dict__["_eval_outputs"])
             programs = compile_forward(self.compiled, training, outputs=outputs)
             runtime = self._forward[training, outputs] = self._runtime_for(programs)
         return runtime

@@ -221,6 +221,47 @@ def test_a_branch_on_self_training_is_refused_in_eval_mode_not_run_as_trained(mo
         assert all(abs(v - trained) <= 1e-12 * trained for v in got), (got, trained)
 
 
+class _EvalExtras(torch.nn.Module):
+    """Returns one more output in eval mode (HF XLNet's `mems`, with its default use_mems_eval=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        out = {"logits": self.c(h)}
+        if not self.training:
+            out["hidden"] = h
+        return out
+
+
+def test_pipe_x_refuses_outputs_only_eval_mode_returns_and_evaluate_runs():
+    """pipe(x) after eval() returned the train-mode trace's outputs, without `hidden`, silently (the check compared
+    the loss alone, which `hidden` does not change). It is refused, naming both modes' outputs; evaluate() equals
+    eager's eval loss, and pipe(x) in train mode returns the logits."""
+    torch.manual_seed(0)
+    net = _EvalExtras().double()
+    x, y = torch.randn(4 * M, 8, dtype=torch.float64), torch.randn(4 * M, 8, dtype=torch.float64)
+    loss_fn = lambda out, y: torch.nn.functional.mse_loss(out["logits"], y)   # noqa: E731
+    _, _, _, _, pipes = _pipes((net, loss_fn, (x, y), None), split_points=["b"])
+    ref = copy.deepcopy(net)
+    with torch.no_grad():
+        want = sum(loss_fn(ref.eval()(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M
+        logits = ref.train()(x)["logits"]
+
+    def run(r):
+        pipe = pipes[r].eval()
+        with pytest.raises(UsageError, match=r"other outputs in eval mode \(logits, hidden\) than in the training "
+                                             r"step traced at compile \(logits\)"):
+            pipe(x)
+        return pipe.evaluate(x, y), pipe.train()(x)
+
+    got = run_pipes(run, PP)
+    assert all(abs(loss - want) <= 1e-12 * want for loss, _ in got), (got, want)
+    torch.testing.assert_close(got[-1][1]["logits"], logits, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_low_precision_batch_norm_evaluates_in_eval_mode(dtype):
     """A bfloat16 / float16 BatchNorm casts its float32 running statistics back to the buffers' dtype; eval

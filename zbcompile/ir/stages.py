@@ -201,6 +201,7 @@ class Traced:
     device: torch.device | None = None
     outputs: ModelOutputs | None = None    # which values of the step are the model's outputs (before the loss)
     outputs_unknown: str = ""              # where outputs is None: why torch.export could not say
+    output_tree: object = None             # the model's output tree as forward returned it (a pytree spec)
 
     @property
     def gm(self) -> fx.GraphModule:
