@@ -13,9 +13,11 @@ reads `training`.
     check_eval_branches(model, loss_fn, example)    UsageError; else why pipe(x) cannot run in eval mode, or None
 
 The shapes are traced on the meta device, or where that fails to trace (a forward making a tensor without
-`device=`) or to run (code choosing by device) on stand-ins where the example is. An example on the meta device, a model of more than 2 GiB (the stand-ins are
-allocated whole), a step that fails on the stand-ins, and a vocabulary-parallel pipe (its model holds this
-rank's rows of the tables) are not checked; a warning says so (the last: the README).
+`device=`) or to run (code choosing by device) on stand-ins where the example is. An example on the meta
+device, a model of more than 2 GiB (the stand-ins are allocated whole), a step that fails on the stand-ins, and
+a vocabulary-parallel pipe (its model holds this rank's rows of the tables) are not checked; a warning says so
+(the last: the README). The two traces' output trees are compared too: where eval mode returns others (HF
+XLNet's `mems`), pipe(x) in eval mode is refused (evaluate() reads the loss alone).
 """
 
 from __future__ import annotations
@@ -82,9 +84,9 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> str | None:
 
 
 def _losses(model: nn.Module, loss_fn, example, flat):
-    """((switched train-mode loss, eval-mode loss), their output trees) on stand-in weights, or (None, why not). Traced on meta
-    first (nothing allocated); where that fails to trace or its graphs fail to run, on stand-ins where the example
-    is: a forward making a tensor without `device=` (torch.eye(n)) or a constant on the input's device cannot meet
+    """((switched train-mode loss, eval-mode loss), their output trees) on stand-in weights, or (None, why not).
+    Traced on meta first (nothing allocated); where that fails to trace or its graphs fail to run, on stand-ins
+    where the example is: a forward making a tensor without `device=` (torch.eye(n)) or a constant on the input's device cannot meet
     meta weights, and code choosing by device (HF's MoE router loss: `histc` on int32 unless on the CPU) traces
     another path on meta than the one the step runs."""
     device = flat[0].device
@@ -137,12 +139,7 @@ def _both_modes(shape: nn.Module, loss_fn, example, device):
         evaluated = split.trace(shape, loss_fn, example)
     graphs = (forward_loss(trained.graph, training=False), forward_loss(evaluated.graph, training=True))
     return (tuple(dataclasses.replace(g, gm=retarget_device(g.gm, device)) for g in graphs),
-            tuple(_tree(t) for t in (trained, evaluated)))
-
-
-def _tree(traced):
-    """The model's output tree in `traced` (its pytree spec), as its forward returned it."""
-    return traced.output_tree
+            (trained.output_tree, evaluated.output_tree))
 
 
 def _outputs_differ(trees) -> str | None:
@@ -158,8 +155,9 @@ def _outputs_differ(trees) -> str | None:
 
 
 def _fields(tree) -> str:
+    """A tree's top-level keys (a dict, an HF ModelOutput), else its number of values."""
     keys = tree.context if isinstance(getattr(tree, "context", None), (list, tuple)) else None
-    return f"{', '.join(map(str, keys))}" if keys else f"{tree.num_leaves} values"
+    return ", ".join(map(str, keys)) if keys else f"{tree.num_leaves} values"
 
 
 def _stand_ins(model: nn.Module, device) -> nn.Module:
