@@ -91,6 +91,8 @@ def split_fbw(cut: Partition) -> StagedModel:
         unanswered = _unanswered(stages)
         if not unanswered:
             break
+        if unanswered <= gradless:   # (each pass detaches them at their sender: never twice the same)
+            raise SplitError(f"activations {sorted(unanswered)} are sent with a gradient no stage returns")
         gradless |= unanswered
     # the loss stage's forward returning the model's outputs, kept for an evaluation step that asks for them
     meta = {"split_points": cut.split_points, "outputs": output_graph(cut)}
@@ -132,9 +134,10 @@ def _with_zeros(graph: Graph, names: tuple[str, ...], likes, device) -> Graph:
 
 def _unanswered(stages: Sequence[Stage]) -> frozenset[str]:
     """The activations sent with a gradient that the next stage's backward never returns: it reads them only
-    through ops without a derivative (`h.argmax(-1)`) and has no graded output of its own, so it has no backward.
-    Their senders must not wait for that gradient: they are split again sending them without one, and in turn
-    may have no backward left (upstream of an argmax eager gives no gradient either)."""
+    through ops without a derivative (`h.argmax(-1)`) or for their shape, so no gradient reaches them. Their
+    senders must not wait for one: they are split again sending them without, and in turn may have no backward
+    left. Upstream of an argmax eager gives no gradient either (`.grad` None, which AdamW's weight decay skips:
+    a zero gradient sent back instead would move those weights)."""
     missing = set()
     for st in stages[1:]:
         missing.update(spec.name for spec in st.recv

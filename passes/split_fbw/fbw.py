@@ -55,9 +55,8 @@ def _forward_graph(stage: Graph, fw: fx.GraphModule, diff_names) -> tuple[Graph,
 
 def _backward_graph(stage, bw: fx.GraphModule, saved: Mapping[str, str], tangents: Sequence[str], in_rg,
                     device: torch.device | None = None) -> Graph:
-    """BW with named inputs (saved:*, grad:<output>) and outputs (grad:<input> for differentiable inputs; a
-    received activation that needs a gradient always gets one, zeros where none reaches it). `device` replaces
-    the meta device of inputs traced on meta."""
+    """BW with named inputs (saved:*, grad:<output>) and outputs (grad:<input> for the differentiable inputs a
+    gradient reaches). `device` replaces the meta device of inputs traced on meta."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     names: list[str] = []
@@ -90,11 +89,9 @@ def _backward_graph(stage, bw: fx.GraphModule, saved: Mapping[str, str], tangent
         value = env[grad] if isinstance(grad, fx.Node) else None
         if name in incoming:
             value = incoming[name] if value is None else _add(g, value, incoming[name])
-        if value is None and in_rg[name] and role_of(name) is Role.ACT:
-            # an activation that needs a gradient but reaches none of this stage's graded outputs (read for its
-            # dtype or shape alone, through a comparison or an argmax): its sender waits for one, so it is zero
-            value = _zeros(g, _placeholder(stage.gm, stage.inputs.index(name)).meta["val"], device)
         if value is None:
+            # (an activation that reaches none of this stage's graded outputs, read for its shape alone or through
+            # an argmax, gets no gradient, as in eager: split_fbw then splits its sender again sending it without)
             continue
         if not in_rg[name]:
             raise SplitError(f"stage {stage.index}: the backward produces a grad for `{name}`, which needs none")

@@ -626,3 +626,13 @@ def test_a_stage_sending_on_only_what_has_no_gradient_ends_the_backward_there(sk
     torch.manual_seed(0)
     threaded_step_matches_eager(_case(ArgmaxRelay(skip), (torch.randn(2, 8), torch.randn(2, 8))), "1f1b", 3,
                                 split_points=["relay", "emb"])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_an_activation_read_only_through_argmax_sends_no_zero_gradient_back(schedule):
+    """The stage reading `h` only through argmax also trains (the embedding, `d`): its backward sent zeros back
+    for `h`, and the first stage's `a` got a zero .grad where eager's is None (AdamW's weight decay then moved
+    it). No gradient goes back now, and `a.grad` stays None."""
+    torch.manual_seed(0)
+    threaded_step_matches_eager(_case(ArgmaxRelay(False), (torch.randn(2, 8), torch.randn(2, 8))), schedule, 2,
+                                split_points=["relay"] if schedule == "1f1b" else ["relay", "emb", "d"])
