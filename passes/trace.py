@@ -60,14 +60,13 @@ class _Step(nn.Module):
         object.__setattr__(self, "_loss_fn", loss_fn)  # not a submodule: its state is no model state
         self._num_inputs = num_inputs
         self._keywords = keywords
-        # per output leaf, the names of the parameter or buffer it is; kept through a function (export traces
-        # with copies of the module's attributes in place, and puts the originals back)
-        returned: list[frozenset] = []
-        self.returned = lambda: list(returned)
-        object.__setattr__(self, "_keep_returned", lambda leaves: returned.__setitem__(slice(None), leaves))
-        tree: list = [None]   # the model's output tree (a pytree spec), as it returned it
-        self.tree = lambda: tree[0]
-        object.__setattr__(self, "_keep_tree", lambda spec: tree.__setitem__(0, spec))
+        # what the model returned, kept through a function (export traces with copies of the module's attributes
+        # in place, and puts the originals back): per output leaf the names of the parameter or buffer it is, and
+        # the output tree (a pytree spec)
+        kept: dict = {"returned": [], "tree": None}
+        self.returned = lambda: list(kept["returned"])
+        self.tree = lambda: kept["tree"]
+        object.__setattr__(self, "_keep", kept.update)
 
     def forward(self, *flat: torch.Tensor) -> torch.Tensor:
         inputs, targets = flat[: self._num_inputs], flat[self._num_inputs :]
@@ -77,8 +76,7 @@ class _Step(nn.Module):
         else:
             out = self.model(*inputs)
         update_reassigned_buffers(slots)
-        self._keep_returned(_state_returned(self.model, out))
-        self._keep_tree(torch.utils._pytree.tree_structure(out))
+        self._keep(returned=_state_returned(self.model, out), tree=torch.utils._pytree.tree_structure(out))
         return self._loss_fn(out, *targets)
 
 

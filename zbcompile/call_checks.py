@@ -47,11 +47,11 @@ class Traced:
     def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]], model: nn.Module | None = None,
            loss_fn: Callable | None = None) -> Traced:
         tensors = [*module.named_parameters(), *module.named_buffers()]
-        # and the other ranks' parts, on meta here: the same conversion made on every rank (the user's loop
-        # runs everywhere) is then refused on every rank at once, not only where the part is held
-        held = {id(t) for _, t in tensors}
-        tensors += [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if id(t) not in held] \
-            if model is not None else []
+        if model is not None:
+            # and the other ranks' parts, on meta here: the same conversion made on every rank (the user's loop
+            # runs everywhere) is then refused on every rank at once, not only where the part is held
+            held = {id(t) for _, t in tensors}
+            tensors += [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if id(t) not in held]
         parts = [] if model is None else [*model.named_modules(), *model.named_parameters()]
         modules = tuple(m for _, m in parts if isinstance(m, nn.Module))
         losses = loss_fn.named_modules(prefix="loss_fn", remove_duplicate=False) if isinstance(loss_fn, nn.Module) \

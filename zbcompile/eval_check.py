@@ -62,9 +62,9 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> str | None:
     log.info("evaluate: tracing the model in eval mode once, to check it computes what the switched training "
              "graphs do")
     with _CHECKING:   # ranks run as threads (the loopback world) would race on fx's process-wide annotations
-        losses, trees = _losses(model, loss_fn, example, flat)
+        losses, trees, problem = _losses(model, loss_fn, example, flat)
     if losses is None:
-        log.warning("evaluate: the model's eval-mode branches are not checked (%s)", trees)
+        log.warning("evaluate: the model's eval-mode branches are not checked (%s)", problem)
         return None
     got, want = losses
     tol = _TOLERANCE.get(want.dtype, 2e-2)
@@ -84,7 +84,8 @@ def check_eval_branches(model: nn.Module, loss_fn, example) -> str | None:
 
 
 def _losses(model: nn.Module, loss_fn, example, flat):
-    """((switched train-mode loss, eval-mode loss), their output trees) on stand-in weights, or (None, why not).
+    """(switched train-mode loss, eval-mode loss), their output trees and "" on stand-in weights; or None, None and
+    why not.
     Traced on meta first (nothing allocated); where that fails to trace or its graphs fail to run, on stand-ins
     where the example is: a forward making a tensor without `device=` (torch.eye(n)) or a constant on the input's device cannot meet
     meta weights, and code choosing by device (HF's MoE router loss: `histc` on int32 unless on the CPU) traces
@@ -100,10 +101,10 @@ def _losses(model: nn.Module, loss_fn, example, flat):
             continue
         values = _values(graphs, flat)
         try:
-            return tuple(_loss(g, values) for g in graphs), trees
+            return tuple(_loss(g, values) for g in graphs), trees, ""
         except (RuntimeError, IndexError, ValueError) as e:   # stand-ins a model cannot take (an id past a table)
             problem = f"its step fails on stand-in weights: {e}"
-    return None, problem
+    return None, None, problem
 
 
 # the check runs both steps on stand-in tensors of every parameter's shape (a rank holds real values for its

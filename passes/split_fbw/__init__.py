@@ -76,6 +76,8 @@ def split_fbw(cut: Partition) -> StagedModel:
             return acts[name]
         return False  # buffers and user data
 
+    # sent without a gradient: what later stages read only detached, known up front (which spares the second
+    # pass `_unanswered` would otherwise take for them), then what no stage's backward returns
     read, detached = _reads(cut.stages)
     gradless = frozenset(n for n in detached if n not in read)
     memo: dict = {}

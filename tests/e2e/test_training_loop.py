@@ -221,12 +221,8 @@ def test_a_branch_on_self_training_is_refused_in_eval_mode_not_run_as_trained(mo
         assert all(abs(v - trained) <= 1e-12 * trained for v in got), (got, trained)
 
 
-class _EvalExtras(torch.nn.Module):
+class _EvalExtras(_HalvedInTraining):
     """Returns one more output in eval mode (HF XLNet's `mems`, with its default use_mems_eval=True)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
 
     def forward(self, x):
         h = self.b(torch.tanh(self.a(x)))
