@@ -276,11 +276,12 @@ def check_kinds(batch, what: str, device: torch.device) -> None:
 
 
 def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts: tuple[int, int], m: int,
-                 what: str, targets: bool = True) -> None:
+                 what: str, targets: bool = True, any_count: bool = False) -> None:
     """As many arguments as the step takes (counts: model inputs, targets), each splitting into m microbatches
     of the traced shape and dtype (static shapes, fixed P2P buffer sizes). `specs`: per flat argument the whole
     batch's (shape, dtype) as traced, for the one-comparison fast path; `data_specs`: per argument one
-    microbatch's."""
+    microbatch's. any_count: the call takes any number of microbatches of the traced shape (evaluate, forward:
+    m is the number the batch holds), which the refusals then say."""
     num_inputs, num_targets = counts
     specs = specs if targets else specs[:num_inputs]
     if len(batch) != len(specs):
@@ -291,14 +292,13 @@ def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts:
         return
     for i, t in enumerate(batch):
         spec = data_specs.get(i)
-        if t.dim() == 0 or t.shape[0] % m:
-            rows = t.shape[0] if t.dim() else 0
-            fix = (f"the compiled step takes {m} microbatches of {spec[0][0]} rows (example's), a batch of "
-                   f"{m * spec[0][0]} rows" if spec and len(spec[0]) else f"use a batch size that is a multiple of {m}")
-            raise UsageError(f"batch argument {i} has {rows} rows, which do not split into {m} equal microbatches; "
-                             f"{fix}")
-        if spec is None:
+        if spec is None and t.dim() and t.shape[0] % m == 0:
             continue
+        rows = t.shape[0] if t.dim() else 0
+        takes = _takes(what, m, spec, any_count)
+        if t.dim() == 0 or t.shape[0] % m:
+            raise UsageError(f"batch argument {i} has {rows} rows, which do not split into {m} equal microbatches; "
+                             f"{takes}")
         shape, dtype = spec
         if t.dtype != dtype and t.shape[0] // m == shape[0] and t.shape[1:] == shape[1:]:
             raise UsageError(f"batch argument {i} is {t.dtype}, but the model was compiled for {dtype} from "
@@ -308,8 +308,19 @@ def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts:
             got = (t.shape[0] // m, *t.shape[1:])
             raise UsageError(
                 f"batch argument {i}: {m} microbatches of shape {list(got)} ({t.dtype}), but the model was compiled "
-                f"for microbatches of shape {list(shape)} ({dtype}) from `example`; pass a batch of {m} x "
-                f"{shape[0]} rows with the example's other sizes, or compile a fresh model for this shape")
+                f"for microbatches of shape {list(shape)} ({dtype}) from `example`; {takes}, or compile a fresh "
+                "model for this shape")
+
+
+def _takes(what: str, m: int, spec, any_count: bool) -> str:
+    """What a call takes, for check_shapes' refusals."""
+    if not spec or not spec[0]:
+        return f"use a batch size that is a multiple of {m}"
+    rows, others = spec[0][0], list(spec[0][1:])
+    if any_count:
+        return (f"{what}() takes any multiple of the example's {rows} rows (as many microbatches of its shape), "
+                f"with its other sizes {others}")
+    return f"the compiled step takes {m} microbatches of {rows} rows (example's), a batch of {m * rows} rows"
 
 
 def check_vocabulary(batch: Sequence[torch.Tensor], vocab, m: int, what: str, targets: bool = True) -> None:

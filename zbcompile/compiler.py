@@ -119,15 +119,17 @@ def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOpti
     return Compiled(options, staged, schedule, programs, report, replicas)
 
 
-def compile_forward(compiled: Compiled, training: bool, outputs: bool = False) -> tuple[RankProgram, ...]:
+def compile_forward(compiled: Compiled, training: bool, outputs: bool = False,
+                    microbatches: int | None = None) -> tuple[RankProgram, ...]:
     """Every rank's forward-only program for `compiled` (an evaluation step): the schedule's F actions over the
     same split's forward graphs without their backward outputs (passes/forward_only.py), in train or eval mode,
     lowered as the training step is (no CUDA-graph capture: it runs eagerly). With `outputs`, the loss stage
-    returns the model's outputs instead of the loss (the program returns them: OUTPUTS)."""
+    returns the model's outputs instead of the loss (the program returns them: OUTPUTS). microbatches: that
+    many microbatches of the compiled shape instead of the schedule's number (a batch of another size)."""
     from zbcompile.passes.forward_only import forward_stages, output_stages
 
     staged = (output_stages if outputs else forward_stages)(compiled.staged, training)
-    schedule = compiled.schedule.forward_only(loss=not outputs)
+    schedule = compiled.schedule.forward_only(loss=not outputs, microbatches=microbatches)
     if outputs:
         _check_one_output_rank(compiled.schedule, staged)
     with _phase("lower", f"{schedule.name} ({'train' if training else 'eval'} mode)"):

@@ -8,6 +8,7 @@ generated code of any rank, the last step's timeline).
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 import weakref
@@ -29,6 +30,10 @@ from zbcompile.passes.trace import input_keywords
 from zbcompile.runtime import RankRuntime, StepTimings, abi
 
 __all__ = ["PipelineModule"]
+
+# evaluation steps kept per pipeline for batch sizes other than the compiled one (each holds static buffers of its
+# batch): an evaluation loop uses one or two (its batch size, a last smaller batch)
+FORWARD_SIZES = 4
 
 
 _RESTART = ("The pipeline's process groups cannot be used after this (a peer is dead or stalled, messages may be "
@@ -95,7 +100,9 @@ class PipelineModule(nn.Module):
         # says whether a program stopped half-way (_unusable_after_a_failure)
         self._runtimes = [runtime]
         self._runtime_for = None if runtime_for is None else functools.partial(self._new_runtime, runtime_for)
-        self._forward: dict[tuple[bool, bool], RankRuntime] = {}
+        # the evaluation steps' runtimes by (training, outputs, microbatches): the compiled number, and the few
+        # other sizes last evaluated (FORWARD_SIZES of them, the least recently used dropped first)
+        self._forward: collections.OrderedDict[tuple[bool, bool, int], RankRuntime] = collections.OrderedDict()
         self._failure: str | None = None   # the RuntimeFailure after which nothing more may run
         self._pv = None   # zbcompile.post_validation.PostValidated, made by the first step(post_validate=True)
         self._post_validated_last = False   # the last step was post-validated (memory_plan is then its plan)
@@ -258,8 +265,9 @@ class PipelineModule(nn.Module):
                              f"{len(inputs)} by position and {sorted(keywords)} by keyword")
         inputs = self._bound(inputs, keywords, "forward")
         self.settle()
-        local = self._checked(inputs, "forward", targets=False)
-        runtime = self._forward.get((self.training, True)) or self._forward_runtime(self.training, outputs=True)
+        m = self._forward_microbatches(inputs)
+        local = self._checked(inputs, "forward", targets=False, microbatches=m)
+        runtime = self._forward_runtime(self.training, outputs=True, microbatches=m)
         self._check_same_batch(inputs, "forward")
         with torch.inference_mode(False), rng.own_stream(self.rank, self._own_rng):
             flat = runtime.run_batch(local)
@@ -273,7 +281,7 @@ class PipelineModule(nn.Module):
                           "example, so a shape or a count read in forward is the microbatch's, not the batch's; "
                           "return such values as tensors (one per row) to have them per batch", ZBCompileWarning,
                           stacklevel=2)
-        outputs = model_outputs.rebuild(flat, self.schedule.num_microbatches)
+        outputs = model_outputs.rebuild(flat, m)
         if self._dp is None or self._local_batches:   # dp_batch="local": the replica's own rows, as DDP's
             return outputs
         leaves, spec = torch.utils._pytree.tree_flatten(outputs)
@@ -291,8 +299,9 @@ class PipelineModule(nn.Module):
         batch = self._bound(batch, inputs, "evaluate")
         call = self._enter("evaluate")
         self.settle()
-        local = self._checked(batch, "evaluate")
-        runtime = self._forward.get((self.training, False)) or self._forward_runtime(self.training)
+        m = self._forward_microbatches(batch)
+        local = self._checked(batch, "evaluate", microbatches=m)
+        runtime = self._forward_runtime(self.training, microbatches=m)
         self._check_same_batch(batch, "evaluate")
         runtime.call = call
         # (inference_mode off: the step's buffers must stay usable outside inference_mode too)
@@ -322,29 +331,64 @@ class PipelineModule(nn.Module):
                              f"({said}); loss targets go by position after them")
         return (*(inputs[n] for n in names), *batch)
 
-    def _checked(self, batch: Sequence[torch.Tensor], what: str, targets: bool = True) -> Sequence[torch.Tensor]:
+    def _checked(self, batch: Sequence[torch.Tensor], what: str, targets: bool = True,
+                 microbatches: int | None = None) -> Sequence[torch.Tensor]:
         """This rank's share of a batch (_share), refused with UsageError unless it is what the compiled step
-        takes: flat tensors with data, as many as it has arguments, each of the traced shape and dtype."""
+        takes: flat tensors with data, as many as it has arguments, each splitting into `microbatches` (default:
+        the schedule's number) of the traced shape and dtype."""
         call_checks.check_kinds(batch, what, self.runtime.device)
         if what != "step":   # (step's context check covers it)
             self._traced.check_model()
             call_checks.check_autocast(what, self._autocast, autocast_state())
-        local = self._share(batch, what)
+        m = microbatches or self.schedule.num_microbatches
+        local = self._share(batch, what, m)
         staged = self.staged
         call_checks.check_shapes(local, self._batch_specs, self.runtime.data_specs,
-                                 (staged.num_inputs, staged.num_targets), self.schedule.num_microbatches, what,
-                                 targets)
-        call_checks.check_vocabulary(local, staged.vocab, self.schedule.num_microbatches, what, targets)
+                                 (staged.num_inputs, staged.num_targets), m, what, targets,
+                                 any_count=what != "step")
+        call_checks.check_vocabulary(local, staged.vocab, m, what, targets)
         return local
 
-    def _share(self, batch: Sequence[torch.Tensor], what: str) -> Sequence[torch.Tensor]:
+    def _share(self, batch: Sequence[torch.Tensor], what: str, m: int) -> Sequence[torch.Tensor]:
         """This data-parallel replica's rows of the global batch (the batch itself without data parallelism, or
-        where each replica is handed its own rows)."""
+        where each replica is handed its own rows), for m microbatches."""
         if self._dp is None or self._local_batches:
             return batch
-        return self._dp.share(batch, self.schedule.num_microbatches, what)
+        return self._dp.share(batch, m, what)
 
-    def _forward_runtime(self, training: bool, outputs: bool = False) -> RankRuntime:
+    def _forward_microbatches(self, batch: Sequence[torch.Tensor]) -> int:
+        """How many microbatches an evaluation call (evaluate, forward) cuts `batch` into: as many of the
+        compiled microbatch shape as this replica's rows hold (the schedule's number for a batch of the compiled
+        size; a last, smaller batch or a larger evaluation batch gets its own count). The schedule's number
+        where the arguments do not agree on one count (_checked then says what is wrong)."""
+        m = self.schedule.num_microbatches
+        replicas = 1 if self._dp is None or self._local_batches else self._dp.size
+        counts = set()
+        for i, (shape, _) in self.runtime.data_specs.items():
+            t = batch[i] if i < len(batch) else None
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or not shape or not shape[0]:
+                continue
+            rows, left = divmod(t.shape[0], replicas)
+            counts.add(rows // shape[0] if not left and rows % shape[0] == 0 else 0)
+        return counts.pop() if len(counts) == 1 and 0 not in counts else m
+
+    def _forward_runtime(self, training: bool, outputs: bool = False, microbatches: int | None = None) -> RankRuntime:
+        """The evaluation step's runtime for the mode, what it returns and the number of microbatches, made when
+        first asked for (an eval-mode one after the eval check below); kept for the compiled number and for the
+        FORWARD_SIZES other numbers last used."""
+        m = microbatches or self.schedule.num_microbatches
+        key = (training, outputs, m)
+        if key in self._forward:
+            self._forward.move_to_end(key)
+            return self._forward[key]
+        runtime = self._new_forward_runtime(training, outputs, m)
+        self._forward[key] = runtime
+        others = [k for k in self._forward if k[2] != self.schedule.num_microbatches]
+        for k in others[:max(0, len(others) - FORWARD_SIZES)]:   # its static buffers go with it
+            self._runtimes.remove(self._forward.pop(k))   # (a failure in it was seen by the call it failed in)
+        return runtime
+
+    def _new_forward_runtime(self, training: bool, outputs: bool, m: int) -> RankRuntime:
         from zbcompile.compiler import compile_forward
 
         if self._runtime_for is None:
@@ -360,9 +404,9 @@ class PipelineModule(nn.Module):
                                                                                     options.example)
                 if outputs and self.__dict__["_eval_outputs"]:
                     raise UsageError(self.__dict__["_eval_outputs"])
-            programs = compile_forward(self.compiled, training, outputs=outputs)
-            runtime = self._forward[training, outputs] = self._runtime_for(programs)
-        return runtime
+            programs = compile_forward(self.compiled, training, outputs=outputs,
+                                       microbatches=None if m == self.schedule.num_microbatches else m)
+            return self._runtime_for(programs)
 
     def train(self, mode: bool = True) -> PipelineModule:
         """Train mode (the default) or, with mode=False, eval mode: step() trains only in train mode;

@@ -62,13 +62,16 @@ def test_sharded_data_parallel_trains_equal_to_eager(ranks, schedule):
 def test_evaluate_and_outputs_cover_the_global_batch(ranks, case):
     """evaluate() is the global batch's mean loss on every rank, pipe(x) its whole outputs on the last stage's
     rank of each replica, both equal to eager's in eval mode: plain, and vocabulary-parallel with the replicas'
-    parameters replicated and sharded (the output layer gathered whole for pipe(x))."""
+    parameters replicated and sharded (the output layer gathered whole for pipe(x)). The same for a smaller
+    global batch (3 microbatches per replica instead of the compiled 4)."""
     holders = []
     for r, got in _case(ranks, case):
         assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], (r, got)
+        small, want_small = got["small"]
+        assert abs(small - want_small) <= 1e-9 * want_small, (r, got)
         if got["holds"]:
             holders.append(r)
-            assert got["out_err"] <= 1e-9, (r, got)
+            assert got["out_err"] <= 1e-9 and got["small_out_err"] <= 1e-9, (r, got)
     assert len(holders) == 2, holders   # the last stage's rank of each replica, both with the whole batch
 
 

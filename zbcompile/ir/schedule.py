@@ -177,16 +177,44 @@ class Schedule:
         return Schedule(self.name, self.num_microbatches, self.placement,
                         tuple(tuple(_expand(row)) for row in self.ranks), self.pipelines)
 
-    def forward_only(self, loss: bool = True) -> Schedule:
+    def forward_only(self, loss: bool = True, microbatches: int | None = None) -> Schedule:
         """The forward actions of `flatten()` (F; with vocabulary parallelism IF, S and T too: KindSpec.forward),
         in each rank's order: an evaluation step's schedule (forward-only programs, no backward). Their
         dependencies are among themselves and those of this schedule, and every rank drops the same sharded
         actions (IB), so a schedule that runs without deadlock keeps running without one. loss=False (a step
         returning the model's outputs): without the kinds that only compute the loss (S, T). Not for `validate`
-        (its cells have no backward by design)."""
+        (its cells have no backward by design).
+        microbatches: for another number of microbatches than this schedule's (an evaluation batch of another
+        size), the same kinds over the same placement in wave order (`_forward_waves`)."""
         keep = {k for k, spec in KIND_SPECS.items() if spec.forward and (loss or not spec.loss_only)}
+        if microbatches is not None and microbatches != self.num_microbatches:
+            keep &= {a.kind for row in self.flatten().ranks for a in row}
+            return self._forward_waves(keep, microbatches)
         rows = tuple(tuple(a for a in row if a.kind in keep) for row in self.flatten().ranks)
         return Schedule(f"{self.name}/forward", self.num_microbatches, self.placement, rows, self.pipelines)
+
+    def _forward_waves(self, keep: set[Kind], m: int) -> Schedule:
+        """`keep`'s forward kinds for m microbatches over this placement, each rank in wave order: microbatch j
+        at its k-th stage in wave j + k (j counted from the first microbatch of its pipeline), a sharded
+        embedding lookup (IF) one wave before its first stage, the sharded loss (S, then T) one wave after its
+        last. Every rank runs its part of one global order (by wave, then kind, then microbatch) that the
+        dependencies follow, and every rank meets the sharded actions in the same sequence, so it runs without
+        deadlock for any m: it fills the pipeline as GPipe's forward does."""
+        if m < 1:
+            raise ScheduleError(f"schedule {self.name!r}: an evaluation step needs at least 1 microbatch, got {m}")
+        shape = Schedule(f"{self.name}/forward", m, self.placement, tuple(() for _ in self.ranks), self.pipelines)
+        starts = {shape.pipeline_of(j): j for j in reversed(range(m))}   # each pipeline's first microbatch
+        keyed: list[tuple[tuple[int, int, int, int], int, Action]] = []
+        for j in range(m):
+            wave, path = j - starts[shape.pipeline_of(j)], shape.path(j)
+            keyed += [((wave + k, 1, j, s), self.placement[s], Action(Kind.F, s, j)) for k, s in enumerate(path)]
+            for kind, at, order in ((Kind.IF, -1, 0), (Kind.S, len(path), 2), (Kind.T, len(path), 3)):
+                if kind in keep:
+                    keyed += [((wave + at, order, j, r), r, Action(kind, r, j)) for r in range(self.num_ranks)]
+        rows: list[list[Action]] = [[] for _ in self.ranks]
+        for _, rank, action in sorted(keyed):
+            rows[rank].append(action)
+        return Schedule(shape.name, m, self.placement, tuple(map(tuple, rows)), self.pipelines)
 
     # ---- checks -------------------------------------------------------------------------------
     def validate(self) -> Schedule:

@@ -163,8 +163,16 @@ def eval_case(mesh, schedule: str = "zbv", **options) -> dict:
         want = sum(loss_fn(ref(a), b).item() for a, b in zip(x.chunk(DP * M), y.chunk(DP * M))) / (DP * M)
     got = pipe.eval().evaluate(x, y)
     out = pipe(x)
+    # a smaller global batch (an evaluation set's last): 3 microbatches of the example's rows per replica
+    rows = x.shape[0] // (DP * M) * DP * 3
+    xs, ys = x[:rows], y[:rows]
+    with torch.no_grad():
+        want_small = sum(loss_fn(ref(a), b).item() for a, b in zip(xs.chunk(DP * 3), ys.chunk(DP * 3))) / (DP * 3)
+        want_small_out = ref(xs)
+    small_out = pipe(xs)
     return dict(got=got, want=want, out_err=None if out is None else rel(out, want_out),
-                holds=out is not None)
+                holds=out is not None, small=(pipe.evaluate(xs, ys), want_small),
+                small_out_err=None if small_out is None else rel(small_out, want_small_out))
 
 
 def clip_case(mesh, **options) -> dict:
