@@ -61,7 +61,10 @@ class Traced:
         watched = (modules, tuple(m for m in modules if isinstance(m, nn.modules.dropout._DropoutNd)),
                    (*global_module_hooks(),   # dicts changed in place, keyed by increasing handle ids
                     *(getattr(m, k) for m in modules for k in _MODULE_HOOKS)),
-                   tuple(p for _, p in params),   # (this rank's: another rank's gradients are not made here)
+                   # every parameter, the other ranks' (meta here) too: a hook the user's loop adds on every rank
+                   # is then refused on every rank at once, not only where the parameter is held
+                   tuple(dict.fromkeys([*(p for _, p in params),
+                                        *(model.parameters() if model is not None else ())])),
                    # each slot's dict, key and the object in it at compile: a module or a tensor replaced since
                    tuple(getattr(m, d) for _, m, d, _ in slots), tuple(k for *_, k in slots),
                    tuple(getattr(m, d)[k] for _, m, d, k in slots))

@@ -850,6 +850,20 @@ def test_a_hook_added_after_compile_is_refused():
                              "a hook was added to or removed from .* after compile")
 
 
+def test_a_gradient_hook_on_a_parameter_one_rank_holds_is_refused_on_every_rank():
+    """The user's loop adds a gradient hook to one parameter on every rank: only rank 0 holds it, and only rank 0
+    refused; rank 1 ran into the step and waited out the timeout for rank 0's activations (RuntimeFailure, the
+    process groups lost). Every rank now also watches the other ranks' parameters (on meta there)."""
+    _, _, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+    handles = {}
+
+    def add(model):
+        handles[id(model)] = _first(model, torch.nn.Linear).weight.register_hook(lambda g: g * 2)
+
+    _refused_then_trains(pipes, x, y, add, lambda m: handles.pop(id(m)).remove(),
+                         r"a hook was added to or removed from 0.weight after compile")
+
+
 @pytest.mark.parametrize("hook", ["grad", "post_accumulate", "full_backward"])
 def test_hooks_the_compiled_step_would_never_call_are_refused_before_tracing(hook):
     model, loss_fn, (x, y), _ = mlp(layers=4, batch=8)
