@@ -128,8 +128,8 @@ def generate(name: str, pp: int, microbatches: int, *, chunks: int | None = None
         raise ScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
     if "chunks" not in spec.accepts and chunks is not None and chunks != spec.stages_per_rank:
         raise ScheduleError(f"schedule {name!r} holds {spec.stages_per_rank} stage(s) per rank and cannot take "
-                            f"--chunks {chunks}; drop --chunks, or pick interleaved-1f1b for a chosen number of "
-                            f"chunks")
+                            f"chunks={chunks} (--chunks on the command line): drop it, or pick interleaved-1f1b for a "
+                            "chosen number of chunks")
     costs = Costs.of(costs)   # (a string too, as compile and the command line take it)
     given = {"chunks": chunks, "costs": costs, "mem_limit": mem_limit}
     schedule = spec.fn(pp, microbatches, **{key: given[key] for key in spec.accepts})
