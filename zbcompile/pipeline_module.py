@@ -21,7 +21,7 @@ from zbcompile import agreement, call_checks, eval_check, grads, rng, share
 from zbcompile.compiler import Compiled
 from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError, ZBCompileWarning
 from zbcompile.grads import PipelineGradScaler
-from zbcompile.post_validation import check_optimizer, synchronous_step
+from zbcompile.post_validation import SteppedLoss, check_optimizer, synchronous_step
 from zbcompile.split import autocast_state
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
@@ -171,7 +171,8 @@ class PipelineModule(nn.Module):
 
         With `optimizer` (over this rank's parameters) the step updates too: the gradient norm over the whole
         pipeline clipped to `max_norm` (if given, `norm_type` as clip_grad_norm_'s), `optimizer.step()` unless a
-        gradient on some rank is not finite (with `scaler`: scaler.step / update), then `zero_grad()`.
+        gradient on some rank is not finite (with `scaler`: scaler.step / update), then `zero_grad()`; the loss
+        returned is then a SteppedLoss, a float with the step's `.norm`, `.clipped` and `.skipped`.
         post_validate=True makes that update without waiting for the other ranks (zbcompile/post_validation.py):
         the result is then a StepResult, whose loss, norm and skipped / clipped flags are known once the next
         step has validated this one (or `settle()` was called); losses and parameters equal the synchronous
@@ -199,7 +200,7 @@ class PipelineModule(nn.Module):
         loss = loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
         if optimizer is not None:
             try:
-                synchronous_step(self, optimizer, max_norm, norm_type, scaler)
+                return SteppedLoss(loss, *synchronous_step(self, optimizer, max_norm, norm_type, scaler))
             except DisagreementError:   # raised on every rank alike, before any update
                 raise
             except BaseException as e:   # after the exchange: the peers update, this rank did not, or in part

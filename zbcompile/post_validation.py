@@ -89,6 +89,28 @@ class StepResult:
         return f"StepResult(loss={self._loss:.6g}{norm}{what})"
 
 
+class SteppedLoss(float):
+    """What a synchronous `pipe.step(..., optimizer=...)` returns: the batch's mean loss, a float, with the step's
+    `.norm` (the total gradient norm; None without max_norm), `.skipped` (no update: an inf or NaN gradient) and
+    `.clipped`, as a post-validated step's StepResult has them (known at once here)."""
+
+    validated = True
+
+    def __new__(cls, loss: float, norm: float | None = None, verdict: str = "step"):
+        self = super().__new__(cls, loss)
+        self.norm, self.skipped, self.clipped = norm, verdict == "skip", verdict == "clip"
+        return self
+
+    @property
+    def loss(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        what = " skipped" if self.skipped else " clipped" if self.clipped else ""
+        norm = "" if self.norm is None else f", norm={self.norm:.6g}"
+        return f"SteppedLoss(loss={float(self):.6g}{norm}{what})"
+
+
 def check_optimizer(pipe, optimizer) -> None:
     """UsageError for step(optimizer=...) given something else than a torch optimizer, or one over none of this
     rank's trained parameters (an optimizer of another model: nothing would be updated and the gradients would
@@ -106,19 +128,21 @@ def check_optimizer(pipe, optimizer) -> None:
 
 
 def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | None, norm_type: float,
-                     scaler=None) -> None:
+                     scaler=None) -> tuple[float | None, str]:
     """The reference: every rank's partial norm and inf flag in one all-gather over the pipeline, then on every
     rank the same verdict (clip_grad_norm_'s total and coefficient, the step skipped where a gradient is not
     finite) and zero_grad. With a scaler (pipe.grad_scaler()), torch's recipe: unscale_, clip, scaler.step (it
-    skips on an inf found on any rank), scaler.update."""
+    skips on an inf found on any rank), scaler.update. Returns (the total norm or None without max_norm, the
+    verdict: "step", "clip" or "skip")."""
     if scaler is not None:
-        scaler.unscale_(optimizer)
-        if max_norm is not None:
-            pipe.clip_grad_norm_(max_norm, norm_type)
+        scaler.unscale_(optimizer)   # (its found-inf is the pipeline's: the same on every rank)
+        skipped = sum(float(v) for v in scaler._found_inf_per_device(optimizer).values()) > 0
+        norm = None if max_norm is None else pipe.clip_grad_norm_(max_norm, norm_type)
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        return
+        clipped = norm is not None and float(max_norm / (norm + 1e-6)) < 1.0
+        return (None if norm is None else float(norm)), "skip" if skipped else "clip" if clipped else "step"
     device = pipe.runtime.device
     found = float(_any_not_finite(pipe._counted_grads()))   # the real gradients, not _norm_grads' flags
     mine = local_values(pipe._norm_grads(norm_type), norm_type, pipe._dp.reduce if pipe._sharded else None, found)
@@ -130,6 +154,7 @@ def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | N
     kind, norm = verdict(combined, norm_type, max_norm, norm_dtype(pipe), device)
     apply(kind, norm, list(pipe.parameters()), max_norm, optimizer)
     optimizer.zero_grad(set_to_none=True)
+    return (None if norm is None else float(norm)), kind
 
 
 # ---- the verdict: the same arithmetic for the synchronous step and the prefix chain --------------------------

@@ -86,6 +86,10 @@ def test_post_validated_training_equals_the_synchronous_step(schedule, pp):
             if n in ref_params:
                 assert rel(p, ref_params[n].detach()) <= 1e-9, f"synchronous, rank {r}: {n}"
         assert all(isinstance(x, StepResult) and x.validated for x in results)
+        # the synchronous step's losses are floats carrying the same verdict: which clipped, which was skipped
+        assert [i for i, x in enumerate(losses) if x.clipped] == clipping, (r, losses)
+        assert [i for i, x in enumerate(losses) if x.skipped] == [NAN_STEP], (r, losses)
+        assert all(_same(x.norm, want) or abs(x.norm - want) <= 1e-9 * want for x, want in zip(losses, want_norms))
         assert all(_same(float(x), want) for x, want in zip(results, losses)), (r, results, losses)
         assert state.keys() == pv_state.keys() and all(torch.equal(state[k], pv_state[k]) for k in state), r
         assert [i for i, x in enumerate(results) if x.clipped] == clipping, (r, results)
@@ -444,6 +448,9 @@ def test_float16_loss_scaling_post_validated_equals_synchronous(schedule, pp):
         assert sync[r][1] == post[r][1] == 2.0 ** 9   # one overflow: the scale halved once
         assert all(torch.equal(a, b) for a, b in zip(sync[r][2], post[r][2]))
         assert [i for i, x in enumerate(post[r][3]) if x.skipped] == [3]
+        # the synchronous step's results carry the same verdicts and norms (SteppedLoss)
+        assert [(x.skipped, x.clipped) for x in sync[r][3]] == [(x.skipped, x.clipped) for x in post[r][3]], r
+        assert all(_same(a.norm, b.norm) for a, b in zip(sync[r][3], post[r][3])), r
 
 
 def test_no_pipeline_wide_collective_runs_in_a_post_validated_step(monkeypatch):
