@@ -83,9 +83,10 @@ def _ours(cfg: dict, kind: str, name: str, mesh):
     parts = partition(cfg, pp * spr, stage_to_rank(pp, pp * spr, style))
     x, y = _local_batch(cfg, mesh)
     kw = dict(schedule=name, microbatches=cfg["n_mb"], loss_fn=loss_fn, example=(x[:cfg["mbs"]], y[:cfg["mbs"]]),
-              split_points=split_points(parts), dp_batch="local", timeout=300,
-              group=mesh["pp"] if kind == "ours-nodp" else mesh, dp_overlap=kind != "ours-end",
-              dp_w_pieces=1 if kind == "ours-whole" else 4, dp_shard=kind == "ours-sharded")
+              split_points=split_points(parts), timeout=300, group=mesh["pp"] if kind == "ours-nodp" else mesh)
+    if kind != "ours-nodp":   # (data-parallel options without a "dp" mesh dimension are refused)
+        kw.update(dp_batch="local", dp_overlap=kind != "ours-end", dp_w_pieces=1 if kind == "ours-whole" else 4,
+                  dp_shard=kind == "ours-sharded")
     if chunks:
         kw["chunks"] = chunks
     pm = zbcompile.compile(build_model(cfg), **kw)

@@ -31,6 +31,7 @@ whole parameters where its actions read them and reduce-scatters each gradient w
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 from typing import Sequence
 
@@ -41,6 +42,9 @@ from torch import nn
 from zbcompile.errors import RuntimeFailure, UsageError
 
 __all__ = ["Replicas"]
+
+# the data-parallel options: one set to other than its default without a "dp" mesh dimension is refused
+_DP_OPTIONS = ("dp_shard", "dp_batch", "dp_bucket_mb", "dp_overlap", "dp_w_pieces")
 
 
 class Replicas:
@@ -65,11 +69,13 @@ class Replicas:
     @classmethod
     def of(cls, options, group) -> Replicas | None:
         """The Replicas of compile's options and the mesh's "dp" group (split_mesh's), or None for one replica;
-        UsageError for dp_shard without a 2-D mesh (a "dp" dimension of size 1 leaves nothing to shard: allowed)."""
-        if options.dp_shard and group is None:
-            raise UsageError("dp_shard=True shards the parameters over the mesh's \"dp\" dimension, but no 2-D "
-                             "(\"dp\", \"pp\") mesh was given: pass group=init_device_mesh(device, (dp, pp), "
-                             "mesh_dim_names=(\"dp\", \"pp\")), or leave dp_shard off")
+        UsageError for a data-parallel option set without a 2-D mesh (a "dp" dimension of size 1: allowed)."""
+        given = [f"{f.name}={getattr(options, f.name)!r}" for f in dataclasses.fields(options)
+                 if f.name in _DP_OPTIONS and getattr(options, f.name) != f.default]
+        if given and group is None:   # else a choice that changes nothing, silently (as dp_gather's, options.py)
+            raise UsageError(f"{', '.join(given)}: data-parallel option(s), but no 2-D (\"dp\", \"pp\") mesh was "
+                             "given: pass group=init_device_mesh(device, (dp, pp), mesh_dim_names=(\"dp\", \"pp\")), "
+                             "or drop them")
         if group is None or group.size() < 2:
             return None
         return cls(group, options.timeout, sharded=options.dp_shard,

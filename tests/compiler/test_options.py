@@ -86,6 +86,20 @@ def test_options_a_schedule_or_the_group_would_ignore_are_refused_before_tracing
         CompileOptions(**GOOD, pp=4).check_ranks(2)
 
 
+@pytest.mark.parametrize("option", [dict(dp_batch="local"), dict(dp_overlap=False), dict(dp_bucket_mb=0),
+                                    dict(dp_w_pieces=1), dict(dp_shard=True)], ids=lambda o: next(iter(o)))
+def test_data_parallel_options_without_a_dp_mesh_dimension_are_refused(option):
+    """dp_batch="local" (and the reductions' options) with a 1-D group changed nothing, silently, where dp_gather
+    without dp_shard is refused: every data-parallel option given without a "dp" mesh dimension is refused,
+    naming it; left at their defaults they pass."""
+    from zbcompile.data_parallel import Replicas
+
+    name, value = next(iter(option.items()))
+    with pytest.raises(UsageError, match=f"{name}={value!r}: data-parallel option.* no 2-D"):
+        Replicas.of(CompileOptions(**GOOD, **option), None)
+    assert Replicas.of(CompileOptions(**GOOD), None) is None
+
+
 def test_options_that_shape_a_generated_schedule_are_refused_with_a_ready_one():
     """A ready Schedule as `schedule=` dropped chunks, costs and mem_limit without a word, and vocab_parallel=True
     with a schedule without S / T actions compiled without sharding anything; each is refused before tracing.
