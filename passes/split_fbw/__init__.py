@@ -56,7 +56,8 @@ from zbcompile.passes.split_fbw.b_w import _split_b_w
 from zbcompile.passes.split_fbw.common import _aten, _placeholder
 from zbcompile.passes.split_fbw.diagnose import _explain_joint_failure
 from zbcompile.passes.split_fbw.fbw import _backward_graph, _forward_graph, _zeros
-from zbcompile.passes.split_fbw.joint import _differentiable_forward, _fake_arg, _trivial_program
+from zbcompile.passes.split_fbw.joint import (_differentiable_forward, _fake_arg, _trivial_program,
+                                             _views_as_reshapes)
 
 __all__ = ["split_fbw", "split_stage"]
 
@@ -275,10 +276,10 @@ def _stage(sg: Graph, f: Graph, b: Graph, w: Graph, bw: Graph, rg: Mapping[str, 
 
     return Stage(
         index=sg.index,
-        f=f,
-        b=b,
-        w=w,
-        bw=bw,
+        f=_views_as_reshapes(f),
+        b=_views_as_reshapes(b),
+        w=_views_as_reshapes(w),
+        bw=_views_as_reshapes(bw),
         params=tuple(key_of(n) for n in sg.inputs if role_of(n) is Role.PARAM),
         # read, then only written (`self.last.copy_(x)`): the stage's rank must hold what its F writes back
         buffers=tuple(dict.fromkeys(key_of(n) for n in (*sg.inputs, *sg.outputs) if role_of(n) is Role.BUFFER)),

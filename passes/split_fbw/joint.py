@@ -89,6 +89,24 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
     return tuple(names), fx.GraphModule(stage.gm, g, class_name=f"Stage{stage.index}Diff")
 
 
+def _views_as_reshapes(g):
+    """Graph `g` (F, B, W or BW of a stage, as aot made it) with every `aten.view` an `aten.reshape`, in place.
+
+    aot decomposes the joint's reshapes on fake tensors, and makes a `view` wherever the fake layout allows one;
+    but a fake tensor's layout is not always the real kernel's (BatchNorm over a transposed input: the fake
+    output keeps the input's strides, the CPU kernel's is contiguous; a gradient handed over by another stage of
+    the same rank is laid out as its graph made it). A view the trace allowed then fails on the real tensor
+    ("view size is not compatible with input tensor's size and stride"). A reshape views wherever the real
+    layout allows, so nothing changes where the trace was right, and copies where it was not."""
+    gm = getattr(g, "gm", None)
+    views = [] if gm is None else gm.graph.find_nodes(op="call_function", target=_aten.view.default)
+    for node in views:
+        node.target = _aten.reshape.default
+    if views:
+        gm.recompile()
+    return g
+
+
 def _may_decompose_to_view(node: fx.Node) -> bool:
     """True for a call of a composite aten op (one autograd decomposes, such as `aten.linear`, which returns a
     `view` of its `addmm` for 3-d input): its result may be a view of an intermediate, an output aot's joint
