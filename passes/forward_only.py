@@ -54,7 +54,7 @@ from zbcompile.ir.stages import (Constant, Graph, ModelOutputs, Partition, Stage
                                   VocabLayers)
 
 __all__ = ["forward_stages", "forward_graph", "forward_loss", "forward_vocab", "output_graph", "output_stages",
-           "OutputGraph", "TRAINING_ARGUMENT", "OUTPUT"]
+           "OutputGraph", "TRAINING_ARGUMENT", "OUTPUT", "other_buffer_updates"]
 
 OUTPUT = Role.OUTPUT.value   # out:<k>: the k-th tensor leaf of the model's outputs, from the loss stage
 
@@ -314,6 +314,16 @@ def _check_eval_buffer_updates(f: Graph, graph: fx.Graph, where: str) -> None:
             "the updates run as traced and are kept, as eager's train-mode forward under torch.no_grad() does), "
             f"or make the update of {buffer!r} depend on something other than the module's mode (e.g. make it "
             "in the training loop, outside forward), or evaluate the plain model")
+
+
+def other_buffer_updates(f: Graph) -> list[str]:
+    """The buffers stage forward graph `f` updates other than normalization running statistics (an EMA, a
+    counter: what the forward may read back, unlike BatchNorm's statistics in training)."""
+    graph = f.gm.graph
+    inputs = dict(zip(graph.find_nodes(op="placeholder"), f.inputs))
+    return [key_of(name) for name, node in zip(f.outputs, graph.output_node().args[0])
+            if role_of(name) is Role.BUFFER and inputs.get(node) != name
+            and not _switched_statistic(name, node, inputs)]
 
 
 def _switched_statistic(name: str, node: fx.Node, inputs: dict[fx.Node, str]) -> bool:

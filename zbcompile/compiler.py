@@ -288,9 +288,21 @@ def _phase(name: str, what: str):
 
 
 def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> None:
-    """DualPipe runs each model stage on two ranks, each copy for half of the microbatches. Gradients and
-    losses are exact, but buffers the forward updates (BatchNorm running statistics) then follow two halves
-    of the step on two ranks instead of all microbatches in order on one: say so (once per compile)."""
+    """DualPipe runs each model stage on two ranks, each copy for half of the microbatches. Buffers the forward
+    updates then follow two halves of the step on two ranks instead of all microbatches in order on one. For
+    BatchNorm's running statistics (which a training forward does not read) gradients and losses stay exact: say
+    so (once per compile). Any other update (an EMA the forward reads back) would change them: refused."""
+    from zbcompile.passes.forward_only import other_buffer_updates
+
+    for k, ranks in enumerate(schedule.stage_ranks()):
+        read_back = other_buffer_updates(staged.stages[k].f) if len(ranks) > 1 else []
+        if read_back:
+            raise UsageError(
+                f"schedule {schedule.name!r} runs model stage {k} on ranks {sorted(ranks)}, each copy for half of the "
+                f"microbatches, and that stage's forward updates buffer(s) {', '.join(read_back)} (not BatchNorm "
+                "running statistics): each copy would see only its own half of every step's updates, so a forward "
+                "reading them back (an EMA) computes other losses and gradients than eager training, silently. Use "
+                "a schedule without mirrored stages (dualpipev, zbv), or make the update outside forward")
     for k, ranks in enumerate(schedule.stage_ranks()):
         updated = [key_of(n) for n in staged.stages[k].f.outputs if role_of(n) is Role.BUFFER]
         if len(ranks) > 1 and updated:
