@@ -186,13 +186,17 @@ def output_graph(cut: Partition) -> OutputGraph | str:
     by_value = dict(zip(g.inputs, graph.find_nodes(op="placeholder")))
     nodes = {n.name: n for n in graph.nodes if n.op != "placeholder"}
     found = []
-    for leaf in outputs.leaves:
+    for k, leaf in enumerate(outputs.leaves):
         if isinstance(leaf, Constant):
             continue
         node = nodes.get(leaf, by_value.get(leaf, by_value.get("act:" + leaf)))
         if node is None:
-            return (f"the model output {leaf!r} is not on the loss stage (stage {stage}): the loss reads it "
-                    "through a value computed from it")
+            made = [i for i, st in enumerate(cut.stages) if leaf in {n.name for n in st.gm.graph.nodes}]
+            return (f"the model output {_leaf_path(outputs, k)} (traced as {leaf!r}) is computed on stage "
+                    f"{made[0] if made else '?'}, not on the loss stage (stage {stage}), which reads it only "
+                    "through a value computed from it; sending it on for pipe(x) is not built. Cut so that the "
+                    "stage computing the loss computes it too (split_points: no cut between the model's last "
+                    "layer and the loss)")
         found.append(node)
     out = graph.output_node()
     buffers = [(n, v) for n, v in zip(g.outputs, out.args[0]) if role_of(n) is Role.BUFFER]
@@ -207,6 +211,17 @@ def output_graph(cut: Partition) -> OutputGraph | str:
     whole = () if cut.vocab is None else _read_whole(graph, inputs, cut.vocab)
     gm.recompile()
     return OutputGraph(stage, Graph(gm, tuple(inputs), names, index=g.index, modules=g.modules), outputs, whole)
+
+
+def _leaf_path(outputs: ModelOutputs, k: int) -> str:
+    """Leaf k of the model's output tree as the user indexes it (`output[0]`, `output['aux']`)."""
+    from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
+
+    try:
+        paths = tree_flatten_with_path(tree_unflatten(list(range(len(outputs.leaves))), outputs.spec))[0]
+        return "output" + keystr(paths[k][0])
+    except Exception:   # (a tree torch's pytree cannot name keys of)
+        return f"leaf {k}"
 
 
 def _read_whole(graph: fx.Graph, inputs: list[str], vocab: VocabLayers) -> tuple[TensorSpec, ...]:

@@ -1435,6 +1435,42 @@ def test_an_output_the_loss_does_not_read_made_by_a_plain_op_trains_as_eager(sch
     assert "use_cache" not in str(info.value)
 
 
+class _LogitsAux(torch.nn.Module):
+    """(logits, aux): the loss is cross_entropy(logits) + 0.1 * aux, with fewer modules than a V's stages."""
+
+    def __init__(self, d: int = 16, vocab: int = 11) -> None:
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(d, d), torch.nn.Linear(d, d), torch.nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.b(torch.tanh(self.a(x)))
+        return self.head(torch.tanh(h)), h.pow(2).mean()
+
+
+def _logits_aux_loss(out, y):
+    logits, aux = out
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten()) + 0.1 * aux
+
+
+def test_an_output_made_on_an_earlier_stage_than_the_loss_is_refused_by_its_name():
+    """zbv's automatic split of a 3-layer model cuts between the cross-entropy and the `+ aux`: pipe(x) refused
+    the logits naming the traced node ('linear_2'). It names the output as the user indexes it and the stage that
+    computes it; cut before the loss's ops (1f1b) and pipe(x) returns eager's outputs (fuzzing, probe 24)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4, 16, dtype=torch.float64), torch.randint(0, 11, (8, 4))
+    case = type(gpt())(_LogitsAux().double(), _logits_aux_loss, (x, y), 4)
+    _, _, _, _, pipes = _pipes(case, "zbv")
+    with pytest.raises(UsageError, match=r"model output output\[0\] \(traced as '\w+'\) is computed on stage \d, "
+                                         r"not on the loss stage \(stage 3\)"):
+        pipes[0].eval()(x)
+    model, _, _, _, pipes = _pipes(case, "1f1b")
+    outs = run_pipes(lambda r: pipes[r].eval()(x), PP)
+    with torch.no_grad():   # the aux (0-dim) once per microbatch
+        want = model.eval()(x)[0], torch.stack([model(xc)[1] for xc in x.chunk(M)])
+    got = next(o for o in outs if o is not None)
+    assert rel(got[0], want[0]) <= 1e-12 and rel(got[1], want[1]) <= 1e-12
+
+
 def test_forward_is_refused_where_the_outputs_cannot_come_back_whole():
     """Our errors, before any message is sent: DualPipe ends in a copy of the last stage on both ranks (with
     vocabulary parallelism too), an output the loss never reads is never computed; and pipe(x, y)
