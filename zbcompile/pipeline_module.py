@@ -265,11 +265,13 @@ class PipelineModule(nn.Module):
             raise UsageError(f"forward() takes the model's inputs either by position or by keyword, not both; got "
                              f"{len(inputs)} by position and {sorted(keywords)} by keyword")
         inputs = self._bound(inputs, keywords, "forward")
+        call = self._enter("forward")
         self.settle()
         m = self._forward_microbatches(inputs)
         local = self._checked(inputs, "forward", targets=False, microbatches=m)
         runtime = self._forward_runtime(self.training, outputs=True, microbatches=m)
         self._check_same_batch(inputs, "forward")
+        self._agree_on_call("forward", call, m)
         with torch.inference_mode(False), rng.own_stream(self.rank, self._own_rng):
             flat = runtime.run_batch(local)
         if flat is None:
@@ -304,6 +306,7 @@ class PipelineModule(nn.Module):
         local = self._checked(batch, "evaluate", microbatches=m)
         runtime = self._forward_runtime(self.training, microbatches=m)
         self._check_same_batch(batch, "evaluate")
+        self._agree_on_call("evaluate", call, m)
         runtime.call = call
         # (inference_mode off: the step's buffers must stay usable outside inference_mode too)
         with torch.inference_mode(False), rng.own_stream(self.rank, self._own_rng):
@@ -364,14 +367,18 @@ class PipelineModule(nn.Module):
         where the arguments do not agree on one count (_checked then says what is wrong)."""
         m = self.schedule.num_microbatches
         replicas = 1 if self._dp is None or self._local_batches else self._dp.size
-        counts = set()
+        counts = {}
         for i, (shape, _) in self.runtime.data_specs.items():
             t = batch[i] if i < len(batch) else None
             if not isinstance(t, torch.Tensor) or t.dim() == 0 or not shape or not shape[0]:
                 continue
             rows, left = divmod(t.shape[0], replicas)
-            counts.add(rows // shape[0] if not left and rows % shape[0] == 0 else 0)
-        return counts.pop() if len(counts) == 1 and 0 not in counts else m
+            counts[i] = rows // shape[0] if not left and rows % shape[0] == 0 else 0
+        if len(set(counts.values())) > 1 and 0 not in counts.values():
+            said = ", ".join(f"argument {i}: {k}" for i, k in sorted(counts.items()))
+            raise UsageError(f"the batch's arguments hold different numbers of microbatches of the example's shape "
+                             f"({said}); hand every argument the same number of rows")
+        return next(iter(counts.values())) if len(set(counts.values())) == 1 and 0 not in counts.values() else m
 
     def _forward_runtime(self, training: bool, outputs: bool = False, microbatches: int | None = None) -> RankRuntime:
         """The evaluation step's runtime for the mode, what it returns and the number of microbatches, made when
@@ -384,8 +391,9 @@ class PipelineModule(nn.Module):
             return self._forward[key]
         runtime = self._new_forward_runtime(training, outputs, m)
         self._forward[key] = runtime
-        others = [k for k in self._forward if k[2] != self.schedule.num_microbatches]
-        for k in others[:max(0, len(others) - FORWARD_SIZES)]:   # its static buffers go with it
+        # the sizes in the order last used (any mode, loss or outputs): the compiled one and FORWARD_SIZES others
+        recent = list(dict.fromkeys(k[2] for k in reversed(self._forward) if k[2] != self.schedule.num_microbatches))
+        for k in [k for k in self._forward if k[2] in recent[FORWARD_SIZES:]]:   # its static buffers go with it
             self._runtimes.remove(self._forward.pop(k))   # (a failure in it was seen by the call it failed in)
         return runtime
 
@@ -434,6 +442,14 @@ class PipelineModule(nn.Module):
 
     def _check_same_batch(self, batch: Sequence[torch.Tensor], what: str) -> None:
         agreement.check_same_batch(self, batch, what)
+
+    def _agree_on_call(self, what: str, call: int, m: int) -> None:
+        """DisagreementError on every rank unless every rank makes this evaluation call (evaluate, forward) with
+        the same number and the same number of microbatches: one labelled all-gather before the program runs.
+        The program's own loss gather compares call numbers too late here: ranks out of step (a call refused
+        on one rank only) running programs of other sizes would wait on each other's messages until the
+        timeout and lose the process groups, before any gather."""
+        self._gather(torch.zeros(1, dtype=torch.float64), f"{what}() call {call} of {m} microbatches")
 
     def _check_step_context(self) -> None:
         """What a compiled training step cannot honour (zbcompile/call_checks.py): eval mode, no_grad, another

@@ -7,6 +7,7 @@ compiled size. The pipeline is compiled for 4 microbatches of 2 rows; the evalua
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -139,3 +140,61 @@ def test_other_sizes_are_refused_with_what_the_call_takes_and_few_are_kept():
     kept = {key[2] for key in pipe._forward}
     assert kept == {M, *[k for k in sizes if k != M][-FORWARD_SIZES:]}, kept
     assert len(pipe._runtimes) == 1 + len(pipe._forward), (len(pipe._runtimes), list(pipe._forward))
+
+
+def test_ranks_out_of_step_at_other_sizes_raise_instead_of_waiting_out_the_timeout():
+    """Rank 1 alone refuses a batch while rank 0 evaluates 3 microbatches; then both evaluate 5. Their programs
+    (3 and 5 microbatches) waited on each other's messages until the timeout, which lost the process groups,
+    before the loss gather could compare the calls (probe 26). Every evaluation call is now agreed on first
+    (its number and size): both ranks raise DisagreementError at once."""
+    from zbcompile.errors import DisagreementError
+
+    case = gpt(layers=4, batch=M * ROWS)
+    model, loss_fn, pipes = _compiled(case, "1f1b", timeout=60.0)
+    x, y = _batch(case, 5, seed=1)
+    run_pipes(lambda r: pipes[r].evaluate(x[:2 * ROWS], y[:2 * ROWS]), PP)
+
+    def run(r):
+        if r == 1:
+            with pytest.raises(UsageError):
+                pipes[r].evaluate(x[:5], y[:5])
+        started = time.monotonic()
+        with pytest.raises(DisagreementError):
+            pipes[r].evaluate(x[:3 * ROWS] if r == 0 else x, y[:3 * ROWS] if r == 0 else y)
+            pipes[r].evaluate(x, y)   # (rank 0: its second call meets rank 1's first)
+        return time.monotonic() - started
+
+    assert max(run_pipes(run, PP)) < 30
+
+
+def test_arguments_holding_different_numbers_of_microbatches_are_named():
+    """Inputs of 3 microbatches with targets of 2: the refusal said "6 rows do not split into 4 microbatches;
+    evaluate() takes any multiple of 2 rows" (probe 26). It names each argument's count now."""
+    case = gpt(layers=4, batch=M * ROWS)
+    _, _, pipes = _compiled(case, "1f1b")
+    x, y = _batch(case, 3, seed=2)
+
+    def run(r):
+        with pytest.raises(UsageError, match=r"different numbers of microbatches .*argument 0: 3, argument 1: 2"):
+            pipes[r].evaluate(x, y[:2 * ROWS])
+    run_pipes(run, PP)
+
+
+def test_a_size_is_kept_for_every_mode_and_kind_of_call():
+    """evaluate() and pipe(x) in both modes at 2 sizes other than the compiled one: 8 programs, kept as 2 sizes
+    (the cache counted keys, so alternating them lowered again on every call, probe 26)."""
+    case = gpt(layers=4, batch=M * ROWS)
+    _, _, pipes = _compiled(case, "1f1b")
+    batches = [_batch(case, k, seed=k) for k in (1, 3)]
+
+    def run(r):
+        pipe = pipes[r]
+        for _ in range(2):
+            for training in (True, False):
+                pipe.train(training)
+                for x, y in batches:
+                    pipe.evaluate(x, y)
+                    pipe(x)
+        return len(pipe._runtimes)
+
+    assert run_pipes(run, PP) == [1 + 8] * PP   # the training step's runtime and 8 evaluation programs, none redone
