@@ -230,6 +230,10 @@ class PipelineGradScaler(torch.amp.GradScaler):
             found[torch.device(self._device)] = torch.full((1,), anywhere, dtype=torch.float32,
                                                            device=self._device)
 
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether unscale_ found an inf or NaN in any rank's gradients (scaler.step then skips, on every rank)."""
+        return sum(float(v) for v in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()) > 0
+
     def _device_of(self, found) -> torch.device:
         return next(iter(found.values())).device if found else torch.device(self._device)
 

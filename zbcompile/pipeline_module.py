@@ -363,8 +363,9 @@ class PipelineModule(nn.Module):
     def _forward_microbatches(self, batch: Sequence[torch.Tensor]) -> int:
         """How many microbatches an evaluation call (evaluate, forward) cuts `batch` into: as many of the
         compiled microbatch shape as this replica's rows hold (the schedule's number for a batch of the compiled
-        size; a last, smaller batch or a larger evaluation batch gets its own count). The schedule's number
-        where the arguments do not agree on one count (_checked then says what is wrong)."""
+        size; a last, smaller batch or a larger evaluation batch gets its own count). UsageError where the
+        arguments hold different whole numbers; the schedule's number where one holds no whole number of them
+        (_checked then says what is wrong)."""
         m = self.schedule.num_microbatches
         replicas = 1 if self._dp is None or self._local_batches else self._dp.size
         counts = {}

@@ -136,7 +136,7 @@ def synchronous_step(pipe, optimizer: torch.optim.Optimizer, max_norm: float | N
     verdict: "step", "clip" or "skip")."""
     if scaler is not None:
         scaler.unscale_(optimizer)   # (its found-inf is the pipeline's: the same on every rank)
-        skipped = sum(float(v) for v in scaler._found_inf_per_device(optimizer).values()) > 0
+        skipped = scaler.found_inf(optimizer)
         norm = None if max_norm is None else pipe.clip_grad_norm_(max_norm, norm_type)
         scaler.step(optimizer)
         scaler.update()
