@@ -54,7 +54,7 @@ from zbcompile.ir.stages import (Constant, Graph, ModelOutputs, Partition, Stage
                                   VocabLayers)
 
 __all__ = ["forward_stages", "forward_graph", "forward_loss", "forward_vocab", "output_graph", "output_stages",
-           "OutputGraph", "TRAINING_ARGUMENT", "OUTPUT", "other_buffer_updates"]
+           "OutputGraph", "TRAINING_ARGUMENT", "OUTPUT", "other_buffer_updates", "views_as_reshapes"]
 
 OUTPUT = Role.OUTPUT.value   # out:<k>: the k-th tensor leaf of the model's outputs, from the loss stage
 
@@ -129,6 +129,21 @@ def _without_unread_inputs(g: Graph) -> Graph:
     return dataclasses.replace(g, inputs=tuple(inputs))
 
 
+def views_as_reshapes(graph: fx.Graph) -> bool:
+    """Make every `aten.view` of `graph` an `aten.reshape`, in place; whether there was one (recompile then).
+
+    A traced layout is not always the one the graph meets when it runs: a received activation is contiguous
+    where the trace saw a permuted view whose `.contiguous()` export dropped as redundant, and aot decomposes on
+    fake tensors whose layouts are not always the real kernels' (BatchNorm over a transposed input keeps the
+    input's strides on a fake tensor, not on the CPU). A view the trace allowed then fails ("view size is not
+    compatible with input tensor's size and stride"); a reshape views wherever the real layout allows, so
+    nothing changes where the trace was right, and copies where it was not."""
+    views = graph.find_nodes(op="call_function", target=aten.view.default)
+    for node in views:
+        node.target = aten.reshape.default
+    return bool(views)
+
+
 def _forward_copy(f: Graph, keep: list[int], training: bool, where: str) -> Graph:
     """A copy of `f` returning its outputs at `keep`, in eval mode unless `training`, with what computed only
     the others removed, and every view a reshape (which views where the layout allows)."""
@@ -140,10 +155,7 @@ def _forward_copy(f: Graph, keep: list[int], training: bool, where: str) -> Grap
     out.args = (tuple(out.args[0][i] for i in keep),)
     if not training:
         _to_eval_mode(graph, where)
-    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
-        # as in the step's graphs (split_fbw's _differentiable_forward): a received activation is contiguous,
-        # where the trace may have seen a permuted view whose `.contiguous()` export dropped as redundant
-        node.target = torch.ops.aten.reshape.default
+    views_as_reshapes(graph)   # as in the step's graphs (split_fbw)
     graph.eliminate_dead_code(is_impure_node=_impure)
     gm.recompile()
     outputs = tuple(f.outputs[i] for i in keep)

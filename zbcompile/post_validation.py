@@ -84,9 +84,7 @@ class StepResult:
     def __repr__(self) -> str:
         if self._loss is None:
             return "StepResult(not validated yet)"
-        what = " skipped" if self.skipped else " clipped" if self.clipped else ""
-        norm = "" if self.norm is None else f", norm={self.norm:.6g}"
-        return f"StepResult(loss={self._loss:.6g}{norm}{what})"
+        return _described(self, self._loss)
 
 
 class SteppedLoss(float):
@@ -106,9 +104,14 @@ class SteppedLoss(float):
         return float(self)
 
     def __repr__(self) -> str:
-        what = " skipped" if self.skipped else " clipped" if self.clipped else ""
-        norm = "" if self.norm is None else f", norm={self.norm:.6g}"
-        return f"SteppedLoss(loss={float(self):.6g}{norm}{what})"
+        return _described(self, float(self))
+
+
+def _described(result, loss: float) -> str:
+    """`Name(loss=..., norm=... clipped)`: a step's result as its repr shows it."""
+    what = " skipped" if result.skipped else " clipped" if result.clipped else ""
+    norm = "" if result.norm is None else f", norm={result.norm:.6g}"
+    return f"{type(result).__name__}(loss={loss:.6g}{norm}{what})"
 
 
 def check_optimizer(pipe, optimizer) -> None:

@@ -13,6 +13,7 @@ from zbcompile._torch_private import FakeTensorMode, OpOverload, op_schema
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Graph
 from zbcompile.passes.analysis.aliases import may_alias_input
+from zbcompile.passes.forward_only import views_as_reshapes
 from zbcompile.passes.split_fbw.common import _aten, _identifier, _placeholder
 
 __all__ = ["_fake_arg", "_differentiable_forward", "_trivial_program"]
@@ -63,8 +64,7 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
             env[node] = _unchecked_linalg(g, node, env)
         elif node.op != "output":
             env[node] = g.node_copy(node, lambda n: env[n])
-            if node.target is _aten.view.default:
-                env[node].target = _aten.reshape.default
+    views_as_reshapes(g)
     names, results, seen = [], [], set()
     for name, node in zip(stage.outputs, stage.gm.graph.output_node().args[0]):
         if name in stage.passthrough:
@@ -90,20 +90,10 @@ def _differentiable_forward(stage: Graph) -> tuple[tuple[str, ...], fx.GraphModu
 
 
 def _views_as_reshapes(g):
-    """Graph `g` (F, B, W or BW of a stage, as aot made it) with every `aten.view` an `aten.reshape`, in place.
-
-    aot decomposes the joint's reshapes on fake tensors, and makes a `view` wherever the fake layout allows one;
-    but a fake tensor's layout is not always the real kernel's (BatchNorm over a transposed input: the fake
-    output keeps the input's strides, the CPU kernel's is contiguous; a gradient handed over by another stage of
-    the same rank is laid out as its graph made it). A view the trace allowed then fails on the real tensor
-    ("view size is not compatible with input tensor's size and stride"). A reshape views wherever the real
-    layout allows, so nothing changes where the trace was right, and copies where it was not."""
-    gm = getattr(g, "gm", None)
-    views = [] if gm is None else gm.graph.find_nodes(op="call_function", target=_aten.view.default)
-    for node in views:
-        node.target = _aten.reshape.default
-    if views:
-        gm.recompile()
+    """Graph `g` (F, B, W or BW of a stage, as aot made it) with every `aten.view` an `aten.reshape`, in place
+    (forward_only.views_as_reshapes: aot made its views on fake layouts)."""
+    if getattr(g, "gm", None) is not None and views_as_reshapes(g.gm.graph):
+        g.gm.recompile()
     return g
 
 
