@@ -22,8 +22,12 @@ get gradients).
 
 Non-tensor arguments (numbers, strings, dtypes, None, or any object) are constants of the op: one op per class
 and distinct constants. Torch's own Functions are traced through as before, their backward being the derivative
-of their forward; reentrant activation checkpointing (`checkpoint(..., use_reentrant=True)`) is traced as the
-plain call of its block, because its forward runs under no_grad (non-reentrant checkpointing traces as it is).
+of their forward. Activation checkpointing of either kind (`torch.utils.checkpoint.checkpoint`) is traced as the
+plain call of its block: the recompute changes no value (it replays the random state), and what a stage keeps
+for its backward is the pipeline's own plan. The reentrant kind is a Function whose forward runs under no_grad;
+the non-reentrant kind's saved-tensor hooks, nested, made export record the whole step as a no_grad region.
+As eager, a reentrant block none of whose inputs requires grad is a no_grad region (torch warns: its weights get
+no gradient).
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from contextlib import contextmanager
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import check_backward_validity
 
-from zbcompile._torch_private import OpOverload, StorageWeakRef, TorchDispatchMode, is_fake
+from zbcompile._torch_private import (NON_REENTRANT_CHECKPOINT, OpOverload, StorageWeakRef, TorchDispatchMode,
+                                      checkpoint_module, is_fake)
 from zbcompile.errors import TraceError
 
 __all__ = ["functions_as_ops", "op_parts", "op_from_parts"]
@@ -62,7 +68,7 @@ def functions_as_ops():
             # its forward runs the block under no_grad and its backward needs autograd.backward: traced as the
             # plain call instead, the stage graphs keep what the backward reads (same gradients)
             run_function, _preserve_rng, *inputs = args
-            return run_function(*inputs)
+            return _reentrant_as_plain(run_function, inputs)
         if _from_torch(cls):
             return original.__func__(cls, *args, **kwargs)
         if kwargs:   # as torch's apply does: keywords bound to forward's positions
@@ -91,6 +97,15 @@ def functions_as_ops():
             "a pipeline stage's backward is split from its forward and cannot run a backward of its own inside "
             "the forward. Compute such a term outside the pipelined step, or write it as ops of the forward")
 
+    non_reentrant = getattr(checkpoint_module, NON_REENTRANT_CHECKPOINT)
+
+    def non_reentrant_as_plain(*args, **kwargs):
+        # checkpoint() runs the block between this generator's two steps: yielding once, with no hooks, leaves
+        # the plain call (other threads' real checkpoints, while this one traces, keep torch's)
+        if threading.get_ident() != tracer:
+            return (yield from non_reentrant(*args, **kwargs))
+        yield
+
     inference = torch.inference_mode
     enter, leave = inference.__enter__, inference.__exit__
 
@@ -112,9 +127,11 @@ def functions_as_ops():
         torch.Tensor.register_hook = refuse_hook
         inference.__enter__, inference.__exit__ = enter_as_no_grad, leave_as_no_grad
         torch.autograd.grad = refuse_grad
+        setattr(checkpoint_module, NON_REENTRANT_CHECKPOINT, non_reentrant_as_plain)
         try:
             yield
         finally:
+            setattr(checkpoint_module, NON_REENTRANT_CHECKPOINT, non_reentrant)
             base.apply = original
             torch.Tensor.register_hook = register_hook
             inference.__enter__, inference.__exit__ = enter, leave
@@ -136,6 +153,16 @@ def op_parts(target) -> tuple | None:
 def op_from_parts(cls, spec, mask, consts):
     """The op `op_parts` describes (made here if this process has not made it yet)."""
     return getattr(getattr(torch.ops, _LIBRARY), _function_op(cls, spec, mask, consts).name).default
+
+
+def _reentrant_as_plain(run_function, inputs):
+    """A reentrant checkpoint's block called plainly, as eager runs it: a no_grad region where no input requires
+    grad (eager's CheckpointFunction then makes an output without a gradient; torch's own warning is given)."""
+    check_backward_validity(inputs)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return run_function(*inputs)
+    with torch.no_grad():
+        return run_function(*inputs)
 
 
 def _reentrant_checkpoint():

@@ -41,6 +41,12 @@ from torch.utils._pytree import tree_leaves, tree_map
 # custom Function's random ops with one); torch.utils._python_dispatch, unchanged on 2.11-2.13.
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# The generator `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` runs around its block (the saved-
+# tensor hooks of the recompute), looked up in its module at every call: the module and the global's name
+# (passes/functions.py swaps it while a step is traced); torch.utils.checkpoint, unchanged on 2.11-2.13.
+import torch.utils.checkpoint as checkpoint_module  # noqa: E402
+NON_REENTRANT_CHECKPOINT = "_checkpoint_without_reentrant_generator"
+
 __all__ = [
     "aot_export_joint_simple",
     "min_cut_rematerialization_partition",
@@ -50,6 +56,8 @@ __all__ = [
     "tree_leaves",
     "tree_map",
     "TorchDispatchMode",
+    "checkpoint_module",
+    "NON_REENTRANT_CHECKPOINT",
     "OpOverload",
     "op_schema",
     "BoxedCodeGen",

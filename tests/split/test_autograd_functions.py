@@ -143,6 +143,57 @@ def test_reentrant_checkpointing_trains_equal_to_eager():
     threaded_step_matches_eager(case, "1f1b", 2)
 
 
+class NestedCheckpoints(nn.Module):
+    """Blocks checkpointed non-reentrantly whose own forward checkpoints a submodule again (HF models under
+    gradient_checkpointing_enable() with a checkpointed attention inside, for one): export recorded the whole step
+    as a no_grad region, and the compile refused it as a loss reaching no trained parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+        self.outer = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+
+    def block(self, k: int, x):
+        return self.outer[k](checkpoint(self.inner[k], x, use_reentrant=False)) + x
+
+    def forward(self, x):
+        for k in range(4):
+            x = checkpoint(self.block, k, x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_nested_non_reentrant_checkpoints_train_equal_to_eager(schedule):
+    torch.manual_seed(0)
+    threaded_step_matches_eager(Case(NestedCheckpoints(), F.mse_loss, (torch.randn(2, 8), torch.randn(2, 8)), 4),
+                                schedule, 2)
+
+
+class FrozenEmbeddingCheckpointed(nn.Module):
+    """Reentrant checkpoints after a frozen embedding: no input of any block requires grad, so eager's
+    CheckpointFunction gives outputs without one, and the blocks' weights get no gradient (torch warns); only the
+    head trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8).requires_grad_(False)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        x = self.emb(ids).mean(1)
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=True)
+        return self.head(x)
+
+
+def test_a_reentrant_checkpoint_without_an_input_requiring_grad_trains_nothing_inside_as_eager():
+    torch.manual_seed(0)
+    case = Case(FrozenEmbeddingCheckpointed(), F.mse_loss, (torch.randint(0, 16, (2, 4)), torch.randn(2, 8)), 4)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        threaded_step_matches_eager(case, "1f1b", 2)   # (a gradient exactly where eager has one: the head's)
+
+
 class RandomMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
