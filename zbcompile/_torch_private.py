@@ -47,6 +47,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch.utils.checkpoint as checkpoint_module  # noqa: E402
 NON_REENTRANT_CHECKPOINT = "_checkpoint_without_reentrant_generator"
 
+# The dicts of an nn.Module's state-dict hooks, which Module.state_dict / load_state_dict /
+# _load_from_state_dict read (register_state_dict_pre_hook / _post_hook, register_load_state_dict_pre_hook /
+# _post_hook fill them); the same attribute names on 2.11-2.13 (zbcompile/share.py).
+STATE_DICT_HOOKS = ("_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+                    "_load_state_dict_post_hooks")
+
 __all__ = [
     "aot_export_joint_simple",
     "min_cut_rematerialization_partition",
@@ -58,6 +64,7 @@ __all__ = [
     "TorchDispatchMode",
     "checkpoint_module",
     "NON_REENTRANT_CHECKPOINT",
+    "STATE_DICT_HOOKS",
     "OpOverload",
     "op_schema",
     "BoxedCodeGen",

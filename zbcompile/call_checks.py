@@ -257,6 +257,27 @@ def check_conversion(module: nn.Module, fn, rank: int) -> None:
                 "and compile the model where it runs")
 
 
+def check_replacement(model: nn.Module, fn, rank: int) -> None:
+    """UsageError, before any tensor is touched, where nn.Module._apply(fn) would put a new tensor in a persistent
+    buffer's place (`.to(memory_format=...)` on a 4-D buffer, `to_empty`): the compiled step keeps reading the
+    buffer it was compiled with. fn is tried on every such buffer of the model, the other ranks' (meta here)
+    too, so that the same call is refused on every rank alike. (A parameter keeps its object: torch sets its
+    .data, which the step reads.)"""
+    for path, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is None or name in module._non_persistent_buffers_set:
+                continue
+            out = fn(buf)
+            if isinstance(out, torch.Tensor) and out is not buf:
+                where = f"{path}.{name}" if path else name
+                raise UsageError(
+                    f"rank {rank}: this conversion would replace buffer {where} with a new tensor (another memory "
+                    f"format, or fresh storage as to_empty makes), but the compiled step reads the buffer it was "
+                    "compiled with; nothing was changed. Convert the model before zbcompile.compile "
+                    "(model.to(memory_format=torch.channels_last), then compile it); to set new values, load "
+                    "them in place (pipe.load_state_dict)")
+
+
 def check_kinds(batch, what: str, device: torch.device) -> None:
     """Every argument a tensor with data (the shape checks read .shape; the runtime copies from it)."""
     call = "pipe(*inputs)" if what == "forward" else f"{what}(*inputs, *targets)"
@@ -376,8 +397,8 @@ def check_autocast(what: str, traced_autocast, now_autocast) -> None:
         found = ", ".join(f"{d}: {t}" for d, t in now_autocast) or "no autocast"
         raise UsageError(f"{what}() runs under {found} but the step was compiled under {traced}: a compiled step's "
                          "casts are fixed when it is traced (evaluate() and pipe(x) run its forward graphs). Call "
-                         "zbcompile.compile(...) inside the same torch.autocast region you train in (and call "
-                         f"{what}() there too, or outside any)")
+                         f"{what}() under {traced}, as the step was compiled, or compile it under {found} (inside "
+                         "the torch.autocast region you call it in, or outside any)")
 
 
 # Optimizers whose step combines values across all their parameters (LBFGS: dot products of the whole parameter

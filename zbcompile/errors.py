@@ -76,7 +76,7 @@ class RuntimeFailure(ZBCompileError, RuntimeError):
     """A pipeline step failed at run time (a peer died or stalled, a wait timed out)."""
 
 
-class CheckpointError(ZBCompileError, ValueError):
+class CheckpointError(ZBCompileError, ValueError, RuntimeError):   # (nn.Module.load_state_dict raises RuntimeError)
     """A checkpoint or state dict does not fit the model it is loaded into (missing or unexpected keys, other
     shapes): refused before any tensor is written."""
 

@@ -428,11 +428,12 @@ class PipelineModule(nn.Module):
         return self
 
     def _apply(self, fn, recurse: bool = True):
-        """nn.Module.to / double / half / float / cuda / cpu (and share_memory()) all convert through here: one
-        that would change a tensor's dtype or device is refused before any tensor is touched (the stage graphs,
-        P2P buffers and messages are fixed to what was compiled; a rank converted alone dies in the next step's
-        collectives)."""
+        """nn.Module.to / double / half / float / cuda / cpu / to_empty (and share_memory()) all convert through
+        here: one that would change a tensor's dtype or device, or replace a buffer, is refused before any tensor
+        is touched (the stage graphs, P2P buffers and messages are fixed to what was compiled; a rank converted
+        alone dies in the next step's collectives)."""
         call_checks.check_conversion(self, fn, self.rank)
+        call_checks.check_replacement(self.model, fn, self.rank)
         return super()._apply(fn, recurse)
 
     def _enter(self, what: str) -> int:
@@ -576,9 +577,10 @@ class PipelineModule(nn.Module):
         first (`zbcompile.checkpoint.check_state_dict`), so a state dict of another model raises CheckpointError
         naming the first mismatches before any tensor is written. Tensors are copied in place (assign=True is
         refused: the compiled program holds the live parameters and buffers). A vocabulary parameter's entry
-        may be this rank's rows (what state_dict() gives) or the whole table, of which this rank keeps its rows
-        (the plain model's state dict loads as it is); with dp_shard, a parameter's entry may be its DTensor
-        (what state_dict() gives) or the whole tensor, of which this replica keeps its rows."""
+        may be this rank's rows (what state_dict() gives) or the whole table, of which this rank keeps its rows;
+        with dp_shard, a parameter's entry may be its DTensor (what state_dict() gives) or the whole tensor, of
+        which this replica keeps its rows. The plain model's whole state dict loads as it is, strict or not: the
+        entries of the other ranks' stages are the model's, not unexpected, and each rank loads its own."""
         from zbcompile.checkpoint import check_state_dict
         from zbcompile.checkpoint_rows import rows_of_whole_tables
 
@@ -586,7 +588,8 @@ class PipelineModule(nn.Module):
             raise UsageError("PipelineModule.load_state_dict(assign=True): the compiled step holds this rank's "
                              "parameters and buffers, so they are loaded in place; call it with assign=False")
         live = self.state_dict(keep_vars=True)
-        state_dict = rows_of_whole_tables(self, state_dict, live)
+        elsewhere = self.model.state_dict(keep_vars=True).keys() - live.keys()   # the other ranks' stages'
+        state_dict = rows_of_whole_tables(self, {k: v for k, v in state_dict.items() if k not in elsewhere}, live)
         check_state_dict(state_dict, live, strict=strict, where=f"rank {self.rank}")
         if self._sharded:   # a whole tensor for a sharded parameter: this replica's rows of it
             from zbcompile.checkpoint import as_live

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from zbcompile._torch_private import STATE_DICT_HOOKS
 from zbcompile.errors import UsageError
 
 __all__ = ["share_of", "attach_share", "set_mode", "module_settings", "plain_value", "same_value"]
@@ -76,6 +77,9 @@ class _Share(nn.Module):
             settings = module_settings(module)
             self.__dict__.update(settings, _user_class=type(module), _user_module=module,
                                  _settings=frozenset(settings))
+            # the module's state-dict hooks (a storage convention, a legacy key renamed on load), run by torch's
+            # state_dict / load_state_dict here as on the module, those added later too
+            self.__dict__.update({name: _UserHooks(module, name) for name in STATE_DICT_HOOKS})
 
     @property
     def __class__(self):
@@ -155,6 +159,43 @@ class _Share(nn.Module):
 
     def register_backward_hook(self, *args, **kwargs):
         self._refuse("a backward hook")
+
+
+class _UserHooks:
+    """One of a user module's state-dict hook dicts (`name`), as torch reads it on the module's container: each
+    hook is called with the user's module where torch passes the container (the hook reads the module's own
+    attributes, which the container does not copy; this rank's tensors are the same objects in both). A hook
+    registered on the container goes into the module's dict. Load pre-hooks get no module (torch binds one
+    registered with_module=True to the user's module itself)."""
+
+    def __init__(self, module: nn.Module, name: str):
+        self._module, self._hooks = module, getattr(module, name)
+        self._module_first = name != "_load_state_dict_pre_hooks"
+
+    def values(self):
+        if not self._module_first:
+            return list(self._hooks.values())
+        return [_called_on(hook, self._module) for hook in self._hooks.values()]
+
+    def __setitem__(self, key, hook) -> None:
+        self._hooks[key] = hook
+
+    def __delitem__(self, key) -> None:
+        del self._hooks[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._hooks
+
+    def __len__(self) -> int:
+        return len(self._hooks)
+
+
+def _called_on(hook, module: nn.Module):
+    def call(_container, *args):
+        return hook(module, *args)
+
+    call._from_public_api = getattr(hook, "_from_public_api", False)   # (torch ignores what public ones return)
+    return call
 
 
 class _BatchNormShare(_Share, nn.modules.batchnorm._BatchNorm):

@@ -178,6 +178,42 @@ def test_a_part_converted_on_every_rank_is_refused_on_every_rank_at_once():
             pipe.step(x, y)
 
 
+class _Blur(torch.nn.Module):
+    """A fixed 4-D filter kept as a buffer (a blur before downsampling, as anti-aliased CNNs have)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("filt", torch.full((4, 1, 3, 3), 1 / 9))
+
+    def forward(self, x):
+        return torch.nn.functional.conv2d(x, self.filt, padding=1, groups=4)
+
+
+def test_a_conversion_that_would_replace_a_buffer_is_refused_on_every_rank_before_anything_changes():
+    """pipe.to(memory_format=torch.channels_last) replaced the 4-D buffer in the pipe's container only: the next
+    step refused on rank 0 ("replaced after compile", blaming the user) while rank 1, holding no buffer, entered
+    the step and waited; pipe.to_empty() likewise. Both are refused on every rank now (the other ranks try the
+    conversion on their meta copy), naming the buffer, with the buffer still the compiled one; a step then runs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1), _Blur(), torch.nn.Conv2d(4, 4, 3, padding=1),
+                                torch.nn.Conv2d(4, 4, 3, padding=1))
+    x, y = torch.randn(8, 4, 6, 6), torch.randn(8, 4, 6, 6)
+    model, loss_fn, _, _, pipes = _pipes(Case(model, torch.nn.functional.mse_loss, (x, y), 4), timeout=10)
+    want = eager_step(copy.deepcopy(model), loss_fn, x, y, M)
+
+    def run(r):
+        pipe = pipes[r]
+        compiled = dict(pipe.named_buffers()).get("1.filt")
+        for convert in (lambda p: p.to(memory_format=torch.channels_last), lambda p: p.to_empty(device="cpu")):
+            with pytest.raises(UsageError, match=rf"rank {r}: this conversion would replace buffer 1\.filt with a "
+                                                 r"new tensor .* nothing was changed"):
+                convert(pipe)
+        assert dict(pipe.named_buffers()).get("1.filt") is compiled
+        return pipe.step(x, y)
+
+    assert all(abs(loss - want) <= 1e-6 * abs(want) for loss in run_pipes(run, PP))
+
+
 def test_a_conversion_that_changes_nothing_and_state_loading_still_work(mlp_pipes):
     """.to(float32) / .float() / .cpu() / .to("cpu") on a float32 CPU pipeline, share_memory() and a
     state-dict round trip are accepted, and the pipeline then steps as eager does."""
@@ -798,6 +834,67 @@ def test_a_modules_own_state_dict_code_runs_on_the_pipe(tmp_path):
         return pipe.step(x, y)
 
     assert all(torch.isfinite(torch.tensor(v)) for v in run_pipes(run, PP))
+
+
+class _HalvedOnSave(torch.nn.Linear):
+    """A storage convention kept by state-dict hooks (as quantization and parametrization code keep one): the
+    weight is saved halved with a `format` entry beside it, and doubled back on load."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.calls = []
+        self.register_state_dict_pre_hook(lambda m, prefix, keep_vars: m.calls.append("save"))
+        self._register_state_dict_hook(self._halve)
+        self._register_load_state_dict_pre_hook(self._double)
+        self.register_load_state_dict_post_hook(lambda m, keys: m.calls.append("loaded"))
+
+    @staticmethod
+    def _halve(module, destination, prefix, local_metadata):
+        destination[prefix + "weight"] = destination[prefix + "weight"] / 2
+        destination[prefix + "format"] = torch.tensor(2)
+
+    @staticmethod
+    def _double(state_dict, prefix, *args):
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
+        state_dict.pop(prefix + "format", None)
+
+
+def test_a_modules_state_dict_hooks_run_on_the_pipe_and_the_whole_models_state_dict_loads_strictly():
+    """The state-dict hooks of the user's modules never ran on the pipe: its state dict held the weight
+    unhalved and no `format` (loaded into the plain model, the weight came out doubled, silently), and the plain
+    model's own state dict was refused. The hooks run now, with the user's module as theirs, so the pipe's
+    state dict is the plain model's for this rank's entries both ways. And the plain model's whole state dict
+    loads with strict=True (the other ranks' entries are the model's, not unexpected); a key of no stage is
+    still refused, as a CheckpointError that is also torch's RuntimeError."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_HalvedOnSave(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 8)).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    other = copy.deepcopy(model)
+    for p in other.parameters():
+        torch.nn.init.normal_(p, generator=torch.Generator().manual_seed(3))
+    model, loss_fn, _, _, pipes = _pipes(Case(model, _plain_loss, (x, y), 4), split_points=["2"])
+    want_sd = model.state_dict()
+    ref = copy.deepcopy(other)
+    want = eager_step(ref, loss_fn, x, y, M)
+
+    def run(r):
+        pipe = pipes[r]
+        got = pipe.state_dict()
+        assert all(torch.equal(v, want_sd[k]) for k, v in got.items()), r
+        assert r != 0 or {"0.weight", "0.format"} <= got.keys()
+        with pytest.raises(RuntimeError, match=r"unexpected: 9\.weight"):
+            pipe.load_state_dict({**other.state_dict(), "9.weight": torch.zeros(1)})
+        result = pipe.load_state_dict(other.state_dict())
+        assert not result.missing_keys and not result.unexpected_keys, result
+        return pipe.step(x, y)
+
+    assert all(abs(loss - want) <= 1e-12 * abs(want) for loss in run_pipes(run, PP))
+    assert torch.equal(pipes[0].get_parameter("0.weight"), other[0].weight)
+    assert {"save", "loaded"} <= set(pipes[0].model[0].calls)
+    for pipe in pipes:
+        for n, p in pipe.named_parameters():
+            assert rel(p.grad, ref.get_parameter(n).grad) <= 1e-10, n
 
 
 def test_swa_update_bn_on_a_pipe_is_refused_before_it_resets_the_statistics():
