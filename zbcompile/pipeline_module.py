@@ -427,6 +427,26 @@ class PipelineModule(nn.Module):
         share.set_mode(self, mode)
         return self
 
+    def register_forward_hook(self, *args, **kwargs):
+        self._refuse_hook("a forward hook")
+
+    def register_forward_pre_hook(self, *args, **kwargs):
+        self._refuse_hook("a forward pre-hook")
+
+    def register_full_backward_hook(self, *args, **kwargs):
+        self._refuse_hook("a backward hook")
+
+    def register_full_backward_pre_hook(self, *args, **kwargs):
+        self._refuse_hook("a backward pre-hook")
+
+    def _refuse_hook(self, kind: str):
+        """A hook on the pipe itself would run for pipe(x) at most: step() and evaluate() run the compiled
+        programs, which never call this module's forward and have no backward of it."""
+        raise UsageError(f"{kind} on the PipelineModule itself would never run in step() or evaluate(): they run "
+                         "the compiled programs, not this module's forward, and no autograd backward of it. Register "
+                         "it on your model before zbcompile.compile (a forward hook's tensor code is traced in), or "
+                         "read the outputs pipe(x) returns")
+
     def _apply(self, fn, recurse: bool = True):
         """nn.Module.to / double / half / float / cuda / cpu / to_empty (and share_memory()) all convert through
         here: one that would change a tensor's dtype or device, or replace a buffer, is refused before any tensor

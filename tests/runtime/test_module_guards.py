@@ -947,6 +947,19 @@ def test_a_hook_added_after_compile_is_refused():
                              "a hook was added to or removed from .* after compile")
 
 
+def test_a_hook_on_the_pipe_itself_is_refused_where_step_would_never_run_it():
+    """A backward hook registered on the PipelineModule was accepted and never called by step() (eager calls it in
+    every backward); a forward hook ran for pipe(x) only, never in step() or evaluate(). Both are refused, and
+    nothing is registered."""
+    _, _, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+    pipe = pipes[0]
+    for register in (pipe.register_forward_hook, pipe.register_forward_pre_hook, pipe.register_full_backward_hook,
+                     pipe.register_full_backward_pre_hook):
+        with pytest.raises(UsageError, match="on the PipelineModule itself would never run in step"):
+            register(lambda *a: None)
+    assert not (pipe._forward_hooks or pipe._forward_pre_hooks or pipe._backward_hooks or pipe._backward_pre_hooks)
+
+
 def test_a_gradient_hook_on_a_parameter_one_rank_holds_is_refused_on_every_rank():
     """The user's loop adds a gradient hook to one parameter on every rank: only rank 0 holds it, and only rank 0
     refused; rank 1 ran into the step and waited out the timeout for rank 0's activations (RuntimeFailure, the
