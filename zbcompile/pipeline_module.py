@@ -19,7 +19,7 @@ from torch import fx, nn
 
 from zbcompile import agreement, call_checks, eval_check, grads, rng, share
 from zbcompile.compiler import Compiled
-from zbcompile.errors import DisagreementError, RuntimeFailure, UsageError, ZBCompileWarning
+from zbcompile.errors import CheckpointError, DisagreementError, RuntimeFailure, UsageError, ZBCompileWarning
 from zbcompile.grads import PipelineGradScaler
 from zbcompile.post_validation import SteppedLoss, check_optimizer, synchronous_step
 from zbcompile.split import autocast_state
@@ -610,13 +610,30 @@ class PipelineModule(nn.Module):
         live = self.state_dict(keep_vars=True)
         elsewhere = self.model.state_dict(keep_vars=True).keys() - live.keys()   # the other ranks' stages'
         state_dict = rows_of_whole_tables(self, {k: v for k, v in state_dict.items() if k not in elsewhere}, live)
-        check_state_dict(state_dict, live, strict=strict, where=f"rank {self.rank}")
+        check_state_dict(state_dict, live, strict=False, where=f"rank {self.rank}")   # the shapes
         if self._sharded:   # a whole tensor for a sharded parameter: this replica's rows of it
             from zbcompile.checkpoint import as_live
 
             state_dict = {k: as_live((v, live[k])) if k in live and hasattr(live[k], "device_mesh")
                           and not hasattr(v, "device_mesh") else v for k, v in state_dict.items()}
+        try:
+            check_state_dict(state_dict, live, strict=strict, where=f"rank {self.rank}")
+        except CheckpointError as keys:
+            return self._load_or_restore(state_dict, keys)
         return super().load_state_dict(state_dict, strict=strict)
+
+    def _load_or_restore(self, state_dict, refusal: CheckpointError):
+        """A strict load whose keys are not this rank's: the module's own load code may still take them (a
+        legacy key it renames; BatchNorm's checkpoints from before num_batches_tracked), so torch's load decides.
+        Where it refuses, every parameter and buffer is put back as it was and the key check's error raised."""
+        saved = [(t, t.detach().clone()) for t in dict.fromkeys([*self.parameters(), *self.buffers()])]
+        try:
+            return super().load_state_dict(state_dict, strict=True)
+        except RuntimeError:
+            with torch.no_grad():
+                for t, before in saved:
+                    t.copy_(before)
+            raise refusal from None
 
     # ---- inspection ----------------------------------------------------------------------------
     def rank_program(self, rank: int | None = None) -> fx.GraphModule:

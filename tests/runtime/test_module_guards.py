@@ -825,8 +825,14 @@ def test_a_modules_own_state_dict_code_runs_on_the_pipe(tmp_path):
             assert {"0._extra_state", "2.version", "2.weight"} <= got.keys(), got.keys()
             pipe.model[0].calibration = {"amax": 3.0}   # the module's state: the pipe's state dict reads it
             assert pipe.state_dict()["0._extra_state"] == {"amax": 3.0}
-            pipe.load_state_dict(dict(legacy), strict=False)
+            pipe.load_state_dict(dict(legacy))   # strict: the module's own load code renames the legacy key
             assert torch.equal(pipe.get_parameter("2.weight"), torch.zeros(8, 8, dtype=torch.float64))
+            before = {k: v.clone() for k, v in pipe.state_dict().items() if isinstance(v, torch.Tensor)}
+            with pytest.raises(CheckpointError, match=r"unexpected: 2\.w_older"):   # and nothing is left written
+                pipe.load_state_dict({**{k: v + 1 if isinstance(v, torch.Tensor) else v for k, v in legacy.items()
+                                         if k != "2.w_old"},
+                                      "2.w_older": legacy["2.w_old"]})
+            assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items() if k in before)
             assert pipe.model[0].calibration == {"amax": 1.0}
             with pytest.raises(CheckpointError, match=r"0\._extra_state: a module's extra state .* nothing was"):
                 checkpoint.save(tmp_path / "ckpt", pipe)   # (DCP would flatten it into keys a load cannot match)
@@ -919,7 +925,7 @@ def test_swa_update_bn_on_a_pipe_is_refused_before_it_resets_the_statistics():
             norms[0].momentum = None
         norms[0].momentum = bn.momentum   # the same value is no change
         old = {k: v for k, v in before.items() if not k.endswith("num_batches_tracked")}
-        pipe.load_state_dict(old, strict=False)   # a checkpoint from before num_batches_tracked existed
+        pipe.load_state_dict(old)   # a checkpoint from before num_batches_tracked existed, strict as eager takes it
         after = pipe.state_dict()
         assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
         return pipe.step(x, y)
