@@ -63,7 +63,7 @@ def _decorate(cls: type[nn.Module], *, options: CompileOptions):
 
 def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:
     """split -> schedule -> lower for every rank, then this rank's share and runtime, under `options`."""
-    call_checks.check_hooks(model)
+    call_checks.check_hooks(model, options.loss_fn)
     resolved, dp = _resolve(options)
     compiled = compile_programs(model, options, resolved[2], device=device_for(model, resolved[0]),
                                 replicas=dp.size if dp is not None else 1)

@@ -54,13 +54,14 @@ class Traced:
             tensors += [(n, t) for n, t in (*model.named_parameters(), *model.named_buffers()) if id(t) not in held]
         parts = [] if model is None else [*model.named_modules(), *model.named_parameters()]
         modules = tuple(m for _, m in parts if isinstance(m, nn.Module))
+        hooked = [*parts, *_loss_modules(loss_fn)]   # (a loss module's hooks act on the step as the model's)
         losses = loss_fn.named_modules(prefix="loss_fn", remove_duplicate=False) if isinstance(loss_fn, nn.Module) \
             else ()   # (a class-weight buffer replaced: the step reads the one traced)
         slots = _slots([*module.named_modules(remove_duplicate=False),
                         *(model.named_modules(remove_duplicate=False) if model is not None else ()), *losses])
         watched = (modules, tuple(m for m in modules if isinstance(m, nn.modules.dropout._DropoutNd)),
                    (*global_module_hooks(),   # dicts changed in place, keyed by increasing handle ids
-                    *(getattr(m, k) for m in modules for k in _MODULE_HOOKS)),
+                    *(getattr(m, k) for _, m in hooked if isinstance(m, nn.Module) for k in _MODULE_HOOKS)),
                    # every parameter, the other ranks' (meta here) too: a hook the user's loop adds on every rank
                    # is then refused on every rank at once, not only where the parameter is held
                    tuple(dict.fromkeys([*(p for _, p in params),
@@ -73,7 +74,7 @@ class Traced:
                    tuple((n, p) for n, p in params if p.requires_grad),
                    tuple((n, t, t.dtype, t.device) for n, t in tensors),
                    tuple((n, m, _mode(m)) for n, m in parts if isinstance(m, nn.Module)),
-                   tuple((n, x, _hooks(x)) for n, x in [*parts, ("", _EVERY_MODULE)]), watched, _quick(*watched),
+                   tuple((n, x, _hooks(x)) for n, x in [*hooked, ("", _EVERY_MODULE)]), watched, _quick(*watched),
                    slots, watch)
 
     def check(self, rank: int, captured: bool) -> None:
@@ -191,6 +192,11 @@ _TENSOR_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
 _EVERY_MODULE = "every module (torch.nn.modules.module.register_module_*_hook)"
 
 
+def _loss_modules(loss_fn) -> list[tuple[str, nn.Module]]:
+    """A loss module's modules (named loss_fn...): its hooks act on the step as the model's do."""
+    return list(loss_fn.named_modules(prefix="loss_fn")) if isinstance(loss_fn, nn.Module) else []
+
+
 def _hooks(x) -> tuple:
     """The ids of a module's or a parameter's hooks (a parameter's dicts are None until one is added), or of
     the hooks every module runs."""
@@ -208,11 +214,11 @@ def _converted(name: str, dtype: torch.dtype, device: torch.device, now: torch.T
                       "(model.double(), then zbcompile.compile)")
 
 
-def check_hooks(model: nn.Module) -> None:
+def check_hooks(model: nn.Module, loss_fn=None) -> None:
     """UsageError before tracing for a hook the compiled step would never call: a parameter's gradient hooks
-    (register_hook, register_post_accumulate_grad_hook) and a module's backward hooks. The stage graphs compute
-    the gradients themselves; forward hooks are traced into them and run. (First: that it is a module at all, and
-    not one compiled before, whose other ranks' state is on meta.)"""
+    (register_hook, register_post_accumulate_grad_hook) and a module's backward hooks, the model's or a loss
+    module's. The stage graphs compute the gradients themselves; forward hooks are traced into them and run.
+    (First: that it is a module at all, and not one compiled before, whose other ranks' state is on meta.)"""
     if not isinstance(model, nn.Module):
         raise UsageError(f"zbcompile.compile takes an nn.Module (the model, or its class to decorate); got a "
                          f"{type(model).__name__}")
@@ -232,7 +238,7 @@ def check_hooks(model: nn.Module) -> None:
         raise UsageError("a backward hook is registered for every module (torch.nn.modules.module.register_module_"
                          "full_backward_hook / _pre_hook), which the compiled step would never call: remove it "
                          "before zbcompile.compile (forward hooks are traced and run)")
-    for name, m in model.named_modules():
+    for name, m in [*model.named_modules(), *_loss_modules(loss_fn)]:
         if m._backward_hooks or m._backward_pre_hooks:
             raise UsageError(f"module {name or '(the model)'} ({type(m).__name__}) has a backward hook "
                              "(register_full_backward_hook / _pre_hook), which the compiled step would never call: "

@@ -991,6 +991,24 @@ def test_hooks_the_compiled_step_would_never_call_are_refused_before_tracing(hoo
         zb.compile(model, schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=(x[:2], y[:2]))
 
 
+def test_a_loss_modules_backward_hook_is_refused_before_tracing_and_one_added_after_compile_at_the_step():
+    """A backward hook on the loss module (nn.MSELoss with a hook tripling the gradient) was never called, so
+    every gradient came out a third of eager's, without a word: the hook check walked the model's modules only.
+    It is refused before tracing now, and a hook added to the loss module after compile at the next step."""
+    model, _, (x, y), _ = mlp(layers=4, batch=8)
+    loss = torch.nn.MSELoss()
+    loss.register_full_backward_hook(lambda m, gi, go: tuple(g * 3 for g in gi))
+    with pytest.raises(UsageError, match=r"module loss_fn \(MSELoss\) has a backward hook"):
+        zb.compile(model, schedule="1f1b", microbatches=M, loss_fn=loss, example=(x[:2], y[:2]))
+    _, _, x, y, pipes = _pipes(mlp(layers=4, batch=8)._replace(loss_fn=torch.nn.MSELoss()))
+    for pipe in pipes:
+        handle = pipe.compiled.options.loss_fn.register_forward_hook(lambda *a: None)
+        with pytest.raises(UsageError, match="a hook was added to or removed from loss_fn after compile"):
+            pipe.step(x, y)
+        handle.remove()
+    assert all(torch.isfinite(torch.tensor(v)) for v in run_pipes(lambda r: pipes[r].step(x, y), PP))
+
+
 # ---- an error inside a step ----------------------------------------------------------------------------------
 def test_after_an_error_inside_a_step_the_next_call_fails_at_once():
     """An out-of-range token id: rank 0's embedding raises IndexError (as eager does) with the step's messages
