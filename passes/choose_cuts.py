@@ -34,6 +34,7 @@ from zbcompile.errors import PartitionError
 from zbcompile.passes import cost
 from zbcompile.passes.analysis.step import constant_nodes, first_positions
 from zbcompile.passes.balance import balance_placed, device_loads, group_weights, placement_loads
+from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Traced, module_path, module_stack
 
 __all__ = ["auto_split_points", "op_split_points", "op_units", "NODE_PREFIX", "cut_units", "FLOPS_PER_BYTE", "BACKWARD_PER_FORWARD", "WITHIN_BLOCK_GAIN",
@@ -216,7 +217,7 @@ def op_units(traced: Traced, inside: tuple[fx.Node, fx.Node] | None = None) -> t
     for path, i in sorted(first.items(), key=lambda kv: (kv[1], _depth(kv[0]))):
         module_at.setdefault(i, path)
     lo, hi = (position[inside[0]], position[inside[1]]) if inside is not None else (-1, len(nodes))
-    blocked = _view_crossings(nodes, position, const)
+    blocked = [a or b for a, b in zip(_view_crossings(nodes, position, const), _buffer_updates(traced, position))]
     starts, names = [], []
     for i, node in enumerate(nodes[:position[loss] + 1]):
         if node.op != "call_function" or const[node] or not _computes(node) or (starts and blocked[i]):
@@ -242,6 +243,23 @@ def _view_crossings(nodes: Sequence[fx.Node], position: dict, const) -> list[boo
         if view and last > i:
             delta[i + 1] += 1
             delta[last + 1] -= 1
+    return [c > 0 for c in itertools.accumulate(delta)]
+
+
+def _buffer_updates(traced: Traced, position: dict) -> list[bool]:
+    """Per graph position, whether a cut there would split a buffer the forward updates: its reads and the op
+    making its new value must fall in one stage (partition refuses a buffer updated in one stage and read in
+    another: the updates could not keep eager's order), e.g. `mean.mul_(0.9).add_(x, alpha=0.1)`'s two ops."""
+    delta = [0] * (len(position) + 2)
+    placeholders = dict(zip(traced.graph.inputs, traced.gm.graph.find_nodes(op="placeholder")))
+    for name, new in zip(traced.graph.outputs, traced.gm.graph.output_node().args[0]):
+        if role_of(name) is not Role.BUFFER or name not in placeholders:
+            continue
+        span = [position[u] for u in placeholders[name].users if u.op != "output"]
+        span += [position[new]] if isinstance(new, fx.Node) and new.op != "placeholder" else []
+        if span:
+            delta[min(span) + 1] += 1
+            delta[max(span) + 1] -= 1
     return [c > 0 for c in itertools.accumulate(delta)]
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from support.loops import CUT_CASES, three_linears
 from support.reference import check_against_eager
-from support.models import eager_accumulated
-from support.threaded import run_threaded
+from support.models import Case, eager_accumulated
+from support.threaded import run_threaded, threaded_step_matches_eager
 from zbcompile.errors import PartitionError
 from zbcompile.passes.schedules import generate
 from zbcompile.split import report, split_model
@@ -68,3 +70,36 @@ def test_node_split_points_cut_before_that_op():
     check_against_eager(staged, case)
     with pytest.raises(PartitionError, match="no op `tanhh`; close names: tanh"):
         split_model(case.model, case.loss_fn, case.example, split_points=["node:tanhh"])
+
+
+class _RunningMean(torch.nn.Module):
+    """Six Linears and a running mean the forward updates in place between two of them and reads right after:
+    `mean.mul_(0.9).add_(...)` is two ops, and a cut between ops could fall between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(6)])
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 1:
+                with torch.no_grad():
+                    self.mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+                x = x - self.mean
+        return x
+
+
+def test_cuts_between_ops_keep_a_buffer_update_in_one_stage():
+    """The automatic split cut between the update's mul_ and add_ (at 7 stages, and at 8, what zbv on 4 ranks
+    needs) and then refused its own cut: the buffer updated in one stage and read in another. Positions inside
+    a buffer's reads and update are no cut candidates now; the zbv step trains equal to eager, buffer included."""
+    torch.manual_seed(0)
+    case = Case(_RunningMean(), F.mse_loss, (torch.randn(2, 8), torch.randn(2, 8)), 8)
+    for stages in (7, 8):
+        staged = split_model(copy.deepcopy(case.model), case.loss_fn, ((case.example[0],), (case.example[1],)),
+                             num_stages=stages)
+        holders = [st.index for st in staged.stages if "mean" in st.buffers]
+        assert len(holders) == 1, (stages, holders)
+    threaded_step_matches_eager(case, "zbv", 4)
