@@ -116,7 +116,9 @@ def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOpti
 
         check_capture(programs)
     _warn_mirrored_buffer_updates(staged, schedule)
-    return Compiled(options, staged, schedule, programs, report, replicas)
+    compiled = Compiled(options, staged, schedule, programs, report, replicas)
+    _warn_ranks_without_parameters(compiled)
+    return compiled
 
 
 def compile_forward(compiled: Compiled, training: bool, outputs: bool = False,
@@ -285,6 +287,21 @@ def _phase(name: str, what: str):
     start = time.perf_counter()
     yield
     log.info("%s: done in %.2f s", name, time.perf_counter() - start)
+
+
+def _warn_ranks_without_parameters(compiled: Compiled) -> None:
+    """A rank whose stages hold no parameter (ops only: the cuts fell between a model's few layers) trains
+    nothing, and the usual loop's `torch.optim.AdamW(pipe.parameters())` raises torch's "empty parameter list"
+    there: say so at compile, with the ways out."""
+    vocab = compiled.staged.vocab.params if compiled.staged.vocab is not None else ()
+    empty = [r for r in range(compiled.schedule.num_ranks)
+             if not vocab and not any(st.params for st in compiled.stages_of(r))]
+    if empty:
+        warnings.warn(ZBCompileWarning(
+            f"schedule {compiled.schedule.name!r}: rank(s) {empty} hold no parameter (their stages only run "
+            "ops), so an optimizer built from pipe.parameters() there raises torch's \"empty parameter list\". Make "
+            "the optimizer only where there are parameters (`if any(True for _ in pipe.parameters())`), or give "
+            "split_points that put a layer on every rank"), stacklevel=3)
 
 
 def _warn_mirrored_buffer_updates(staged: StagedModel, schedule: Schedule) -> None:

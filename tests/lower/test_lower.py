@@ -511,3 +511,25 @@ def test_dualpipe_refuses_a_buffer_the_forward_reads_back():
     with pytest.raises(UsageError, match=r"model stage 0 on ranks \[0, 1\].*buffer\(s\) avg .*dualpipev"):
         compile_staged(staged, generate("dualpipe", 2, 4), CompileOptions(schedule="dualpipe", microbatches=4))
     compile_staged(staged, generate("1f1b", 2, 4), CompileOptions(schedule="1f1b", microbatches=4))   # no copies
+
+
+def test_a_rank_holding_no_parameter_is_warned_of_at_compile():
+    """Cuts between a model's few layers can leave a rank only parameter-free ops; there the usual
+    `AdamW(pipe.parameters())` raised torch's "empty parameter list" with nothing said before. compile warns,
+    naming the rank; a split giving every rank a layer warns nothing."""
+    from zbcompile.compiler import compile_programs
+    from zbcompile.errors import ZBCompileWarning
+    from zbcompile.options import CompileOptions
+
+    def compiled(split_points):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Softsign())
+        opts = CompileOptions.from_kwargs(None, schedule="1f1b", microbatches=4, loss_fn=F.mse_loss,
+                                          example=(torch.randn(2, 8), torch.randn(2, 8)), split_points=split_points)
+        return compile_programs(model, opts, 2)
+
+    with pytest.warns(ZBCompileWarning, match=r"rank\(s\) \[1\] hold no parameter .*empty parameter list"):
+        compiled(["3"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ZBCompileWarning)
+        compiled(["2"])
