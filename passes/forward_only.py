@@ -202,6 +202,14 @@ def output_graph(cut: Partition) -> OutputGraph | str:
         if isinstance(leaf, Constant):
             continue
         node = nodes.get(leaf, by_value.get(leaf, by_value.get("act:" + leaf)))
+        if node is None and role_of(leaf) in (Role.PARAM, Role.BUFFER):   # returned as it is (a logit scale)
+            held = [i for i, st in enumerate(cut.stages) if leaf in st.inputs]
+            return (f"the model output {_leaf_path(outputs, k)} is the model's {key_of(leaf)} itself, which "
+                    f"stage{'s' if len(held) > 1 else ''} {', '.join(map(str, held))} read"
+                    f"{'' if len(held) > 1 else 's'} but the loss stage (stage {stage}) does not (its rank does not "
+                    "hold it); sending it on for pipe(x) is not built. Cut so "
+                    "that the stage computing the loss reads it too (split_points: no cut between its use and "
+                    "the loss), or read it from the model (pipe.get_parameter on the rank holding it)")
         if node is None:
             made = [i for i, st in enumerate(cut.stages) if leaf in {n.name for n in st.gm.graph.nodes}]
             return (f"the model output {_leaf_path(outputs, k)} (traced as {leaf!r}) is computed on stage "

@@ -1471,6 +1471,39 @@ def test_an_output_made_on_an_earlier_stage_than_the_loss_is_refused_by_its_name
     assert rel(got[0], want[0]) <= 1e-12 and rel(got[1], want[1]) <= 1e-12
 
 
+class _ScaledOutput(torch.nn.Module):
+    """Returns (features, temperature): the parameter itself, which the loss reads through exp() (CLIP's
+    logit_scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(6)])
+        self.temp = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x, self.temp
+
+
+def test_a_returned_parameter_the_loss_stage_does_not_hold_is_refused_by_name():
+    """zbv on 4 ranks cuts between temp.exp() and the loss: pipe(x) was refused saying the parameter "is computed
+    on stage ?". It now says the output is the parameter itself, which stage reads it, and the ways out, on every
+    rank."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
+    opts = CompileOptions.from_kwargs(None, schedule="zbv", microbatches=8, example=((x[:2],), (y[:2],)),
+                                      loss_fn=lambda out, t: F.mse_loss(out[0] * out[1].exp(), t))
+    pipes = loopback_pipes(_ScaledOutput().double(), opts, 4)
+
+    def call(r):
+        with pytest.raises(UsageError, match=r"output output\[1\] is the model's temp itself, which stage \d reads "
+                                             r"but the loss stage \(stage 7\) does not"):
+            pipes[r].eval()(x)
+
+    run_pipes(call, 4)
+
+
 def test_forward_is_refused_where_the_outputs_cannot_come_back_whole():
     """Our errors, before any message is sent: DualPipe ends in a copy of the last stage on both ranks (with
     vocabulary parallelism too), an output the loss never reads is never computed; and pipe(x, y)
