@@ -26,7 +26,7 @@ from zbcompile.errors import UsageError
 from zbcompile.watch import Watched, watch_of
 
 __all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_autocast",
-           "check_conversion", "check_cross_parameter", "watch_optimizers"]
+           "check_default_dtype", "check_conversion", "check_cross_parameter", "watch_optimizers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,6 +393,17 @@ def check_step_context(training: bool, traced_autocast, now_autocast) -> None:
                          "torch.inference_mode(); for a forward pass without gradients call evaluate(*batch) (the "
                          "loss) or run step() with gradients enabled")
     check_autocast("step", traced_autocast, now_autocast)
+
+
+def check_default_dtype(what: str, traced) -> None:
+    """The default dtype a call runs under is the one the step was traced under, where an op of the step reads it
+    (`traced`: split.default_dtype_reads's (dtype, op); None: none does, and any default is fine)."""
+    now = str(torch.get_default_dtype()).removeprefix("torch.")
+    if traced is not None and now != traced[0]:
+        raise UsageError(f"{what}() runs under the default dtype {now} but the step was compiled under {traced[0]}, "
+                         f"and its op {traced[1]} makes a tensor of the default dtype (no dtype= given): its graphs "
+                         f"would mix the two. Call it under torch.set_default_dtype(torch.{traced[0]}), as it was "
+                         "compiled, or give that op a dtype in the model's code")
 
 
 def check_autocast(what: str, traced_autocast, now_autocast) -> None:

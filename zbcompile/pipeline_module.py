@@ -344,6 +344,7 @@ class PipelineModule(nn.Module):
         if what != "step":   # (step's context check covers it)
             self._traced.check_model()
             call_checks.check_autocast(what, self._autocast, autocast_state())
+            call_checks.check_default_dtype(what, self.compiled.staged.meta.get("default_dtype"))
         m = microbatches or self.schedule.num_microbatches
         local = self._share(batch, what, m)
         staged = self.staged
@@ -477,6 +478,7 @@ class PipelineModule(nn.Module):
         """What a compiled training step cannot honour (zbcompile/call_checks.py): eval mode, no_grad, another
         autocast region; a parameter unfrozen or a tensor converted since compile."""
         call_checks.check_step_context(self.training, self._autocast, autocast_state())
+        call_checks.check_default_dtype("step", self.compiled.staged.meta.get("default_dtype"))
         self._traced.check(self.rank, bool(self.compiled.options.capture))
 
     def _seed(self, scaler: PipelineGradScaler | None) -> None:

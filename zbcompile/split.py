@@ -132,7 +132,8 @@ def split_model(
     staged = split_traced(model, traced, num_stages=num_stages, split_points=split_points, placement=placement,
                           vocab_shards=vocab_shards)
     return dataclasses.replace(staged, meta={**staged.meta, "seconds": time.perf_counter() - started,
-                                             "autocast": autocast_state()})
+                                             "autocast": autocast_state(),
+                                             "default_dtype": default_dtype_reads(traced)})
 
 
 def autocast_state() -> tuple[tuple[str, str], ...]:
@@ -140,6 +141,21 @@ def autocast_state() -> tuple[tuple[str, str], ...]:
     casts in the graphs, so the compiled step runs as the trace did whatever is in force when it runs."""
     return tuple((d, str(torch.get_autocast_dtype(d)).removeprefix("torch.")) for d in ("cpu", "cuda")
                  if torch.is_autocast_enabled(d))
+
+
+def default_dtype_reads(traced: Traced) -> tuple[str, str] | None:
+    """(the default dtype, an op) where the traced step makes a floating tensor from no tensor without naming its
+    dtype (`torch.linspace(0, 1, n)`, `torch.full((n,), 0.5)` in forward): that op reads torch's default dtype
+    each time it runs, so the compiled step depends on it. None where no op does."""
+    default = torch.get_default_dtype()
+    for node in traced.gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        val = node.meta.get("val")
+        if (node.op == "call_function" and schema is not None and not node.all_input_nodes
+                and any(a.name == "dtype" for a in schema.arguments) and node.kwargs.get("dtype") is None
+                and isinstance(val, torch.Tensor) and val.dtype == default):
+            return str(default).removeprefix("torch."), f"{node.target}"
+    return None
 
 
 def split_traced(

@@ -1009,6 +1009,48 @@ def test_a_loss_modules_backward_hook_is_refused_before_tracing_and_one_added_af
     assert all(torch.isfinite(torch.tensor(v)) for v in run_pipes(lambda r: pipes[r].step(x, y), PP))
 
 
+class _Ramped(torch.nn.Module):
+    """Its output scaled by torch.linspace(0, 1, d): a tensor of the default dtype, made inside forward."""
+
+    def __init__(self, ramp: bool = True) -> None:
+        super().__init__()
+        self.layers, self.ramp = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)]), ramp
+
+    def forward(self, x):
+        x = self.layers(x)
+        return x * torch.linspace(0, 1, x.shape[-1]) if self.ramp else x
+
+
+@pytest.mark.parametrize("ramp", [True, False])
+def test_a_default_dtype_changed_since_compile_is_refused_where_an_op_reads_it(ramp):
+    """torch.set_default_dtype(torch.float64) between compile and step: linspace then made float64 tensors in
+    float32 graphs, the backward crashed with torch's raw dtype error on one rank and the other waited out its
+    timeout. Every rank now refuses step() and evaluate() naming the op, and steps as eager once the default is
+    back; a model without such an op is not refused (its graphs name every dtype)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    model, loss_fn, _, _, pipes = _pipes(Case(_Ramped(ramp), torch.nn.functional.mse_loss, (x, y), 4))
+    want = eager_step(copy.deepcopy(model), loss_fn, x, y, M)
+
+    def call(r):
+        if ramp:
+            for what in (lambda: pipes[r].step(x, y), lambda: pipes[r].evaluate(x, y)):
+                with pytest.raises(UsageError, match=r"runs under the default dtype float64 but the step was "
+                                                     r"compiled under float32, and its op aten\.linspace"):
+                    what()
+            return None
+        return pipes[r].step(x, y)
+
+    torch.set_default_dtype(torch.float64)   # (for the whole process: every rank's thread)
+    try:
+        got = run_pipes(call, PP)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    if not ramp:
+        assert all(abs(v - want) <= 1e-5 * abs(want) for v in got), (got, want)
+    assert all(abs(v - want) <= 1e-6 * abs(want) for v in run_pipes(lambda r: pipes[r].step(x, y), PP))
+
+
 # ---- an error inside a step ----------------------------------------------------------------------------------
 def test_after_an_error_inside_a_step_the_next_call_fails_at_once():
     """An out-of-range token id: rank 0's embedding raises IndexError (as eager does) with the step's messages
