@@ -217,7 +217,7 @@ def op_units(traced: Traced, inside: tuple[fx.Node, fx.Node] | None = None) -> t
     for path, i in sorted(first.items(), key=lambda kv: (kv[1], _depth(kv[0]))):
         module_at.setdefault(i, path)
     lo, hi = (position[inside[0]], position[inside[1]]) if inside is not None else (-1, len(nodes))
-    blocked = [a or b for a, b in zip(_view_crossings(nodes, position, const), _buffer_updates(traced, position))]
+    blocked = _inside([*_view_spans(nodes, position, const), *_buffer_update_spans(traced, position)], len(nodes))
     starts, names = [], []
     for i, node in enumerate(nodes[:position[loss] + 1]):
         if node.op != "call_function" or const[node] or not _computes(node) or (starts and blocked[i]):
@@ -231,26 +231,25 @@ def op_units(traced: Traced, inside: tuple[fx.Node, fx.Node] | None = None) -> t
     return starts, names
 
 
-def _view_crossings(nodes: Sequence[fx.Node], position: dict, const) -> list[bool]:
-    """Per graph position, whether a cut there would send a view (a view of the sending stage's input would be
+def _view_spans(nodes: Sequence[fx.Node], position: dict, const) -> list[tuple[int, int]]:
+    """(first, last) spans a cut inside would send a view across (a view of the sending stage's input would be
     a stage output aliasing an input, which the stage's backward cannot be traced for)."""
-    delta = [0] * (len(nodes) + 2)
+    spans = []
     for i, node in enumerate(nodes):
         if node.op != "call_function" or const[node]:
             continue
         view = _aliases(node) or (node.target is operator.getitem and _aliases(node.args[0]))
         last = max((position[u] for u in node.users if u.op != "output"), default=i)
         if view and last > i:
-            delta[i + 1] += 1
-            delta[last + 1] -= 1
-    return [c > 0 for c in itertools.accumulate(delta)]
+            spans.append((i, last))
+    return spans
 
 
-def _buffer_updates(traced: Traced, position: dict) -> list[bool]:
-    """Per graph position, whether a cut there would split a buffer the forward updates: its reads and the op
+def _buffer_update_spans(traced: Traced, position: dict) -> list[tuple[int, int]]:
+    """(first, last) spans a cut inside would split a buffer the forward updates across: its reads and the op
     making its new value must fall in one stage (partition refuses a buffer updated in one stage and read in
     another: the updates could not keep eager's order), e.g. `mean.mul_(0.9).add_(x, alpha=0.1)`'s two ops."""
-    delta = [0] * (len(position) + 2)
+    spans = []
     placeholders = dict(zip(traced.graph.inputs, traced.gm.graph.find_nodes(op="placeholder")))
     for name, new in zip(traced.graph.outputs, traced.gm.graph.output_node().args[0]):
         if role_of(name) is not Role.BUFFER or name not in placeholders:
@@ -258,8 +257,16 @@ def _buffer_updates(traced: Traced, position: dict) -> list[bool]:
         span = [position[u] for u in placeholders[name].users if u.op != "output"]
         span += [position[new]] if isinstance(new, fx.Node) and new.op != "placeholder" else []
         if span:
-            delta[min(span) + 1] += 1
-            delta[max(span) + 1] -= 1
+            spans.append((min(span), max(span)))
+    return spans
+
+
+def _inside(spans: Sequence[tuple[int, int]], length: int) -> list[bool]:
+    """Per graph position, whether it lies inside one of `spans` (after its first position, up to its last)."""
+    delta = [0] * (length + 2)
+    for first, last in spans:
+        delta[first + 1] += 1
+        delta[last + 1] -= 1
     return [c > 0 for c in itertools.accumulate(delta)]
 
 

@@ -293,9 +293,9 @@ def _warn_ranks_without_parameters(compiled: Compiled) -> None:
     """A rank whose stages hold no parameter (ops only: the cuts fell between a model's few layers) trains
     nothing, and the usual loop's `torch.optim.AdamW(pipe.parameters())` raises torch's "empty parameter list"
     there: say so at compile, with the ways out."""
-    vocab = compiled.staged.vocab.params if compiled.staged.vocab is not None else ()
-    empty = [r for r in range(compiled.schedule.num_ranks)
-             if not vocab and not any(st.params for st in compiled.stages_of(r))]
+    if compiled.staged.vocab is not None:   # every rank holds rows of the vocabulary parameters
+        return
+    empty = [r for r in range(compiled.schedule.num_ranks) if not any(st.params for st in compiled.stages_of(r))]
     if empty:
         warnings.warn(ZBCompileWarning(
             f"schedule {compiled.schedule.name!r}: rank(s) {empty} hold no parameter (their stages only run "

@@ -63,7 +63,7 @@ def _unusable_after_a_failure(method):
     return call
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(share.RefusedHooks, nn.Module):
     """This rank's share of a pipeline-parallel model: its parameters, its buffers and its compiled step.
 
     As an nn.Module it holds exactly this rank's share of the user's model under the model's own fully qualified
@@ -115,6 +115,7 @@ class PipelineModule(nn.Module):
         staged = compiled.staged
         self._batch_specs = tuple(runtime.batch_specs.get(i) for i in range(staged.num_inputs + staged.num_targets))
         self._autocast = compiled.staged.meta.get("autocast", ())
+        self._default_dtype = compiled.staged.meta.get("default_dtype")   # (dtype, op) where an op reads it
         self._seed_value = 1.0 / compiled.schedule.num_microbatches
         # random ops on the CPU draw from a stream of their own (zbcompile/rng.py): the global generator stays the
         # same on every rank (a shuffling DataLoader hands them the same batches). Any stage's, not only this
@@ -344,7 +345,7 @@ class PipelineModule(nn.Module):
         if what != "step":   # (step's context check covers it)
             self._traced.check_model()
             call_checks.check_autocast(what, self._autocast, autocast_state())
-            call_checks.check_default_dtype(what, self.compiled.staged.meta.get("default_dtype"))
+            call_checks.check_default_dtype(what, self._default_dtype)
         m = microbatches or self.schedule.num_microbatches
         local = self._share(batch, what, m)
         staged = self.staged
@@ -428,21 +429,9 @@ class PipelineModule(nn.Module):
         share.set_mode(self, mode)
         return self
 
-    def register_forward_hook(self, *args, **kwargs):
-        self._refuse_hook("a forward hook")
-
-    def register_forward_pre_hook(self, *args, **kwargs):
-        self._refuse_hook("a forward pre-hook")
-
-    def register_full_backward_hook(self, *args, **kwargs):
-        self._refuse_hook("a backward hook")
-
-    def register_full_backward_pre_hook(self, *args, **kwargs):
-        self._refuse_hook("a backward pre-hook")
-
-    def _refuse_hook(self, kind: str):
-        """A hook on the pipe itself would run for pipe(x) at most: step() and evaluate() run the compiled
-        programs, which never call this module's forward and have no backward of it."""
+    def _refuse(self, kind: str):
+        """A hook on the pipe itself (share.RefusedHooks) would run for pipe(x) at most: step() and evaluate() run
+        the compiled programs, which never call this module's forward and have no backward of it."""
         raise UsageError(f"{kind} on the PipelineModule itself would never run in step() or evaluate(): they run "
                          "the compiled programs, not this module's forward, and no autograd backward of it. Register "
                          "it on your model before zbcompile.compile (a forward hook's tensor code is traced in), or "
@@ -478,7 +467,7 @@ class PipelineModule(nn.Module):
         """What a compiled training step cannot honour (zbcompile/call_checks.py): eval mode, no_grad, another
         autocast region; a parameter unfrozen or a tensor converted since compile."""
         call_checks.check_step_context(self.training, self._autocast, autocast_state())
-        call_checks.check_default_dtype("step", self.compiled.staged.meta.get("default_dtype"))
+        call_checks.check_default_dtype("step", self._default_dtype)
         self._traced.check(self.rank, bool(self.compiled.options.capture))
 
     def _seed(self, scaler: PipelineGradScaler | None) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 from zbcompile._torch_private import STATE_DICT_HOOKS
 from zbcompile.errors import UsageError
 
-__all__ = ["share_of", "attach_share", "set_mode", "module_settings", "plain_value", "same_value"]
+__all__ = ["share_of", "attach_share", "set_mode", "module_settings", "plain_value", "same_value", "RefusedHooks"]
 
 
 def share_of(model: nn.Module, params, buffers) -> dict[str, torch.Tensor]:
@@ -59,7 +59,28 @@ def set_mode(root: nn.Module, mode: bool) -> None:
             m.__dict__["training"] = mode
 
 
-class _Share(nn.Module):
+class RefusedHooks:
+    """A module's hook registrations, each refused through `self._refuse(what)`: the compiled step runs the graphs
+    traced at compile, never a module's forward or an autograd backward of it, so such a hook would never run.
+    Mixed in before nn.Module by the pipe's containers and by PipelineModule itself."""
+
+    def register_forward_hook(self, *args, **kwargs):
+        self._refuse("a forward hook")
+
+    def register_forward_pre_hook(self, *args, **kwargs):
+        self._refuse("a forward pre-hook")
+
+    def register_full_backward_hook(self, *args, **kwargs):
+        self._refuse("a backward hook")
+
+    def register_full_backward_pre_hook(self, *args, **kwargs):
+        self._refuse("a backward pre-hook")
+
+    def register_backward_hook(self, *args, **kwargs):
+        self._refuse("a backward hook")
+
+
+class _Share(RefusedHooks, nn.Module):
     """A container of a PipelineModule's share: one module path of the user's model, holding this rank's tensors
     under their names. It is not the user's module (that one is in `pipe.model`, and the compiled step runs the
     graphs traced from it): what would act on a module (a mode, a hook, apply, a call, an index, a new value
@@ -144,21 +165,6 @@ class _Share(nn.Module):
 
     def __getitem__(self, index):
         self._refuse(f"indexing [{index!r}]")
-
-    def register_forward_hook(self, *args, **kwargs):
-        self._refuse("a forward hook")
-
-    def register_forward_pre_hook(self, *args, **kwargs):
-        self._refuse("a forward pre-hook")
-
-    def register_full_backward_hook(self, *args, **kwargs):
-        self._refuse("a backward hook")
-
-    def register_full_backward_pre_hook(self, *args, **kwargs):
-        self._refuse("a backward pre-hook")
-
-    def register_backward_hook(self, *args, **kwargs):
-        self._refuse("a backward hook")
 
 
 class _UserHooks:

@@ -960,7 +960,7 @@ def test_a_hook_on_the_pipe_itself_is_refused_where_step_would_never_run_it():
     _, _, x, y, pipes = _pipes(mlp(layers=4, batch=8))
     pipe = pipes[0]
     for register in (pipe.register_forward_hook, pipe.register_forward_pre_hook, pipe.register_full_backward_hook,
-                     pipe.register_full_backward_pre_hook):
+                     pipe.register_full_backward_pre_hook, pipe.register_backward_hook):
         with pytest.raises(UsageError, match="on the PipelineModule itself would never run in step"):
             register(lambda *a: None)
     assert not (pipe._forward_hooks or pipe._forward_pre_hooks or pipe._backward_hooks or pipe._backward_pre_hooks)
