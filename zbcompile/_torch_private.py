@@ -224,3 +224,27 @@ def global_module_hooks() -> tuple[dict, dict, dict, dict]:
 
     return (module._global_forward_hooks, module._global_forward_pre_hooks, module._global_backward_hooks,
             module._global_backward_pre_hooks)
+
+
+def fx_sources_made() -> int:
+    """How many sources fx's global cache of recompiled code has been given in this process: the N of its next
+    `<eval_with_key>.N` (`torch.fx.graph_module._loader.next_id`, 2.11-2.13)."""
+    from torch.fx.graph_module import _loader
+
+    return _loader.next_id
+
+
+def forget_fx_sources(made: range, kept=()) -> None:
+    """Drop the sources numbered `made` (fx_sources_made() before and after some work) from fx's global cache,
+    with their lazy `linecache` entries, except those of GraphModules under `kept`, which still run (the others
+    only lose the source lines of their tracebacks). fx never drops an entry: a process that makes and drops
+    programs (a pipe evaluating at many batch sizes) grows by the source of every GraphModule it made."""
+    import linecache
+
+    from torch.fx.graph_module import _loader
+
+    live = {type(m).forward.__code__.co_filename for root in kept for m in root.modules()
+            if isinstance(m, fx.GraphModule) and hasattr(type(m).forward, "__code__")}
+    for name in {f"<eval_with_key>.{i}" for i in made} - live:
+        _loader.eval_cache.pop(name, None)
+        linecache.cache.pop(name, None)

@@ -18,6 +18,7 @@ import torch
 from torch import fx, nn
 
 from zbcompile import agreement, call_checks, eval_check, grads, rng, share
+from zbcompile._torch_private import forget_fx_sources, fx_sources_made
 from zbcompile.compiler import Compiled
 from zbcompile.errors import CheckpointError, DisagreementError, RuntimeFailure, UsageError, ZBCompileWarning
 from zbcompile.grads import PipelineGradScaler
@@ -103,6 +104,7 @@ class PipelineModule(share.RefusedHooks, nn.Module):
         # the evaluation steps' runtimes by (training, outputs, microbatches): the compiled number, and the few
         # other sizes last evaluated (FORWARD_SIZES of them, the least recently used dropped first)
         self._forward: collections.OrderedDict[tuple[bool, bool, int], RankRuntime] = collections.OrderedDict()
+        self._sources: dict[tuple[bool, bool, int], range] = {}   # fx's numbers of the code each one made
         self._failure: str | None = None   # the RuntimeFailure after which nothing more may run
         self._pv = None   # zbcompile.post_validation.PostValidated, made by the first step(post_validate=True)
         self._post_validated_last = False   # the last step was post-validated (memory_plan is then its plan)
@@ -392,12 +394,16 @@ class PipelineModule(share.RefusedHooks, nn.Module):
         if key in self._forward:
             self._forward.move_to_end(key)
             return self._forward[key]
+        made = fx_sources_made()
         runtime = self._new_forward_runtime(training, outputs, m)
         self._forward[key] = runtime
+        self._sources[key] = range(made, fx_sources_made())
         # the sizes in the order last used (any mode, loss or outputs): the compiled one and FORWARD_SIZES others
         recent = list(dict.fromkeys(k[2] for k in reversed(self._forward) if k[2] != self.schedule.num_microbatches))
         for k in [k for k in self._forward if k[2] in recent[FORWARD_SIZES:]]:   # its static buffers go with it
-            self._runtimes.remove(self._forward.pop(k))   # (a failure in it was seen by the call it failed in)
+            dropped = self._forward.pop(k)
+            self._runtimes.remove(dropped)   # (a failure in it was seen by the call it failed in)
+            forget_fx_sources(self._sources.pop(k), [m for r in self._runtimes for m in r.graph_modules()])
         return runtime
 
     def _new_forward_runtime(self, training: bool, outputs: bool, m: int) -> RankRuntime:

@@ -140,6 +140,16 @@ def test_other_sizes_are_refused_with_what_the_call_takes_and_few_are_kept():
     kept = {key[2] for key in pipe._forward}
     assert kept == {M, *[k for k in sizes if k != M][-FORWARD_SIZES:]}, kept
     assert len(pipe._runtimes) == 1 + len(pipe._forward), (len(pipe._runtimes), list(pipe._forward))
+    # another round makes and drops a program per call (more sizes than are kept): what fx caches of the code it
+    # generates (torch.fx.graph_module._loader, for tracebacks) is dropped with them, so a long loop stays flat
+    from torch.fx.graph_module import _loader
+
+    cached = len(_loader.eval_cache)
+    for k in sizes:
+        xb, yb = _batch(case, k, seed=k)
+        got = run_pipes(lambda r: pipes[r].evaluate(xb, yb), PP)
+        assert all(abs(g - _eager_loss(model, loss_fn, xb, yb)) <= TOL * abs(g) for g in got), (k, got)
+    assert len(_loader.eval_cache) <= cached, (len(_loader.eval_cache), cached)
 
 
 def test_ranks_out_of_step_at_other_sizes_raise_instead_of_waiting_out_the_timeout():
