@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import warnings
 import weakref
 from typing import Callable, Sequence
 
@@ -22,7 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zbcompile._torch_private import global_module_hooks
 from zbcompile.distributed import PLACED
-from zbcompile.errors import UsageError
+from zbcompile.errors import UsageError, ZBCompileWarning
 from zbcompile.watch import Watched, watch_of
 
 __all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_autocast",
@@ -393,6 +394,13 @@ def check_step_context(training: bool, traced_autocast, now_autocast) -> None:
                          "torch.inference_mode(); for a forward pass without gradients call evaluate(*batch) (the "
                          "loss) or run step() with gradients enabled")
     check_autocast("step", traced_autocast, now_autocast)
+    if torch.is_anomaly_enabled():   # a debugging run: tell it that the check it relies on is not there
+        warnings.warn("step() runs under torch.autograd anomaly detection (detect_anomaly / set_detect_anomaly), "
+                      "which it cannot honour: the backward runs as compiled stage graphs, not through autograd, "
+                      "so a NaN or inf gradient is written without anomaly mode's error. Check the gradients with "
+                      "pipe.grads_finite() after the step (every rank: it is pipeline-wide), or pass the optimizer "
+                      "to step(), which skips an update whose gradients are not finite", ZBCompileWarning,
+                      stacklevel=5)
 
 
 def check_default_dtype(what: str, traced) -> None:

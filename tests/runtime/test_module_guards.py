@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import re
 import time
+import warnings
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from support.loops import eager_step, rel, shard_of
 from support.models import Case, convnet, gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
 from zbcompile import checkpoint
-from zbcompile.errors import CheckpointError, DisagreementError, RuntimeFailure, UsageError
+from zbcompile.errors import CheckpointError, DisagreementError, RuntimeFailure, UsageError, ZBCompileWarning
 from zbcompile.options import CompileOptions
 
 torch.set_num_threads(1)
@@ -1049,6 +1050,22 @@ def test_a_default_dtype_changed_since_compile_is_refused_where_an_op_reads_it(r
     if not ramp:
         assert all(abs(v - want) <= 1e-5 * abs(want) for v in got), (got, want)
     assert all(abs(v - want) <= 1e-6 * abs(want) for v in run_pipes(lambda r: pipes[r].step(x, y), PP))
+
+
+def test_anomaly_detection_around_a_step_warns_that_it_has_no_effect():
+    """torch.autograd.detect_anomaly() around step(): the stage graphs' backward does not run through autograd,
+    so a NaN gradient came without anomaly mode's error, and nothing said so. The step now warns (and still
+    equals eager); without anomaly mode it does not."""
+    model, loss_fn, x, y, pipes = _pipes(mlp(batch=8))
+    want = eager_step(copy.deepcopy(model), loss_fn, x, y, M)
+    with pytest.warns(ZBCompileWarning, match=r"anomaly detection .* a NaN or inf gradient is written without "
+                                               r"anomaly mode's error.* pipe\.grads_finite\(\)"):
+        with torch.autograd.detect_anomaly(check_nan=True):
+            got = run_pipes(lambda r: pipes[r].step(x, y), PP)
+    assert all(abs(v - want) <= 1e-6 * abs(want) for v in got), (got, want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ZBCompileWarning)
+        run_pipes(lambda r: pipes[r].step(x, y), PP)
 
 
 # ---- an error inside a step ----------------------------------------------------------------------------------
