@@ -7,7 +7,8 @@ It finds, in the stage forwards, the pattern
     first stage:  emb = embedding(param:E, ids(data))                           E: [V, d]
     last stage:   loss = cross_entropy(view/slice/cast/f...(linear(x, param:W[, param:b])), target(data))  W: [V, d]
 
-(f: ops that act on each logit alone, with constants: a soft-cap `c * tanh(z / c)`, a logit scale)
+(f: ops that act on each logit alone, with constants: a soft-cap `c * tanh(z / c)`, a logit scale; a head written
+as `h @ W.T` or with its bias added after the product is made that linear op first: passes/vocab_head.py)
 
 and cuts it out: the first stage reads `act:vocab.emb` instead of computing the lookup, and the last stage
 returns `act:vocab.x` (x after the same token reshapes and slices the logits went through, [tokens, d])
@@ -138,19 +139,18 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
                          f"these{shape} are not (probabilities, or another layout). Each rank holds only its rows of "
                          "the vocabulary, so it picks its share of the target logit by index.\n"
                          "fix: pass `targets.view(-1)` of integer class ids, or compile without vocab_parallel")
-    chain, node = [], loss.args[0]
-    while isinstance(node, fx.Node) and node.op == "call_function" and (node.target in (
-            *_RESHAPES, *_IDENTITIES, *_TOKEN_OPS, _CAST) or _per_logit(node)):
+    chain, node, linear = [], loss.args[0], _chain_end(loss.args[0])
+    while node is not linear:
         chain.append(node)
         node = node.args[0]
-    linear = node
     weight, compute_dtype = _through_cast(linear.args[1]) if isinstance(linear, fx.Node) else (None, None)
     if not (isinstance(linear, fx.Node) and linear.target is _aten.linear.default
             and _placeholder_name(last, weight) is not None):
         what = linear.format_node() if isinstance(linear, fx.Node) else repr(linear)
         raise VocabError(f"vocab_parallel=True expects {_EXPECTED}; the cross-entropy's logits come from "
                          f"`{what}`, not from a linear layer with a parameter weight.\n"
-                         "fix: compute the logits with an nn.Linear (or F.linear) on the model's parameter; "
+                         "fix: compute the logits with an nn.Linear, F.linear or `h @ W.T` on the model's parameter (a bias "
+                         "parameter may be added after); "
                          "between it and the loss only reshapes, token slices, casts and ops on each logit alone "
                          "with constants (a soft-cap `c * tanh(z / c)`, a scale) may act")
     weight_name = _placeholder_name(last, weight)
@@ -185,6 +185,14 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
     return VocabPattern(embedding, linear, tuple(chain), loss, table, weight_name, bias_name, size,
                         reduction, ignore_index, _arg(embedding, 2, "padding_idx", -1), logits.dtype, compute_dtype,
                         bool(_arg(embedding, 3, "scale_grad_by_freq", False)), logit_ops)
+
+
+def _chain_end(node: fx.Node) -> fx.Node:
+    """Where the logits' chain of reshapes, token ops, casts and per-logit ops to the loss starts."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and (node.target in (
+            *_RESHAPES, *_IDENTITIES, *_TOKEN_OPS, _CAST) or _per_logit(node)):
+        node = node.args[0]
+    return node
 
 
 def _per_logit(node: fx.Node) -> bool:

@@ -11,6 +11,8 @@ The split side is a list of named, pure passes over the IRs of zbcompile.ir.stag
 (`.check()`: every graph lints and its names match its placeholders and outputs; stages chain):
 
     trace             model, loss_fn, example -> Traced        export + functionalize one training step
+    [linear_head]     Traced -> Traced                         vocabulary parallelism: a head written as
+                                                               `h @ W.T` (+ b) made the one linear op it is
     (choose cuts)     auto_split_points, unless split points are given: a decision, not a rewrite
     partition         Traced -> Partition                      cut the step before each split point
     retarget_stages   Partition -> Partition                   meta traces: tensors made on the example's device
@@ -39,6 +41,7 @@ from zbcompile.passes.choose_cuts import NODE_PREFIX
 from zbcompile.passes.partition import (auto_split_points, check_split_points, cut_starts, markers, partition,
                                         split_point_names)
 from zbcompile.passes.shard_vocab import find_vocab_layers, shard_vocab
+from zbcompile.passes.vocab_head import linear_head
 from zbcompile.passes.split_fbw import split_fbw
 from zbcompile.passes.trace import retarget_stages, trace
 from zbcompile.ir.stages import Partition, StagedModel, Traced
@@ -165,6 +168,8 @@ def split_traced(
     """`split_model` after the trace pass: partition and split an already traced step (cheap to repeat).
     Explicit `split_points` win over the model's pipe_split() markers, and markers over the automatic balance."""
     why = "given (split_points=...)"
+    if vocab_shards:   # a head written as `h @ W.T (+ b)`: the one linear op the shards replace
+        traced = linear_head(traced)
     if split_points is None:
         if num_stages is None and placement is not None:
             num_stages = len(placement)

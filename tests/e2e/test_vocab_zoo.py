@@ -119,6 +119,83 @@ def test_a_microbatch_of_ignored_targets_only_adds_no_gradient_with_vocabulary_p
         assert rel(p.grad[:want_grad.shape[0]], want_grad) <= 1e-10, (schedule, r, name)
 
 
+class _Head(torch.nn.Module):
+    """An LM whose head is written as a matmul or with its bias added after the product: `kind` says how."""
+
+    def __init__(self, kind: str, v: int = 40, d: int = 16):
+        super().__init__()
+        self.kind, self.v = kind, v
+        self.emb = torch.nn.Embedding(v, d)
+        self.body = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh(), torch.nn.Linear(d, d))
+        self.w = torch.nn.Parameter(torch.randn(v, d) / 4)
+        self.b = torch.nn.Parameter(torch.randn(v) / 4)
+
+    def forward(self, ids):
+        h = self.body(self.emb(ids))
+        if self.kind == "tied matmul":   # h @ E.T: the head tied to the embedding table
+            return h @ self.emb.weight.T
+        if self.kind == "matmul + bias":
+            return torch.matmul(h, self.w.transpose(0, 1)) + self.b
+        if self.kind == "bias + linear":
+            return self.b + torch.nn.functional.linear(h, self.w)
+        if self.kind == "linear + bias buffer":   # a bias that is no parameter (BART's final_logits_bias)
+            return torch.nn.functional.linear(h, self.w) + self.b.detach()
+        return h @ self.w.T * 1.0 + self.b   # a scale between: the bias is no longer linear's (still exact)
+
+
+def _head_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tied matmul", "matmul + bias", "bias + linear"])
+def test_a_head_written_as_a_matmul_or_with_its_bias_added_after_is_sharded(kind):
+    """A head written as `h @ W.T` (tied to the embedding table) or with its bias parameter added after the
+    product was refused ("not from a linear layer"). It is the one linear op the shards replace: the step's
+    loss and every gradient (each rank's rows of W, b and E) equal eager's in float64, and in eval mode
+    pipe(x) returns eager's logits and evaluate() its loss."""
+    torch.manual_seed(0)
+    model = _Head(kind).double()
+    ids, targets = torch.randint(0, 40, (2 * MICROBATCHES, 6)), torch.randint(0, 40, (2 * MICROBATCHES, 6))
+    sched = generate("1f1b", 2, MICROBATCHES, vocab=True)
+    staged = split_model(model, _head_loss, ((ids[:2],), (targets[:2],)), num_stages=2, vocab_shards=2)
+    ref = copy.deepcopy(model)
+    want = 0.0
+    for x, y in zip(ids.chunk(MICROBATCHES), targets.chunk(MICROBATCHES)):
+        loss = _head_loss(ref(x), y) / MICROBATCHES
+        loss.backward()
+        want += loss.item()
+    losses, ranks, _ = run_threaded(model, staged, sched, (ids, targets))
+    assert all(abs(v - want) <= 1e-10 * abs(want) for v in losses), (losses, want)
+    graded = 0
+    for r, name, p, want_grad in vocab_rank_grads(ranks, staged, sched, ref):
+        assert (want_grad is None) == (p.grad is None), (kind, r, name)
+        if want_grad is not None:
+            assert rel(p.grad[:want_grad.shape[0]], want_grad) <= 1e-10, (kind, r, name)
+            graded += name in staged.vocab.params
+    assert graded == 2 * len(staged.vocab.params) == 2 * (1 if kind == "tied matmul" else 3), graded
+    options = CompileOptions(schedule=sched, microbatches=MICROBATCHES)
+    pipes = loopback_pipes(model, options, 2, compiled=compile_staged(staged, sched, options))
+    ref.eval()
+    with torch.no_grad():
+        logits = ref(ids)
+        loss = sum(_head_loss(ref(x), y).item() for x, y in zip(ids.chunk(MICROBATCHES),
+                                                                 targets.chunk(MICROBATCHES))) / MICROBATCHES
+    got = run_pipes(lambda r: (pipes[r].eval().evaluate(ids, targets), pipes[r](ids)), 2)
+    assert all(abs(v - loss) <= 1e-10 * abs(loss) for v, _ in got), (got, loss)
+    (held,) = [out for _, out in got if out is not None]
+    assert rel(held, logits) <= 1e-10, kind
+
+
+@pytest.mark.parametrize("kind", ["linear + bias buffer", "scaled"])
+def test_a_head_whose_added_bias_is_not_linears_is_still_refused(kind):
+    """What is not one linear op stays refused, naming the op: a bias that is no parameter, a scale between."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 40, (2, 6))
+    with pytest.raises(VocabError, match=r"logits come from `%add"):
+        split_model(_Head(kind), _head_loss, ((ids,), (ids,)), num_stages=2, vocab_shards=2)
+
+
 @pytest.mark.parametrize("arch", sorted(REFUSED))
 def test_architectures_outside_the_pattern_say_why(arch):
     case = zoo.ZOO[arch]()
