@@ -26,6 +26,7 @@ __all__ = ["linear_head"]
 
 _aten = torch.ops.aten
 _TRANSPOSES = (_aten.t.default, _aten.permute.default, _aten.transpose.int)
+_CAST = _aten._to_copy.default
 
 
 def linear_head(traced: Traced) -> Traced:
@@ -61,13 +62,13 @@ def _fold_linear(g: Graph, node: fx.Node) -> list[fx.Node]:
         weight = _transposed_param(g, node)
         if weight is None:
             return []
-        dropped = [node.args[1]]
+        dropped = _untransposed(node.args[1])
         node.target, node.args, node.kwargs = _aten.linear.default, (node.args[0], weight), {}
         return dropped
     if node.kwargs or len(node.args) != 2:   # add(z, b, alpha=...)
         return []
     for z, b in (node.args, node.args[::-1]):
-        if not (isinstance(z, fx.Node) and len(_readers(z)) == 1 and _is_bias(g, b, node)):
+        if not (isinstance(z, fx.Node) and len(_readers(z)) == 1 and _is_bias(g, b, z, node)):
             continue
         if z.target is _aten.linear.default and len(z.args) == 2 and not z.kwargs:
             node.target, node.args = _aten.linear.default, (z.args[0], z.args[1], b)
@@ -75,7 +76,7 @@ def _fold_linear(g: Graph, node: fx.Node) -> list[fx.Node]:
         weight = _transposed_param(g, z) if z.target is _aten.matmul.default else None
         if weight is not None:
             node.target, node.args = _aten.linear.default, (z.args[0], weight, b)
-            return [z, z.args[1]]
+            return [z, *_untransposed(z.args[1])]
     return []
 
 
@@ -84,8 +85,11 @@ def _readers(node: fx.Node) -> list[fx.Node]:
 
 
 def _transposed_param(g: Graph, matmul: fx.Node) -> fx.Node | None:
-    """W where `matmul` is `matmul(x, W.T)` for a [V, d] parameter W whose transpose nothing else reads."""
-    t = matmul.args[1]
+    """W, or autocast's cast of W, where `matmul` is `matmul(x, W.T)` (autocast: `matmul(x, cast(W.T))`) for a
+    [V, d] parameter W whose transpose nothing else reads."""
+    cast, t = None, matmul.args[1]
+    if isinstance(t, fx.Node) and t.target is _CAST and set(t.kwargs) <= {"dtype"} and len(_readers(t)) == 1:
+        cast, t = t, t.args[0]
     if not (isinstance(t, fx.Node) and t.target in _TRANSPOSES and len(_readers(t)) == 1):
         return None
     w = t.args[0]
@@ -95,12 +99,23 @@ def _transposed_param(g: Graph, matmul: fx.Node) -> fx.Node | None:
         swapped = {int(d) % 2 for d in t.args[1:3]} == {0, 1}
     else:
         swapped = t.target is _aten.t.default or [int(d) % 2 for d in t.args[1]] == [1, 0]
-    return w if swapped else None
+    return (w if cast is None else cast) if swapped else None
 
 
-def _is_bias(g: Graph, b, add: fx.Node) -> bool:
-    """`b` is a [V] parameter added to the logits `add` computes, in their dtype (so linear's bias is the same)."""
+def _untransposed(arg: fx.Node) -> list[fx.Node]:
+    """The transpose `arg` is, or casts (matmul's second argument), now dead: a cast is made to cast W itself,
+    as autocast casts linear's weight, and the transpose it read is returned to erase."""
+    if arg.target is not _CAST:
+        return [arg]
+    t = arg.args[0]
+    arg.args = (t.args[0],)
+    arg.meta = {**arg.meta, "val": arg.meta["val"].t().contiguous()}
+    return [t]
+
+
+def _is_bias(g: Graph, b, z: fx.Node, add: fx.Node) -> bool:
+    """`b` is a [V] parameter added to the logits `z`, all in one dtype (so linear's bias gives the same sum)."""
     if _placeholder_name(g, b) is None:
         return False
     val, out = b.meta["val"], add.meta["val"]
-    return val.dim() == 1 and int(val.shape[0]) == int(out.shape[-1]) and val.dtype == out.dtype
+    return val.dim() == 1 and int(val.shape[0]) == int(out.shape[-1]) and val.dtype == out.dtype == z.meta["val"].dtype

@@ -187,6 +187,30 @@ def test_a_head_written_as_a_matmul_or_with_its_bias_added_after_is_sharded(kind
     assert rel(held, logits) <= 1e-10, kind
 
 
+@pytest.mark.slow
+def test_a_tied_matmul_head_under_autocast_is_sharded():
+    """`h @ E.T` traced under bfloat16 autocast casts the transposed table (`cast(E.T)`): the split makes it
+    linear(h, cast(E)), as autocast's linear casts its weight; the step's loss and the table's gradient rows
+    are eager autocast's (at bfloat16's tolerance)."""
+    torch.manual_seed(0)
+    model = _Head("tied matmul")
+    ids, targets = torch.randint(0, 40, (2 * MICROBATCHES, 6)), torch.randint(0, 40, (2 * MICROBATCHES, 6))
+    sched = generate("1f1b", 2, MICROBATCHES, vocab=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        staged = split_model(model, _head_loss, ((ids[:2],), (targets[:2],)), num_stages=2, vocab_shards=2)
+        ref, want = copy.deepcopy(model), 0.0
+        for x, y in zip(ids.chunk(MICROBATCHES), targets.chunk(MICROBATCHES)):
+            loss = _head_loss(ref(x), y) / MICROBATCHES
+            loss.backward()
+            want += loss.item()
+        losses, ranks, _ = run_threaded(model, staged, sched, (ids, targets))
+    assert staged.vocab.params == ("emb.weight",)
+    assert all(abs(v - want) <= 1e-2 * abs(want) for v in losses), (losses, want)
+    for r, name, p, want_grad in vocab_rank_grads(ranks, staged, sched, ref):
+        if name in staged.vocab.params:
+            torch.testing.assert_close(p.grad[:want_grad.shape[0]], want_grad, rtol=5e-2, atol=5e-3)
+
+
 @pytest.mark.parametrize("kind", ["linear + bias buffer", "scaled"])
 def test_a_head_whose_added_bias_is_not_linears_is_still_refused(kind):
     """What is not one linear op stays refused, naming the op: a bias that is no parameter, a scale between."""
