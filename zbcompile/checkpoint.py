@@ -232,11 +232,13 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     _agree_or_raise(pg, files.metadata_problems(path), path, "damaged")
     meta = _check_checkpoint(path, module, optimizer, pg)
     _agree_or_raise(pg, files.data_problems(path, rank, ranks), path, "damaged")
-    extra = files.extra(path)
+    extra, stateless = files.extra(path), set(files.stateless(path))
     with _fresh_on_failure(optimizer):
         state, whole = _state_dict(module, optimizer, copies=True)
+        unsaved = _take_state_of(state, stateless)
         _check_optimizer_state(path, meta, state, pg)
         _read(path, state, pg)
+        state.get("optim", {}).update(unsaved)   # torch's load wants an entry per parameter; dropped after it
     # row shards were read in place through their views: hand the module its whole tensors back (as this
     # replica's shard of them where the data-parallel replicas shard them)
     state = {part: {k: as_live(whole[part, k]) if (part, k) in whole else v for k, v in entries.items()}
@@ -246,7 +248,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     else:
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=OPTIONS)
-        _drop_state(module, optimizer, files.stateless(path))   # as they were saved: not stepped yet
+        _drop_state(module, optimizer, stateless)   # as they were saved: not stepped yet
     return extra
 
 
@@ -280,6 +282,23 @@ def _kept_stateless(module: nn.Module, optimizer):
         yield names
     finally:
         _drop_state(module, optimizer, names)
+
+
+def _take_state_of(state: dict, names: set[str]) -> dict:
+    """Take the optimizer state entries of the parameters `names` out of `state` (the copies a load reads into)
+    and return them: they had no state when the checkpoint was saved (no step yet, or no gradient in any step so
+    far: an expert never routed to), so it holds none for them where the optimizer had stepped others (torch
+    makes state for every parameter, with a step of lr 0, only where an optimizer has none at all)."""
+    optim = state.get("optim") or {}
+    taken = {k: v for k, v in optim.items() if k.startswith("state.") and _state_owner(k) in names}
+    for k in taken:
+        del optim[k]
+    return taken
+
+
+def _state_owner(key: str) -> str:
+    """The parameter of a flat optimizer state key, `state.<fqn>.<entry>` (entries have no dots: exp_avg, step)."""
+    return key.removeprefix("state.").rpartition(".")[0]
 
 
 def _drop_state(module: nn.Module, optimizer, names) -> None:
@@ -453,7 +472,7 @@ def _check_optimizer_state(path: Path, meta: Mapping[str, object], state: dict, 
     mine = [k for k in state.get("optim", {}) if k.startswith("state.") and f"optim.{k}" not in meta]
     problems = []
     for key in mine:
-        fqn = key.removeprefix("state.").rpartition(".")[0]
+        fqn = _state_owner(key)
         held = sorted(k.rpartition(".")[2] for k in meta if k.startswith(f"optim.state.{fqn}."))
         problems.append(f"missing: optim.{key} (the checkpoint holds {', '.join(held) or 'no state'} for {fqn})")
     problems = _everyones(pg, problems)

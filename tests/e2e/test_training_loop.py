@@ -698,6 +698,28 @@ def test_the_norm_of_mixed_dtypes_is_torchs_on_every_rank():
         assert abs(post_norm - want.item()) <= 1e-12 * want.item(), (r, post_norm, want)
 
 
+@pytest.mark.parametrize("nan_rank", [0, 1])
+def test_a_nan_gradient_on_one_rank_makes_every_order_of_norm_nan_as_torchs(nan_rank):
+    """A NaN in one gradient on one rank: torch.nn.utils.get_total_norm is NaN for every order, the max and min
+    orders too (where Python's max(1.0, nan) would drop a NaN met second). Every rank's get_total_norm of every
+    order is NaN, and clipping with the optimizer skips the update on every rank."""
+    case = mlp(batch=8)
+    model, loss_fn, x, y, pipes = _pipes(case, "1f1b", dtype=torch.float64)
+    before = [{n: p.detach().clone() for n, p in pipe.named_parameters()} for pipe in pipes]
+
+    def run(r):
+        pipes[r].step(x, y)
+        if r == nan_rank:
+            next(iter(pipes[r].parameters())).grad.view(-1)[0] = math.nan
+        norms = [pipes[r].get_total_norm(p).item() for p in ORDERS if p != 0]
+        opt = torch.optim.SGD(pipes[r].parameters(), lr=0.1)
+        return norms, pipes[r].step(x, y, optimizer=opt, max_norm=1.0).skipped
+
+    for r, (norms, skipped) in enumerate(run_pipes(run, PP)):
+        assert all(math.isnan(v) for v in norms) and skipped, (r, norms, skipped)
+    assert all(torch.equal(p, before[r][n]) for r, pipe in enumerate(pipes) for n, p in pipe.named_parameters())
+
+
 class _SpectralFilter(torch.nn.Module):
     """A learned complex filter over the sequence's spectrum (FNO / global-filter style), then a linear."""
 

@@ -533,3 +533,84 @@ def test_a_rank_holding_no_parameter_is_warned_of_at_compile():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ZBCompileWarning)
         compiled(["2"])
+
+
+# ---- gradient accumulation corner cases (mutation testing found them untested) ---------------------------------
+class _Aliased(nn.Module):
+    """h = l0(x) + p + q, with p and q shaped as h: both gradients are the very tensor received for h."""
+
+    def __init__(self, rows: int, d: int = 4):
+        super().__init__()
+        self.l0 = nn.Linear(d, d)
+        self.p, self.q = nn.Parameter(torch.randn(rows, d)), nn.Parameter(torch.randn(rows, d))
+        self.l1 = nn.Sequential(nn.Tanh(), nn.Linear(d, d))
+
+    def forward(self, x):
+        return self.l1(self.l0(x) + self.p + self.q)
+
+
+class _SharedThrice(nn.Module):
+    """One Linear called in each of three stages: three ranks hold a copy of its gradient."""
+
+    def __init__(self, d: int = 4):
+        super().__init__()
+        self.shared = nn.Linear(d, d)
+        self.l0, self.l1, self.l2 = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        for layer in (self.l0, self.l1, self.l2):
+            x = self.shared(torch.tanh(layer(x)))
+        return x
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _steps_against_eager(model, schedule: str, pp: int, m: int, split_points, steps: int) -> None:
+    """`steps` pipelined steps without zero_grad (float64, ranks as threads), then every rank's every .grad
+    against eager's microbatch accumulation over the same batches, at 1e-10."""
+    from support.threaded import loopback_pipes, run_pipes
+    from zbcompile.options import CompileOptions
+
+    rows, d = 2, 4
+    x, y = torch.randn(rows, d, dtype=torch.float64), torch.randn(rows, d, dtype=torch.float64)
+    options = CompileOptions.from_kwargs(None, schedule=schedule, microbatches=m, loss_fn=_mse,
+                                         example=((x,), (y,)), split_points=split_points)
+    ref = copy.deepcopy(model)
+    pipes = loopback_pipes(model, options, pp)
+    batches = [(torch.randn(rows * m, d, dtype=torch.float64), torch.randn(rows * m, d, dtype=torch.float64))
+               for _ in range(steps)]
+
+    def run(r):
+        for xb, yb in batches:
+            pipes[r].step(xb, yb)
+        return {n: p.grad.clone() for n, p in pipes[r].named_parameters()}
+
+    got = run_pipes(run, pp)
+    for xb, yb in batches:
+        for xm, ym in zip(xb.chunk(m), yb.chunk(m)):
+            (_mse(ref(xm), ym) / m).backward()
+    held = {n for grads in got for n in grads}
+    assert held == {n for n, _ in ref.named_parameters()}, held
+    for r, grads in enumerate(got):
+        for n, g in grads.items():
+            want = ref.get_parameter(n).grad
+            assert (g - want).abs().max() <= 1e-10 * want.abs().max(), (schedule, m, r, n)
+
+
+@pytest.mark.parametrize("schedule,m", [("1f1b", 1), ("1f1b", 2), ("zb-h1", 3)])
+def test_gradients_that_are_the_received_gradient_accumulate_over_steps_as_eager(schedule, m):
+    """Two parameters whose gradient is the activation gradient the stage received (one tensor, three names):
+    the first step's .grad must be a copy of its own (not the received buffer, reused by the next step), and
+    summing two microbatches must not add into a tensor another parameter's sum shares. Three steps without
+    zero_grad, every gradient against eager's."""
+    torch.manual_seed(0)
+    _steps_against_eager(_Aliased(2).double(), schedule, 2, m, ("l1",), steps=3)
+
+
+def test_a_parameter_used_on_three_ranks_sums_every_copy():
+    """A Linear called in three stages on three ranks: its gradient is the sum of three ranks' copies (every
+    holder gets the same bits), not of the first two."""
+    torch.manual_seed(0)
+    _steps_against_eager(_SharedThrice().double(), "1f1b", 3, 3, ("l1", "l2"), steps=1)
