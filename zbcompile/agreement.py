@@ -192,7 +192,8 @@ READY_TIMEOUT = 3600.0
 
 def wait_until_compiled(pg, rank: int, timeout: float) -> None:
     """Every rank waits here until every rank has finished compile (one all-gather), so that a rank whose graphs
-    took longer to build does not count against the first step's timeout, as a peer that died would."""
+    took longer to build does not count against the first step's timeout, as a peer that died would. `pg`: a
+    group whose own timeout is READY_TIMEOUT (distributed.ready_group), or gloo ends the wait at the group's."""
     if pg is None or not isinstance(pg, dist.ProcessGroup) or pg.size() < 2:
         return
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else "cpu"

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from zbcompile import call_checks
-from zbcompile.agreement import check_agreement, wait_until_compiled
+from zbcompile.agreement import READY_TIMEOUT, check_agreement, wait_until_compiled
 from zbcompile.compiler import Compiled, compile_programs, compile_staged
 from zbcompile.data_parallel import Replicas
-from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, resolve_group,
-                                   shard_vocab_params, split_mesh, sync_copies)
+from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, ready_group,
+                                   resolve_group, shard_vocab_params, split_mesh, sync_copies)
 from zbcompile.errors import UsageError
 from zbcompile.ir.program.values import VOCAB_OFFSET
 from zbcompile.ir.schedule import Schedule
@@ -123,6 +123,7 @@ def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = 
     if dp is not None:   # replicas start from replica 0's values, as DDP does (sharded: each keeps its rows)
         params = dp.start(model, params, buffers, device)
     channels = p2p_channels(pg, options.timeout)
+    ready = ready_group(pg, max(options.timeout, READY_TIMEOUT))   # made now, while the ranks are together
     collectives = collective_group(pg, options.timeout) if staged.vocab is not None else None
 
     def runtime_for(programs, **graphs) -> RankRuntime:
@@ -139,5 +140,5 @@ def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = 
                           graph_api=graphs.capture_api(device) if options.capture else None)
     pipe = PipelineModule(model, compiled, runtime, rank, owned_params, owned_buffers, pg, runtime_for=runtime_for,
                           dp=dp)
-    wait_until_compiled(pg, rank, options.timeout)
+    wait_until_compiled(ready, rank, options.timeout)
     return pipe

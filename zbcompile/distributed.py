@@ -157,6 +157,15 @@ def collective_group(pg, timeout: float):
     return pg if found is None else found[0]
 
 
+def ready_group(pg, timeout: float):
+    """A group over the pipeline group's ranks whose own timeout is `timeout`, for the wait at the end of compile
+    (agreement.wait_until_compiled): on gloo a group's timeout ends any wait on it, and a group compile made has
+    the step's timeout. Made before the stage graphs are built, while the ranks are together, once per pipeline
+    group; the pipeline group itself for a one-rank pipeline or a stand-in group."""
+    found = _side_groups(pg, timeout, "ready", 1, tune_gloo_threads=False)
+    return pg if found is None else found[0]
+
+
 def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 

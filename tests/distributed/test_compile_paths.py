@@ -104,7 +104,8 @@ def test_tied_copies_that_start_different_are_made_equal(run):
 def test_a_rank_slower_to_compile_than_the_timeout_is_waited_for_at_compile(run_pp2):
     """Inductor builds each rank's own stage graphs, so ranks left compile up to a minute apart, and the first
     step counted that against `timeout` (RuntimeFailure: "peer dead or stalled"). compile now ends together on
-    every rank: rank 1, 4 s late with a timeout of 2 s, steps with rank 0."""
+    every rank: rank 1, 4 s late with a timeout of 2 s, steps with rank 0, also on a group whose own timeout is
+    2 s (as the default group compile makes has), which ended compile's wait at 2 s on gloo."""
     vals = _case(run_pp2[1], "slow_compile")
     assert len({v["loss"] for v in vals}) == 1 and all(math.isfinite(v["loss"]) for v in vals), vals
 

@@ -152,8 +152,13 @@ def dropout_case(results, pp, timeout):
 
 def slow_compile_case(results) -> None:
     """Rank 1 finishes compile 4 s after rank 0 (as inductor building a bigger stage's graphs does), past the
-    step's timeout of 2 s: the first step must not count that against the timeout."""
+    step's timeout of 2 s: the first step must not count that against the timeout. On a group whose own
+    timeout is the step's too, as the default group compile makes under torchrun has: gloo ended compile's
+    last wait at the group's timeout, failing compile on every rank."""
+    from datetime import timedelta
+
     model, loss_fn, (x, y), _ = mlp(layers=4, batch=4)
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=2.0))
     real = zb.PipelineModule
 
     def slow(*args, **kwargs):
@@ -166,7 +171,7 @@ def slow_compile_case(results) -> None:
         zb.PipelineModule = slow
         try:
             pipe = zb.compile(copy.deepcopy(model), schedule="1f1b", microbatches=4, loss_fn=loss_fn,
-                              example=((x[:1],), (y[:1],)), timeout=2.0)
+                              example=((x[:1],), (y[:1],)), timeout=2.0, group=group)
         finally:
             zb.PipelineModule = real
         results["slow_compile"] = dict(loss=float(pipe.step(x, y)))
