@@ -25,7 +25,7 @@ from torch import nn
 
 from zbcompile import call_checks
 from zbcompile.agreement import READY_TIMEOUT, check_agreement, wait_until_compiled
-from zbcompile.compiler import Compiled, compile_programs, compile_staged
+from zbcompile.compiler import Compiled, building, compile_programs, compile_staged
 from zbcompile.data_parallel import Replicas
 from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, ready_group,
                                    resolve_group, shard_vocab_params, split_mesh, sync_copies)
@@ -91,6 +91,7 @@ def _resolve(options: CompileOptions):
     return resolved, Replicas.of(options, replicas)
 
 
+@building
 def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = None) -> PipelineModule:
     """This rank's PipelineModule: the parameters and buffers its stages use kept (and initialized where the
     model is on the meta device), copies on several ranks made equal, vocabulary rows cut, the runtime built;

@@ -22,6 +22,7 @@ The stages, and the options each reads:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -75,6 +76,18 @@ class Compiled:
         return tuple(dict.fromkeys([*mine, *vocab]))
 
 
+def building(fn):
+    """`fn` run with gradients on and outside inference mode, whatever mode its caller is in (compile called
+    inside torch.no_grad() or torch.inference_mode()): the trace differentiates the step, and the tensors
+    compile makes (the step's static buffers) are written by every step, which inference tensors cannot be."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return fn(*args, **kwargs)
+    return call
+
+
+@building
 def compile_programs(model: nn.Module, options: CompileOptions, num_ranks: int, *,
                      device: torch.device | str | None = None, time_model: str | None = None,
                      lint_capture: bool = True, replicas: int = 1) -> Compiled:
@@ -209,6 +222,7 @@ def _check_read(options: CompileOptions) -> None:
                          f"{unread[0]}, or pick one of those schedules")
 
 
+@building
 def split_for(model: nn.Module, loss_fn, example, schedule: Schedule, *, split_points=None,
               device: torch.device | str | None = None) -> StagedModel:
     """The split `schedule` needs: its number of model stages, cuts balanced per group of ranks that run a

@@ -1068,6 +1068,38 @@ def test_anomaly_detection_around_a_step_warns_that_it_has_no_effect():
         run_pipes(lambda r: pipes[r].step(x, y), PP)
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "set_grad_enabled(False)"])
+def test_compile_called_with_gradients_off_builds_the_training_step(mode):
+    """compile inside torch.no_grad() (or with gradients switched off) raised an internal SplitError
+    ("unexpected forward placeholders"); inside torch.inference_mode() it made the step's static buffers
+    inference tensors, so the first step outside it crashed with torch's raw error (on one rank, the other
+    waiting out its timeout). compile builds the training step in whatever mode it is called: the steps, taken
+    with gradients on, equal eager's. (Grad mode is per thread: each rank's thread places its share in it.)"""
+    from support.threaded import LoopbackWorld
+    from zbcompile.api import place
+    from zbcompile.compiler import compile_programs
+
+    model, loss_fn, (x, y), _ = mlp(batch=8)
+    model, x, y = model.double(), x.double(), y.double()
+    want = eager_step(copy.deepcopy(model), loss_fn, x, y, M)
+    modes = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+             "set_grad_enabled(False)": lambda: torch.set_grad_enabled(False)}
+    options = CompileOptions.from_kwargs(None, schedule="1f1b", microbatches=M, loss_fn=loss_fn,
+                                         example=((x[:x.shape[0] // M],), (y[:y.shape[0] // M],)))
+    with modes[mode]():
+        compiled = compile_programs(model, options, PP)
+    world, pipes = LoopbackWorld(PP), [None] * PP
+
+    def build(r):
+        with modes[mode]():
+            pipes[r] = place(copy.deepcopy(model), compiled, (world.group(r), r, PP))
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+    run_pipes(build, PP, world=world)
+    got = run_pipes(lambda r: [pipes[r].step(x, y) for _ in range(2)], PP)
+    assert all(abs(v[0] - want) <= 1e-12 * abs(want) for v in got), (got, want)
+
+
 # ---- an error inside a step ----------------------------------------------------------------------------------
 def test_after_an_error_inside_a_step_the_next_call_fails_at_once():
     """An out-of-range token id: rank 0's embedding raises IndexError (as eager does) with the step's messages
