@@ -152,7 +152,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
             state, _ = _state_dict(module, optimizer)
             state[files.MARKER[0]] = {files.MARKER[1]: files.FORMAT}
             dcp.save(state, checkpoint_id=stage, process_group=pg, no_dist=not _distributed(pg))
-        sums, stateless = zip(*_exchange(pg, (files.item_checksums(stage, rank, ranks), stateless)))
+        sums, stateless = _gathered_checksums(pg, stage, rank, ranks, stateless)
         committing = True
         committed = _commit(stage, path, sums, extra, sorted(set().union(*stateless))) if rank == 0 else None
         failed = [why for why in _exchange(pg, committed) if why]   # every rank returns once it is in place
@@ -163,6 +163,22 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
                               f"{_what_is_left(path, stage, committing)} Free disk space if it is full; after a peer "
                               "failed the process group is unusable: restart the job (it resumes from the "
                               "checkpoint)") from exc
+
+
+def _gathered_checksums(pg, stage: Path, rank: int, ranks: int, stateless: list[str]) -> tuple[list, list]:
+    """Every rank's checksums of its share of the written items, and its stateless parameters; OSError on every
+    rank where one rank could not read its share back (its path resolves elsewhere: a relative path under
+    another working directory), instead of that rank alone while the others wait in the exchange."""
+    try:
+        mine, why = files.item_checksums(stage, rank, ranks), None
+    except OSError as e:
+        mine, why = None, f"rank {rank} could not read back what was written at {os.fspath(stage)!r}: {_line(e)}"
+    gathered = _exchange(pg, (mine, stateless, why))
+    failed = [w for _, _, w in gathered if w]
+    if failed:
+        raise OSError(f"{failed[0]} (every rank must see the same directory: give an absolute path on a filesystem "
+                      "every rank shares)")
+    return [g[0] for g in gathered], [g[1] for g in gathered]
 
 
 def _prepare(path: Path, stage: Path) -> str | None:

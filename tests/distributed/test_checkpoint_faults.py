@@ -68,3 +68,13 @@ def test_a_damaged_checkpoint_is_refused_by_name_with_nothing_changed(crashed, c
     assert len(messages) == 1, messages   # every rank refused with the same findings
     if case == "flipped":
         assert "damaged: file __" in messages.pop()
+
+
+def test_ranks_saving_to_other_directories_all_fail_at_once(crashed):
+    """A relative path under other working directories: the ranks write two directories, and the rank that
+    cannot read its share back failed alone while the other waited in the save's exchange for the group's
+    timeout. Every rank now raises the same CheckpointError at once, saying to give a shared absolute path."""
+    _, ranks = crashed
+    got = [res["other_cwd"] for res in ranks]
+    assert all("refused" in g for g in got), got
+    assert all("every rank must see the same directory" in g["refused"] and g["seconds"] < 20 for g in got), got

@@ -18,6 +18,7 @@ import copy
 import os
 import shutil
 import signal
+import time
 import traceback
 from pathlib import Path
 
@@ -192,7 +193,25 @@ def verify(rank: int, out: str, dirs: list[str]) -> dict:
             same_opt = all(torch.equal(state["state"][i][k], v) for i, s in opt.state_dict()["state"].items()
                            for k, v in s.items() if isinstance(v, torch.Tensor))
             results[name] = dict(refused=str(e), unchanged=unchanged and same_opt)
+    results["other_cwd"] = save_from_other_cwds(rank, Path(out), pipe, opt)
     return results
+
+
+def save_from_other_cwds(rank: int, out: Path, pipe, opt) -> dict:
+    """Each rank in a working directory of its own saves to the relative path "ckpt": the ranks write to two
+    directories, and rank 1 cannot read back what rank 0 indexed. It failed alone while rank 0 waited in the
+    save's exchange until the group's timeout."""
+    home, mine = os.getcwd(), out / f"cwd{rank}"
+    mine.mkdir(parents=True, exist_ok=True)
+    os.chdir(mine)
+    start = time.perf_counter()
+    try:
+        checkpoint.save("ckpt", pipe, opt)
+        return dict(saved=True)
+    except CheckpointError as e:
+        return dict(refused=str(e), seconds=time.perf_counter() - start)
+    finally:
+        os.chdir(home)
 
 
 def main() -> None:
