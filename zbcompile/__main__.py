@@ -32,7 +32,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = _Parser(prog="zbcompile", description="Zero Bubble pipeline-parallel training compiler.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan_parser = commands.add_parser("plan", help="generate or load a schedule, simulate it, draw it",
-                                      description=plan.__doc__.split("\n\n")[0])
+                                      description=(plan.__doc__ or "").split("\n\n")[0])   # None under python -OO
     plan.add_arguments(plan_parser)
     plan_parser.set_defaults(run=plan.run)
     inspect_parser = commands.add_parser("inspect", help="show what the compiler did to a model",

@@ -299,3 +299,12 @@ def test_flags_a_report_would_drop_are_refused(tmp_path: Path, capsys) -> None:
     assert main([*base, "--vocab-parallel", "--json", "--svg", str(svg)]) == 0
     json.loads(capsys.readouterr().out)
     ET.parse(svg)
+
+
+@pytest.mark.slow   # a fresh machine first compiles torch's -OO bytecode (about 10 s)
+@pytest.mark.parametrize("module", ["zbcompile", "zbcompile.examples.train_gpt"])
+def test_the_commands_run_under_python_OO(module):
+    """python -OO strips docstrings: the CLI and the main job built their --help description from one and
+    crashed (AttributeError on None) before doing anything."""
+    proc = subprocess.run([sys.executable, "-OO", "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "usage:" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr

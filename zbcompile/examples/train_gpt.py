@@ -76,7 +76,7 @@ def uniform():
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])   # None under python -OO
     p.add_argument("--schedule", default="zb-h1")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--microbatches", type=int, default=8)
