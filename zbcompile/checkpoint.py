@@ -159,10 +159,15 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
         if failed:
             raise OSError(failed[0])
     except (Exception, CheckpointException) as exc:   # DCP's CheckpointException is a BaseException
-        raise CheckpointError(f"rank {rank}: saving the checkpoint {os.fspath(path)!r} failed ({_reason(exc)}). "
-                              f"{_what_is_left(path, stage, committing)} Free disk space if it is full; after a peer "
-                              "failed the process group is unusable: restart the job (it resumes from the "
-                              "checkpoint)") from exc
+        interrupted = _interrupted(exc)
+        error = CheckpointError(
+            f"rank {rank}: saving the checkpoint {os.fspath(path)!r} failed ({_reason(exc)}). "
+            f"{_what_is_left(path, stage, committing)} "
+            f"{'' if interrupted else 'Free disk space if it is full; '}after a peer failed the process group is "
+            "unusable: restart the job (it resumes from the checkpoint)")
+        if rank in interrupted:   # Ctrl-C here, which DCP caught as a write failure: still the user's interrupt
+            raise KeyboardInterrupt(str(error)) from exc
+        raise error from exc
 
 
 def _gathered_checksums(pg, stage: Path, rank: int, ranks: int, stateless: list[str]) -> tuple[list, list]:
@@ -346,6 +351,12 @@ def _reason(exc: BaseException) -> str:
         return "; ".join(f"rank {r}: {_line(f[0] if isinstance(f, tuple) else f)}"
                          for r, f in sorted(exc.failures.items()))
     return _line(exc)
+
+
+def _interrupted(exc: BaseException) -> set[int]:
+    """The ranks whose failure in DCP's CheckpointException is a KeyboardInterrupt (Ctrl-C during the write)."""
+    failures = exc.failures if isinstance(exc, CheckpointException) else {}
+    return {r for r, f in failures.items() if isinstance(f[0] if isinstance(f, tuple) else f, KeyboardInterrupt)}
 
 
 def _line(exc: BaseException) -> str:

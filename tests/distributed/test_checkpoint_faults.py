@@ -78,3 +78,13 @@ def test_ranks_saving_to_other_directories_all_fail_at_once(crashed):
     got = [res["other_cwd"] for res in ranks]
     assert all("refused" in g for g in got), got
     assert all("every rank must see the same directory" in g["refused"] and g["seconds"] < 20 for g in got), got
+
+
+def test_a_ctrl_c_during_a_save_stays_a_keyboard_interrupt_where_it_was_pressed(crashed):
+    """Ctrl-C on rank 1 while the files are written: rank 1 raises KeyboardInterrupt (it was a CheckpointError,
+    which a loop catching failed saves swallowed); rank 0 a CheckpointError naming rank 1's interrupt, without
+    the advice to free disk space."""
+    _, ranks = crashed
+    got = [res["interrupted"] for res in ranks]
+    assert [g.get("raised") for g in got] == ["CheckpointError", "KeyboardInterrupt"], got
+    assert all("rank 1: KeyboardInterrupt" in g["message"] and "disk space" not in g["message"] for g in got), got

@@ -193,8 +193,31 @@ def verify(rank: int, out: str, dirs: list[str]) -> dict:
             same_opt = all(torch.equal(state["state"][i][k], v) for i, s in opt.state_dict()["state"].items()
                            for k, v in s.items() if isinstance(v, torch.Tensor))
             results[name] = dict(refused=str(e), unchanged=unchanged and same_opt)
+    results["interrupted"] = save_interrupted(rank, Path(out) / "interrupted", pipe, opt)
     results["other_cwd"] = save_from_other_cwds(rank, Path(out), pipe, opt)
     return results
+
+
+def save_interrupted(rank: int, path: Path, pipe, opt) -> dict:
+    """Ctrl-C on rank 1 while DCP writes its files: DCP reports it as that rank's write failure, and save made it
+    a CheckpointError on every rank, so a loop that catches those trained on after the user's Ctrl-C."""
+    from torch.distributed.checkpoint import filesystem
+
+    real = filesystem.FileSystemWriter.write_data
+
+    def write_data(self, *args, **kwargs):
+        if rank == 1:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    filesystem.FileSystemWriter.write_data = write_data
+    try:
+        checkpoint.save(path, pipe, opt)
+        return dict(saved=True)
+    except (CheckpointError, KeyboardInterrupt) as e:
+        return dict(raised=type(e).__name__, message=str(e))
+    finally:
+        filesystem.FileSystemWriter.write_data = real
 
 
 def save_from_other_cwds(rank: int, out: Path, pipe, opt) -> dict:
