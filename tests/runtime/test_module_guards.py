@@ -1100,6 +1100,42 @@ def test_compile_called_with_gradients_off_builds_the_training_step(mode):
     assert all(abs(v[0] - want) <= 1e-12 * abs(want) for v in got), (got, want)
 
 
+# ---- the optimizer step, for the edit loop ---------------------------------------------------------------------
+def test_the_optimizer_step_clips_and_post_validates_as_eager_does():
+    """The fast tier's check of step(optimizer=, max_norm=) (tests/e2e/test_training_loop.py and
+    test_post_validation.py hold the full ones, all slow): a synchronous step, then two post-validated ones,
+    each clipped (3-norm) with SGD, equal eager's clip_grad_norm_ + SGD step by step (loss, norm, clipped,
+    every parameter; float32, the split the other tests here use)."""
+    model, loss_fn, x, y, pipes = _pipes(mlp(batch=8))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    batches = [(x, y), (x.flip(0), y), (x * 0.5, y.flip(0))]
+    want = []
+    for xb, yb in batches:
+        loss = eager_step(ref, loss_fn, xb, yb, M)
+        norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type=3.0))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append((loss, norm))
+
+    def run(r):
+        opt = torch.optim.SGD(pipes[r].parameters(), lr=0.5, momentum=0.9)
+        first = pipes[r].step(*batches[0], optimizer=opt, max_norm=0.05, norm_type=3.0)
+        later = [pipes[r].step(*b, optimizer=opt, max_norm=0.05, norm_type=3.0, post_validate=True)
+                 for b in batches[1:]]
+        pipes[r].settle()
+        return [(float(first), first.norm, first.clipped)] + [(float(v.loss), v.norm, v.clipped) for v in later]
+
+    for got in run_pipes(run, PP):
+        for (loss, norm, clipped), (want_loss, want_norm) in zip(got, want):
+            assert abs(loss - want_loss) <= 1e-5 * abs(want_loss) and abs(norm - want_norm) <= 1e-5 * want_norm
+            assert clipped and want_norm > 0.1, (got, want)
+    params = dict(ref.named_parameters())
+    for pipe in pipes:
+        for n, p in pipe.named_parameters():
+            assert rel(p.detach(), params[n].detach()) <= 1e-5, n
+
+
 # ---- an error inside a step ----------------------------------------------------------------------------------
 def test_after_an_error_inside_a_step_the_next_call_fails_at_once():
     """An out-of-range token id: rank 0's embedding raises IndexError (as eager does) with the step's messages
