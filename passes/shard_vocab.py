@@ -149,8 +149,8 @@ def find_vocab_layers(first: Graph, last: Graph, frozen=frozenset()) -> VocabPat
         what = linear.format_node() if isinstance(linear, fx.Node) else repr(linear)
         raise VocabError(f"vocab_parallel=True expects {_EXPECTED}; the cross-entropy's logits come from "
                          f"`{what}`, not from a linear layer with a parameter weight.\n"
-                         "fix: compute the logits with an nn.Linear, F.linear or `h @ W.T` on the model's parameter (a bias "
-                         "parameter may be added after); "
+                         "fix: compute the logits with an nn.Linear, F.linear or `h @ W.T` on the model's parameter "
+                         "(a bias parameter may be added after); "
                          "between it and the loss only reshapes, token slices, casts and ops on each logit alone "
                          "with constants (a soft-cap `c * tanh(z / c)`, a scale) may act")
     weight_name = _placeholder_name(last, weight)

@@ -176,7 +176,7 @@ def _gathered_checksums(pg, stage: Path, rank: int, ranks: int, stateless: list[
     another working directory), instead of that rank alone while the others wait in the exchange."""
     try:
         mine, why = files.item_checksums(stage, rank, ranks), None
-    except OSError as e:
+    except Exception as e:   # missing files (OSError), or an index that does not unpickle: every rank must hear it
         mine, why = None, f"rank {rank} could not read back what was written at {os.fspath(stage)!r}: {_line(e)}"
     gathered = _exchange(pg, (mine, stateless, why))
     failed = [w for _, _, w in gathered if w]

@@ -149,10 +149,10 @@ class RankRuntime:
         self.failed: str | None = None
         self.captured = self._captured_step(graph_api, warmup) if cuda_graphs else None
 
-
     def graph_modules(self) -> tuple[fx.GraphModule, ...]:
         """The GraphModules this runtime runs: its program, and the profiled one once a profiler asked for it."""
         return (self.program,) + ((self._profiled_program,) if self._profiled_program is not None else ())
+
     def _captured_step(self, api, warmup: int):
         from zbcompile.runtime import graphs
 
