@@ -254,7 +254,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     meta = _check_checkpoint(path, module, optimizer, pg)
     _agree_or_raise(pg, files.data_problems(path, rank, ranks), path, "damaged")
     extra, stateless = files.extra(path), set(files.stateless(path))
-    with _fresh_on_failure(optimizer):
+    with _emptied_for_load(optimizer):
         state, whole = _state_dict(module, optimizer, copies=True)
         unsaved = _take_state_of(state, stateless)
         _check_optimizer_state(path, meta, state, pg)
@@ -331,17 +331,30 @@ def _drop_state(module: nn.Module, optimizer, names) -> None:
 
 
 @contextlib.contextmanager
-def _fresh_on_failure(optimizer):
-    """torch's get_state_dict creates a fresh optimizer's state by stepping it once with lr 0 (its
-    _init_optim_state: AdamW's step count becomes 1); a load failing after that empties the state again, so the
-    optimizer is as it was."""
-    fresh = optimizer is not None and not optimizer.state
+def _emptied_for_load(optimizer):
+    """`optimizer` without state and its parameters without gradients while a load reads into it. torch's
+    get_state_dict makes state for every parameter (stepping once with lr 0, its _init_optim_state) only where the
+    optimizer has no state at all and no parameter a gradient, and a load reads only the entries that exist: the
+    checkpoint's state of a parameter the optimizer had not stepped yet was silently left out. If the load fails
+    the state is put back as it was; the gradients are put back in any case (a load does not touch them)."""
+    if optimizer is None:
+        yield
+        return
+    state = dict(optimizer.state)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    optimizer.state.clear()
+    for p in params:
+        p.grad = None
     try:
         yield
     except BaseException:
-        if fresh:
-            optimizer.state.clear()
+        optimizer.state.clear()
+        optimizer.state.update(state)
         raise
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 def _reason(exc: BaseException) -> str:

@@ -284,3 +284,42 @@ def test_parameters_saved_before_their_first_step_load_without_optimizer_state(t
         step(m, o)
         step(m, o)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
+
+
+@pytest.mark.parametrize("before", ["partial state", "gradients"])
+def test_a_load_gives_every_parameter_the_saved_optimizer_state(tmp_path, before):
+    """A load into an optimizer that has state for some parameters only (it stepped while one layer got no
+    gradient), or into a fresh one while the parameters hold gradients: torch's get_state_dict then makes no
+    state to read into, and the saved state of those parameters was silently left out (the next step started
+    them afresh). Every parameter now gets the saved state, the next step equals the saved run's, and the
+    gradients held before the load are still there."""
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2)).double()
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    model, opt = build()
+    for _ in range(2):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    checkpoint.save(tmp_path / "ckpt", model, opt)
+    other, other_opt = build()
+    if before == "partial state":   # a step in which the last layer got no gradient: no state for it
+        other[0](x).sum().backward()
+        other_opt.step()
+        assert len(other_opt.state) == 2
+    other_opt.zero_grad(set_to_none=True)
+    other(x).sum().backward()
+    held = [p.grad.clone() for p in other.parameters()]
+    checkpoint.load(tmp_path / "ckpt", other, other_opt)
+    assert all(torch.equal(p.grad, g) for p, g in zip(other.parameters(), held))
+    for (p, q) in zip(model.parameters(), other.parameters()):
+        saved, loaded = opt.state[p], other_opt.state[q]
+        assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved), loaded
+    for m, o in ((model, opt), (other, other_opt)):
+        o.zero_grad()
+        ((m(x) - y) ** 2).mean().backward()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
