@@ -25,6 +25,7 @@ it. Torch's own modules' internals (`_parameters`, the hook dicts, ...) are not 
 from __future__ import annotations
 
 import dataclasses
+import dis
 import functools
 import itertools
 import types
@@ -195,8 +196,8 @@ def _globals_read(cls: type, label: str) -> list:
 
 
 def _globals_named(fn: types.FunctionType):
-    """(name, value) of each global `fn`'s code names (its nested code's too), but dunders, in name order."""
-    for n in sorted(_code_names(fn.__code__)):
+    """(name, value) of each global `fn`'s code looks up (its nested code's too), but dunders, in name order."""
+    for n in sorted(_global_names(fn.__code__)):
         if n in fn.__globals__ and not n.startswith("__"):
             yield n, fn.__globals__[n]
 
@@ -273,6 +274,21 @@ def _cell_contents(cell):
         return cell.cell_contents
     except ValueError:   # an empty cell
         return None
+
+
+_GLOBAL_LOOKUPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+
+
+@functools.lru_cache(maxsize=None)
+def _global_names(code: types.CodeType) -> frozenset[str]:
+    """The names `code` and the code nested in it look up as globals. Not co_names, which also holds the names of
+    attributes and methods (`h.mean(-1)`, `self.scale`): a training loop's global `mean` is no global the model
+    reads, and rebinding it must not refuse the next step."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOOKUPS}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return frozenset(names)
 
 
 def _code_names(code: types.CodeType, strings: bool = False) -> set[str]:

@@ -1100,6 +1100,41 @@ def test_compile_called_with_gradients_off_builds_the_training_step(mode):
     assert all(abs(v[0] - want) <= 1e-12 * abs(want) for v in got), (got, want)
 
 
+mean = 0.0   # a training loop's running mean of the loss: a global the model below never reads
+scale = 1.0
+
+
+class _AttributeNamesLikeGlobals(torch.nn.Module):
+    """A forward that calls the method `mean` and reads the attribute `scale`: names a global shares here."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.scale = 0.5
+
+    def forward(self, x):
+        h = self.l1(x)
+        return self.l2(torch.tanh(h - h.mean(-1, keepdim=True))) * self.scale
+
+
+def test_a_global_that_shares_a_name_with_an_attribute_the_model_reads_may_change():
+    """The watch of globals took every name in the forward's code (co_names) for a global it reads, attribute
+    and method names too: a loop rebinding its global `mean` (or `scale`) had the next step refused ("global
+    mean changed after compile"), though the model only calls the method `h.mean`. Only names the code looks up
+    as globals are watched: the steps run, equal to eager's."""
+    global mean, scale
+    torch.manual_seed(0)
+    model = _AttributeNamesLikeGlobals().double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    _, loss_fn, _, _, pipes = _pipes(Case(model, _plain_loss, (x, y), 4))
+    ref = copy.deepcopy(model)
+    for _ in range(3):
+        want = eager_step(ref, loss_fn, x, y, M)
+        got = run_pipes(lambda r: pipes[r].step(x, y), PP)
+        assert all(abs(v - want) <= 1e-12 * abs(want) for v in got), (got, want)
+        mean, scale = 0.9 * mean + 0.1 * got[0], scale * 2
+
+
 # ---- the optimizer step, for the edit loop ---------------------------------------------------------------------
 def test_the_optimizer_step_clips_and_post_validates_as_eager_does():
     """The fast tier's check of step(optimizer=, max_norm=) (tests/e2e/test_training_loop.py and
