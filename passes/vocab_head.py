@@ -33,26 +33,44 @@ def linear_head(traced: Traced) -> Traced:
     """`traced` with its vocabulary head as the one `linear(x, W[, b])` op the pattern names, where the model wrote
     it otherwise: as a matmul with the transposed parameter (`h @ W.T`, a head tied to the embedding table) or
     with the bias parameter added after (`F.linear(h, W) + b`, `h @ W.T + b`). The same logits, computed by the
-    op the shards replace; the node keeps its name (the model's outputs name it). Unchanged where there is
-    nothing to rewrite (find_vocab_layers then says what it found)."""
+    op the shards replace; the node keeps its name (the model's outputs name it). The metadata checks export adds
+    for a cast written on the weight (`W.to(h.dtype)`: `_assert_tensor_metadata`) go too: the shards replace
+    what they check. Unchanged where there is nothing to rewrite (find_vocab_layers then says what it found)."""
     loss = traced.graph.output_nodes().get("loss")
     if loss is None or loss.target is not _aten.cross_entropy_loss.default or not isinstance(loss.args[0], fx.Node):
         return traced
     end = _chain_end(loss.args[0])
-    if end.target not in (_aten.matmul.default, _aten.add.Tensor):
+    if end.target not in (_aten.matmul.default, _aten.add.Tensor, _aten.linear.default):
         return traced
     graph = fx.Graph()
     graph.output(graph.graph_copy(traced.gm.graph, env := {}))
     gm = fx.GraphModule(traced.gm, graph)
     g = dataclasses.replace(traced.graph, gm=gm)
-    dropped = _fold_linear(g, env[end])
-    if not dropped:
+    head = env[end]
+    dropped = [] if head.target is _aten.linear.default else _fold_linear(g, head)
+    if head.target is not _aten.linear.default:
         return traced
+    checks = list(dict.fromkeys(_checks_of(_head_inputs(head) + dropped)))
+    if not dropped and not checks:
+        return traced
+    for node in checks:
+        graph.erase_node(node)
     for node in dropped:   # only these: a dead random op elsewhere must still draw, as in eager
         if not node.users:
             graph.erase_node(node)
     gm.recompile()
     return dataclasses.replace(traced, graph=g)
+
+
+def _head_inputs(linear: fx.Node) -> list[fx.Node]:
+    """The linear's weight and bias, and the parameters they cast."""
+    args = [a for a in linear.args[1:] if isinstance(a, fx.Node)]
+    return args + [a.args[0] for a in args if a.target is _CAST and isinstance(a.args[0], fx.Node)]
+
+
+def _checks_of(nodes) -> list[fx.Node]:
+    """The metadata checks reading `nodes`."""
+    return [u for n in nodes for u in n.users if u.target in _CHECKS]
 
 
 def _fold_linear(g: Graph, node: fx.Node) -> list[fx.Node]:

@@ -138,6 +138,10 @@ class _Head(torch.nn.Module):
             return torch.matmul(h, self.w.transpose(0, 1)) + self.b
         if self.kind == "bias + linear":
             return self.b + torch.nn.functional.linear(h, self.w)
+        if self.kind == "cast matmul":   # a cast written on the weight: export checks its metadata
+            return h @ self.w.T.to(h.dtype)
+        if self.kind == "cast linear":
+            return torch.nn.functional.linear(h, self.w.to(h.dtype), self.b)
         if self.kind == "linear + bias buffer":   # a bias that is no parameter (BART's final_logits_bias)
             return torch.nn.functional.linear(h, self.w) + self.b.detach()
         return h @ self.w.T * 1.0 + self.b   # a scale between: the bias is no longer linear's (still exact)
@@ -148,10 +152,11 @@ def _head_loss(logits, targets):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["tied matmul", "matmul + bias", "bias + linear"])
+@pytest.mark.parametrize("kind", ["tied matmul", "matmul + bias", "bias + linear", "cast matmul", "cast linear"])
 def test_a_head_written_as_a_matmul_or_with_its_bias_added_after_is_sharded(kind):
     """A head written as `h @ W.T` (tied to the embedding table) or with its bias parameter added after the
-    product was refused ("not from a linear layer"). It is the one linear op the shards replace: the step's
+    product was refused ("not from a linear layer"), and a cast written on the weight (`W.to(h.dtype)`, whose
+    metadata check export adds) as "W read elsewhere". It is the one linear op the shards replace: the step's
     loss and every gradient (each rank's rows of W, b and E) equal eager's in float64, and in eval mode
     pipe(x) returns eager's logits and evaluate() its loss."""
     torch.manual_seed(0)
@@ -173,7 +178,8 @@ def test_a_head_written_as_a_matmul_or_with_its_bias_added_after_is_sharded(kind
         if want_grad is not None:
             assert rel(p.grad[:want_grad.shape[0]], want_grad) <= 1e-10, (kind, r, name)
             graded += name in staged.vocab.params
-    assert graded == 2 * len(staged.vocab.params) == 2 * (1 if kind == "tied matmul" else 3), graded
+    heads = {"tied matmul": 1, "cast matmul": 2}.get(kind, 3)   # E, W, b
+    assert graded == 2 * len(staged.vocab.params) == 2 * heads, graded
     options = CompileOptions(schedule=sched, microbatches=MICROBATCHES)
     pipes = loopback_pipes(model, options, 2, compiled=compile_staged(staged, sched, options))
     ref.eval()
