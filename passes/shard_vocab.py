@@ -437,7 +437,10 @@ def _shard_graphs(p: VocabPattern, first: Graph, last: Graph, ids_graph: Graph, 
 def _traced(fn: Callable, inputs: Sequence[str], outputs: Sequence[str], args: Sequence[torch.Tensor]) -> Graph:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    gm = make_fx(fn, tracing_mode="fake")(*args)
+    # outside the autocast the step was traced under: the functions cast as the head's linear did (its weight's
+    # cast, if any), which an autocast region of the head's own (enabled=False) may have decided
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        gm = make_fx(fn, tracing_mode="fake")(*args)
     return Graph(gm, tuple(inputs), tuple(outputs))
 
 

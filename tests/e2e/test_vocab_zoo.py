@@ -142,6 +142,9 @@ class _Head(torch.nn.Module):
             return h @ self.w.T.to(h.dtype)
         if self.kind == "cast linear":
             return torch.nn.functional.linear(h, self.w.to(h.dtype), self.b)
+        if self.kind == "float32 head":   # autocast turned off for the head: its matmul in float32
+            with torch.autocast("cpu", enabled=False):
+                return torch.nn.functional.linear(h.float(), self.w, self.b)
         if self.kind == "linear + bias buffer":   # a bias that is no parameter (BART's final_logits_bias)
             return torch.nn.functional.linear(h, self.w) + self.b.detach()
         return h @ self.w.T * 1.0 + self.b   # a scale between: the bias is no longer linear's (still exact)
@@ -215,6 +218,32 @@ def test_a_tied_matmul_head_under_autocast_is_sharded():
     for r, name, p, want_grad in vocab_rank_grads(ranks, staged, sched, ref):
         if name in staged.vocab.params:
             torch.testing.assert_close(p.grad[:want_grad.shape[0]], want_grad, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.slow
+def test_a_float32_head_inside_bfloat16_autocast_is_sharded_in_float32():
+    """The head under `torch.autocast(enabled=False)` (its matmul in float32, for stability) inside a bfloat16
+    autocast step crashed with vocabulary parallelism ("index_add_(): self (BFloat16) and source (Float)"): the
+    shard graphs were traced under the step's autocast, and every program ran under it again at the step. They
+    are traced, and the programs run, outside it (the graphs hold the casts the trace made): loss and the
+    head's gradient rows equal eager autocast's at float32's tolerance, the rest at bfloat16's."""
+    torch.manual_seed(0)
+    model = _Head("float32 head")
+    ids, targets = torch.randint(0, 40, (2 * MICROBATCHES, 6)), torch.randint(0, 40, (2 * MICROBATCHES, 6))
+    sched = generate("1f1b", 2, MICROBATCHES, vocab=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        staged = split_model(model, _head_loss, ((ids[:2],), (targets[:2],)), num_stages=2, vocab_shards=2)
+        losses, ranks, _ = run_threaded(model, staged, sched, (ids, targets))
+    ref, want = copy.deepcopy(model), 0.0
+    for x, y in zip(ids.chunk(MICROBATCHES), targets.chunk(MICROBATCHES)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):   # the forward; its backward outside, as torch advises
+            loss = _head_loss(ref(x), y) / MICROBATCHES
+        loss.backward()
+        want += loss.item()
+    assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (losses, want)
+    for r, name, p, want_grad in vocab_rank_grads(ranks, staged, sched, ref):
+        tol = 1e-5 if name in ("w", "b") else 2e-2
+        assert rel(p.grad[:want_grad.shape[0]], want_grad) <= tol, (r, name)
 
 
 @pytest.mark.parametrize("kind", ["linear + bias buffer", "scaled"])

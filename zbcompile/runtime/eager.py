@@ -59,6 +59,9 @@ class StepTimings:
 
 
 # ---- the runner -----------------------------------------------------------------------------------
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
 class RankRuntime:
     """Runs `program` (the emitted GraphModule of `ir`) once per step.
 
@@ -294,6 +297,11 @@ class RankRuntime:
         # nn.Module.__call__ cost tens of microseconds per step when the caches are cold after a barrier
         grad_was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
+        # autocast off too: the graphs hold the casts the trace made under the step's region, and the region
+        # applied again would cast again, wrongly where the model turned it off for a part (a float32 head)
+        autocast = [d for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+        for d in autocast:
+            torch.set_autocast_enabled(d, False)
         ctx = self.ctx
         ctx.begin_events()
         try:
@@ -316,6 +324,8 @@ class RankRuntime:
             raise
         finally:
             torch._C._set_grad_enabled(grad_was)
+            for d in autocast:
+                torch.set_autocast_enabled(d, True)
         ctx.read_events(self._stamps)
         return loss
 
