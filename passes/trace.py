@@ -40,8 +40,8 @@ from zbcompile.errors import TraceError
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Traced, module_path
 from zbcompile.passes.functions import functions_as_ops
-from zbcompile.passes.trace_checks import (buffer_slots, check_example, check_state_sizes, check_step,
-                                           update_reassigned_buffers)
+from zbcompile.passes.trace_checks import (buffer_slots, check_example, check_not_inference, check_state_sizes,
+                                           check_step, update_reassigned_buffers)
 from zbcompile.passes.trace_decompositions import (DECOMPOSITIONS, detach_no_grad_regions, write_out_dropouts,
                                                    write_out_recurrent_dropouts)
 
@@ -146,6 +146,7 @@ def trace(model: nn.Module, loss_fn: Callable, example) -> Traced:
     """Export `loss_fn(model(*inputs), *targets)`; see the module docstring for the result's naming."""
     flat, num_inputs, num_targets = flatten_example(example)
     check_example(flat)
+    check_not_inference(model)
     _refuse_trained_loss_state(model, loss_fn)
     device = None
     if any(p.is_meta for p in model.parameters()):

@@ -52,6 +52,20 @@ def check_example(flat) -> None:
                              "microbatches of the example's shape)")
 
 
+def check_not_inference(model: torch.nn.Module) -> None:
+    """TraceError for a parameter or buffer made under torch.inference_mode(): an inference tensor cannot be
+    saved for the backward nor updated in place outside that mode, so the model cannot be trained (export's own
+    refusal is an opaque metadata assertion)."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        found = [n for n, t in named if t.is_inference()]
+        if found:
+            raise TraceError(f"{kind} {found[0]}{f' (and {len(found) - 1} more)' if len(found) > 1 else ''} is an "
+                             "inference tensor: the model was built under torch.inference_mode(), and such tensors "
+                             "cannot be trained (eager's backward refuses them too). Build the model outside "
+                             "inference_mode, or replace each with a copy made outside it (under "
+                             "torch.inference_mode(False): p.data = p.clone())")
+
+
 def check_step(graph: Graph, frozen: frozenset[str]) -> None:
     """TraceError for what no pipeline can run in the exported step (the module docstring)."""
     for node in graph.gm.graph.nodes:

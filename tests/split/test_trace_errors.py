@@ -344,3 +344,14 @@ def test_a_gradient_or_data_taken_inside_forward_is_refused_naming_it(how, match
     Please file an issue"), naming neither the construct nor the fix."""
     with pytest.raises(TraceError, match=match):
         split_model(_GradInForward(how), F.mse_loss, _mlp_example(), num_stages=2)
+
+
+def test_a_model_built_under_inference_mode_is_refused_naming_its_tensors():
+    """Parameters made under torch.inference_mode() cannot be trained (eager's backward refuses them); the trace
+    failed with export's opaque "AssertionError: True != False". It names the tensor and the way out."""
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x, y = torch.randn(2, 4), torch.randn(2, 2)
+    with pytest.raises(TraceError, match=r"parameter 0\.weight \(and 3 more\) is an inference tensor: the model was "
+                                         r"built under torch\.inference_mode\(\)"):
+        split_model(model, F.mse_loss, ((x,), (y,)), num_stages=2)
