@@ -6,8 +6,10 @@ Architectures outside the pattern raise VocabError naming what was found."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import types
 
 import pytest
 import torch
@@ -154,6 +156,30 @@ def _head_loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def _head_step(model, autocast: torch.dtype | None = None) -> types.SimpleNamespace:
+    """One 1f1b step of `model` with vocabulary parallelism at pp=2 (ranks as threads), and eager's microbatch
+    accumulation on the same batch. Under `autocast` the split, the step and eager's forwards run in its region,
+    eager's backward outside it, as torch advises. Returns ids, targets, sched, staged, losses, ranks, ref (the
+    eager model after its backward) and want (eager's loss)."""
+    ids, targets = torch.randint(0, 40, (2 * MICROBATCHES, 6)), torch.randint(0, 40, (2 * MICROBATCHES, 6))
+    sched = generate("1f1b", 2, MICROBATCHES, vocab=True)
+
+    def region():
+        return torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext()
+
+    ref, want = copy.deepcopy(model), 0.0
+    with region():
+        staged = split_model(model, _head_loss, ((ids[:2],), (targets[:2],)), num_stages=2, vocab_shards=2)
+        losses, ranks, _ = run_threaded(model, staged, sched, (ids, targets))
+    for x, y in zip(ids.chunk(MICROBATCHES), targets.chunk(MICROBATCHES)):
+        with region():
+            loss = _head_loss(ref(x), y) / MICROBATCHES
+        loss.backward()
+        want += loss.item()
+    return types.SimpleNamespace(ids=ids, targets=targets, sched=sched, staged=staged, losses=losses, ranks=ranks,
+                                 ref=ref, want=want)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["tied matmul", "matmul + bias", "bias + linear", "cast matmul", "cast linear"])
 def test_a_head_written_as_a_matmul_or_with_its_bias_added_after_is_sharded(kind):
@@ -164,19 +190,11 @@ def test_a_head_written_as_a_matmul_or_with_its_bias_added_after_is_sharded(kind
     pipe(x) returns eager's logits and evaluate() its loss."""
     torch.manual_seed(0)
     model = _Head(kind).double()
-    ids, targets = torch.randint(0, 40, (2 * MICROBATCHES, 6)), torch.randint(0, 40, (2 * MICROBATCHES, 6))
-    sched = generate("1f1b", 2, MICROBATCHES, vocab=True)
-    staged = split_model(model, _head_loss, ((ids[:2],), (targets[:2],)), num_stages=2, vocab_shards=2)
-    ref = copy.deepcopy(model)
-    want = 0.0
-    for x, y in zip(ids.chunk(MICROBATCHES), targets.chunk(MICROBATCHES)):
-        loss = _head_loss(ref(x), y) / MICROBATCHES
-        loss.backward()
-        want += loss.item()
-    losses, ranks, _ = run_threaded(model, staged, sched, (ids, targets))
-    assert all(abs(v - want) <= 1e-10 * abs(want) for v in losses), (losses, want)
+    run = _head_step(model)
+    ids, targets, sched, staged, ref = run.ids, run.targets, run.sched, run.staged, run.ref
+    assert all(abs(v - run.want) <= 1e-10 * abs(run.want) for v in run.losses), (run.losses, run.want)
     graded = 0
-    for r, name, p, want_grad in vocab_rank_grads(ranks, staged, sched, ref):
+    for r, name, p, want_grad in vocab_rank_grads(run.ranks, staged, sched, ref):
         assert (want_grad is None) == (p.grad is None), (kind, r, name)
         if want_grad is not None:
             assert rel(p.grad[:want_grad.shape[0]], want_grad) <= 1e-10, (kind, r, name)
@@ -202,22 +220,11 @@ def test_a_tied_matmul_head_under_autocast_is_sharded():
     linear(h, cast(E)), as autocast's linear casts its weight; the step's loss and the table's gradient rows
     are eager autocast's (at bfloat16's tolerance)."""
     torch.manual_seed(0)
-    model = _Head("tied matmul")
-    ids, targets = torch.randint(0, 40, (2 * MICROBATCHES, 6)), torch.randint(0, 40, (2 * MICROBATCHES, 6))
-    sched = generate("1f1b", 2, MICROBATCHES, vocab=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        staged = split_model(model, _head_loss, ((ids[:2],), (targets[:2],)), num_stages=2, vocab_shards=2)
-        losses, ranks, _ = run_threaded(model, staged, sched, (ids, targets))
-    ref, want = copy.deepcopy(model), 0.0
-    for x, y in zip(ids.chunk(MICROBATCHES), targets.chunk(MICROBATCHES)):
-        with torch.autocast("cpu", dtype=torch.bfloat16):   # the forward; its backward outside, as torch advises
-            loss = _head_loss(ref(x), y) / MICROBATCHES
-        loss.backward()
-        want += loss.item()
-    assert staged.vocab.params == ("emb.weight",)
-    assert all(abs(v - want) <= 1e-2 * abs(want) for v in losses), (losses, want)
-    for r, name, p, want_grad in vocab_rank_grads(ranks, staged, sched, ref):
-        if name in staged.vocab.params:
+    run = _head_step(_Head("tied matmul"), torch.bfloat16)
+    assert run.staged.vocab.params == ("emb.weight",)
+    assert all(abs(v - run.want) <= 1e-2 * abs(run.want) for v in run.losses), (run.losses, run.want)
+    for r, name, p, want_grad in vocab_rank_grads(run.ranks, run.staged, run.sched, run.ref):
+        if name in run.staged.vocab.params:
             torch.testing.assert_close(p.grad[:want_grad.shape[0]], want_grad, rtol=5e-2, atol=5e-3)
 
 
@@ -229,20 +236,9 @@ def test_a_float32_head_inside_bfloat16_autocast_is_sharded_in_float32():
     are traced, and the programs run, outside it (the graphs hold the casts the trace made): loss and the
     head's gradient rows equal eager autocast's at float32's tolerance, the rest at bfloat16's."""
     torch.manual_seed(0)
-    model = _Head("float32 head")
-    ids, targets = torch.randint(0, 40, (2 * MICROBATCHES, 6)), torch.randint(0, 40, (2 * MICROBATCHES, 6))
-    sched = generate("1f1b", 2, MICROBATCHES, vocab=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        staged = split_model(model, _head_loss, ((ids[:2],), (targets[:2],)), num_stages=2, vocab_shards=2)
-        losses, ranks, _ = run_threaded(model, staged, sched, (ids, targets))
-    ref, want = copy.deepcopy(model), 0.0
-    for x, y in zip(ids.chunk(MICROBATCHES), targets.chunk(MICROBATCHES)):
-        with torch.autocast("cpu", dtype=torch.bfloat16):   # the forward; its backward outside, as torch advises
-            loss = _head_loss(ref(x), y) / MICROBATCHES
-        loss.backward()
-        want += loss.item()
-    assert all(abs(v - want) <= 1e-5 * abs(want) for v in losses), (losses, want)
-    for r, name, p, want_grad in vocab_rank_grads(ranks, staged, sched, ref):
+    run = _head_step(_Head("float32 head"), torch.bfloat16)
+    assert all(abs(v - run.want) <= 1e-5 * abs(run.want) for v in run.losses), (run.losses, run.want)
+    for r, name, p, want_grad in vocab_rank_grads(run.ranks, run.staged, run.sched, run.ref):
         tol = 1e-5 if name in ("w", "b") else 2e-2
         assert rel(p.grad[:want_grad.shape[0]], want_grad) <= tol, (r, name)
 
