@@ -13,30 +13,25 @@ or as a class decorator:
 
 Under torchrun (or any initialized process group) each process compiles the same model; pipeline rank =
 rank in `group`. compile = CompileOptions (checked before anything is traced) -> compiler.compile_programs
-(every rank's program, no process group) -> `place` (this rank's share of the model, its runtime).
+(every rank's program, no process group) -> `place.place` (this rank's share of the model, its runtime).
 """
 
 from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 
 from zbcompile import call_checks
-from zbcompile.agreement import READY_TIMEOUT, check_agreement, wait_until_compiled
-from zbcompile.compiler import Compiled, building, compile_programs, compile_staged
+from zbcompile.compiler import compile_programs, compile_staged
 from zbcompile.data_parallel import Replicas
-from zbcompile.distributed import (collective_group, device_for, is_meta, keep_only, p2p_channels, ready_group,
-                                   resolve_group, shard_vocab_params, split_mesh, sync_copies)
-from zbcompile.errors import UsageError
-from zbcompile.ir.program.values import VOCAB_OFFSET
+from zbcompile.distributed import device_for, resolve_group, split_mesh
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
-from zbcompile.options import WARMUP_STEPS, CompileOptions
-from zbcompile.passes.lower import emit_fx
+from zbcompile.options import CompileOptions
 from zbcompile.pipeline_module import PipelineModule
-from zbcompile.runtime import RankRuntime, abi, graphs
+from zbcompile.place import place
+from zbcompile.runtime import graphs
 
 __all__ = ["compile", "compile_with", "from_staged", "PipelineModule", "CompileOptions"]
 
@@ -89,57 +84,3 @@ def _resolve(options: CompileOptions):
     resolved = resolve_group(pipeline, options.timeout)
     options.check_ranks(resolved[2])
     return resolved, Replicas.of(options, replicas)
-
-
-@building
-def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = None) -> PipelineModule:
-    """This rank's PipelineModule: the parameters and buffers its stages use kept (and initialized where the
-    model is on the meta device), copies on several ranks made equal, vocabulary rows cut, the runtime built;
-    first of all, every rank's fingerprint of what it built compared (zbcompile/agreement.py)."""
-    pg, rank, world = resolved
-    schedule, staged, options = compiled.schedule, compiled.staged, compiled.options
-    if schedule.num_ranks != world:
-        raise UsageError(f"schedule {schedule.name!r} has {schedule.num_ranks} ranks but the process group "
-                         f"has {world}")
-    replicas = dp.size if dp is not None else 1
-    if compiled.replicas != replicas:   # else the gradients would go unaveraged, or be divided wrongly
-        raise UsageError(f"the programs were compiled for {compiled.replicas} data-parallel replica(s) but the mesh "
-                         f"has {replicas}; compile with the mesh you place on (compile_programs(..., replicas=))")
-    # before the first message: ranks (and replicas) that built other things refuse
-    check_agreement(model, compiled, (pg, rank), *([(dp.group, dp.rank)] if dp is not None else []))
-    device = device_for(model, pg)
-    mine = compiled.stages_of(rank)
-    vocab = staged.vocab.params if staged.vocab is not None else ()
-    owned_params = tuple(dict.fromkeys([p for st in mine for p in st.params] + list(vocab)))
-    owned_buffers = tuple(dict.fromkeys(b for st in mine for b in st.buffers))
-    was_meta = is_meta(model)
-    keep_only(model, owned_params, owned_buffers, device, options.init_fn)
-    sync_copies(model, staged, schedule, rank, pg, options.timeout)
-    constants = {}
-    if staged.vocab is not None:
-        shard_vocab_params(model, staged.vocab, rank, pg, initialized_here=was_meta, timeout=options.timeout)
-        constants[VOCAB_OFFSET] = torch.tensor(rank * staged.vocab.rows, device=device)
-    params = {n: model.get_parameter(n) for n in owned_params}
-    buffers = {n: model.get_buffer(n) for n in owned_buffers}
-    if dp is not None:   # replicas start from replica 0's values, as DDP does (sharded: each keeps its rows)
-        params = dp.start(model, params, buffers, device)
-    channels = p2p_channels(pg, options.timeout)
-    ready = ready_group(pg, max(options.timeout, READY_TIMEOUT))   # made now, while the ranks are together
-    collectives = collective_group(pg, options.timeout) if staged.vocab is not None else None
-
-    def runtime_for(programs, **graphs) -> RankRuntime:
-        """A runtime of this rank's program of `programs` (the training step, or an evaluation step built later)
-        over this rank's parameters, buffers and groups."""
-        return RankRuntime(programs[rank], emit_fx(programs[rank], abi), pg=pg, device=device, params=params,
-                           buffers=buffers, timeout=options.timeout, channels=channels, peers=programs,
-                           constants=constants, collectives=collectives,
-                           replicas=dp.group if dp is not None else None,
-                           profiled=lambda: emit_fx(programs[rank], abi, profile=True), **graphs)
-
-    runtime = runtime_for(compiled.programs, cuda_graphs=options.capture,
-                          warmup=options.cuda_graphs or WARMUP_STEPS,
-                          graph_api=graphs.capture_api(device) if options.capture else None)
-    pipe = PipelineModule(model, compiled, runtime, rank, owned_params, owned_buffers, pg, runtime_for=runtime_for,
-                          dp=dp)
-    wait_until_compiled(ready, rank, options.timeout)
-    return pipe

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import collections
 import functools
-import warnings
 import weakref
 from typing import Sequence
 
 import torch
 from torch import fx, nn
 
-from zbcompile import agreement, call_checks, eval_check, grads, rng, share
-from zbcompile._torch_private import forget_fx_sources, fx_sources_made
+from zbcompile import agreement, call_checks, grads, rng, share
 from zbcompile.compiler import Compiled
-from zbcompile.errors import CheckpointError, DisagreementError, RuntimeFailure, UsageError, ZBCompileWarning
+from zbcompile.errors import CheckpointError, DisagreementError, UsageError
 from zbcompile.grads import PipelineGradScaler
-from zbcompile.post_validation import SteppedLoss, check_optimizer, synchronous_step
+from zbcompile.pipeline_eval import Evaluation
+from zbcompile.pipeline_failures import unusable_after_a_failure
+from zbcompile.pipeline_grads import GradientStatistics
+from zbcompile.post_validation import SteppedLoss, synchronous_step
 from zbcompile.split import autocast_state
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
@@ -32,39 +33,8 @@ from zbcompile.runtime import RankRuntime, StepTimings, abi
 
 __all__ = ["PipelineModule"]
 
-# evaluation steps kept per pipeline for batch sizes other than the compiled one (each holds static buffers of its
-# batch): an evaluation loop uses one or two (its batch size, a last smaller batch)
-FORWARD_SIZES = 4
 
-
-_RESTART = ("The pipeline's process groups cannot be used after this (a peer is dead or stalled, messages may be "
-            "half-delivered): end this process on every rank and restart the job (torchrun --max-restarts N), "
-            "resuming from the last checkpoint (zbcompile.checkpoint.load)")
-
-
-def _unusable_after_a_failure(method):
-    """A RuntimeFailure leaves the pipeline's process groups unusable: say so, and refuse every later call at
-    once instead of waiting on a dead peer again. So does any error raised while a program ran (an IndexError
-    from an embedding, a KeyboardInterrupt): it is raised as it is, but its step stopped with messages posted
-    that no later step matches, so the next call must not wait on the peers for the timeout."""
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        if self._failure is not None:
-            raise RuntimeFailure(f"rank {self.rank}: this pipeline failed earlier ({self._failure}). {_RESTART}")
-        try:
-            return method(self, *args, **kwargs)
-        except RuntimeFailure as e:
-            self._failure = str(e).splitlines()[0][:300]
-            raise RuntimeFailure(f"{e}\n{_RESTART}") from e
-        except BaseException:
-            failed = next((r.failed for r in self._runtimes if r.failed is not None), None)
-            if failed is not None:
-                self._failure = f"an earlier call failed on this rank while its program ran: {failed}"
-            raise
-    return call
-
-
-class PipelineModule(share.RefusedHooks, nn.Module):
+class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Module):
     """This rank's share of a pipeline-parallel model: its parameters, its buffers and its compiled step.
 
     As an nn.Module it holds exactly this rank's share of the user's model under the model's own fully qualified
@@ -163,7 +133,7 @@ class PipelineModule(share.RefusedHooks, nn.Module):
         self.__deepcopy__({})
 
     # ---- training ------------------------------------------------------------------------------
-    @_unusable_after_a_failure
+    @unusable_after_a_failure
     def step(self, *batch: torch.Tensor, scaler: PipelineGradScaler | None = None,
              optimizer: torch.optim.Optimizer | None = None, max_norm: float | None = None, norm_type: float = 2.0,
              post_validate: bool | str = False, **inputs: torch.Tensor):
@@ -241,7 +211,7 @@ class PipelineModule(share.RefusedHooks, nn.Module):
         with rng.own_stream(self.rank, self._own_rng):
             return pv.step(local)
 
-    @_unusable_after_a_failure
+    @unusable_after_a_failure
     def settle(self) -> None:
         """Validate the last post-validated step now (a wait for the last rank): its StepResult is then known and
         the parameters are final. Every other call of the pipeline does this first; call it on every rank
@@ -255,71 +225,6 @@ class PipelineModule(share.RefusedHooks, nn.Module):
         if self._failure is None:
             self.settle()
         return super().state_dict(*args, **kwargs)
-
-    @_unusable_after_a_failure
-    def forward(self, *inputs: torch.Tensor, **keywords):
-        """The model's outputs for a whole batch of model inputs (no targets), from a forward-only step in the
-        module's mode (eval(): dropout off, BatchNorm on its running statistics), as `model(*inputs)` under
-        torch.no_grad() returns them: each tensor leaf the microbatches' outputs concatenated on dim 0 (a 0-dim
-        leaf, e.g. an auxiliary loss, one value per microbatch). Returned on the rank that runs the loss stage,
-        None on the others (as torch.distributed.pipelining's eval). Call it on every rank; `pipe(*inputs)`
-        calls it."""
-        if keywords and inputs:
-            raise UsageError(f"forward() takes the model's inputs either by position or by keyword, not both; got "
-                             f"{len(inputs)} by position and {sorted(keywords)} by keyword")
-        inputs = self._bound(inputs, keywords, "forward")
-        call = self._enter("forward")
-        self.settle()
-        m = self._forward_microbatches(inputs)
-        local = self._checked(inputs, "forward", targets=False, microbatches=m)
-        runtime = self._forward_runtime(self.training, outputs=True, microbatches=m)
-        self._check_same_batch(inputs, "forward")
-        self._agree_on_call("forward", call, m)
-        with torch.inference_mode(False), rng.own_stream(self.rank, self._own_rng):
-            flat = runtime.run_batch(local)
-        if flat is None:
-            return None
-        model_outputs = self.staged.meta["outputs"].outputs
-        if model_outputs.numbers and not getattr(self, "_numbers_said", False):
-            self._numbers_said = True
-            warnings.warn(f"the model's outputs hold Python numbers ({_said_numbers(model_outputs.numbers)}): "
-                          "pipe(x) returns them as the trace computed them, once, on one microbatch of the "
-                          "example, so a shape or a count read in forward is the microbatch's, not the batch's; "
-                          "return such values as tensors (one per row) to have them per batch", ZBCompileWarning,
-                          stacklevel=2)
-        outputs = model_outputs.rebuild(flat, m)
-        if self._dp is None or self._local_batches:   # dp_batch="local": the replica's own rows, as DDP's
-            return outputs
-        leaves, spec = torch.utils._pytree.tree_flatten(outputs)
-        tensors = iter(self._dp.gather([t for t in leaves if isinstance(t, torch.Tensor)]))
-        return torch.utils._pytree.tree_unflatten([next(tensors) if isinstance(t, torch.Tensor) else t
-                                                   for t in leaves], spec)
-
-    @_unusable_after_a_failure
-    def evaluate(self, *batch: torch.Tensor, **inputs: torch.Tensor) -> float:
-        """The batch's mean loss from a forward-only step (model inputs, then loss targets, as step() takes them):
-        no backward, no gradients written, nothing kept for a backward. It runs in the module's mode: after
-        eval(), dropout is off and BatchNorm uses (and keeps) its running statistics; in train mode it is the
-        forward of a training step (what `with torch.no_grad(): loss_fn(model(x), y)` does). The forward-only
-        programs are lowered from the same split when first asked for. Call it on every rank."""
-        batch = self._bound(batch, inputs, "evaluate")
-        call = self._enter("evaluate")
-        self.settle()
-        m = self._forward_microbatches(batch)
-        local = self._checked(batch, "evaluate", microbatches=m)
-        runtime = self._forward_runtime(self.training, microbatches=m)
-        self._check_same_batch(batch, "evaluate")
-        self._agree_on_call("evaluate", call, m)
-        runtime.call = call
-        # (inference_mode off: the step's buffers must stay usable outside inference_mode too)
-        with torch.inference_mode(False), rng.own_stream(self.rank, self._own_rng):
-            loss = runtime.step_batch(local)
-            return loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
-
-    @property
-    def _local_batches(self) -> bool:
-        """Whether each data-parallel replica is handed its own rows (options.dp_batch="local")."""
-        return self.compiled.options.dp_batch == "local"
 
     def _bound(self, batch: tuple, inputs: dict, what: str) -> tuple:
         """The batch flat, as the step takes it: the model's inputs given by keyword (`step(**batch)`, named as
@@ -363,68 +268,6 @@ class PipelineModule(share.RefusedHooks, nn.Module):
         if self._dp is None or self._local_batches:
             return batch
         return self._dp.share(batch, m, what)
-
-    def _forward_microbatches(self, batch: Sequence[torch.Tensor]) -> int:
-        """How many microbatches an evaluation call (evaluate, forward) cuts `batch` into: as many of the
-        compiled microbatch shape as this replica's rows hold (the schedule's number for a batch of the compiled
-        size; a last, smaller batch or a larger evaluation batch gets its own count). UsageError where the
-        arguments hold different whole numbers; the schedule's number where one holds no whole number of them
-        (_checked then says what is wrong)."""
-        m = self.schedule.num_microbatches
-        replicas = 1 if self._dp is None or self._local_batches else self._dp.size
-        counts = {}
-        for i, (shape, _) in self.runtime.data_specs.items():
-            t = batch[i] if i < len(batch) else None
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or not shape or not shape[0]:
-                continue
-            rows, left = divmod(t.shape[0], replicas)
-            counts[i] = rows // shape[0] if not left and rows % shape[0] == 0 else 0
-        if len(set(counts.values())) > 1 and 0 not in counts.values():
-            said = ", ".join(f"argument {i}: {k}" for i, k in sorted(counts.items()))
-            raise UsageError(f"the batch's arguments hold different numbers of microbatches of the example's shape "
-                             f"({said}); hand every argument the same number of rows")
-        return next(iter(counts.values())) if len(set(counts.values())) == 1 and 0 not in counts.values() else m
-
-    def _forward_runtime(self, training: bool, outputs: bool = False, microbatches: int | None = None) -> RankRuntime:
-        """The evaluation step's runtime for the mode, what it returns and the number of microbatches, made when
-        first asked for (an eval-mode one after the eval check below); kept for the compiled number and for the
-        FORWARD_SIZES other numbers last used."""
-        m = microbatches or self.schedule.num_microbatches
-        key = (training, outputs, m)
-        if key in self._forward:
-            self._forward.move_to_end(key)
-            return self._forward[key]
-        made = fx_sources_made()
-        runtime = self._new_forward_runtime(training, outputs, m)
-        self._forward[key] = runtime
-        self._sources[key] = range(made, fx_sources_made())
-        # the sizes in the order last used (any mode, loss or outputs): the compiled one and FORWARD_SIZES others
-        recent = list(dict.fromkeys(k[2] for k in reversed(self._forward) if k[2] != self.schedule.num_microbatches))
-        for k in [k for k in self._forward if k[2] in recent[FORWARD_SIZES:]]:   # its static buffers go with it
-            dropped = self._forward.pop(k)
-            self._runtimes.remove(dropped)   # (a failure in it was seen by the call it failed in)
-            forget_fx_sources(self._sources.pop(k), [m for r in self._runtimes for m in r.graph_modules()])
-        return runtime
-
-    def _new_forward_runtime(self, training: bool, outputs: bool, m: int) -> RankRuntime:
-        from zbcompile.compiler import compile_forward
-
-        if self._runtime_for is None:
-            raise UsageError("this PipelineModule was built without a way to make more runtimes; build it with "
-                             "zbcompile.compile or PipelineModule.from_staged to evaluate")
-        with torch.inference_mode(False):
-            options = self.compiled.options
-            # once (it raises until the check passes); with vocabulary parallelism the model's tables hold this
-            # rank's rows: not checked. What it finds about the outputs (another tree in eval mode) is kept for pipe(x)
-            if not training and options.example is not None and self.staged.vocab is None:
-                if "_eval_outputs" not in self.__dict__:
-                    self.__dict__["_eval_outputs"] = eval_check.check_eval_branches(self.model, options.loss_fn,
-                                                                                    options.example)
-                if outputs and self.__dict__["_eval_outputs"]:
-                    raise UsageError(self.__dict__["_eval_outputs"])
-            programs = compile_forward(self.compiled, training, outputs=outputs,
-                                       microbatches=None if m == self.schedule.num_microbatches else m)
-            return self._runtime_for(programs)
 
     def train(self, mode: bool = True) -> PipelineModule:
         """Train mode (the default) or, with mode=False, eval mode: step() trains only in train mode;
@@ -492,102 +335,6 @@ class PipelineModule(share.RefusedHooks, nn.Module):
                              "whose inf checks cover every rank; a plain torch.amp.GradScaler sees this rank only, "
                              f"so ranks would skip different steps (got {type(scaler).__name__})")
         return scaler.seed(m)
-
-    # ---- the optimizer step over the whole pipeline (zbcompile/grads.py) ---------------------------------
-    def _check_optimizer(self, optimizer) -> None:
-        """check_optimizer, on every rank alike: the first step with an optimizer compares the ranks' findings
-        (one all-gather), so that a rank whose optimizer is refused does not leave the others waiting for it in
-        the step until the timeout."""
-        try:
-            check_optimizer(self, optimizer)
-            problem = None
-        except UsageError as e:
-            problem = e
-        try:
-            agreed = optimizer in self._optimizers_agreed
-        except TypeError:   # not weak-referenceable: not an optimizer, refused on every rank alike
-            agreed = False
-        if agreed:
-            if problem is not None:
-                raise problem
-            return
-        flags = self._gather(torch.tensor([float(problem is not None)], dtype=torch.float64),
-                             "comparing the ranks' optimizers (the first step with one)").reshape(-1).tolist()
-        if problem is not None:
-            raise problem
-        refused = [r for r, f in enumerate(flags) if f]
-        if refused:
-            raise UsageError(f"rank {self.rank}: step(optimizer=...) was refused on rank(s) {refused} (their error "
-                             "says why: an optimizer over none of their trained parameters?), so no rank runs the "
-                             "step; give every rank an optimizer over its own pipe.parameters()")
-        self._optimizers_agreed.add(optimizer)
-
-    def _gather(self, values: torch.Tensor, what: str = "reducing gradient statistics over the pipeline"):
-        return self.runtime.allgather(values, what)
-
-    def _counted_grads(self) -> list[torch.Tensor]:
-        """The gradients this rank counts (sharded data parallelism: this replica's rows of them); none of a
-        vocabulary parameter whose shard here holds only padding rows (a small vocabulary over many ranks)."""
-        return [g for _, g, _ in self._counted_each() if g is not None]
-
-    def _counted_each(self):
-        """grads.counted_each of this rank's counted parameters (a sharded replica's rows are a slice of its own)."""
-        return grads.counted_each(self._counted, self._counted_rows, whole=not self._sharded)
-
-    def _norm_grads(self, p: float) -> list[torch.Tensor]:
-        """The gradients whose order-p norm is the pipeline's: _counted_grads, except for the 0-"norm" of a
-        vocabulary-parallel model, which counts a vocabulary parameter once over its shards (grads.counted_once:
-        an all-gather over the pipeline, so every rank calls this together)."""
-        if p == 0 and self.staged.vocab is not None:
-            gather = functools.partial(self._gather, what="counting each vocabulary parameter once (norm_type=0)")
-            return grads.counted_once(self._counted_each(), gather, self.rank, self.runtime.device)
-        return self._counted_grads()
-
-    @property
-    def _sharded(self) -> bool:
-        return self._dp is not None and self._dp.sharded
-
-    @_unusable_after_a_failure
-    def get_total_norm(self, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
-        """The norm of all the model's gradients over the whole pipeline (torch.nn.utils.get_total_norm's
-        semantics, each parameter counted once); the same value on every rank. Call it on every rank."""
-        self.settle()
-        p = grads.check_norm_type(norm_type)
-        gather = functools.partial(self._gather, what="the gradient norm (get_total_norm / clip_grad_norm_)")
-        return grads.total_norm(self._norm_grads(p), p, gather,
-                                error_if_nonfinite=error_if_nonfinite, device=self.runtime.device,
-                                shards=self._dp.reduce if self._sharded else None)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: bool | None = None) -> torch.Tensor:
-        """torch.nn.utils.clip_grad_norm_ over the whole model: the total norm of every rank's gradients (each
-        parameter once: tied and mirrored copies, vocabulary row shards), every gradient of this rank scaled by
-        max_norm / (norm + 1e-6) where that is below 1. Returns the total norm, the same on every rank (a
-        non-finite one where any gradient holds an inf or NaN). Call it on every rank."""
-        total = self.get_total_norm(norm_type, error_if_nonfinite)
-        grads.clip_grads(self.parameters(), max_norm, total, foreach)
-        return total
-
-    @_unusable_after_a_failure
-    def grads_finite(self) -> bool:
-        """False when any gradient on any rank holds an inf or a NaN (then skip the optimizer step: every rank
-        gets the same answer, over the data-parallel replicas too). Call it on every rank."""
-        self.settle()
-        finite = grads.grads_finite(self._counted_grads(), functools.partial(self._gather, what="grads_finite()"),
-                                    self.runtime.device)
-        return finite if self._dp is None else self._dp.all_true(finite)
-
-    def grad_scaler(self, **kwargs) -> PipelineGradScaler:
-        """A torch.amp.GradScaler (`kwargs`: init_scale, growth_factor, ...) whose inf checks cover the whole
-        pipeline, for step(*batch, scaler=...): an inf on any rank skips the optimizer step on every rank."""
-        return PipelineGradScaler(self._found_anywhere, self.runtime.device.type, **kwargs)
-
-    def _found_anywhere(self, values: torch.Tensor) -> torch.Tensor:
-        """The scaler's gather: every pipeline rank's found-inf; sharded, each already the maximum over the
-        replicas, which hold different rows of the gradients (replicated ones hold the same)."""
-        if self._sharded:
-            values = self._dp.reduce(values, "max")
-        return self._gather(values, "the grad scaler's inf check (scaler.unscale_)")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """nn.Module.load_state_dict, but all or nothing: keys and shapes are checked against this rank's share
@@ -678,8 +425,3 @@ class PipelineModule(share.RefusedHooks, nn.Module):
             raise UsageError("no step with timings has run: call step() first (a post-validated step gathers "
                              "no timings; run one synchronous step(...) to trace)")
         return self.runtime.last_step.save_chrome_trace(path)
-
-
-def _said_numbers(numbers: list[tuple[int, object]]) -> str:
-    shown = ", ".join(f"leaf {k}: {v!r}" for k, v in numbers[:4])
-    return shown + (f" and {len(numbers) - 4} more" if len(numbers) > 4 else "")

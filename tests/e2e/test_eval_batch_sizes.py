@@ -17,7 +17,7 @@ from support.models import convnet, gpt
 from support.threaded import loopback_pipes, run_pipes
 from zbcompile.errors import UsageError
 from zbcompile.options import CompileOptions
-from zbcompile.pipeline_module import FORWARD_SIZES
+from zbcompile.pipeline_eval import FORWARD_SIZES
 
 pytestmark = pytest.mark.slow
 PP, M, ROWS = 2, 4, 2

@@ -1076,7 +1076,7 @@ def test_compile_called_with_gradients_off_builds_the_training_step(mode):
     waiting out its timeout). compile builds the training step in whatever mode it is called: the steps, taken
     with gradients on, equal eager's. (Grad mode is per thread: each rank's thread places its share in it.)"""
     from support.threaded import LoopbackWorld
-    from zbcompile.api import place
+    from zbcompile.place import place
     from zbcompile.compiler import compile_programs
 
     model, loss_fn, (x, y), _ = mlp(batch=8)

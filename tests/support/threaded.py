@@ -136,13 +136,13 @@ def assert_graded_where_eager_is(eager, holders, graded, what: str = "") -> list
 
 
 def loopback_pipes(model, options, pp: int, *, compiled=None):
-    """Every rank's PipelineModule of one compile (zbcompile.compiler + api.place, as zb.compile builds them),
+    """Every rank's PipelineModule of one compile (zbcompile.compiler + place.place, as zb.compile builds them),
     each over a copy of `model`, wired through a LoopbackWorld: the user-facing pipeline in one process.
     options: a CompileOptions; compiled: an existing compile to place instead of compiling again.
     Run them with run_pipes (every rank's calls in its own thread, as torchrun's processes would)."""
     import copy
 
-    from zbcompile.api import place
+    from zbcompile.place import place
     from zbcompile.compiler import compile_programs
 
     compiled = compiled or compile_programs(model, options, pp)
