@@ -14,7 +14,7 @@ from zbcompile import grads
 from zbcompile.errors import UsageError
 from zbcompile.grads import PipelineGradScaler
 from zbcompile.pipeline_failures import unusable_after_a_failure
-from zbcompile.post_validation import check_optimizer
+from zbcompile.step_verdict import check_optimizer
 
 __all__ = ["GradientStatistics"]
 

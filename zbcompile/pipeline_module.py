@@ -23,7 +23,8 @@ from zbcompile.grads import PipelineGradScaler
 from zbcompile.pipeline_eval import Evaluation
 from zbcompile.pipeline_failures import unusable_after_a_failure
 from zbcompile.pipeline_grads import GradientStatistics
-from zbcompile.post_validation import SteppedLoss, synchronous_step
+from zbcompile.post_validation import SteppedLoss
+from zbcompile.step_verdict import synchronous_step
 from zbcompile.split import autocast_state
 from zbcompile.ir.schedule import Schedule
 from zbcompile.ir.stages import StagedModel
