@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import operator
 import threading
-import traceback
 import warnings
 from typing import Callable, Mapping
 
@@ -38,12 +37,13 @@ from torch.export.graph_signature import InputKind, OutputKind
 from zbcompile._torch_private import tree_map
 from zbcompile.errors import TraceError
 from zbcompile.ir.names import Role, role_of
-from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Traced, module_path
+from zbcompile.ir.stages import Constant, Graph, ModelOutputs, Partition, Traced
 from zbcompile.passes.functions import functions_as_ops
 from zbcompile.passes.trace_checks import (buffer_slots, check_example, check_not_inference, check_state_sizes,
                                            check_step, update_reassigned_buffers)
 from zbcompile.passes.trace_decompositions import (DECOMPOSITIONS, detach_no_grad_regions, write_out_dropouts,
                                                    write_out_recurrent_dropouts)
+from zbcompile.passes.trace_explain import explain_export_failure, explain_mutation, signature_problem
 
 __all__ = ["trace", "flatten_example", "input_keywords", "retarget_device", "retarget_stages"]
 
@@ -236,7 +236,7 @@ def _export_locked(step: _Step, model: nn.Module, flat):
     except TraceError:
         raise
     except Exception as exc:  # torch raises many types here; ours names the module and the fix
-        raise TraceError(_explain_export_failure(exc, model)) from exc
+        raise TraceError(explain_export_failure(exc, model)) from exc
 
 
 @contextlib.contextmanager
@@ -267,23 +267,7 @@ def _export_step(step: nn.Module, flat) -> tuple[torch.export.ExportedProgram, s
         # a model whose call signature export cannot keep still trains; nor can the decompositions keep it where
         # a model output the loss does not read is made by a plain op (`return logits, logits.argmax(-1)`): they
         # drop that dead op, and torch then finds the signature naming a value that is gone
-        return _decomposed(torch.export.export(step, tuple(flat), strict=False)), _signature_problem(exc)
-
-
-def _signature_problem(exc: Exception) -> str:
-    """Why export could not keep the model's call signature, for the user who asks for the model's outputs."""
-    said = " ".join(str(exc).split())
-    said = said if len(said) <= 300 else said[:300] + " ..."
-    if "pytree flattened" in said:
-        return ("the model returns an object torch.utils._pytree does not know (a dataclass or a class of your own)"
-                "; register its class before compile with torch.export.register_dataclass(cls) (a dataclass) or "
-                f"torch.utils._pytree.register_pytree_node (torch: {said})")
-    if "does not exist in the graph" in said:   # the decompositions dropped an output the loss never reads
-        return ("the loss does not read every output of the model (one is made by an op the traced step drops, "
-                "since nothing reads it), so the traced step never computes it; return only what the loss reads, "
-                f"or read every output in loss_fn (torch: {said})")
-    return ("the usual cause is an output export cannot describe, such as a HuggingFace model's key-value cache "
-            f"(compile it with use_cache=False); torch: {type(exc).__name__}: {said}")
+        return _decomposed(torch.export.export(step, tuple(flat), strict=False)), signature_problem(exc)
 
 
 def _decomposed(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -351,71 +335,6 @@ def _model_outputs(ep, graph: Graph, returned: list[frozenset]) -> ModelOutputs 
         else:   # a symbolic size, or a value the step never computes (the loss does not read it)
             leaves.append(Constant(None, missing=f"leaf {len(leaves)} of its output tree"))
     return ModelOutputs(tuple(leaves), entry.signature.out_spec)
-
-
-def _explain_export_failure(exc: BaseException, model: nn.Module) -> str:
-    where = _failing_module(exc, model)
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    chain = _exception_chain(exc)
-    data_dependent = any(
-        "data-dependent" in str(e) or "data dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__
-        for e in chain
-    )
-    cumulative = _cumulative_average_norms(model, where)
-    if data_dependent and cumulative:
-        return (
-            f"data-dependent control flow in {where}: {cumulative} has momentum=None, a cumulative moving "
-            "average of its statistics, whose factor 1/num_batches_tracked torch reads as a Python number every "
-            "step; the pipeline needs one static graph per stage. Give it a momentum (e.g. 0.1, the default), or "
-            "update the statistics outside the training step."
-        )
-    if data_dependent:
-        return (
-            f"data-dependent control flow in {where}: {text}\n"
-            "The pipeline needs one static graph per stage, so Python `if`/`while`/`.item()` on tensor values "
-            "cannot be captured. Compute both sides and select with torch.where (torch.cond is refused too: "
-            "the stage graphs are split op by op), or decide outside the model: a Python setting of the model "
-            "or loss_fn, fixed before compile (compile again to change it)."
-        )
-    if "fake tensor in the exported program constant" in text:   # export's words for a tensor it lost track of
-        return (f"could not capture the training step ({where}): a tensor was made outside what the trace "
-                "records, the usual cause `tensor.data` in forward (write `.detach()`, which the trace keeps); "
-                f"torch: {text}")
-    return f"could not capture the training step ({where}): {type(exc).__name__}: {text}"
-
-
-def _cumulative_average_norms(model: nn.Module, where: str) -> str:
-    """The normalization module named in `where` that keeps a cumulative average (momentum=None), as
-    '`path`', or ''."""
-    for name, m in model.named_modules():
-        if (f"module `{name}`" in where and getattr(m, "momentum", 0.0) is None
-                and getattr(m, "track_running_stats", False) and m.training):
-            return f"`{name}` ({type(m).__name__})"
-    return ""
-
-
-def _exception_chain(exc: BaseException) -> list[BaseException]:
-    chain, seen = [], set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    return chain
-
-
-def _failing_module(exc: BaseException, model: nn.Module) -> str:
-    """The innermost module of `model` on the failing stack, as 'module `path` (file:line)'."""
-    names = {id(m): name for name, m in model.named_modules()}
-    found = None
-    for e in reversed(_exception_chain(exc)):  # the original error first
-        for frame, lineno in traceback.walk_tb(e.__traceback__):
-            owner = frame.f_locals.get("self")
-            if owner is not None and id(owner) in names and isinstance(owner, nn.Module):
-                path = names[id(owner)] or "<root>"
-                found = f"module `{path}` ({type(owner).__name__}, {frame.f_code.co_filename}:{lineno})"
-        if found:
-            return found
-    return "the loss function or the model's top level"
 
 
 def _refuse_trained_loss_state(model: nn.Module, loss_fn: Callable) -> None:
@@ -520,29 +439,6 @@ def _lift_constant(gm: fx.GraphModule, node: fx.Node, value: torch.Tensor) -> No
     gm.graph.erase_node(node)
 
 
-def _explain_mutation(ep, spec, position: int) -> str:
-    """TraceError's text for a step output torch.export made of an in-place write the pipeline cannot carry:
-    into a model input (USER_INPUT_MUTATION) or a parameter (PARAMETER_MUTATION); names the module and op."""
-    node = ep.graph.output_node().args[0][position]   # the new value, computed out of place by export
-    paths = [p for p in module_path(node) if p] if isinstance(node, fx.Node) else []
-    where = f"module `{paths[-1]}`" if paths else "the model's top level or the loss"
-    op = f"`{node.target}`" if isinstance(node, fx.Node) else "an in-place op"
-    if spec.kind == OutputKind.USER_INPUT_MUTATION:
-        what = f"writes into a model input in place ({op} in {where})"
-        fix = "work on a copy (`x = x.clone()` before the in-place op, or its out-of-place form)"
-    elif spec.kind == OutputKind.PARAMETER_MUTATION:
-        what = f"updates parameter `{_strip(spec.target)}` in place inside forward ({op} in {where})"
-        fix = ("keep forward free of parameter updates: do them between steps (after `step()`, under "
-               "torch.no_grad()), or hold the value in a buffer" + (
-                   "; for nn.Embedding(max_norm=...), which renormalizes the looked-up rows in place, drop max_norm "
-                   "and renormalize the weight after each step (torch.embedding_renorm_ under torch.no_grad())"
-                   if "embedding_renorm" in str(op) else ""))
-    else:
-        what = f"returns an output of kind {spec.kind.name} (`{spec.target}`)"
-        fix = "return one loss from loss_fn and keep the model's other state in parameters and buffers"
-    return f"the training step {what}, which a pipeline stage cannot carry across microbatches; fix: {fix}"
-
-
 def _name_outputs(ep) -> tuple[str, ...]:
     names = []
     for spec in ep.graph_signature.output_specs:
@@ -551,7 +447,7 @@ def _name_outputs(ep) -> tuple[str, ...]:
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             names.append("buffer:" + _strip(spec.target))
         else:
-            raise TraceError(_explain_mutation(ep, spec, len(names)))
+            raise TraceError(explain_mutation(ep, spec, len(names), _strip))
     if names.count("loss") != 1:
         raise TraceError(f"loss_fn must return one scalar tensor; the step returns {names.count('loss')} values")
     output = ep.graph.output_node()
