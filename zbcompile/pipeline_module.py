@@ -338,15 +338,15 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         return scaler.seed(m)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """nn.Module.load_state_dict, but all or nothing: keys and shapes are checked against this rank's share
-        first (`zbcompile.checkpoint.check_state_dict`), so a state dict of another model raises CheckpointError
+        """nn.Module.load_state_dict, but all or nothing: keys and shapes are checked against this rank's share first
+        (`zbcompile.checkpoint_checks.check_state_dict`), so a state dict of another model raises CheckpointError
         naming the first mismatches before any tensor is written. Tensors are copied in place (assign=True is
-        refused: the compiled program holds the live parameters and buffers). A vocabulary parameter's entry
-        may be this rank's rows (what state_dict() gives) or the whole table, of which this rank keeps its rows;
-        with dp_shard, a parameter's entry may be its DTensor (what state_dict() gives) or the whole tensor, of
-        which this replica keeps its rows. The plain model's whole state dict loads as it is, strict or not: the
-        entries of the other ranks' stages are the model's, not unexpected, and each rank loads its own."""
-        from zbcompile.checkpoint import check_state_dict
+        refused: the compiled program holds the live parameters and buffers). A vocabulary parameter's entry may be
+        this rank's rows (what state_dict() gives) or the whole table, of which this rank keeps its rows; with
+        dp_shard, a parameter's entry may be its DTensor (what state_dict() gives) or the whole tensor, of which
+        this replica keeps its rows. The plain model's whole state dict loads as it is, strict or not: the entries
+        of the other ranks' stages are the model's, not unexpected, and each rank loads its own."""
+        from zbcompile.checkpoint_checks import check_state_dict
         from zbcompile.checkpoint_rows import rows_of_whole_tables
 
         if assign:

@@ -30,8 +30,9 @@ MAY_IMPORT = {
 }
 FLOOR = {"zbcompile.errors", "zbcompile._torch_private", "zbcompile._format"}
 CORE = {"zbcompile.options", "zbcompile.compiler", "zbcompile.split", "zbcompile.distributed",
-        "zbcompile.agreement", "zbcompile.checkpoint", "zbcompile.checkpoint_files", "zbcompile.checkpoint_rows",
-        "zbcompile.data_parallel", "zbcompile.share", "zbcompile.watch", "zbcompile.eval_check"}
+        "zbcompile.agreement", "zbcompile.checkpoint", "zbcompile.checkpoint_checks", "zbcompile.checkpoint_files",
+        "zbcompile.checkpoint_rows", "zbcompile.data_parallel", "zbcompile.share", "zbcompile.watch",
+        "zbcompile.eval_check"}
 
 
 def room(module: str) -> str:
