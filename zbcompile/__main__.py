@@ -27,14 +27,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    from zbcompile import plan
+    from zbcompile import plan, plan_cli
 
     parser = _Parser(prog="zbcompile", description="Zero Bubble pipeline-parallel training compiler.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan_parser = commands.add_parser("plan", help="generate or load a schedule, simulate it, draw it",
                                       description=(plan.__doc__ or "").split("\n\n")[0])   # None under python -OO
-    plan.add_arguments(plan_parser)
-    plan_parser.set_defaults(run=plan.run)
+    plan_cli.add_arguments(plan_parser)
+    plan_parser.set_defaults(run=plan_cli.run)
     inspect_parser = commands.add_parser("inspect", help="show what the compiler did to a model",
                                          add_help=False)
     # inspect pulls in torch and the tracing passes; load it only when asked for, so `plan` stays light

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from zbcompile.errors import ZBCompileError
-from zbcompile.plan import positive_int
+from zbcompile.plan_cli import positive_int
 
 __all__ = ["add_arguments", "run", "load_factory", "dp_table", "boundary_table"]
 

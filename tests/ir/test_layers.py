@@ -106,3 +106,16 @@ def test_the_check_sees_an_import_inside_a_function(tmp_path):
     found = list(imports(leaky))
     assert found == [(2, "zbcompile.passes.analysis.stage_report")]
     assert room(found[0][1]) not in MAY_IMPORT[room("zbcompile.ir.leaky")]
+
+
+# the floor plan's sizes (issue "One floor plan"): a library file that outgrows them is split by what its parts
+# do (as pipeline_module.py into pipeline_eval / pipeline_grads), not left to grow
+MAX_LINES = 500
+MAX_API_LINES = 120
+
+
+def test_no_library_file_is_over_the_size_limit():
+    big = {str(p.relative_to(ROOT)): n for p in library_files() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    api = len(ROOT.joinpath("zbcompile", "api.py").read_text().splitlines())
+    assert not big, f"library files over {MAX_LINES} lines: {big}"
+    assert api <= MAX_API_LINES, f"zbcompile/api.py has {api} lines (at most {MAX_API_LINES}): keep it the entry"
