@@ -37,8 +37,8 @@ from zbcompile.passes.balance import balance_placed, device_loads, group_weights
 from zbcompile.ir.names import Role, role_of
 from zbcompile.ir.stages import Traced, module_path, module_stack
 
-__all__ = ["auto_split_points", "op_split_points", "op_units", "NODE_PREFIX", "cut_units", "FLOPS_PER_BYTE", "BACKWARD_PER_FORWARD", "WITHIN_BLOCK_GAIN",
-           "REFINE_WIDTH", "REFINE_GAIN"]
+__all__ = ["auto_split_points", "op_split_points", "op_units", "NODE_PREFIX", "cut_units", "FLOPS_PER_BYTE",
+           "BACKWARD_PER_FORWARD", "WITHIN_BLOCK_GAIN", "REFINE_WIDTH", "REFINE_GAIN"]
 
 
 NODE_PREFIX = "node:"   # "node:<op>": right before that op of the traced step (a cut between ops)

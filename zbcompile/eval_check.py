@@ -87,9 +87,9 @@ def _losses(model: nn.Module, loss_fn, example, flat):
     """(switched train-mode loss, eval-mode loss), their output trees and "" on stand-in weights; or None, None and
     why not.
     Traced on meta first (nothing allocated); where that fails to trace or its graphs fail to run, on stand-ins
-    where the example is: a forward making a tensor without `device=` (torch.eye(n)) or a constant on the input's device cannot meet
-    meta weights, and code choosing by device (HF's MoE router loss: `histc` on int32 unless on the CPU) traces
-    another path on meta than the one the step runs."""
+    where the example is: a forward making a tensor without `device=` (torch.eye(n)) or a constant on the input's
+    device cannot meet meta weights, and code choosing by device (HF's MoE router loss: `histc` on int32 unless
+    on the CPU) traces another path on meta than the one the step runs."""
     device = flat[0].device
     meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, example)
     problem = ""

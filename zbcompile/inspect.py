@@ -54,9 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "when any rank has a problem")
     parser.add_argument("--replay-check", type=int, default=None, metavar="STEPS",
                         help="with the capture check (implies --capture-check): also run STEPS steps (at least 3) "
-                             "of every rank's capture-ready program in threads of this process, on the example repeated into a batch, and check "
-                             "that from step 2 on each step touches the same static memory and posts the same "
-                             "messages, and that nothing it allocates outlives it (runtime/replay_check.py)")
+                             "of every rank's capture-ready program in threads of this process, on the example "
+                             "repeated into a batch, and check that from step 2 on each step touches the same "
+                             "static memory and posts the same messages, and that nothing it allocates outlives it "
+                             "(runtime/replay_check.py)")
     parser.add_argument("--dp", type=positive_int, default=1, metavar="N",
                         help="lower for N data-parallel replicas: shows where each gradient bucket's all-reduce is "
                              "posted and how much of the step's compute is left to hide it")

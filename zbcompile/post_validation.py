@@ -372,7 +372,8 @@ class PostValidated:
         named = list(pipe.named_parameters())
         self.boundary = Boundary(
             rank=self.rank, ranks=self.ranks, microbatches=pipe.schedule.num_microbatches, optimizer=optimizer,
-            params=[p for _, p in named], names=[n for n, _ in named], counted=pipe._counted_grads, max_norm=max_norm, norm_type=norm_type,
+            params=[p for _, p in named], names=[n for n, _ in named], counted=pipe._counted_grads,
+            max_norm=max_norm, norm_type=norm_type,
             dtype=norm_dtype(pipe), device=self.first.device,
             shards=dp.reduce if pipe._sharded else None,
             mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)),

@@ -201,8 +201,8 @@ def _marked_split_points(traced: Traced, num_stages: int | None) -> tuple[str, .
     marked = markers(traced)
     if marked and num_stages is not None and num_stages != len(marked) + 1:
         raise PartitionError(
-            f"the model calls pipe_split() {len(marked)} time{'s' if len(marked) != 1 else ''} ({len(marked) + 1} stages) but {num_stages} stages "
-            f"were asked for (the schedule's model stages): add or remove pipe_split() calls, or pass "
-            "split_points=[...] (explicit split points win over the markers)"
+            f"the model calls pipe_split() {len(marked)} time{'s' if len(marked) != 1 else ''} "
+            f"({len(marked) + 1} stages) but {num_stages} stages were asked for (the schedule's model stages): add or "
+            "remove pipe_split() calls, or pass split_points=[...] (explicit split points win over the markers)"
         )
     return marked

@@ -2,8 +2,8 @@
 
 build_compute makes one RUN op per sharded action (`vocab_run`: S, T, IF, IB, every rank its own shard); the
 pass `insert_collectives`, first of the lowering for a schedule with sharded actions, adds the collectives
-around them. Every rank posts the same collectives in the same order (the schedule's sharded sequence is the same on every
-rank; Schedule.validate), numbered by `seq`:
+around them. Every rank posts the same collectives in the same order (the schedule's sharded sequence is the same on
+every rank; Schedule.validate), numbered by `seq`:
 
     [0IF3] v.mb3.vocab:part = vocab_if(param:wte, vocab:offset, mb3.data:0)
     h:c7 = collective(v.mb3.vocab:part; reduce root 0 seq 7 [2, 8, 64] float32)

@@ -77,7 +77,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zb-h1": ScheduleSpec(zb_h1, "handcrafted zero bubble, B/W split; peak p, bubble (p-1)/(3m+p-1) once m >= p; "
                                  "any m >= 1",
                           closed_form=lambda p, m, v: ((p - 1) / (3 * m + p - 1) if m >= p else None, p)),
-    "zb-h2": ScheduleSpec(zb_h2, "handcrafted zero bubble, B/W split; peak 2p-1, zero bubble once m >= 2p-1; any m >= 1",
+    "zb-h2": ScheduleSpec(zb_h2, "handcrafted zero bubble, B/W split; peak 2p-1, zero bubble once m >= 2p-1; "
+                                 "any m >= 1",
                           closed_form=lambda p, m, v: _zero_once(p, m, 2 * p - 1, from_m=2 * p - 1)),
     "zbv": ScheduleSpec(zbv, "handcrafted ZB-V on the V placement; peak p, zero bubble once m >= 2p; any m >= 1",
                         stages_per_rank=2, accepts=frozenset({"costs"}),

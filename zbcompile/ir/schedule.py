@@ -12,10 +12,11 @@ Glossary
 
 An action is (kind, stage, microbatch). Its text form is `{stage}{kind}{microbatch}`, e.g. `2F0`, `0B3`,
 `1W3`, `0BW2`; the kinds and what each means, needs, costs and holds are one table, `KIND_SPECS`. A step of a
-rank may also be an `Overlap` of actions run together, `(2F3;1B1)` (DualPipe's overlapped F&B). A schedule is a frozen record: the stage -> rank placement plus, per rank, the ordered
-tuple of actions that rank runs. Schedules are plain data built from integers; the simulator times them,
-the lowering turns them into programs, and they round-trip through text and through
-torch.distributed.pipelining's compute-only CSV (where torch's `I` is our B and torch's `B` is our BW).
+rank may also be an `Overlap` of actions run together, `(2F3;1B1)` (DualPipe's overlapped F&B). A schedule is a
+frozen record: the stage -> rank placement plus, per rank, the ordered tuple of actions that rank runs. Schedules
+are plain data built from integers; the simulator times them, the lowering turns them into programs, and they
+round-trip through text and through torch.distributed.pipelining's compute-only CSV (where torch's `I` is our B
+and torch's `B` is our BW).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ form) is a pass that adds or replaces an entry of that table.
           return loss
 
 Value names are described in `values.py`, op kinds in `ops/` (one spec per kind, in its family's module). The
-printed program parses back: `RankProgram.from_text(p.to_text(), graphs=p.graphs)` equals `p` (without `graphs`, each entry
-keeps its signature and types but no GraphModule, enough for passes that only move ops).
+printed program parses back: `RankProgram.from_text(p.to_text(), graphs=p.graphs)` equals `p` (without `graphs`,
+each entry keeps its signature and types but no GraphModule, enough for passes that only move ops).
 """
 
 from __future__ import annotations
