@@ -47,7 +47,9 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int | None 
     names = list(list_schedules())
     if name not in names:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of: {', '.join(names)}")
-    return generate(name, pp, microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
+    spec = SCHEDULES.get(name)   # mem_limit for the schedules that plan under it; the others' fit is checked after
+    reads = spec is None or "mem_limit" in spec.accepts
+    return generate(name, pp, microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit if reads else None)
 
 
 def load_schedule(path: str | Path, microbatches: int | None = None) -> Schedule:

@@ -22,6 +22,8 @@ Errors. A schedule whose order deadlocks, or that consumes a result no rank prod
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
@@ -82,6 +84,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = M
     rank and the order must not deadlock, else SimulationError.
     """
     costs = Costs() if costs is None else Costs.of(costs)   # (a string too: "F=1,B=1,W=1")
+    _check_arguments(schedule, rank_start)
     schedule = schedule.flatten()  # an Overlap's sub-actions run back to back (see Overlap)
     # Work on integer codes (ScheduleProblem): hashing an Action hashes its Kind enum in Python, which would
     # dominate the run time of large schedules.
@@ -91,6 +94,21 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), memory: MemoryModel = M
         ran = {a for row, codes in zip(schedule.ranks, orders) for a, c in zip(row, codes) if end[c] is not None}
         raise _deadlock(schedule, done, ran)
     return _result(schedule, costs, memory, problem, orders, start, end)
+
+
+def _check_arguments(schedule, rank_start) -> None:
+    """SimulationError for what is not a Schedule, or a rank_start that is not one finite, non-negative time per
+    rank (a NaN would time every action at NaN, without a word)."""
+    if not isinstance(schedule, Schedule):
+        raise SimulationError(f"simulate takes a Schedule, got a {type(schedule).__name__} ({schedule!r:.60}): "
+                              "build one with zbcompile.generate(name, pp, microbatches) or Schedule.from_text")
+    if rank_start is None:
+        return
+    starts = list(rank_start)
+    if len(starts) != schedule.num_ranks or not all(
+            isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t) and t >= 0 for t in starts):
+        raise SimulationError(f"rank_start={starts!r}: give one finite, non-negative start time per rank "
+                              f"({schedule.num_ranks} for {schedule.name!r})")
 
 
 def _deadlock(schedule: Schedule, steps: list[int], done: set[Action]) -> SimulationError:

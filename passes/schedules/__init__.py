@@ -10,6 +10,8 @@ reads, and the papers' closed form. `generate`, `list_schedules` and `zbcompile.
 
 from __future__ import annotations
 
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -127,6 +129,10 @@ def generate(name: str, pp: int, microbatches: int, *, chunks: int | None = None
     spec = SCHEDULES.get(name)
     if spec is None:
         raise ScheduleError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
+    pp, microbatches = _whole("pp", pp), _whole("microbatches", microbatches)
+    chunks = None if chunks is None else _whole("chunks", chunks)
+    if mem_limit is not None:
+        mem_limit = _mem_limit(name, spec, mem_limit)
     if "chunks" not in spec.accepts and chunks is not None and chunks != spec.stages_per_rank:
         raise ScheduleError(f"schedule {name!r} holds {spec.stages_per_rank} stage(s) per rank and cannot take "
                             f"chunks={chunks} (--chunks on the command line): drop it, or pick interleaved-1f1b for a "
@@ -135,3 +141,28 @@ def generate(name: str, pp: int, microbatches: int, *, chunks: int | None = None
     given = {"chunks": chunks, "costs": costs, "mem_limit": mem_limit}
     schedule = spec.fn(pp, microbatches, **{key: given[key] for key in spec.accepts})
     return insert_vocab(schedule, costs) if vocab else schedule
+
+
+def _whole(name: str, value) -> int:
+    """`value` as an int: a Python or NumPy integer (operator.index); ScheduleError for anything else, a float
+    or a bool included (8.0 microbatches is most likely a division that should have been //)."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ScheduleError(f"{name}={value!r} must be a whole number (an int), got a {type(value).__name__}: pass "
+                        f"int({name}) (or // where it comes from a division)")
+
+
+def _mem_limit(name: str, spec: ScheduleSpec, value) -> float:
+    """mem_limit as a float, for a schedule that reads it; ScheduleError for one with a fixed peak of its own (the
+    value would be ignored without a word) and for a value that is not a number."""
+    if "mem_limit" not in spec.accepts:
+        readers = [n for n, s in SCHEDULES.items() if "mem_limit" in s.accepts]
+        raise ScheduleError(f"schedule {name!r} runs a fixed order with a peak of its own and does not read "
+                            f"mem_limit={value!r}: drop it, or pick {' / '.join(readers)}, which plans under it")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ScheduleError(f"mem_limit={value!r} must be a number of 1F1B-stage activation units (pp gives "
+                            f"ZB-1p, 2*pp ZB-2p), got a {type(value).__name__}")
+    return float(value)

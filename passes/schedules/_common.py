@@ -19,7 +19,8 @@ def check_pp(name: str, pp: int, *, even: bool = False) -> None:
 def check_microbatches(name: str, pp: int, m: int, minimum: int, rule: str, alternative: str) -> None:
     """Raise unless m >= minimum; `rule` spells the minimum (e.g. '2*pp'), `alternative` says what else to do."""
     if not isinstance(m, int) or m < minimum:
-        raise ScheduleError(f"{name} needs microbatches >= {rule} = {minimum} for pp={pp}; got {m!r}: "
+        spelled = str(minimum) if rule == str(minimum) else f"{rule} = {minimum}"
+        raise ScheduleError(f"{name} needs microbatches >= {spelled} for pp={pp}; got {m!r}: "
                             f"raise --microbatches{alternative}")
 
 

@@ -85,6 +85,35 @@ def test_chunks_only_where_they_mean_something() -> None:
         generate("1f1b", 4, 8, chunks=2)
 
 
+def test_integer_likes_are_taken_and_other_numbers_refused_by_name() -> None:
+    """An integer-like (a NumPy integer) is an int to generate (operator.index); a float, a bool or a string is refused naming the
+    argument, not as too few microbatches ("needs microbatches >= 1 ... got 8.0: raise --microbatches")."""
+    class Integer:   # what a NumPy integer is to operator.index
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __index__(self) -> int:
+            return self.value
+
+    assert generate("zbv", Integer(2), Integer(8)) == generate("zbv", 2, 8)
+    assert generate("interleaved-1f1b", 2, 4, chunks=Integer(2)) == generate("interleaved-1f1b", 2, 4, chunks=2)
+    for args, name in (((2, 8.0), "microbatches"), ((4.0, 8), "pp"), ((2, True), "microbatches"), (("2", 8), "pp")):
+        with pytest.raises(ScheduleError, match=rf"{name}=.* must be a whole number"):
+            generate("1f1b", *args)
+    with pytest.raises(ScheduleError, match=r"needs microbatches >= 1 for"):   # (not ">= 1 = 1")
+        generate("zbv", 2, 0)
+
+
+def test_mem_limit_only_where_it_is_read_and_as_a_number() -> None:
+    """A fixed order has a peak of its own: mem_limit given to it would be ignored without a word (compile refuses
+    it too); zb-auto takes a number, not a string."""
+    with pytest.raises(ScheduleError, match="does not read mem_limit=1: drop it, or pick zb-auto"):
+        generate("1f1b", 4, 8, mem_limit=1)
+    with pytest.raises(ScheduleError, match="mem_limit='4' must be a number"):
+        generate("zb-auto", 4, 8, mem_limit="4")
+    assert max(simulate(generate("zb-auto", 4, 8, mem_limit=2)).peak_memory) <= 2
+
+
 def test_every_schedule_is_described() -> None:
     described = list_schedules()
     assert list(described) == list(GENERATORS)

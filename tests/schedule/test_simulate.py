@@ -136,6 +136,20 @@ def test_costs_and_memory_reject_bad_values() -> None:
         Costs(per_stage=((1, 2),))
     with pytest.raises(ScheduleError, match="between 0 and 1"):
         MemoryModel(b_frees=1.5)
+    with pytest.raises(ScheduleError, match="cost f=None must be a number"):
+        Costs(f=None)
+
+
+def test_simulate_refuses_what_is_not_a_schedule_and_a_bad_rank_start() -> None:
+    """Our own error, not an AttributeError, an IndexError, or a makespan of NaN."""
+    schedule = one_f_one_b(4, 8)
+    with pytest.raises(SimulationError, match="simulate takes a Schedule, got a str"):
+        simulate("1f1b")
+    for bad in ([0.0, 0.0], [float("nan")] * 4, [0.0, -1.0, 0.0, 0.0], [0, 0, 0, True]):
+        with pytest.raises(SimulationError, match="one finite, non-negative start time per rank"):
+            simulate(schedule, rank_start=bad)
+    late = simulate(schedule, rank_start=[2.5, 0.0, 0.0, 0.0])   # the first rank late: everything waits for it
+    assert late.makespan == simulate(schedule).makespan + 2.5
 
 
 # ---- timelines -------------------------------------------------------------------------------------

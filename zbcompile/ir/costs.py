@@ -20,7 +20,10 @@ _PARSED_KEYS = ("f", "b", "w", "comm") + VOCAB_COST_KEYS
 
 
 def _check_cost(name: str, value: float) -> float:
-    value = float(value)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ScheduleError(f"cost {name}={value!r} must be a number; {_COSTS_FORM}") from None
     if math.isnan(value) or math.isinf(value) or value < 0:
         raise ScheduleError(f"cost {name}={value} must be a finite non-negative number; {_COSTS_FORM}")
     return value
