@@ -53,7 +53,8 @@ def build_schedule(name: str, pp: int, microbatches: int, *, chunks: int | None 
 
 
 def load_schedule(path: str | Path, microbatches: int | None = None) -> Schedule:
-    """Read our text form (first line `# zbcompile schedule ...`) or torch's compute-only CSV."""
+    """Read our text form (first line `# zbcompile schedule ...`) or torch's compute-only CSV. `microbatches`,
+    where given, must be the file's number (ScheduleError otherwise: the file says how many)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -65,7 +66,10 @@ def load_schedule(path: str | Path, microbatches: int | None = None) -> Schedule
     if text.lstrip().startswith("# zbcompile schedule"):
         schedule = Schedule.from_text(text)
     else:
-        schedule = Schedule.from_torch_csv(text, name=path.stem, num_microbatches=microbatches)
+        schedule = Schedule.from_torch_csv(text, name=path.stem)
+    if microbatches is not None and microbatches != schedule.num_microbatches:
+        raise ScheduleError(f"schedule file {str(path)!r} holds {schedule.num_microbatches} microbatch(es), not "
+                            f"--microbatches {microbatches}: drop --microbatches (the file says how many)")
     return schedule.validate()
 
 
@@ -106,6 +110,9 @@ def compare(pp: int, microbatches: int, *, chunks: int | None = None, costs: Cos
             rows.append(PlanRow(name, None, str(exc).splitlines()[0]))
             continue
         rows.append(PlanRow(name, result, check_mem_limit(result, mem_limit)))
+    if rows and all(row.result is None for row in rows):
+        reasons = list(dict.fromkeys(row.reason for row in rows))
+        raise ScheduleError(f"no schedule can be built at p={pp}, m={microbatches}: {'; '.join(reasons[:3])}")
     if mem_limit is not None and not any(row.reason is None for row in rows):
         needs = [max(row.result.peak_memory) for row in rows if row.result is not None]
         least = [f"the least a schedule here needs is {min(needs):g}"] if needs else []

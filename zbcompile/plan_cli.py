@@ -37,7 +37,7 @@ def _non_negative_float(text: str) -> float:
     except ValueError:
         value = math.nan
     if not value >= 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite non-negative number, got {text!r}")
     return value
 
 
@@ -136,8 +136,9 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         return _run_compare(args, memory)
     if args.load:
-        if args.pp is not None:
-            raise ScheduleError("--load reads the ranks from the file; drop --pp")
+        given = [flag for flag, value in (("--pp", args.pp), ("--chunks", args.chunks)) if value is not None]
+        if given:
+            raise ScheduleError(f"--load reads the ranks and stages from the file; drop {' and '.join(given)}")
         schedule = load_schedule(args.load, args.microbatches)
     else:
         _require(args, "--schedule")

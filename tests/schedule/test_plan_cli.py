@@ -49,6 +49,33 @@ def test_bad_numbers_and_unknown_schedule_are_one_line_exit_2() -> None:
                        "no-such-thing")
 
 
+def test_a_loaded_file_is_not_silently_reshaped_by_the_sizing_flags(saved: Path, tmp_path: Path, capsys) -> None:
+    """--load reads ranks, stages and microbatches from the file: a --chunks or an -m that disagrees with it is
+    refused (it was ignored, or made a confusing "never visits" error), a matching -m is fine; a blank line inside
+    a CSV names the line (it was an empty rank: "placement must use every rank"); a compare where no schedule can
+    be built at all, and an infinite --mem-limit, are usage errors."""
+    for flags, words in ((["--chunks", "4"], ("drop --chunks",)), (["-m", "3"], ("holds 6 microbatch", "drop")),
+                         (["-m", "1"], ("holds 6 microbatch",))):
+        assert main(["plan", "--load", str(saved), *flags]) == 2
+        err = capsys.readouterr().err
+        assert all(w in err for w in words), (flags, err)
+    assert main(["plan", "--load", str(saved), "-m", "6"]) == 0
+    capsys.readouterr()
+    rows = saved.read_text().splitlines()
+    blank = tmp_path / "blank.csv"
+    blank.write_text("\n".join([rows[0], "", *rows[1:]]) + "\n\n")
+    assert main(["plan", "--load", str(blank)]) == 2
+    assert "line 2 is empty" in capsys.readouterr().err
+    trailing = tmp_path / "trailing.csv"
+    trailing.write_text("\n".join(rows) + "\n\n\n")
+    assert main(["plan", "--load", str(trailing)]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--compare", "--pp", "1", "-m", "8"]) == 2
+    assert "no schedule can be built at p=1" in capsys.readouterr().err
+    assert main(["plan", "--schedule", "zb-auto", "--pp", "4", "-m", "8", "--mem-limit", "inf"]) == 2
+    assert "finite non-negative number" in capsys.readouterr().err
+
+
 def test_deadlocked_file_shows_the_grid_without_traceback(tmp_path: Path) -> None:
     crossed = Schedule("crossed", 2, (0, 1), (acts("0F0 0BW0 0F1 0BW1"), acts("1F1 1BW1 1F0 1BW0")))
     path = tmp_path / "crossed.txt"

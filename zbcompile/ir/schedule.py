@@ -415,7 +415,14 @@ class Schedule:
         where each stage's actions appear. An `(A;B)OVERLAP_F_B` cell becomes an `Overlap` with
         `keep_overlap`, else its sub-actions in order (the flat form)."""
         rows: list[tuple[Action | Overlap, ...]] = []
-        for r, cells in enumerate(csv.reader(io.StringIO(text))):
+        lines = list(csv.reader(io.StringIO(text)))
+        while lines and not any(c.strip() for c in lines[-1]):   # trailing blank lines
+            lines.pop()
+        empty = [r + 1 for r, cells in enumerate(lines) if not any(c.strip() for c in cells)]
+        if empty:
+            raise ScheduleError(f"torch CSV: line {empty[0]} is empty; each line is one rank's actions, so a rank "
+                                "would run nothing: remove the blank line")
+        for r, cells in enumerate(lines):
             steps = [_from_torch_cell(c, r) for c in cells if c.strip()]
             rows.append(tuple(steps) if keep_overlap else tuple(_expand(steps)))
         placement: dict[int, int] = {}
