@@ -43,6 +43,7 @@ class Traced:
     quick: tuple = ()  # _quick(*watched) at compile: what each call compares first
     slots: tuple = ()  # (name, module, dict name, key) of every submodule, parameter and buffer slot: `watched`'s
     watch: Watched = Watched()   # the plain values and tensors the traced code may have read (zbcompile.watch)
+    trainable: bool = False      # some parameter of the model (any rank's) had requires_grad at compile
 
     @classmethod
     def of(cls, module: nn.Module, params: Sequence[tuple[str, nn.Parameter]], model: nn.Module | None = None,
@@ -76,10 +77,12 @@ class Traced:
                    tuple((n, t, t.dtype, t.device) for n, t in tensors),
                    tuple((n, m, _mode(m)) for n, m in parts if isinstance(m, nn.Module)),
                    tuple((n, x, _hooks(x)) for n, x in [*hooked, ("", _EVERY_MODULE)]), watched, _quick(*watched),
-                   slots, watch)
+                   slots, watch, any(p.requires_grad for p in watched[3]))
 
     def check(self, rank: int, captured: bool) -> None:
-        """UsageError for a parameter unfrozen since compile (its gradient was never traced), one frozen since
+        """UsageError for a parameter unfrozen since compile (its gradient was never traced), every parameter of
+        the model frozen since (each rank sees the whole model's flags, the other ranks' parameters on meta, so
+        the model frozen as a whole is refused on every rank at once), one frozen since
         under CUDA graphs (a captured step writes every gradient it traced; without capture the runtime's
         set_grad leaves a frozen parameter's .grad alone, as eager does), and a tensor converted since compile
         (through the original model or a part of it: PipelineModule._apply refuses a conversion of itself)."""
@@ -88,6 +91,11 @@ class Traced:
                 raise UsageError(f"{name} had requires_grad=False when the pipeline was compiled, so the compiled "
                                  "step never computes its gradient; it requires grad now. Compile again "
                                  "(zbcompile.compile) with it trainable to train it, or freeze it again")
+        if self.trainable and not any(p.requires_grad for p in self.watched[3]):
+            raise UsageError("every parameter of the model has requires_grad=False now, so step() has nothing to "
+                             "train: its gradients would all be dropped (eager's loss.backward() raises here: the "
+                             "loss does not require grad). Unfreeze what you mean to train, or call "
+                             "pipe.evaluate(*batch) for the loss alone")
         for name, p in self.trained if captured else ():
             if not p.requires_grad:
                 raise UsageError(f"{name} was frozen (requires_grad_(False)) after the pipeline was compiled with "

@@ -102,6 +102,39 @@ def test_unfreezing_a_parameter_frozen_at_compile_is_refused():
     run_pipes(lambda r: pipes[r].step(x, y), PP)   # frozen again: trains
 
 
+def test_the_whole_model_frozen_after_compile_is_refused_on_every_rank_as_eager_refuses_it():
+    """Eager's backward raises when no parameter requires grad; the pipeline ran the step and dropped every
+    gradient, training nothing without a word. Frozen through the model (every rank sees every parameter's flag,
+    the others' on meta), every rank refuses the step before any message; a rank whose own parameters were all
+    frozen at compile refuses it too (the same decision everywhere, else a peer waits); one parameter trainable
+    again and the step trains."""
+    case = mlp(layers=4, batch=8)
+    for p in [*case.model[0].parameters(), *case.model[2].parameters()]:   # rank 0's layers, frozen at compile:
+        p.requires_grad_(False)                                            # it trains nothing of its own
+    model, loss_fn, x, y, pipes = _pipes(case)
+    assert not any(p.requires_grad for p in pipes[0].parameters())
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        loss_fn(ref(x), y).backward()
+
+    def run(r):
+        for p in pipes[r].model.parameters():
+            p.requires_grad_(False)
+        try:
+            pipes[r].step(x, y)
+        except UsageError as e:
+            refused = str(e)
+        pipes[r].model.get_parameter("6.weight").requires_grad_(True)
+        pipes[r].step(x, y)
+        return refused, sorted(n for n, p in pipes[r].named_parameters() if p.grad is not None)
+
+    (said0, grads0), (said1, grads1) = run_pipes(run, PP)
+    assert "every parameter of the model has requires_grad=False" in said0 and said0 == said1
+    assert grads0 == [] and grads1 == ["6.weight"]
+
+
 def test_freezing_after_a_cuda_graphs_compile_is_refused():
     """A captured step adds into every .grad it captured, so a freeze after a cuda_graphs compile is refused
     (the options stood in for: this machine has no CUDA)."""
