@@ -31,6 +31,7 @@ import functools
 import hashlib
 import math
 import pickle
+import secrets
 from typing import Callable, Sequence
 
 import torch
@@ -185,20 +186,28 @@ def _gathered(t: torch.Tensor, pg, rank: int, timeout: float,
     return out
 
 
+# how many pipeline numbers wait_until_compiled draws from: a call's number is pipe * 2**32 + count, exact in float64
+PIPE_NUMBERS = 1 << 20
+
 # how long the ranks wait for each other at the end of compile: each compiles its own stage graphs (inductor),
 # which takes each rank its own time, minutes on a big model; not the step's timeout, which bounds a message
 READY_TIMEOUT = 3600.0
 
 
-def wait_until_compiled(pg, rank: int, timeout: float) -> None:
+def wait_until_compiled(pg, rank: int, timeout: float) -> int:
     """Every rank waits here until every rank has finished compile (one all-gather), so that a rank whose graphs
     took longer to build does not count against the first step's timeout, as a peer that died would. `pg`: a
-    group whose own timeout is READY_TIMEOUT (distributed.ready_group), or gloo ends the wait at the group's."""
+    group whose own timeout is READY_TIMEOUT (distributed.ready_group), or gloo ends the wait at the group's.
+    Returns the pipeline's number, the same on every rank (rank 0's random draw, 1 to 2**20 - 1): the pipes of one
+    job share their process groups, and each call's number carries it (PipelineModule._enter), so that one pipe's
+    call paired with another's on a peer is found. 0 where there is no peer to pair with another pipe."""
     if pg is None or not isinstance(pg, dist.ProcessGroup) or pg.size() < 2:
-        return
+        return 0
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else "cpu"
-    _gathered(torch.ones(1, device=device), pg, rank, max(timeout, READY_TIMEOUT),
-              "waiting for every rank to finish compiling its stage graphs")
+    mine = float(1 + secrets.randbelow(PIPE_NUMBERS - 1))   # (not the seeded generators: every rank draws alike)
+    drawn = _gathered(torch.tensor([mine], dtype=torch.float64, device=device), pg, rank,
+                      max(timeout, READY_TIMEOUT), "waiting for every rank to finish compiling its stage graphs")
+    return int(drawn[0].item())
 
 
 def batch_checksum(batch: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -31,6 +31,7 @@ from zbcompile.ir.stages import StagedModel
 from zbcompile.passes.lower import emit_fx
 from zbcompile.passes.trace import input_keywords
 from zbcompile.runtime import RankRuntime, StepTimings, abi
+from zbcompile.runtime.eager import CALL_BITS, said_call
 
 __all__ = ["PipelineModule"]
 
@@ -83,6 +84,7 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         self._calls: dict[str, int] = {}   # step / evaluate / forward calls past the batch check (check_batch)
         self._optimizers_agreed = weakref.WeakSet()   # the optimizers every rank's checks have passed
         self._entered: dict[str, int] = {}   # step / evaluate calls, refused ones included (RankRuntime.call)
+        self._pipe_number = 0   # the same on every rank (agreement.wait_until_compiled): set by place()
         self.offload_report = compiled.offload   # per rank, what activation offload chose (compile's offload=)
         # per flat argument: the whole batch's shape and dtype (None: not traced), for step()'s one-comparison check
         staged = compiled.staged
@@ -298,9 +300,11 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
 
     def _enter(self, what: str) -> int:
         """This call's number among the calls of its kind, counted before anything can refuse it: every rank
-        compares them in the step's loss gather (RankRuntime.call), so a call refused on one rank only is found."""
+        compares them in the step's loss gather (RankRuntime.call), so a call refused on one rank only is found.
+        It carries the pipeline's number too (pipe * 2**CALL_BITS + count), so that where a job's pipes share
+        their groups, one pipe's call paired with another's on a peer is found as well."""
         self._entered[what] = self._entered.get(what, 0) + 1
-        return self._entered[what]
+        return (self._pipe_number << CALL_BITS) + self._entered[what]
 
     def _check_same_batch(self, batch: Sequence[torch.Tensor], what: str) -> None:
         agreement.check_same_batch(self, batch, what)
@@ -311,7 +315,7 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         The program's own loss gather compares call numbers too late here: ranks out of step (a call refused
         on one rank only) running programs of other sizes would wait on each other's messages until the
         timeout and lose the process groups, before any gather."""
-        self._gather(torch.zeros(1, dtype=torch.float64), f"{what}() call {call} of {m} microbatches")
+        self._gather(torch.zeros(1, dtype=torch.float64), f"{what}() {said_call(call)} of {m} microbatches")
 
     def _check_step_context(self) -> None:
         """What a compiled training step cannot honour (zbcompile/call_checks.py): eval mode, no_grad, another

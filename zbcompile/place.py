@@ -77,5 +77,5 @@ def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = 
                           graph_api=graphs.capture_api(device) if options.capture else None)
     pipe = PipelineModule(model, compiled, runtime, rank, owned_params, owned_buffers, pg, runtime_for=runtime_for,
                           dp=dp)
-    wait_until_compiled(ready, rank, options.timeout)
+    pipe._pipe_number = wait_until_compiled(ready, rank, options.timeout)
     return pipe

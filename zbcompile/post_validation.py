@@ -45,6 +45,7 @@ from zbcompile.ir.program.ops import OpKind
 from zbcompile.ir.program.ops.step_boundary import VALUES
 from zbcompile.rollback import Inverse, Snapshot, hyperparameters, in_force
 from zbcompile.runtime import abi
+from zbcompile.runtime.eager import said_call
 from zbcompile.step_verdict import combine, local_values, mixed, norm_dtype, verdict
 
 __all__ = ["StepResult", "Boundary", "PostValidated"]
@@ -229,11 +230,12 @@ class Boundary:
         self.pending, self._snapshot, self.stepped, self._grads = None, None, False, []
         self._written, self._weights = [], []
         self._zero_grad()
-        first, last = (int(v) for v in totals.tolist()[3:5])
+        first, last = (said_call(v) for v in totals.tolist()[3:5])
         raise DisagreementError(
-            f"rank {self.rank}: the ranks are out of step (they ran calls {first} to {last} of step() together): a "
+            f"rank {self.rank}: the ranks are out of step (they ran step() {first} to {last} together): a "
             "call refused on some ranks only (a batch refused on one rank, an exception caught on one) left them "
-            "pairing different calls, so the last post-validated step mixed different batches; it was not applied. "
+            "pairing different calls, of one pipeline or of two, so the last post-validated step mixed different "
+            "batches or models; it was not applied. "
             "Refuse or skip a batch on every rank alike (hand every rank the same batch), and restart the job")
 
     def _zero_grad(self) -> None:

@@ -6,6 +6,7 @@ hang (the launch's timeout would fail it) or abort inside gloo (the worker would
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -52,6 +53,20 @@ def test_different_batches_are_refused_and_the_pipeline_trains_after(ranks):
             assert "step() was handed different batches: argument 0 on rank(s) [1]" in got[case]["refused"], got
         assert abs(got["same"]["loss"] - got["same"]["want"]) <= 1e-5 * got["same"]["want"], got["same"]
         assert got["unchecked"] == {"ran": True}, got["unchecked"]
+
+
+def test_one_pipes_call_paired_with_anothers_on_a_peer_is_refused_on_every_rank(ranks):
+    """Pipes of one job share the process groups; a call refused on one rank left rank 0 in pipe B's step while
+    rank 1 ran pipe A's: DisagreementError on both, naming each rank's pipe and call (each pipe's number is drawn
+    at compile, the same on every rank)."""
+    assert ranks[0]["two_pipes"]["refused_here"] == "UsageError", ranks[0]["two_pipes"]
+    assert ranks[0]["two_pipes"]["first"] == ranks[1]["two_pipes"]["first"]
+    for r, res in enumerate(ranks):
+        got = res["two_pipes"]["paired"]
+        assert "refused" in got, (r, got)
+        assert "the ranks are out of step (rank 0: pipe " in got["refused"], got
+        said = re.search(r"rank 0: pipe (\d+) call 2; rank 1: pipe (\d+) call 2", got["refused"])
+        assert said and said[1] != said[2], got
 
 
 def test_a_rank_that_never_compiles_fails_its_peers_compile_after_the_timeout(ranks):

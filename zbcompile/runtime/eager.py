@@ -23,7 +23,10 @@ from zbcompile.runtime import labelled
 from zbcompile.runtime.abi import Redo, StepContext, wait
 from zbcompile.runtime.host import retain_freed_cpu_memory
 
-__all__ = ["RankRuntime", "StepTimings", "data_specs"]
+__all__ = ["RankRuntime", "StepTimings", "data_specs", "said_call", "CALL_BITS"]
+
+# a call's number (RankRuntime.call) is pipe * 2**CALL_BITS + the call's count: see said_call
+CALL_BITS = 32
 
 
 @dataclass(frozen=True)
@@ -355,14 +358,23 @@ class RankRuntime:
 
     def _check_calls(self, calls: list[int]) -> None:
         """DisagreementError on every rank where the ranks' call numbers differ (the step has run: its messages
-        all matched, but between different calls, so its loss and gradients mix two batches)."""
+        all matched, but between different calls, so its loss and gradients mix two batches, or two pipelines'
+        steps: pipes of one job share the P2P groups, and a call's number carries its pipe's, see said_call)."""
         if len(set(calls)) > 1:
-            seen = "; ".join(f"rank {r}: call {c}" for r, c in enumerate(calls))
+            seen = "; ".join(f"rank {r}: {said_call(c)}" for r, c in enumerate(calls))
             raise DisagreementError(
                 f"rank {self.ir.rank}: the ranks are out of step ({seen}): a call refused on some ranks only (a "
-                "batch refused on one rank, an exception caught on one) left them pairing different calls, so this "
-                "step mixed different batches and its loss and gradients are wrong. Refuse or skip a batch on every "
-                "rank alike (hand every rank the same batch); zero the gradients and restart the job")
+                "batch refused on one rank, an exception caught on one) left them pairing different calls, of one "
+                "pipeline or of two, so this step mixed different batches or models and its loss and gradients "
+                "are wrong. Refuse or skip a batch on every rank alike (hand every rank the same batch); zero the "
+                "gradients and restart the job")
+
+
+def said_call(value: int) -> str:
+    """A call's number as a message says it: `call n`, or `pipe k call n` for a pipeline numbered k at compile
+    (the number is k * 2**CALL_BITS + n: PipelineModule._enter)."""
+    pipe, call = divmod(int(value), 1 << CALL_BITS)
+    return f"pipe {pipe} call {call}" if pipe else f"call {call}"
 
 
 def seed_dtype(program: RankProgram) -> torch.dtype:

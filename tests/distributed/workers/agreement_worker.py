@@ -93,6 +93,25 @@ def batches(rank: int) -> dict:
     return out
 
 
+def two_pipes(rank: int) -> dict:
+    """Two pipes of one job share the process groups. Rank 0's A.step is refused (a batch of 3 rows there only)
+    and rank 0 goes on to B.step while rank 1 runs A.step: the two steps pair message for message (the same
+    model), so without the pipes' numbers in the call numbers both returned a loss, B's on rank 0 built from A's
+    backward. Each must raise DisagreementError."""
+    a, x, y = compile_gpt()
+    b, _, _ = compile_gpt()
+    out = {"first": [a.step(x, y), b.step(x, y)]}
+    if rank == 0:
+        try:
+            a.step(x[:3], y[:3])
+        except Exception as e:
+            out["refused_here"] = type(e).__name__
+        out["paired"] = refusal(lambda: b.step(x, y))
+    else:
+        out["paired"] = refusal(lambda: a.step(x, y))
+    return out
+
+
 def absent_peer(rank: int) -> dict:
     """Rank 1 never calls compile: rank 0's comparison of fingerprints waited the group's 30 minutes (torch's
     all_gather_object); it raises RuntimeFailure after compile's timeout. On a group of its own, so that the
@@ -119,6 +138,7 @@ def absent_peer(rank: int) -> dict:
 def run(rank: int, pp: int, out: str) -> dict:
     results = {tag: refusal(lambda: case(rank)) for tag, case in CASES.items()}
     results["batch"] = batches(rank)
+    results["two_pipes"] = two_pipes(rank)
     results["absent"] = absent_peer(rank)
     return results
 
