@@ -79,7 +79,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     rank, ranks = _rank(pg)
     path = Path(path)
     stage = files.staging(path)
-    _check_optimizer(module, optimizer)
+    _check_optimizer(module, optimizer, pg, "written")
     _check_extra(extra)
     check_tensors_only(module)
     committing = False   # from here on the checkpoint at `path` may be this save's
@@ -187,6 +187,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     pg = getattr(module, "process_group", None)
     rank, ranks = _rank(pg)
     path = Path(path)
+    _check_optimizer(module, optimizer, pg, "loaded")
     dp = getattr(module, "_dp", None)
     job = dp.job_group() if dp is not None else pg   # every rank waits until one of the job has put it right
     _agree_or_raise(job, _recovered(path) if _rank(job)[0] == 0 else [], path, "blocked")
@@ -328,17 +329,19 @@ def _check_extra(extra) -> None:
                               f"and this one is not ({type(exc).__name__}: {exc}); nothing was written") from None
 
 
-def _check_optimizer(module: nn.Module, optimizer) -> None:
-    """CheckpointError before anything is written where `optimizer` holds a tensor that is not one of `module`'s
-    parameters (an optimizer of another pipe or model: its state could not be keyed by this module's names)."""
-    if optimizer is None:
-        return
-    mine = {id(p) for p in module.parameters()}
-    stray = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in mine)
-    if stray:
-        raise CheckpointError(f"the optimizer holds {stray} tensor(s) that are not parameters of the module being "
-                              "saved, so their state has no name in the checkpoint; pass the optimizer built on "
-                              "this module's parameters (torch.optim.AdamW(pipe.parameters())); nothing was written")
+def _check_optimizer(module: nn.Module, optimizer, pg, done: str) -> None:
+    """CheckpointError on every rank, before anything is written or read, where any rank's `optimizer` holds a
+    tensor that is not one of its `module`'s parameters (an optimizer of another pipe or model: its state has no
+    name in the checkpoint). `done`: what was not done ("written", "loaded")."""
+    stray = 0
+    if optimizer is not None:
+        mine = {id(p) for p in module.parameters()}
+        stray = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in mine)
+    found = _everyones(pg, [f"rank {_rank(pg)[0]}: {stray} of them"] if stray else [])
+    if found:
+        raise CheckpointError(f"the optimizer holds tensors that are not parameters of the module ({', '.join(found)}"
+                              "), so their state has no name in the checkpoint; pass the optimizer built on this "
+                              f"module's parameters (torch.optim.AdamW(pipe.parameters())); nothing was {done}")
 
 
 def exists(path: str | os.PathLike) -> bool:

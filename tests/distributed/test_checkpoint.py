@@ -131,13 +131,20 @@ def test_plain_model_refuses_missing_extra_and_reshaped_keys(runs, tmp_path):
         checkpoint.load(tmp_path / "model only", model, common.adamw(model.parameters()))
 
 
-def test_saving_with_another_modules_optimizer_is_refused_before_writing(tmp_path):
-    """An optimizer of another model (a README that renamed `opt`): the save says so, and writes nothing."""
+def test_another_modules_optimizer_is_refused_before_writing_or_reading(tmp_path):
+    """An optimizer of another model (a README that renamed `opt`, two pipes' optimizers swapped): the save says
+    so and writes nothing; the load says so (it raised torch's bare KeyError: 0) and changes nothing."""
     model, _, _, _ = common.case("gpt")
     other, _, _, _ = common.case("gpt")
-    with pytest.raises(CheckpointError, match="not parameters of the module being saved"):
-        checkpoint.save(tmp_path / "ckpt", model, common.adamw(other.parameters()))
+    wrong = common.adamw(other.parameters())
+    with pytest.raises(CheckpointError, match=r"not parameters of the module \(rank 0: \d+ of them\).*written"):
+        checkpoint.save(tmp_path / "ckpt", model, wrong)
     assert not checkpoint.exists(tmp_path / "ckpt") and not list(tmp_path.iterdir())
+    checkpoint.save(tmp_path / "ckpt", model, common.adamw(model.parameters()))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"not parameters of the module \(rank 0: \d+ of them\).*loaded"):
+        checkpoint.load(tmp_path / "ckpt", model, wrong)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and not wrong.state
 
 
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
