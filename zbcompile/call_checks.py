@@ -223,6 +223,21 @@ def _converted(name: str, dtype: torch.dtype, device: torch.device, now: torch.T
                       "(model.double(), then zbcompile.compile)")
 
 
+def _check_parts_placed(model: nn.Module) -> None:
+    """UsageError for a module of `model` that belongs to a model compiled before on several ranks (a backbone
+    shared by two models, one compiled already): each rank kept only its own stages' share of it, the rest on
+    meta, so it is whole on no rank, and a rank that kept all of it would trace while the others fail. Decided
+    by the marks alone, the same on every rank."""
+    for name, m in model.named_modules():
+        if name and getattr(m, PLACED, 0) > 1:
+            raise UsageError(
+                f"module `{name}` ({type(m).__name__}) is part of a model compiled before on "
+                f"{getattr(m, PLACED)} ranks, which kept on each rank only its own stages' parameters and buffers "
+                "and moved the others to the meta device, so the module is not whole any more. Compile a "
+                "copy.deepcopy of it taken before the first compile, or one model holding both parts (two heads "
+                "on one backbone: one module returning both, one loss_fn over both)")
+
+
 def check_hooks(model: nn.Module, loss_fn=None) -> None:
     """UsageError before tracing for a hook the compiled step would never call: a parameter's gradient hooks
     (register_hook, register_post_accumulate_grad_hook) and a module's backward hooks, the model's or a loss
@@ -231,13 +246,14 @@ def check_hooks(model: nn.Module, loss_fn=None) -> None:
     if not isinstance(model, nn.Module):
         raise UsageError(f"zbcompile.compile takes an nn.Module (the model, or its class to decorate); got a "
                          f"{type(model).__name__}")
-    if getattr(model, PLACED, False) and any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+    if getattr(model, PLACED, 0) > 1:   # (the marks alone: a rank that kept all of it decides as the others do)
         raise UsageError(
             "this model was compiled before: compile keeps on each rank only the parameters and buffers of its own "
             "stages and moves the others to the meta device, so it is no whole model any more. To compile again "
             "(another shape, other options), build the model again and load its weights (pipe.state_dict() holds "
             "this rank's, zbcompile.checkpoint.save / load every rank's), or compile a copy.deepcopy(model) taken "
             "before the first compile")
+    _check_parts_placed(model)
     for name, p in model.named_parameters():
         if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
             raise UsageError(f"parameter {name} has a gradient hook (register_hook / register_post_accumulate_grad_"

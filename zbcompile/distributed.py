@@ -184,13 +184,15 @@ def device_for(model: nn.Module, pg) -> torch.device:
     return torch.device("cpu")
 
 
-PLACED = "_zbcompile_placed"   # set on a model whose other ranks' state keep_only has dropped
+# set by keep_only on a model and each of its modules: the number of ranks whose pipeline placed it (from 2 on,
+# each rank dropped the others' state to meta: the module is no whole module any more on every rank)
+PLACED = "_zbcompile_placed"
 
 
 def keep_only(model: nn.Module, params: Sequence[str], buffers: Sequence[str], device: torch.device,
-               init_fn) -> None:
+               init_fn, ranks: int = 2) -> None:
     """Drop (to meta) what this rank does not use; give real storage to owned meta tensors and initialize them.
-    The model is marked placed (PLACED)."""
+    The model and each of its modules are marked placed by a pipeline of `ranks` ranks (PLACED)."""
     keep = {id(model.get_parameter(n)) for n in params}
     keep_buf = {id(model.get_buffer(n)) for n in buffers}
     swapped: dict[int, torch.Tensor] = {}
@@ -221,7 +223,8 @@ def keep_only(model: nn.Module, params: Sequence[str], buffers: Sequence[str], d
                 elif id(b) not in keep_buf and not b.is_meta:
                     mod._buffers[name] = torch.empty_like(b, device="meta")
         # (compile_with refuses the model from now on: the other ranks' state is gone from it)
-        object.__setattr__(model, PLACED, True)
+        for mod in model.modules():   # (a module shared with another model is refused there too: check_hooks)
+            object.__setattr__(mod, PLACED, ranks)
         for mod in to_init.values():
             if init_fn is not None:
                 init_fn(mod)

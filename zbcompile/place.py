@@ -49,7 +49,7 @@ def place(model: nn.Module, compiled: Compiled, resolved, dp: Replicas | None = 
     owned_params = tuple(dict.fromkeys([p for st in mine for p in st.params] + list(vocab)))
     owned_buffers = tuple(dict.fromkeys(b for st in mine for b in st.buffers))
     was_meta = is_meta(model)
-    keep_only(model, owned_params, owned_buffers, device, options.init_fn)
+    keep_only(model, owned_params, owned_buffers, device, options.init_fn, ranks=world)
     sync_copies(model, staged, schedule, rank, pg, options.timeout)
     constants = {}
     if staged.vocab is not None:

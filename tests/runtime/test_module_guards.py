@@ -28,6 +28,7 @@ from support.loops import eager_step, rel, shard_of
 from support.models import Case, convnet, gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
 from zbcompile import checkpoint
+from zbcompile.call_checks import check_hooks
 from zbcompile.errors import CheckpointError, DisagreementError, RuntimeFailure, UsageError, ZBCompileWarning
 from zbcompile.options import CompileOptions
 
@@ -133,6 +134,23 @@ def test_the_whole_model_frozen_after_compile_is_refused_on_every_rank_as_eager_
     (said0, grads0), (said1, grads1) = run_pipes(run, PP)
     assert "every parameter of the model has requires_grad=False" in said0 and said0 == said1
     assert grads0 == [] and grads1 == ["6.weight"]
+
+
+def test_a_module_of_a_model_compiled_before_is_refused_in_another_model_on_every_rank():
+    """Two heads on one backbone, compiled as two models: the first compile kept each rank's stages of the
+    backbone and moved the rest to meta. Compiling the second model traced on the rank that kept all of it and
+    failed with a raw fake-tensor error on the other (whose peer then waited out its timeout): both refuse now,
+    naming the module, before tracing; so does the compiled model itself."""
+    model, loss_fn, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+    assert not pipes[0].model[0].weight.is_meta and pipes[1].model[0].weight.is_meta
+    for pipe in pipes:
+        second = torch.nn.Sequential(pipe.model[0], torch.nn.Tanh(), torch.nn.Linear(16, 16))
+        with pytest.raises(UsageError, match=r"module `0` \(Linear\) is part of a model compiled before on 2 "
+                                             r"ranks.*copy\.deepcopy"):
+            zb.compile(second, schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=((x[:2],), (y[:2],)))
+        with pytest.raises(UsageError, match="this model was compiled before"):
+            zb.compile(pipe.model, schedule="1f1b", microbatches=M, loss_fn=loss_fn, example=((x[:2],), (y[:2],)))
+    check_hooks(model, loss_fn)   # the model the pipes were placed from (each rank placed a copy): not refused
 
 
 def test_freezing_after_a_cuda_graphs_compile_is_refused():
