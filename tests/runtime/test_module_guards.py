@@ -153,6 +153,58 @@ def test_a_module_of_a_model_compiled_before_is_refused_in_another_model_on_ever
     check_hooks(model, loss_fn)   # the model the pipes were placed from (each rank placed a copy): not refused
 
 
+class _Scaled(torch.nn.Module):
+    """A linear layer with a non-persistent buffer (not in eager's state_dict) and a persistent one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5), persistent=False)
+        self.register_buffer("shift", torch.full((8,), 0.1))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scale + self.shift
+
+
+def test_state_dict_keys_are_eagers_without_the_non_persistent_buffers():
+    """The ranks' pipe.state_dict() keys together are exactly eager's model.state_dict() keys (a buffer registered
+    with persistent=False is in neither), and eager's state dict loads into every rank with strict=True."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Scaled(), _Scaled(), torch.nn.Linear(8, 4))
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    opts = CompileOptions.from_kwargs(None, schedule="1f1b", microbatches=2, loss_fn=torch.nn.functional.mse_loss,
+                                      example=((x[:2],), (y[:2],)), split_points=("1",))
+    pipes = loopback_pipes(model, opts, PP)
+    want = model.state_dict()
+    keys = [set(pipe.state_dict()) for pipe in pipes]
+    assert set().union(*keys) == set(want) and not keys[0] & keys[1], keys
+    for pipe in pipes:
+        pipe.load_state_dict(want, strict=True)
+
+
+def test_a_vocabulary_parallel_pipe_loads_the_whole_tables_of_the_plain_models_state_dict():
+    """The plain model's state dict holds each vocabulary table whole; each rank keeps its own rows of it (rank r:
+    rows [r*rows, (r+1)*rows), sliced by hand here), and the next step's loss is eager's on that model."""
+    model, loss_fn, x, y, pipes = _pipes(gpt(layers=4, batch=8), vocab_parallel=True)
+    torch.manual_seed(123)
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    whole = new.state_dict()
+
+    def run(r):
+        pipes[r].load_state_dict(whole, strict=False)
+        return pipes[r].get_parameter("wte.weight").detach().clone(), pipes[r].step(x, y)
+
+    table = whole["wte.weight"]
+    want = sum(float(loss_fn(new(a), b)) for a, b in zip(x.chunk(M), y.chunk(M))) / M
+    for r, (rows, loss) in enumerate(run_pipes(run, PP)):
+        n = rows.shape[0]
+        assert torch.equal(rows[:max(0, min(n, table.shape[0] - r * n))], table[r * n:(r + 1) * n]), r
+        assert abs(loss - want) <= 1e-5 * abs(want), (r, loss, want)
+
+
 def test_freezing_after_a_cuda_graphs_compile_is_refused():
     """A captured step adds into every .grad it captured, so a freeze after a cuda_graphs compile is refused
     (the options stood in for: this machine has no CUDA)."""
