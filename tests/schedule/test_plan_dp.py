@@ -8,7 +8,7 @@ import pytest
 from zbcompile.__main__ import main
 from zbcompile.passes.schedules import generate
 from zbcompile.plan_dp import _stream, dp_row, regroup_trailing_ws
-from zbcompile.simulate import Costs
+from zbcompile.simulate import Costs, simulate
 
 
 def test_1f1b_hides_nothing_its_reduction_comes_after_the_last_backward():
@@ -51,3 +51,20 @@ def test_cli_compare_prints_every_placement(capsys):
     assert main(["plan", "--compare", "--pp", "2", "-m", "8", "--dp-comm", "1"]) == 0
     out = capsys.readouterr().out
     assert "placed, W groups" in out and "zbv" in out and "hidden" in out
+
+
+def test_placed_reductions_queue_on_the_ranks_one_stream():
+    """zbv, pp=2, m=4, unit costs, T=3 (each of a rank's two V stages reduces half a 1F1B stage: 1.5): from the
+    simulated timeline, each rank's reductions start when ready AND when the previous one on its one stream is
+    done (hand recurrence); "placed" ends with the last of them or the last action."""
+    schedule, costs, comm = generate("zbv", 2, 4), Costs(), 3.0
+    result = simulate(schedule, costs)
+    want = 0.0
+    for row in result.schedule.ranks:
+        ready = sorted(max(result.end[a] for a in row if a.stage == s and a.kind.name != "F")
+                       for s in {a.stage for a in row})
+        t = 0.0
+        for r in ready:
+            t = max(t, r) + comm / 2
+        want = max(want, max(result.end[a] for a in row), t)
+    assert dp_row(schedule, costs, comm).placed == pytest.approx(want, abs=1e-9)

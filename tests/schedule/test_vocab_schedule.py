@@ -205,3 +205,12 @@ def test_costs_parse_vocab_keys() -> None:
     assert (costs.s, costs.t, costs.i) == (0.2, 0.4, 0.01)
     assert str(costs) == "F=1,B=1,W=1,comm=0,S=0.2,T=0.4,I=0.01"
     assert str(Costs()) == "F=1,B=1,W=1,comm=0"
+
+
+@pytest.mark.parametrize("pp,layer", [(2, 3.0), (4, 6.0), (8, 2.4)])
+def test_vocab_costs_split_the_output_layer_into_a_forward_third_and_the_rest(pp, layer):
+    """An output layer taking L whole (its F + B + W) is split over pp shards of L/pp each: S the forward third,
+    T the rest (s = L/(3pp), t = 2L/(3pp)); a T placed as cheaper than it is misplaces the vocabulary actions."""
+    costs = vocab_costs(pp, layer, Costs())
+    assert costs.s == pytest.approx(layer / (3 * pp), rel=1e-12)
+    assert costs.t == pytest.approx(2 * layer / (3 * pp), rel=1e-12)
