@@ -136,3 +136,16 @@ def test_sharded_programs_offload_activations_too(gather):
         ga = {n: p.grad for n, p in a.named_parameters() if p.grad is not None}
         gb = {n: p.grad for n, p in b.named_parameters() if p.grad is not None}
         assert ga.keys() == gb.keys() and all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+def test_step_gathers_are_posted_one_action_before_the_action_they_serve():
+    """dp_shard with gather="step": each gather is posted one action early, so that the action before the one it
+    serves hides it; a wait with no action between it and its post (after the rank's first action, which nothing
+    can precede) would leave the step waiting on that gather."""
+    for program in lowered_gpt("zbv", 2, DataParallel(shard=2, gather="step")):
+        ops = program.ops
+        first_run = next(i for i, op in enumerate(ops) if op.kind is OpKind.RUN)
+        posted = {op.outs[0]: i for i, op in enumerate(ops) if op.kind is OpKind.DP_GATHER}
+        exposed = [i for i, op in enumerate(ops) if op.kind is OpKind.WAIT_GATHER and i > first_run
+                   and not any(ops[k].kind is OpKind.RUN for k in range(posted[op.ins[0]], i))]
+        assert posted and not exposed, (program.rank, exposed)

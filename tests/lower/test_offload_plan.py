@@ -7,6 +7,7 @@ import pytest
 from support.launch import run_python
 from support.models import gpt
 from zbcompile.compiler import split_for
+from zbcompile.ir.program.ops import Stream
 from zbcompile.passes.analysis.memory import rank_memory
 from zbcompile.passes.analysis.offload_plan import (DEVICES, Device, OffloadError, _by_lifespan, compute_time,
                                                     least_peaks, plan_offload)
@@ -106,3 +107,22 @@ def test_inspect_offload_cli():
     bad = run_python(["-m", "zbcompile", "inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule",
                       "zb-h1", "--offload", "1000"], timeout=300)
     assert bad.returncode != 0 and "smallest" not in bad.stdout and "at least" in bad.stderr
+
+
+def test_the_time_model_runs_the_copies_one_after_another_on_the_copy_stream():
+    """With free compute and slow copies (1e6 B/s) the step lasts at least as long as the one copy stream takes
+    for every copy posted up to the last one a wait waits for: their bytes over the bandwidth (FIFO, by hand)."""
+    case = gpt(layers=8, batch=8, seq=16)
+    schedule = generate("zb-h1", 2, 8)
+    program = insert_offload(lower_all(schedule, split_for(case.model, case.loss_fn, case.example, schedule))[0],
+                             OffloadChoice(None, 0))
+    device = Device("free compute, slow copies", 1e30, 1e30, 1e6)
+    posted, last = {}, -1
+    for i, op in enumerate(program.ops):
+        if op.spec.stream is Stream.COPY and op.spec.copy_bytes is not None:
+            posted.update((h, i) for h in op.outs)
+        elif op.spec.stream is Stream.COPY:
+            last = max([last] + [posted[v] for v in op.ins if v in posted])
+    copied = sum(op.spec.copy_bytes(op) for op in program.ops[:last + 1]
+                 if op.spec.stream is Stream.COPY and op.spec.copy_bytes is not None)
+    assert copied > 0 and compute_time(program, device) >= copied / device.copy_bandwidth * (1 - 1e-9)

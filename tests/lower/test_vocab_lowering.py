@@ -92,3 +92,26 @@ def test_a_collective_no_rank_can_join_is_a_deadlock(staged):
     schedule = Schedule.from_text(DEADLOCK)
     with pytest.raises(LoweringError, match="deadlock"):
         lower_all(schedule, staged[2])
+
+
+def test_the_gathered_whole_table_is_freed_right_after_its_last_reader():
+    """pipe(x) with vocabulary parallelism all-gathers the output layer's table whole (`vocab:whole:<fqn>`) for
+    the last stage's forwards: one FREE right after its last reader (timing stamps aside), not held to the end
+    of the step while keep_outputs assembles the outputs."""
+    from zbcompile.compiler import compile_forward, compile_programs
+    from zbcompile.options import CompileOptions
+
+    case = gpt(layers=4, batch=8)
+    x, y = case.example
+    opts = CompileOptions.from_kwargs(None, schedule="zbv", microbatches=4, loss_fn=case.loss_fn,
+                                      example=((x[:2],), (y[:2],)), vocab_parallel=True)
+    seen = 0
+    for program in compile_forward(compile_programs(case.model, opts, 2), training=False, outputs=True):
+        ops = program.ops
+        last = {v: i for i, op in enumerate(ops) if op.kind is not OpKind.FREE for v in op.ins
+                if v.startswith("vocab:whole:")}
+        for value, i in last.items():
+            k = next(k for k in range(i + 1, len(ops)) if ops[k].kind is not OpKind.STAMP)
+            assert ops[k].kind is OpKind.FREE and value in ops[k].ins, (program.rank, value, ops[k])
+            seen += 1
+    assert seen
