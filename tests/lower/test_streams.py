@@ -107,6 +107,23 @@ def test_cycle_check_agrees_with_executing_the_streams(name, pp):
         assert (stream_cycle(programs, channel) is None) == _run_streams(programs, channel), channel
 
 
+def test_a_send_posted_after_the_compute_that_needs_its_reply_is_a_stream_deadlock():
+    """A post waits on its stream for the compute posted before it (NCCL's model). Rank 0's send of its
+    activation moved after its own backward, which needs the gradient rank 1 makes from that activation: the
+    programs cannot finish on device streams (the reference executor above), and the cycle check must say so,
+    not only the host-side order check."""
+    p0, p1 = _programs("1f1b", 2, 1)
+    ops = list(p0.ops)
+    send_op = ops.pop(next(i for i, op in enumerate(ops) if op.kind is OpKind.SEND))
+    wait_op = ops.pop(next(i for i, op in enumerate(ops) if op.kind is OpKind.WAIT_SEND
+                           and op.ins[0] == send_op.outs[0]))
+    backward = next(i for i, op in enumerate(ops) if op.kind is OpKind.RUN and op.action.kind.name in ("B", "BW"))
+    ops[backward + 1:backward + 1] = [send_op, wait_op]
+    programs = (p0.replace(ops=tuple(ops)), p1)
+    assert not _run_streams(programs, "directed")
+    assert stream_cycle(programs, "directed") is not None
+
+
 class _Recorder:
     def __init__(self, name):
         self.name, self.calls = name, []
