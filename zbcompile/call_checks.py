@@ -91,7 +91,10 @@ class Traced:
                 raise UsageError(f"{name} had requires_grad=False when the pipeline was compiled, so the compiled "
                                  "step never computes its gradient; it requires grad now. Compile again "
                                  "(zbcompile.compile) with it trainable to train it, or freeze it again")
-        if self.trainable and not any(p.requires_grad for p in self.watched[3]):
+        # (this rank's parameters trained at compile first: in a step that trains, the first one ends the search,
+        # where the model's parameters in order may begin with a long frozen backbone)
+        if self.trainable and not any(p.requires_grad for _, p in self.trained) \
+                and not any(p.requires_grad for p in self.watched[3]):
             raise UsageError("every parameter of the model has requires_grad=False now, so step() has nothing to "
                              "train: its gradients would all be dropped (eager's loss.backward() raises here: the "
                              "loss does not require grad). Unfreeze what you mean to train, or call "
