@@ -28,8 +28,9 @@ master port another took in between is run again on a new one (support/launch.py
 Markers (declared in pyproject.toml, --strict-markers): dist (launches several processes), slow (over a second
 here: marked by hand, and by the timings in durations.json, see below), gpu (needs CUDA), fresh_split (never
 from the split memo). Refresh the timings after adding slow tests: `python -m pytest -q -n 2 --record-durations`
-(the whole suite, on this kind of machine). Every test has a timeout (pytest-timeout, 1500 s); every launch kills
-all its ranks on a failure or its own timeout (support/launch.py).
+(the whole suite, on this kind of machine; then once more with -m "not slow", which raises the timings of the
+tests that are slow only when the fast tier runs alone). Every test has a timeout (pytest-timeout, 1500 s); every
+launch kills all its ranks on a failure or its own timeout (support/launch.py).
 
 Tracing and splitting are most of the suite's time, so the session splits each distinct request once
 (support/split_memo.py): in each process's memory, and in a directory of the session's own that the test
@@ -128,7 +129,14 @@ def pytest_sessionfinish(session):
     worker = hasattr(session.config, "workerinput")
     if session.config.getoption("--record-durations") and _measured and not worker:
         known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-        ran = {k.split("::")[0] for k in _measured}   # a module run now: its tests as they are now, no old ids
-        known = {k: v for k, v in known.items() if k.split("::")[0] not in ran}
-        known.update({k: round(v, 2) for k, v in _measured.items()})
+        config = session.config
+        if config.getoption("markexpr") or config.getoption("keyword"):
+            # a tier (-m "not slow") or a selection: the tests not run keep their timings, and a test run keeps
+            # the larger of the two. Run alone, the fast tier measures what the full run hides: the first test
+            # to ask for a split pays for it (support/split_memo.py), where in the full run a slow test had
+            known.update({k: max(round(v, 2), known.get(k, 0.0)) for k, v in _measured.items()})
+        else:
+            ran = {k.split("::")[0] for k in _measured}   # a module run now: its tests as they are now, no old ids
+            known = {k: v for k, v in known.items() if k.split("::")[0] not in ran}
+            known.update({k: round(v, 2) for k, v in _measured.items()})
         DURATIONS.write_text(json.dumps(dict(sorted(known.items())), indent=0) + "\n")
