@@ -233,14 +233,18 @@ def keep_only(model: nn.Module, params: Sequence[str], buffers: Sequence[str], d
         # (compile_with refuses the model from now on: the other ranks' state is gone from it)
         for mod in model.modules():   # (a module shared with another model is refused there too: check_hooks)
             object.__setattr__(mod, PLACED, ranks)
-        for mod in to_init.values():
-            if init_fn is not None:
-                init_fn(mod)
-            elif hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
-            else:
-                raise UsageError(f"cannot initialize {type(mod).__name__} built on the meta device: it has no "
-                                    f"reset_parameters(); pass init_fn=... to zbcompile.compile")
+        # each rank initializes only its share, drawing from the global generators as much as that share needs:
+        # they are put back after, so that they stay the same on every rank (a DataLoader shuffled after compile
+        # hands every rank the same batches, as a model built whole would)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for mod in to_init.values():
+                if init_fn is not None:
+                    init_fn(mod)
+                elif hasattr(mod, "reset_parameters"):
+                    mod.reset_parameters()
+                else:
+                    raise UsageError(f"cannot initialize {type(mod).__name__} built on the meta device: it has no "
+                                     f"reset_parameters(); pass init_fn=... to zbcompile.compile")
 
 
 def sync_copies(model: nn.Module, staged: StagedModel, schedule: Schedule, rank: int, pg, timeout: float) -> None:

@@ -98,6 +98,8 @@ def test_meta_device_model_is_materialized_per_rank(run):
         assert meta["real"] and meta["others_meta"]
         assert meta["grad_err"] <= TOL
         assert meta["init_calls"] and set(meta["init_calls"]) == {"Linear"}
+        # each rank reset only its own modules' parameters (no init_fn): the global generator is as before compile
+        assert meta["rng_kept"], "compile left the global generator moved by this rank's share of the init"
         owned += meta["owned"]
     assert len(owned) == len(set(owned)) == 8  # 4 Linear layers, each on exactly one rank
 

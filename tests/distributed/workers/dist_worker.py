@@ -153,11 +153,19 @@ def check_meta(pp, results, timeout):
                       init_fn=lambda mod: (called.append(type(mod).__name__), init_fn(mod)), timeout=timeout)
     pipe.step(x, y)
     own = dict(pipe.named_parameters())
+    # without init_fn each rank resets its own modules' parameters, drawing from the global generator as much
+    # as its share needs: compile leaves the generator as it found it, the same on every rank (a DataLoader
+    # shuffled after compile hands every rank the same batches)
+    with torch.device("meta"):
+        reset = mlp(layers=4, batch=4).model.to("meta")   # (mlp seeds its own init)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    zb.compile(reset, schedule="1f1b", microbatches=4, loss_fn=loss_fn, example=((x[:1],), (y[:1],)), timeout=timeout)
     results["meta"] = dict(
         grad_err=max(rel(p.grad, grads_ref[n]) for n, p in own.items()),
         owned=sorted(own), real=all(not p.is_meta for p in own.values()),
         others_meta=all(p.is_meta for n, p in meta_model.named_parameters() if n not in own),
-        init_calls=called)
+        init_calls=called, rng_kept=torch.equal(torch.get_rng_state(), before))
 
 
 def check_training_loop(pp, results, timeout):
