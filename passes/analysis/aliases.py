@@ -61,13 +61,30 @@ def graph_output_aliases(gm: fx.GraphModule) -> tuple[frozenset[int], ...]:
 
 def graph_output_owned(gm: fx.GraphModule) -> tuple[bool, ...]:
     """For each output of `gm`: True when it is fresh memory that no input and no other output shares, so
-    the caller may keep it and write into it."""
+    the caller may keep it and write into it; False too for an output whose elements overlap (an expand: the
+    gradient of a parameter read through p.sum() is its output gradient expanded, and adding into it in place
+    raises)."""
     roots = _output_roots(gm)
+    overlapping = _outputs_overlap(gm)
     owned = []
     for i, mine in enumerate(roots):
         others = frozenset().union(*(r for j, r in enumerate(roots) if j != i))
-        owned.append(bool(mine) and not any(isinstance(r, int) for r in mine) and not mine & others)
+        owned.append(bool(mine) and not any(isinstance(r, int) for r in mine) and not mine & others
+                     and not overlapping[i])
     return tuple(owned)
+
+
+def _outputs_overlap(gm: fx.GraphModule) -> tuple[bool, ...]:
+    """Per output of `gm`, whether its traced value (meta["val"]) has elements sharing memory: a dimension of
+    stride 0 and size over 1. (A value fx did not record counts as not overlapping, as the graph made it.)"""
+    out = next(iter(gm.graph.find_nodes(op="output")), None)
+    if out is None:
+        return ()
+    outs = out.args[0]
+    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+    vals = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in outs]
+    return tuple(isinstance(v, torch.Tensor) and v.layout is torch.strided
+                 and any(st == 0 and n > 1 for n, st in zip(v.shape, v.stride())) for v in vals)
 
 
 # The lowering asks about the same few stage graphs once per microbatch and op (thousands of times), and

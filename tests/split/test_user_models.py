@@ -636,3 +636,30 @@ def test_an_activation_read_only_through_argmax_sends_no_zero_gradient_back(sche
     torch.manual_seed(0)
     threaded_step_matches_eager(_case(ArgmaxRelay(False), (torch.randn(2, 8), torch.randn(2, 8))), schedule, 2,
                                 split_points=["relay"] if schedule == "1f1b" else ["relay", "emb", "d"])
+
+
+class SummedScales(nn.Module):
+    """Parameters read only through a sum (`p.sum()`, `p.sum(0)`): each one's gradient is its output gradient
+    expanded, a view whose elements share memory; `shared` is read in the first and the last layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.scale = nn.Parameter(torch.randn(8))
+        self.rows = nn.Parameter(torch.randn(3, 8))
+        self.shared = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        x = torch.tanh(self.layers[0](x)) * self.shared.sum()
+        for layer in self.layers[1:]:
+            x = torch.tanh(layer(x))
+        return (x * self.scale.sum() + self.rows.sum(0)) * self.shared.sum()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv"])
+def test_a_gradient_that_is_an_expanded_view_accumulates_over_microbatches_as_eager(schedule):
+    """The first microbatch's gradient was kept as the running sum and the next added into it in place, which
+    raised torch's "more than one element of the written-to tensor refers to a single memory location" (probe
+    37). An output whose elements overlap is no sum to add into: the sum starts out of place."""
+    torch.manual_seed(0)
+    threaded_step_matches_eager(_case(SummedScales(), (torch.randn(2, 8), torch.randn(2, 8))), schedule, 2)
