@@ -27,7 +27,16 @@ from zbcompile.errors import UsageError, ZBCompileWarning
 from zbcompile.watch import Watched, watch_of
 
 __all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_autocast",
-           "check_default_dtype", "check_conversion", "check_cross_parameter", "watch_optimizers"]
+           "check_default_dtype", "check_conversion", "check_cross_parameter", "watch_optimizers", "nothing_trained"]
+
+
+def nothing_trained(what: str) -> UsageError:
+    """Every parameter of the model frozen since compile: seen before the step through the model (each rank sees
+    every parameter's flag), or after it through the step's gather (frozen through pipe.parameters(), each rank
+    its own)."""
+    return UsageError(f"every parameter of the model has requires_grad=False now, so {what} (eager's "
+                      "loss.backward() raises here: the loss does not require grad). Unfreeze what you mean to "
+                      "train, or call pipe.evaluate(*batch) for the loss alone")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +102,8 @@ class Traced:
                                  "(zbcompile.compile) with it trainable to train it, or freeze it again")
         # (this rank's parameters trained at compile first: in a step that trains, the first one ends the search,
         # where the model's parameters in order may begin with a long frozen backbone)
-        if self.trainable and not any(p.requires_grad for _, p in self.trained) \
-                and not any(p.requires_grad for p in self.watched[3]):
-            raise UsageError("every parameter of the model has requires_grad=False now, so step() has nothing to "
-                             "train: its gradients would all be dropped (eager's loss.backward() raises here: the "
-                             "loss does not require grad). Unfreeze what you mean to train, or call "
-                             "pipe.evaluate(*batch) for the loss alone")
+        if self.trainable and not self.trains_here() and not any(p.requires_grad for p in self.watched[3]):
+            raise nothing_trained("step() has nothing to train: its gradients would all be dropped")
         for name, p in self.trained if captured else ():
             if not p.requires_grad:
                 raise UsageError(f"{name} was frozen (requires_grad_(False)) after the pipeline was compiled with "
@@ -108,6 +113,10 @@ class Traced:
         for name, t, dtype, device in self.layouts:
             if t.dtype != dtype or t.device != device:
                 raise _converted(f"rank {rank}: {name}", dtype, device, t)
+
+    def trains_here(self) -> bool:
+        """Whether a parameter this rank holds and trained at compile requires grad now."""
+        return any(p.requires_grad for _, p in self.trained)
 
     def check_model(self) -> None:
         """UsageError for a module whose mode or dropout probability changed since compile, a hook added or

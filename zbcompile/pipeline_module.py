@@ -169,10 +169,12 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         self._seed(scaler)
         local = self._checked(batch, "step")
         self._check_same_batch(batch, "step")
-        self.runtime.call = call
+        self.runtime.call, self.runtime.trains = call, self._traced.trains_here()
         with rng.own_stream(self.rank, self._own_rng):
             loss = self.runtime.step_batch(local)   # with dp, the program averaged the gradients over the replicas
         self._post_validated_last = False
+        if self._traced.trainable and not self.runtime.some_rank_trains:
+            raise call_checks.nothing_trained("the step trained nothing, on any rank: it wrote no gradient")
         loss = loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
         if optimizer is not None:
             try:

@@ -136,6 +136,36 @@ def test_the_whole_model_frozen_after_compile_is_refused_on_every_rank_as_eager_
     assert grads0 == [] and grads1 == ["6.weight"]
 
 
+def test_the_whole_model_frozen_through_each_ranks_pipe_parameters_is_refused_on_every_rank():
+    """Frozen through pipe.parameters() on every rank, each rank its own parameters: no rank sees the others'
+    flags (they are on meta there, as compiled), so the step ran and dropped every gradient, training nothing
+    without a word, where eager's backward raises. Every rank now learns from the step's gather that none
+    trained and refuses the step, no gradient written; a rank that still trains a parameter trains alone, as
+    eager does."""
+    case = mlp(layers=4, batch=8)
+    _, _, x, y, pipes = _pipes(case)
+
+    def run(r):
+        for p in pipes[r].parameters():
+            p.requires_grad_(False)
+        try:
+            pipes[r].step(x, y)
+            refused = None
+        except UsageError as e:
+            refused = str(e)
+        written = [n for n, p in pipes[r].named_parameters() if p.grad is not None]
+        if r == PP - 1:
+            next(iter(pipes[r].parameters())).requires_grad_(True)
+        pipes[r].step(x, y)   # one parameter on the last rank trains: a step
+        return refused, written, sorted(n for n, p in pipes[r].named_parameters() if p.grad is not None)
+
+    ran = run_pipes(run, PP)
+    for r, (refused, written, after) in enumerate(ran):
+        assert refused is not None and "requires_grad=False" in refused and "trained nothing" in refused, (r, refused)
+        assert written == [], (r, written)
+    assert ran[0][2] == [] and len(ran[-1][2]) == 1, ran
+
+
 def test_a_module_of_a_model_compiled_before_is_refused_in_another_model_on_every_rank():
     """Two heads on one backbone, compiled as two models: the first compile kept each rank's stages of the
     backbone and moved the rest to meta. Compiling the second model traced on the rank that kept all of it and

@@ -109,8 +109,9 @@ class RankRuntime:
         self._stamps = 2 * len(self.names)   # this rank's timing slots: a start and an end per action
         self.max_actions = max(len(n) for n in self._names)
         # as many slots as the busiest rank has: every rank's gathered row has the same length
-        # the gathered row: [loss sum, start / end of every action, the caller's call number (self.call)]
-        self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions + 1, ranks=self.num_ranks,
+        # the gathered row: [loss sum, start / end of every action, whether this rank trains a parameter
+        # (self.trains), the caller's call number (self.call)]
+        self.ctx = StepContext(pg, ir.rank, device, timeout, 2 * self.max_actions + 2, ranks=self.num_ranks,
                                channels=channels, buffers=ir.buffers, collectives=collectives,
                                host_buffers=ir.host_buffers, event_timing=ir.event_timing, replicas=replicas)
         # the seed gradient 1 / m, in the loss's dtype (a float64 or bfloat16 model's backward takes no float32 seed)
@@ -150,6 +151,10 @@ class RankRuntime:
         # the caller's count of its calls of this kind, refused ones included (PipelineModule sets it): every
         # rank's must be the same, else a call refused on some ranks only paired different batches
         self.call = 0
+        # whether a parameter this rank holds requires grad now (PipelineModule sets it), and after a step's
+        # gather whether one did on some rank: a model frozen on every rank through pipe.parameters() trains
+        # nothing, which no rank sees alone (each sees the others' parameters, on meta, as compiled)
+        self.trains, self.some_rank_trains = True, True
         # why a program run stopped half-way (its messages posted, the peers' not matched), or None: the process
         # groups are then in an unknown state (PipelineModule refuses every later call at once)
         self.failed: str | None = None
@@ -336,6 +341,7 @@ class RankRuntime:
         """One all-gather per step carries every rank's loss sum and action times."""
         self._stepped = False  # the rows are rewritten in place: a failed gather leaves no stale "last step"
         self.ctx.row[0] = float(loss) if loss is not None else 0.0
+        self.ctx.row[-2] = float(self.trains)
         self.ctx.row[-1] = float(self.call)
         send = self._send_row
         if send is not self._row:
@@ -350,11 +356,12 @@ class RankRuntime:
             wait(self.ctx, work, "gathering", "the step's loss and timings", None)
         self._stepped = True
         if self._row_arrays is not None:
-            pairs = [(a[0], a[-1]) for a in self._row_arrays]
+            read = [(a[0], a[-2], a[-1]) for a in self._row_arrays]
         else:
-            pairs = torch.stack(self._rows)[:, [0, -1]].tolist()   # one copy to the host
-        self._check_calls([int(call) for _, call in pairs])
-        return sum(loss for loss, _ in pairs) / self.ir.microbatches
+            read = torch.stack(self._rows)[:, [0, -2, -1]].tolist()   # one copy to the host
+        self._check_calls([int(call) for *_, call in read])
+        self.some_rank_trains = any(trains for _, trains, _ in read)
+        return sum(loss for loss, *_ in read) / self.ir.microbatches
 
     def _check_calls(self, calls: list[int]) -> None:
         """DisagreementError on every rank where the ranks' call numbers differ (the step has run: its messages
