@@ -338,7 +338,8 @@ class RankRuntime:
         return loss
 
     def _gather(self, loss) -> float:
-        """One all-gather per step carries every rank's loss sum and action times."""
+        """One all-gather per step carries every rank's loss sum, action times, whether it trains a parameter and
+        its call number."""
         self._stepped = False  # the rows are rewritten in place: a failed gather leaves no stale "last step"
         self.ctx.row[0] = float(loss) if loss is not None else 0.0
         self.ctx.row[-2] = float(self.trains)
