@@ -48,7 +48,7 @@ class Evaluation:
         runtime = self._forward_runtime(self.training, outputs=True, microbatches=m)
         self._check_same_batch(inputs, "forward")
         self._agree_on_call("forward", call, m)
-        with torch.inference_mode(False), rng.own_stream(self.rank, self._own_rng):
+        with torch.inference_mode(False), rng.own_stream(self.rank, self._draws[runtime]):
             flat = runtime.run_batch(local)
         if flat is None:
             return None
@@ -85,7 +85,7 @@ class Evaluation:
         self._agree_on_call("evaluate", call, m)
         runtime.call = call
         # (inference_mode off: the step's buffers must stay usable outside inference_mode too)
-        with torch.inference_mode(False), rng.own_stream(self.rank, self._own_rng):
+        with torch.inference_mode(False), rng.own_stream(self.rank, self._draws[runtime]):
             loss = runtime.step_batch(local)
             return loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
 
@@ -138,6 +138,7 @@ class Evaluation:
 
     def _new_forward_runtime(self, training: bool, outputs: bool, m: int) -> RankRuntime:
         from zbcompile.compiler import compile_forward
+        from zbcompile.passes.forward_only import draws_random
 
         if self._runtime_for is None:
             raise UsageError("this PipelineModule was built without a way to make more runtimes; build it with "
@@ -154,7 +155,11 @@ class Evaluation:
                     raise UsageError(self.__dict__["_eval_outputs"])
             programs = compile_forward(self.compiled, training, outputs=outputs,
                                        microbatches=None if m == self.schedule.num_microbatches else m)
-            return self._runtime_for(programs)
+            runtime = self._runtime_for(programs)
+            # every rank's programs: the same decision on every rank
+            self._draws[runtime] = self._own_rng and draws_random(
+                g.gm for program in programs for g in program.graphs.values())
+            return runtime
 
 
 def _said_numbers(numbers: list[tuple[int, object]]) -> str:

@@ -77,6 +77,9 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         # other sizes last evaluated (FORWARD_SIZES of them, the least recently used dropped first)
         self._forward: collections.OrderedDict[tuple[bool, bool, int], RankRuntime] = collections.OrderedDict()
         self._sources: dict[tuple[bool, bool, int], range] = {}   # fx's numbers of the code each one made
+        # whether each one runs a random op on some rank (an eval-mode one of a model with dropout does not, and
+        # then draws nothing from the global generator, as eager's eval forward: rng.own_stream)
+        self._draws: weakref.WeakKeyDictionary[RankRuntime, bool] = weakref.WeakKeyDictionary()
         self._failure: str | None = None   # the RuntimeFailure after which nothing more may run
         self._pv = None   # zbcompile.post_validation.PostValidated, made by the first step(post_validate=True)
         self._post_validated_last = False   # the last step was post-validated (memory_plan is then its plan)

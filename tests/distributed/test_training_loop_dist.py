@@ -59,6 +59,9 @@ def test_a_shuffling_data_loader_hands_every_rank_the_same_batches_under_dropout
         assert res["sums"] == got[0]["sums"], (r, res["sums"], got[0]["sums"])
         assert res["rng"] == got[0]["rng"], r
         assert res["masks_differ"], r
+        # an eval-mode evaluate() and pipe(x) drew one number each from the global generator, where eager's
+        # eval forward draws nothing; a train-mode evaluate() draws (its dropout runs)
+        assert res["eval_kept"] and res["train_drew"], (r, res["eval_kept"], res["train_drew"])
 
 
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("bfloat16", 3e-2), ("float16", 5e-3)])

@@ -121,8 +121,16 @@ def shuffle_case(pp: int, m: int, model: str) -> dict:
             sums.append(float((batch.double() * weights).sum()))
             pipe.step(*split(batch))
     again = [pipe.step(x, y) for _ in range(2)]
+    # eval mode runs no dropout: evaluate() and pipe(x) draw nothing from the global generator, as eager's eval
+    # forward; in train mode their dropout draws (one number, as a step)
+    state = torch.get_rng_state()
+    pipe.eval().evaluate(x, y)
+    pipe(x)
+    eval_kept = torch.equal(torch.get_rng_state(), state)
+    pipe.train().evaluate(x, y)
     return dict(sums=sums, rng=hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
-                masks_differ=again[0] != again[1])
+                masks_differ=again[0] != again[1], eval_kept=eval_kept,
+                train_drew=not torch.equal(torch.get_rng_state(), state))
 
 
 def dtype_case(pp: int, m: int, dtype) -> dict:
