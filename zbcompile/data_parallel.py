@@ -184,12 +184,16 @@ class Replicas:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(default)
 
-    def gather(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Each tensor's replicas concatenated on dim 0 in replica order (the model's outputs, in batch order)."""
+    def gather(self, tensors: Sequence[torch.Tensor], dims: Sequence[int | None] | None = None) -> list[torch.Tensor]:
+        """Each tensor's replicas concatenated on its dim of `dims` (default 0) in replica order (the model's
+        outputs, in batch order); a tensor whose dim is None (a parameter the model returns) as it is."""
         out = []
-        for t in tensors:
+        for t, d in zip(tensors, dims if dims is not None else [0] * len(tensors)):
+            if d is None:
+                out.append(t)
+                continue
             parts = [torch.empty_like(t) for _ in range(self.size)]
             self._wait(dist.all_gather(parts, t.contiguous(), group=self.group, async_op=True),
                        "gathering the outputs")
-            out.append(torch.cat(parts))
+            out.append(torch.cat(parts, d))
         return out

@@ -60,11 +60,13 @@ class Evaluation:
                           "example, so a shape or a count read in forward is the microbatch's, not the batch's; "
                           "return such values as tensors (one per row) to have them per batch", ZBCompileWarning,
                           stacklevel=2)
-        outputs = model_outputs.rebuild(flat, m)
+        rows = next((shape[0] for shape, _ in self.runtime.data_specs.values() if shape), None)
+        outputs = model_outputs.rebuild(flat, m, rows)
         if self._dp is None or self._local_batches:   # dp_batch="local": the replica's own rows, as DDP's
             return outputs
+        dims = model_outputs.batch_dims(flat[:len(flat) // m], rows)
         leaves, spec = torch.utils._pytree.tree_flatten(outputs)
-        tensors = iter(self._dp.gather([t for t in leaves if isinstance(t, torch.Tensor)]))
+        tensors = iter(self._dp.gather([t for t in leaves if isinstance(t, torch.Tensor)], dims))
         return torch.utils._pytree.tree_unflatten([next(tensors) if isinstance(t, torch.Tensor) else t
                                                    for t in leaves], spec)
 

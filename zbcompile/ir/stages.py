@@ -41,7 +41,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import fx
 
-from zbcompile.errors import SplitError
+from zbcompile.errors import SplitError, UsageError
 from zbcompile.ir.names import VOCAB_EMB, VOCAB_X, Role, is_vocab_boundary, role_of
 
 __all__ = ["TensorSpec", "Graph", "Traced", "ModelOutputs", "Constant", "Partition", "Stage", "StagedModel",
@@ -169,18 +169,44 @@ class ModelOutputs:
         return [(k, c.value) for k, c in enumerate(self.leaves) if isinstance(c, Constant)
                 and isinstance(c.value, (int, float)) and not isinstance(c.value, bool)]
 
-    def rebuild(self, flat, microbatches: int):
+    def rebuild(self, flat, microbatches: int, rows: int | None = None):
         """The model's output tree from a forward's flat result (microbatch by microbatch, each its tensor
-        leaves in order): each leaf's microbatches concatenated on dim 0, a 0-dim leaf's stacked; a parameter
-        or buffer the model returns itself as it is (the same tensor in every microbatch)."""
+        leaves in order): each leaf's microbatches concatenated on its batch dim (batch_dims), a 0-dim leaf's
+        stacked; a parameter or buffer the model returns itself as it is (the same tensor in every microbatch)."""
         from torch.utils._pytree import tree_unflatten
 
         k = len(flat) // microbatches
-        state = [role_of(leaf) in (Role.PARAM, Role.BUFFER) for leaf in self.leaves if not isinstance(leaf, Constant)]
-        tensors = iter([parts[0] if whole else torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts)
-                        for whole, parts in zip(state, (flat[j::k] for j in range(k)))])
+        dims = self.batch_dims(flat[:k], rows)
+        tensors = iter([parts[0] if d is None else torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts, d)
+                        for d, parts in zip(dims, (flat[j::k] for j in range(k)))])
         leaves = [leaf.value if isinstance(leaf, Constant) else next(tensors) for leaf in self.leaves]
         return tree_unflatten(leaves, self.spec)
+
+    def batch_dims(self, first, rows: int | None) -> list[int | None]:
+        """Per tensor leaf (`first`: one microbatch's, in leaf order) the dim its microbatches are put together on,
+        as model(x) returns the batch: None for a parameter or buffer the model returns itself, dim 0 where it
+        holds the microbatch's `rows` (or for a 0-dim leaf, stacked), else the one dim that does (a time-major
+        output, [T, B, ...]). UsageError for a leaf with no such dim (computed from parameters alone, or reduced
+        over the batch): its microbatches' values make no batch's value. rows None: dim 0 for every leaf."""
+        tensors = [leaf for leaf in self.leaves if not isinstance(leaf, Constant)]
+        dims = []
+        for k, (leaf, t) in enumerate(zip(tensors, first)):
+            if role_of(leaf) in (Role.PARAM, Role.BUFFER):
+                dims.append(None)
+                continue
+            held = [d for d, n in enumerate(t.shape) if n == rows]
+            if rows is None or t.dim() == 0 or t.shape[0] == rows:
+                dims.append(0)
+            elif len(held) == 1:
+                dims.append(held[0])
+            else:
+                raise UsageError(
+                    f"pipe(x): the model's output tensor {k} has shape {list(t.shape)} for a microbatch of {rows} "
+                    f"rows, {'and several dims' if held else 'and no dim'} of that size: it is not per row (made "
+                    "from parameters alone, or reduced over the batch), so the microbatches' values do not make "
+                    "the batch's as model(x) returns it. Return per-row tensors (the reduction in the loss), or "
+                    "call pipe.evaluate(*batch) for the loss")
+        return dims
 
 
 @dataclass(frozen=True)
