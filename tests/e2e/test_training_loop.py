@@ -1214,51 +1214,57 @@ def test_forward_rebuilds_an_output_tree_with_a_scalar_per_microbatch():
 
 class _TimeMajor(torch.nn.Module):
     """Batch-major inputs [B, T], outputs time-major [T, B, V] (as an nn.LSTM or nn.Transformer with
-    batch_first=False returns them), and optionally a value with no row dim: one from the position table alone,
-    or a mean over the batch."""
+    batch_first=False returns them), flattened batch-major logits [B * T, V], or a value with no row dim: one from
+    the position table alone, or a mean over the batch (T = 5, 13 features: no multiple of 3-row microbatches)."""
 
-    def __init__(self, extra: str | None = None) -> None:
+    def __init__(self, out: str = "time") -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.emb = torch.nn.Embedding(32, 16)
-        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(4)])
-        self.head = torch.nn.Linear(16, 32)
-        self.pos = torch.nn.Parameter(torch.randn(6, 16))
-        self.extra = extra
+        self.emb = torch.nn.Embedding(32, 13)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(13, 13) for _ in range(4)])
+        self.head = torch.nn.Linear(13, 32)
+        self.pos = torch.nn.Parameter(torch.randn(5, 13))
+        self.out = out
 
     def forward(self, ids):
         x = self.emb(ids) + self.pos
         for layer in self.layers:
             x = x + torch.tanh(layer(x))
-        logits = self.head(x).transpose(0, 1)
-        if self.extra is None:
+        logits = self.head(x)
+        if self.out == "flat":
+            return logits.flatten(0, 1)
+        logits = logits.transpose(0, 1)
+        if self.out == "time":
             return logits
-        return logits, (self.pos * 2.0 if self.extra == "table" else x.mean((0, 1)))
+        return logits, (self.pos * 2.0 if self.out == "table" else x.mean((0, 1)))
 
 
 def _time_major_loss(out, y):
+    if isinstance(out, torch.Tensor) and out.dim() == 2:   # flattened batch-major
+        return F.cross_entropy(out, y.flatten())
     logits = out if isinstance(out, torch.Tensor) else out[0]
     extra = 0.0 if isinstance(out, torch.Tensor) else out[1].pow(2).mean()
     return F.cross_entropy(logits.transpose(0, 1).flatten(0, 1), y.flatten()) + extra
 
 
-@pytest.mark.parametrize("extra", [None, "table", "mean"])
-def test_forward_puts_a_time_major_output_together_on_its_batch_dim_and_refuses_one_with_no_row_dim(extra):
+@pytest.mark.parametrize("out", ["time", "flat", "table", "mean"])
+def test_forward_puts_a_time_major_output_together_on_its_batch_dim_and_refuses_one_with_no_row_dim(out):
     """pipe(x) concatenated every output on dim 0: time-major logits [T, rows, V] came back [M*T, rows, V], a
-    value made from the position table [6, 16] came back [M*6, 16], a batch mean [16] came back [M*16], each with
+    value made from the position table [5, 13] came back [M*5, 13], a batch mean [13] came back [M*13], each with
     no word (probe 39). A time-major output is now put together on its one dim of the microbatch's rows, as
-    model(x) returns it; an output with no such dim is refused by its index."""
+    model(x) returns it, flattened batch-major logits still on dim 0; an output with no row dim is refused by
+    its index."""
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randint(0, 32, (2 * M, 6), generator=g), torch.randint(0, 32, (2 * M, 6), generator=g)
-    model, _, x, y, pipes = _pipes(type(gpt())(_TimeMajor(extra), _time_major_loss, (x, y), 4), "1f1b")
-    if extra is not None:
-        with pytest.raises(UsageError, match=r"output tensor 1 has shape .* of 2 rows.* not per row"):
+    x, y = torch.randint(0, 32, (3 * M, 5), generator=g), torch.randint(0, 32, (3 * M, 5), generator=g)
+    model, _, x, y, pipes = _pipes(type(gpt())(_TimeMajor(out), _time_major_loss, (x, y), 4), "1f1b")
+    if out in ("table", "mean"):
+        with pytest.raises(UsageError, match=r"output tensor 1 has shape .* of 3 rows.* not per row"):
             run_pipes(lambda r: pipes[r].eval()(x), PP)
         return
     with torch.no_grad():
         want = copy.deepcopy(model).eval()(x)
     _, got = _outputs(run_pipes(lambda r: pipes[r].eval()(x), PP))
-    assert got.shape == want.shape == (6, 2 * M, 32) and rel(got, want) <= 1e-6
+    assert got.shape == want.shape == ((5, 3 * M, 32) if out == "time" else (3 * M * 5, 32)) and rel(got, want) <= 1e-6
 
 
 class _Contrastive(torch.nn.Module):

@@ -184,10 +184,12 @@ class ModelOutputs:
 
     def batch_dims(self, first, rows: int | None) -> list[int | None]:
         """Per tensor leaf (`first`: one microbatch's, in leaf order) the dim its microbatches are put together on,
-        as model(x) returns the batch: None for a parameter or buffer the model returns itself, dim 0 where it
-        holds the microbatch's `rows` (or for a 0-dim leaf, stacked), else the one dim that does (a time-major
-        output, [T, B, ...]). UsageError for a leaf with no such dim (computed from parameters alone, or reduced
-        over the batch): its microbatches' values make no batch's value. rows None: dim 0 for every leaf."""
+        as model(x) returns the batch: None for a parameter or buffer the model returns itself; dim 0 where it is
+        a multiple of the microbatch's `rows` (batch-major, or flattened from it: [rows * T, V]), and for a 0-dim
+        leaf (stacked); else the one dim of `rows` elements (a time-major output, [T, rows, ...]). UsageError for
+        a leaf with neither, which holds no row dim (made from parameters alone, or reduced over the batch): its
+        microbatches' values make no batch's value. (Shapes alone cannot tell a time-major output whose length
+        is a multiple of `rows` from a flattened one: it is taken as flattened.) rows None: dim 0 everywhere."""
         tensors = [leaf for leaf in self.leaves if not isinstance(leaf, Constant)]
         dims = []
         for k, (leaf, t) in enumerate(zip(tensors, first)):
@@ -195,17 +197,17 @@ class ModelOutputs:
                 dims.append(None)
                 continue
             held = [d for d, n in enumerate(t.shape) if n == rows]
-            if rows is None or t.dim() == 0 or t.shape[0] == rows:
+            if not rows or t.dim() == 0 or t.shape[0] % rows == 0:
                 dims.append(0)
             elif len(held) == 1:
                 dims.append(held[0])
             else:
                 raise UsageError(
                     f"pipe(x): the model's output tensor {k} has shape {list(t.shape)} for a microbatch of {rows} "
-                    f"rows, {'and several dims' if held else 'and no dim'} of that size: it is not per row (made "
-                    "from parameters alone, or reduced over the batch), so the microbatches' values do not make "
-                    "the batch's as model(x) returns it. Return per-row tensors (the reduction in the loss), or "
-                    "call pipe.evaluate(*batch) for the loss")
+                    f"rows: its dim 0 is no multiple of the rows and {'several dims hold' if held else 'no dim holds'} "
+                    "them, so it is not per row (made from parameters alone, or reduced over the batch) and the "
+                    "microbatches' values do not make the batch's as model(x) returns it. Return per-row tensors "
+                    "(the reduction in the loss), or call pipe.evaluate(*batch) for the loss")
         return dims
 
 
