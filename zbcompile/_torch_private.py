@@ -70,6 +70,7 @@ __all__ = [
     "BoxedCodeGen",
     "op_entry_point",
     "live_process_groups",
+    "process_group_name",
     "default_group",
     "inductor_decompositions",
     "inductor_lowers",
@@ -107,6 +108,11 @@ def op_entry_point(target):
 def live_process_groups():
     """The process groups torch.distributed still holds: c10d's `_world.pg_map` (2.11-2.13; distributed.py)."""
     return dist.distributed_c10d._world.pg_map
+
+
+def process_group_name(pg) -> str:
+    """c10d's `_get_process_group_name` (2.11-2.13; distributed.py keys its P2P channels by it)."""
+    return dist.distributed_c10d._get_process_group_name(pg)
 
 
 def default_group():

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zbcompile._torch_private import default_group, live_process_groups
+from zbcompile._torch_private import default_group, live_process_groups, process_group_name
 from zbcompile.errors import RuntimeFailure, UsageError
 from zbcompile.ir.names import Role, key_of, role_of
 from zbcompile.ir.schedule import Schedule
@@ -110,29 +110,21 @@ def _not_a_group(group) -> UsageError:
                       f"torchrun's environment).{backend}")
 
 
-# (purpose, ranks, backend, timeout) -> the groups made for it
 _SIDE_GROUPS: dict[tuple, tuple] = {}
 
 
 def _side_groups(pg, timeout: float, purpose: str, count: int, *, tune_gloo_threads: bool) -> tuple | None:
-    """`count` more groups over the pipeline group's ranks for `purpose`, made once per set of ranks, backend
-    and timeout, and reused by every compile over them; None for a one-rank pipeline or a group that is not a
-    torch.distributed ProcessGroup (tests' stand-ins). `tune_gloo_threads`: run the new groups' gloo I/O threads
-    low (runtime/host.py).
-
-    Keyed by the ranks, not by the pipeline group: a job that makes a group per trial (new_group, compile, train,
-    destroy_process_group) then reuses the first trial's side groups instead of keeping every trial's, each
-    with its sockets and gloo threads, to the end of the process. (Destroying them with the user's group would
-    not do: torch names a group made with use_local_synchronization by the number of live groups, so a group
-    made after a destroy takes a destroyed one's name and finds its stale addresses in the store.)"""
+    """`count` more groups over the pipeline group's ranks for `purpose`, made once per pipeline group and reused
+    by every compile on it; None for a one-rank pipeline or a group that is not a torch.distributed ProcessGroup
+    (tests' stand-ins). `tune_gloo_threads`: run the new groups' gloo I/O threads low (runtime/host.py)."""
     if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
         return None
     ranks = dist.get_process_group_ranks(pg)
-    backend = dist.get_backend(pg)
-    key = (purpose, tuple(ranks), str(backend), float(timeout))
+    key = (purpose, process_group_name(pg), tuple(ranks))
     live = live_process_groups()
     if key in _SIDE_GROUPS and all(g in live for g in _SIDE_GROUPS[key]):
         return _SIDE_GROUPS[key]
+    backend = dist.get_backend(pg)
     tune = tune_gloo_threads and backend == "gloo"
     before = process_threads() if tune else set()
     groups = tuple(dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)), backend=backend,

@@ -134,14 +134,3 @@ def test_dropout_draws_fresh_masks_and_a_seed_repeats_the_run(run_pp2):
         assert v["first"] != v["other_seed"], (r, v)         # another seed, other masks
         assert v["first"][0] != v["none"][0], (r, v)         # dropout is on in train mode
         assert v["first"][0] != v["first"][1], (r, v)        # fresh masks from one step to the next
-
-
-def test_a_group_per_trial_trains_as_eager_and_holds_no_more_files_or_threads_each_trial(run_pp2):
-    """Three trials, each on a new group destroyed after its step (a hyperparameter search): each trains as eager,
-    and after the third the process holds exactly the open files and threads it held after the first. (The side
-    groups compile makes over the pipeline's ranks were made per group and kept: 15 more files and 9 more
-    threads a trial.)"""
-    pp, results = run_pp2
-    for r, v in enumerate(_case(results, "trials")):
-        assert max(v["errs"]) <= TOL, (r, v["errs"])
-        assert v["held"][0] == v["held"][-1], (r, v["held"])

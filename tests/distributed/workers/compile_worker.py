@@ -179,30 +179,6 @@ def slow_compile_case(results) -> None:
         results["slow_compile"] = dict(error=traceback.format_exc())
 
 
-def trials_case(results, pp, timeout):
-    """A group per trial, as a hyperparameter search makes them: new_group, compile, a step, destroy_process_group,
-    three times. Each trial trains as eager, and the process holds as many open files and threads after the third
-    as after the first (the side groups compile makes over the pipeline's ranks are reused, not made anew per
-    group and kept)."""
-    model, loss_fn, (x, y), _ = mlp(layers=2 * pp, batch=2 * pp)
-    held, errs = [], []
-    try:
-        for trial in range(3):
-            group = dist.new_group(list(range(pp)))
-            loss_ref, grads_ref, _ = eager(model, loss_fn, x, y, 2 * pp)
-            pipe = zb.compile(copy.deepcopy(model), schedule="1f1b", microbatches=2 * pp, loss_fn=loss_fn,
-                              example=((x[:1],), (y[:1],)), timeout=timeout, group=group)
-            loss = pipe.step(x, y)
-            errs.append(max([abs(loss - loss_ref) / abs(loss_ref),
-                             *(rel(p.grad, grads_ref[n]) for n, p in pipe.named_parameters())]))
-            del pipe
-            dist.destroy_process_group(group)
-            held.append((len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))))
-        results["trials"] = dict(held=held, errs=errs)
-    except Exception:
-        results["trials"] = dict(error=traceback.format_exc())
-
-
 def failure_case(results, pp, key, victim, action):
     """One rank's B graph raises (or hangs) in the second step; the others must raise RuntimeFailure naming it."""
     model, loss_fn, (x, y), _ = mlp(layers=4, batch=8)
@@ -277,7 +253,6 @@ def main() -> None:
     if full:
         dropout_case(results, pp, t)
         slow_compile_case(results)
-        trials_case(results, pp, t)
     dump()
     failure_case(results, pp, "failure", victim=pp - 1, action=args.failure)
     dump()
