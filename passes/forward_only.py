@@ -54,7 +54,7 @@ from zbcompile.ir.stages import (Constant, Graph, ModelOutputs, Partition, Stage
                                   VocabLayers)
 
 __all__ = ["forward_stages", "forward_graph", "forward_loss", "forward_vocab", "output_graph", "output_stages",
-           "OutputGraph", "TRAINING_ARGUMENT", "OUTPUT", "other_buffer_updates", "views_as_reshapes", "draws_random"]
+           "OutputGraph", "TRAINING_ARGUMENT", "OUTPUT", "other_buffer_updates", "views_as_reshapes", "switched_off"]
 
 OUTPUT = Role.OUTPUT.value   # out:<k>: the k-th tensor leaf of the model's outputs, from the loss stage
 
@@ -382,29 +382,17 @@ def _impure(node: fx.Node) -> bool:
     return node.is_impure(impure_random=False) and node.target is not aten._assert_tensor_metadata.default
 
 
-def draws_random(graphs) -> bool:
-    """Whether any of the fx GraphModules `graphs` draws random numbers when it runs: a random op, unless it is
-    one switched off by its `training` argument or its dropout probability (dropout and attention in an
-    eval-mode graph, _to_eval_mode), which draws nothing, as eager's eval-mode forward."""
-    for gm in graphs:
-        for node in gm.graph.nodes:
-            if node.op != "call_function":
-                continue
-            pos = TRAINING_ARGUMENT.get(node.target)
-            if pos is not None and _training_argument(node, pos) is False:
-                continue
-            pos = DROPOUT_PROBABILITY.get(node.target)
-            if pos is not None and (node.args[pos] if len(node.args) > pos else node.kwargs.get("dropout_p", 0.0)) == 0:
-                continue
-            if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
-                return True
+def switched_off(node: fx.Node) -> bool:
+    """Whether random op `node` draws nothing: switched off by its `training` argument or its dropout probability
+    (dropout and attention in an eval-mode graph, _to_eval_mode), as in eager's eval-mode forward."""
+    pos = TRAINING_ARGUMENT.get(node.target)
+    if pos is not None:
+        return (node.args[pos] if len(node.args) > pos else node.kwargs.get("training", node.kwargs.get("train"))) \
+            is False
+    pos = DROPOUT_PROBABILITY.get(node.target)
+    if pos is not None:
+        return (node.args[pos] if len(node.args) > pos else node.kwargs.get("dropout_p", 0.0)) == 0
     return False
-
-
-def _training_argument(node: fx.Node, pos: int):
-    if len(node.args) > pos:
-        return node.args[pos]
-    return node.kwargs.get("training", node.kwargs.get("train"))
 
 
 def _draws(target) -> bool:

@@ -61,10 +61,10 @@ class Evaluation:
                           "return such values as tensors (one per row) to have them per batch", ZBCompileWarning,
                           stacklevel=2)
         rows = next((shape[0] for shape, _ in self.runtime.data_specs.values() if shape), None)
-        outputs = model_outputs.rebuild(flat, m, rows)
+        dims = model_outputs.batch_dims(flat[:len(flat) // m], rows)
+        outputs = model_outputs.rebuild(flat, m, dims)
         if self._dp is None or self._local_batches:   # dp_batch="local": the replica's own rows, as DDP's
             return outputs
-        dims = model_outputs.batch_dims(flat[:len(flat) // m], rows)
         leaves, spec = torch.utils._pytree.tree_flatten(outputs)
         tensors = iter(self._dp.gather([t for t in leaves if isinstance(t, torch.Tensor)], dims))
         return torch.utils._pytree.tree_unflatten([next(tensors) if isinstance(t, torch.Tensor) else t
@@ -140,7 +140,7 @@ class Evaluation:
 
     def _new_forward_runtime(self, training: bool, outputs: bool, m: int) -> RankRuntime:
         from zbcompile.compiler import compile_forward
-        from zbcompile.passes.forward_only import draws_random
+        from zbcompile.passes.forward_only import switched_off
 
         if self._runtime_for is None:
             raise UsageError("this PipelineModule was built without a way to make more runtimes; build it with "
@@ -159,8 +159,8 @@ class Evaluation:
                                        microbatches=None if m == self.schedule.num_microbatches else m)
             runtime = self._runtime_for(programs)
             # every rank's programs: the same decision on every rank
-            self._draws[runtime] = self._own_rng and draws_random(
-                g.gm for program in programs for g in program.graphs.values())
+            self._draws[runtime] = self._own_rng and rng.has_random_ops(
+                (g.gm for program in programs for g in program.graphs.values()), switched_off)
             return runtime
 
 

@@ -25,11 +25,13 @@ __all__ = ["has_random_ops", "own_stream"]
 _MIX = 0x9E3779B97F4A7C15   # odd, 64-bit: ranks' seeds far apart
 
 
-def has_random_ops(graphs) -> bool:
-    """Whether any of the fx GraphModules `graphs` calls a random op (an op tagged nondeterministic_seeded)."""
+def has_random_ops(graphs, switched_off=lambda node: False) -> bool:
+    """Whether any of the fx GraphModules `graphs` calls a random op (an op tagged nondeterministic_seeded) that
+    `switched_off(node)` does not say draws nothing (dropout in an eval-mode graph: forward_only.switched_off)."""
     for gm in graphs:
         for node in gm.graph.nodes:
-            if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) \
+                    and not switched_off(node):
                 return True
     return False
 

@@ -77,12 +77,7 @@ def graph_output_owned(gm: fx.GraphModule) -> tuple[bool, ...]:
 def _outputs_overlap(gm: fx.GraphModule) -> tuple[bool, ...]:
     """Per output of `gm`, whether its traced value (meta["val"]) has elements sharing memory: a dimension of
     stride 0 and size over 1. (A value fx did not record counts as not overlapping, as the graph made it.)"""
-    out = next(iter(gm.graph.find_nodes(op="output")), None)
-    if out is None:
-        return ()
-    outs = out.args[0]
-    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-    vals = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in outs]
+    vals = [o.meta.get("val") if isinstance(o, fx.Node) else None for o in _outputs(gm)]
     return tuple(isinstance(v, torch.Tensor) and v.layout is torch.strided
                  and any(st == 0 and n > 1 for n, st in zip(v.shape, v.stride())) for v in vals)
 
@@ -103,12 +98,16 @@ def _output_roots(gm: fx.GraphModule) -> tuple[frozenset, ...]:
 
 def _roots(gm: fx.GraphModule) -> tuple[frozenset, ...]:
     roots = node_roots(gm)
+    return tuple(roots.get(o, frozenset()) if isinstance(o, fx.Node) else frozenset() for o in _outputs(gm))
+
+
+def _outputs(gm: fx.GraphModule) -> tuple:
+    """What `gm`'s graph returns, as a tuple (empty without an output node)."""
     out = next(iter(gm.graph.find_nodes(op="output")), None)
     if out is None:
         return ()
     outs = out.args[0]
-    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
-    return tuple(roots.get(o, frozenset()) if isinstance(o, fx.Node) else frozenset() for o in outs)
+    return tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
 
 
 def node_roots(gm: fx.GraphModule) -> dict[fx.Node, frozenset]:

@@ -169,14 +169,15 @@ class ModelOutputs:
         return [(k, c.value) for k, c in enumerate(self.leaves) if isinstance(c, Constant)
                 and isinstance(c.value, (int, float)) and not isinstance(c.value, bool)]
 
-    def rebuild(self, flat, microbatches: int, rows: int | None = None):
+    def rebuild(self, flat, microbatches: int, dims: Sequence[int | None] | None = None):
         """The model's output tree from a forward's flat result (microbatch by microbatch, each its tensor
-        leaves in order): each leaf's microbatches concatenated on its batch dim (batch_dims), a 0-dim leaf's
-        stacked; a parameter or buffer the model returns itself as it is (the same tensor in every microbatch)."""
+        leaves in order): each leaf's microbatches concatenated on its dim of `dims` (batch_dims; default dim 0),
+        a 0-dim leaf's stacked; a parameter or buffer the model returns itself as it is (the same tensor in every
+        microbatch)."""
         from torch.utils._pytree import tree_unflatten
 
         k = len(flat) // microbatches
-        dims = self.batch_dims(flat[:k], rows)
+        dims = self.batch_dims(flat[:k], None) if dims is None else dims
         tensors = iter([parts[0] if d is None else torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts, d)
                         for d, parts in zip(dims, (flat[j::k] for j in range(k)))])
         leaves = [leaf.value if isinstance(leaf, Constant) else next(tensors) for leaf in self.leaves]
