@@ -14,12 +14,10 @@ from __future__ import annotations
 import dataclasses
 import operator
 import warnings
-import weakref
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zbcompile._torch_private import global_module_hooks
 from zbcompile.distributed import PLACED
@@ -27,7 +25,7 @@ from zbcompile.errors import UsageError, ZBCompileWarning
 from zbcompile.watch import Watched, watch_of
 
 __all__ = ["Traced", "check_hooks", "check_kinds", "check_shapes", "check_step_context", "check_autocast",
-           "check_default_dtype", "check_conversion", "check_cross_parameter", "watch_optimizers", "nothing_trained"]
+           "check_default_dtype", "check_conversion", "nothing_trained"]
 
 
 def nothing_trained(what: str) -> UsageError:
@@ -45,7 +43,7 @@ class Traced:
 
     frozen: tuple      # (name, parameter) without a gradient in the graphs
     trained: tuple     # (name, parameter) with one
-    layouts: tuple     # (name, tensor, dtype, device) of every parameter and buffer (of the model's too)
+    layouts: tuple     # (name, tensor, dtype, device, shape) of every parameter and buffer (of the model's too)
     modes: tuple = ()  # (name, module, its mode and dropout probability) of every module of the model
     hooks: tuple = ()  # (name, module or parameter, its hooks) of every module and parameter of the model
     watched: tuple = ((), (), (), (), (), (), ())   # what _quick reads: see `of`
@@ -83,7 +81,7 @@ class Traced:
         watch = watch_of(model, loss_fn) if model is not None else Watched()
         return cls(tuple((n, p) for n, p in params if not p.requires_grad),
                    tuple((n, p) for n, p in params if p.requires_grad),
-                   tuple((n, t, t.dtype, t.device) for n, t in tensors),
+                   tuple((n, t, t.dtype, t.device, t.shape) for n, t in tensors),
                    tuple((n, m, _mode(m)) for n, m in parts if isinstance(m, nn.Module)),
                    tuple((n, x, _hooks(x)) for n, x in [*hooked, ("", _EVERY_MODULE)]), watched, _quick(*watched),
                    slots, watch, any(p.requires_grad for p in watched[3]))
@@ -110,9 +108,15 @@ class Traced:
                                  "cuda_graphs, whose captured step writes every gradient it traced; freeze it "
                                  "before zbcompile.compile (or compile without cuda_graphs)")
         self.check_model()
-        for name, t, dtype, device in self.layouts:
+        self.check_layouts(rank)
+
+    def check_layouts(self, rank: int) -> None:
+        """UsageError for a parameter or buffer converted since compile, or given data of another shape."""
+        for name, t, dtype, device, shape in self.layouts:
             if t.dtype != dtype or t.device != device:
                 raise _converted(f"rank {rank}: {name}", dtype, device, t)
+            if t.shape != shape:
+                raise _reshaped(f"rank {rank}: {name}", shape, t)
 
     def trains_here(self) -> bool:
         """Whether a parameter this rank holds and trained at compile requires grad now."""
@@ -233,6 +237,14 @@ def _converted(name: str, dtype: torch.dtype, device: torch.device, now: torch.T
                       f"{now.device} (through the original model, or a part of it); a compiled pipeline's graphs "
                       "and messages are fixed to what it was compiled with. Convert the model before compiling "
                       "(model.double(), then zbcompile.compile)")
+
+
+def _reshaped(name: str, shape: torch.Size, now: torch.Tensor) -> UsageError:
+    """The refusal of tensor `name`, compiled with `shape`, given another since (`p.data = bigger`)."""
+    return UsageError(f"{name} has shape {list(now.shape)} but was compiled with shape {list(shape)} (its .data was "
+                      "replaced by a tensor of another shape); the compiled graphs and messages are fixed to the "
+                      "traced shapes. Resize the model before compiling, or replace the values in place with the "
+                      "same shape (with torch.no_grad(): p.copy_(new))")
 
 
 def _check_parts_placed(model: nn.Module) -> None:
@@ -460,37 +472,3 @@ def check_autocast(what: str, traced_autocast, now_autocast) -> None:
                          "casts are fixed when it is traced (evaluate() and pipe(x) run its forward graphs). Call "
                          f"{what}() under {traced}, as the step was compiled, or compile it under {found} (inside "
                          "the torch.autocast region you call it in, or outside any)")
-
-
-# Optimizers whose step combines values across all their parameters (LBFGS: dot products of the whole parameter
-# vector, a line search on the whole loss): each rank of a pipeline holds only its share, so each would step by
-# its own share's curvature and stopping tests, a model no single process trains.
-_CROSS_PARAMETER = (torch.optim.LBFGS,)
-_PIPES: weakref.WeakSet = weakref.WeakSet()   # every live PipelineModule, for the optimizer hook below
-_HOOK: list = []
-
-
-def check_cross_parameter(optimizer) -> None:
-    """UsageError for an optimizer whose step combines every parameter's values (LBFGS)."""
-    if isinstance(optimizer, _CROSS_PARAMETER):
-        raise UsageError(f"{type(optimizer).__name__} over a pipeline's parameters: its step combines values "
-                         "across all the parameters it holds (dot products, a line search), but each pipeline "
-                         "rank holds only its own share, so every rank would step by its share alone, unlike "
-                         "eager. Use an optimizer that updates each parameter from its own state (SGD, Adam, "
-                         "AdamW, Adagrad, RMSprop, ...)")
-
-
-def watch_optimizers(pipe: nn.Module) -> None:
-    """Refuse, from then on, a step of an optimizer check_cross_parameter refuses over any of `pipe`'s
-    parameters (a user's own `lbfgs.step(closure)` around pipe.step), before it changes anything: one global
-    optimizer step pre-hook, registered once."""
-    _PIPES.add(pipe)
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_refuse_over_a_pipe))
-
-
-def _refuse_over_a_pipe(optimizer, args, kwargs) -> None:
-    if isinstance(optimizer, _CROSS_PARAMETER):
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if any(id(p) in held for pipe in list(_PIPES) for p in pipe.parameters()):
-            check_cross_parameter(optimizer)

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import fx, nn
 
-from zbcompile import agreement, call_checks, grads, rng, share
+from zbcompile import agreement, call_checks, grads, optimizer_checks, rng, share
 from zbcompile.compiler import Compiled
 from zbcompile.errors import CheckpointError, DisagreementError, UsageError
 from zbcompile.grads import PipelineGradScaler
@@ -111,7 +111,7 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         # what later calls are compared against: which parameters have a gradient, every tensor's dtype and device
         self.__dict__["_traced"] = call_checks.Traced.of(self, [(n, model.get_parameter(n)) for n in owned], model,
                                                          compiled.options.loss_fn)
-        call_checks.watch_optimizers(self)
+        optimizer_checks.watch_optimizers(self)
 
     def _new_runtime(self, runtime_for, programs, **kwargs) -> RankRuntime:
         runtime = runtime_for(programs, **kwargs)
@@ -259,6 +259,7 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         call_checks.check_kinds(batch, what, self.runtime.device)
         if what != "step":   # (step's context check covers it)
             self._traced.check_model()
+            self._traced.check_layouts(self.rank)
             call_checks.check_autocast(what, self._autocast, autocast_state())
             call_checks.check_default_dtype(what, self._default_dtype)
         m = microbatches or self.schedule.num_microbatches

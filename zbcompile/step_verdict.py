@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from zbcompile import call_checks, grads
+from zbcompile import grads, optimizer_checks
 from zbcompile.agreement import STEP_ARGUMENTS, check_step_arguments, step_arguments
 from zbcompile.errors import UsageError
 from zbcompile.ir.names import Role, role_of
@@ -29,7 +29,7 @@ def check_optimizer(pipe, optimizer) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(f"step(optimizer=...) takes a torch.optim.Optimizer over pipe.parameters(); got a "
                          f"{type(optimizer).__name__}")
-    call_checks.check_cross_parameter(optimizer)
+    optimizer_checks.check_cross_parameter(optimizer)
     trained = {id(p) for p in pipe.parameters() if p.requires_grad}
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     if trained and not trained & held:

@@ -281,6 +281,28 @@ def test_a_conversion_that_bypasses_the_pipeline_is_refused_at_the_next_step():
         pipe.step(x, y)
 
 
+def test_data_of_another_shape_is_refused_by_step_and_evaluate_and_of_the_same_shape_trains_as_eager():
+    """`p.data = t`: a tensor of the same shape and dtype is read by the next step as eager reads it; one of
+    another shape made the step fail inside its graphs (a matmul's shape error) and is now refused by step() and
+    evaluate() on the rank that holds it, naming the parameter and both shapes, before any message is sent."""
+    model, loss_fn, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+    ref = copy.deepcopy(model)
+    new = torch.randn_like(ref.get_parameter("0.weight"))
+    ref.get_parameter("0.weight").data = new.clone()
+    eager_step(ref, loss_fn, x, y, M)
+    pipes[0].get_parameter("0.weight").data = new.clone()
+    run_pipes(lambda r: pipes[r].step(x, y), PP)
+    for pipe in pipes:
+        for n, p in pipe.named_parameters():
+            assert rel(p.grad, ref.get_parameter(n).grad) < 1e-6, n
+    param = pipes[0].get_parameter("0.weight")
+    param.data = torch.randn(16, 17)
+    for call in (lambda: pipes[0].step(x, y), lambda: pipes[0].evaluate(x, y)):
+        with pytest.raises(UsageError, match=r"rank 0: 0\.weight has shape \[16, 17\] but was compiled with shape "
+                                             r"\[16, 16\].*p\.copy_\(new\)"):
+            call()
+
+
 def test_the_original_model_converted_whole_is_refused_as_a_conversion_on_every_rank():
     """pipe.model.double() replaces each buffer with a converted copy: it was refused as a buffer "replaced",
     with advice for a new module. Every rank (holding the buffer, or its meta stand-in) now names the
