@@ -46,7 +46,8 @@ __all__ = ["fingerprint", "check_agreement", "wait_until_compiled", "first_diffe
 # the options that shape what a rank builds or the collectives it calls (group, init_fn, loss_fn, example and
 # timeout do not, or are checked through what they produce: example through `batch`, loss_fn through `stages`)
 _SHAPING = ("schedule", "microbatches", "pp", "chunks", "split_points", "costs", "mem_limit", "vocab_parallel",
-            "offload", "backend", "cuda_graphs", "check_batch", "dp_batch")
+            "offload", "backend", "cuda_graphs", "check_batch", "dp_batch", "dp_shard", "dp_gather", "dp_bucket_mb",
+            "dp_overlap", "dp_w_pieces")
 
 
 def version() -> str:
@@ -122,9 +123,11 @@ def _option(value) -> str:
     return repr(value)
 
 
-def first_difference(prints: Sequence[dict[str, dict[str, str]]]) -> str | None:
+def first_difference(prints: Sequence[dict[str, dict[str, str]]], names: Sequence[int] | None = None) -> str | None:
     """The first entry, in section order, on which the ranks' fingerprints differ, as a sentence naming the
-    ranks on each side; None where they agree."""
+    ranks on each side (`names`: each one's number in the job, default its place in `prints`); None where they
+    agree."""
+    names = list(range(len(prints))) if names is None else list(names)
     for section in prints[0]:
         keys = list(dict.fromkeys(k for p in prints for k in p.get(section, {})))
         for key in keys:
@@ -132,7 +135,7 @@ def first_difference(prints: Sequence[dict[str, dict[str, str]]]) -> str | None:
             if len(set(values)) > 1:
                 groups: dict[str, list[int]] = {}
                 for r, v in enumerate(values):
-                    groups.setdefault(v, []).append(r)
+                    groups.setdefault(v, []).append(names[r])
                 sides = "; ".join(f"{_ranks(rs)}: {v}" for v, rs in groups.items())
                 return f"{section}, {key}: {sides}"
     return None
@@ -144,18 +147,21 @@ def _ranks(rs: list[int]) -> str:
 
 def check_agreement(model: nn.Module, compiled, *groups: tuple[object, int]) -> None:
     """All-gather this rank's fingerprint over each (group, rank in it) of `groups` (the pipeline's, then the
-    data-parallel one) and raise DisagreementError on every rank where they differ. Runs before any other
-    message between the ranks, so a mismatch cannot hang or abort anything first. A group that is no
-    torch.distributed ProcessGroup (the tests' stand-ins) is not checked."""
+    data-parallel one) and raise DisagreementError on every rank where they differ, naming the ranks by their
+    number in the job (under pp x dp a group's own numbers are not). Runs before any other message between the
+    ranks, so a mismatch cannot hang or abort anything first. A group that is no torch.distributed ProcessGroup
+    (the tests' stand-ins) is not checked."""
     groups = tuple((pg, rank) for pg, rank in groups
                    if pg is not None and pg.size() > 1 and isinstance(pg, dist.ProcessGroup))
     mine = fingerprint(model, compiled) if groups else None   # made once, compared in every group
-    for pg, rank in groups:
+    for k, (pg, rank) in enumerate(groups):
         prints = _gather_objects(mine, pg, rank, compiled.options.timeout)
-        diff = first_difference(prints)
+        names = job_ranks(pg, len(prints))
+        diff = first_difference(prints, names)
         if diff is not None:
+            who = "the pipeline's ranks" if k == 0 else "the data-parallel replicas (the same stages)"
             raise DisagreementError(
-                f"rank {rank}: the pipeline's ranks compiled different things; the first difference is {diff}. "
+                f"rank {names[rank]}: {who} compiled different things; the first difference is {diff}. "
                 "Every rank must compile the same model with the same options (and the same torch and "
                 "zbcompile): check what builds the model on each rank (seeds, config, command-line arguments)")
 
@@ -229,20 +235,37 @@ def _weights(n: int) -> torch.Tensor:
 
 
 def check_batch(batch: Sequence[torch.Tensor], gather: Callable[[torch.Tensor], torch.Tensor], rank: int,
-                what: str) -> None:
+                what: str, ranks: Sequence[int] | None = None, replicas: bool = False) -> None:
     """Raise DisagreementError on every rank where the ranks were handed different batches (gather: the
-    pipeline's all-gather of a float64 vector, RankRuntime.allgather)."""
+    pipeline's all-gather of a float64 vector, RankRuntime.allgather; or with `replicas` the data-parallel
+    group's). ranks: the gathered ranks' numbers in the job (default: their places in the group)."""
     rows = gather(batch_checksum(batch)).cpu()
+    ranks = list(range(rows.shape[0])) if ranks is None else list(ranks)
     for i in range(len(batch)):
         sums = rows[:, 2 * i:2 * i + 2]
         same = [bool(torch.equal(sums[r], sums[0]) or (sums[r].isnan().any() and sums[0].isnan().any()))
                 for r in range(rows.shape[0])]
-        if not all(same):
-            differ = [r for r, s in enumerate(same) if not s]
+        if all(same):
+            continue
+        differ = [ranks[r] for r, s in enumerate(same) if not s]
+        said = f"rank {ranks[rank]}: {what}() was handed different batches: argument {i} on rank(s) {differ} " \
+               f"differs from rank {ranks[0]}'s"
+        if replicas:
             raise DisagreementError(
-                f"rank {rank}: {what}() was handed different batches: argument {i} on rank(s) {differ} differs from "
-                "rank 0's. Hand every rank the whole batch, the same one (each rank reads what its stages need): "
-                "no DistributedSampler over the pipeline's ranks, the same seed and data order everywhere")
+                f"{said}, a data-parallel replica of it (the same stages). With dp_batch=\"global\" every rank is "
+                "handed the same global batch and each replica takes its rows of it: the same seed and data order "
+                "everywhere; to hand each replica its own rows (a DistributedSampler over the replicas), compile "
+                "with dp_batch=\"local\"")
+        raise DisagreementError(
+            f"{said}. Hand every rank the whole batch, the same one (each rank reads what its stages need): no "
+            "DistributedSampler over the pipeline's ranks, the same seed and data order everywhere")
+
+
+def job_ranks(pg, size: int) -> list[int]:
+    """The job's numbers of a group's ranks (a test's stand-in group: their places in it)."""
+    if isinstance(pg, dist.ProcessGroup) and dist.is_initialized():
+        return [dist.get_global_rank(pg, r) for r in range(size)]
+    return list(range(size))
 
 
 def check_same_batch(pipe, batch: Sequence[torch.Tensor], what: str) -> None:
@@ -256,9 +279,11 @@ def check_same_batch(pipe, batch: Sequence[torch.Tensor], what: str) -> None:
             # named in a timeout: a peer that refused this call (or died) never joins this all-gather
             gather = functools.partial(pipe._gather, what=f"comparing the batch of {what}() on every rank (a peer "
                                                           "that refused this call, or died, never joins)")
-            check_batch(batch, gather, pipe.rank, what)
-            if pipe._dp is not None and not pipe._local_batches:   # the global batch: the same on every replica
-                check_batch(batch, pipe._dp.allgather, pipe.rank, what)
+            pg = pipe.process_group
+            check_batch(batch, gather, pipe.rank, what, None if pg is None else job_ranks(pg, pg.size()))
+            dp = pipe._dp
+            if dp is not None and not pipe._local_batches:   # the global batch: the same on every replica
+                check_batch(batch, dp.allgather, dp.rank, what, job_ranks(dp.group, dp.size), replicas=True)
     pipe._calls[what] = calls + 1
 
 

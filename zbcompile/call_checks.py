@@ -355,51 +355,59 @@ def check_kinds(batch, what: str, device: torch.device) -> None:
 
 
 def check_shapes(batch: Sequence[torch.Tensor], specs, data_specs: dict, counts: tuple[int, int], m: int,
-                 what: str, targets: bool = True, any_count: bool = False) -> None:
+                 what: str, targets: bool = True, any_count: bool = False, replicas: int = 1) -> None:
     """As many arguments as the step takes (counts: model inputs, targets), each splitting into m microbatches
     of the traced shape and dtype (static shapes, fixed P2P buffer sizes). `specs`: per flat argument the whole
     batch's (shape, dtype) as traced, for the one-comparison fast path; `data_specs`: per argument one
     microbatch's. any_count: the call takes any number of microbatches of the traced shape (evaluate, forward:
-    m is the number the batch holds), which the refusals then say."""
+    m is the number the batch holds), which the refusals then say. replicas: the batch is the global batch of
+    that many data-parallel replicas, each m microbatches (specs and data_specs are one replica's)."""
     num_inputs, num_targets = counts
     specs = specs if targets else specs[:num_inputs]
     if len(batch) != len(specs):
         wanted = f" then {num_targets} target(s)" if targets else " (no targets)"
         raise UsageError(f"{what}() takes {num_inputs} model input(s){wanted}, {len(specs)} tensors; got "
                          f"{len(batch)}")
-    if all(s is not None and t.shape == s[0] and t.dtype == s[1] for t, s in zip(batch, specs)):
+    if replicas == 1 and all(s is not None and t.shape == s[0] and t.dtype == s[1] for t, s in zip(batch, specs)):
         return
+    n = m * replicas   # microbatches in the batch, of every replica
+    each = f" on each of dp={replicas} replicas" if replicas > 1 else ""
     for i, t in enumerate(batch):
         spec = data_specs.get(i)
-        if spec is None and t.dim() and t.shape[0] % m == 0:
+        if spec is None and t.dim() and t.shape[0] % n == 0:
             continue
         rows = t.shape[0] if t.dim() else 0
-        takes = _takes(what, m, spec, any_count)
-        if t.dim() == 0 or t.shape[0] % m:
-            raise UsageError(f"batch argument {i} has {rows} rows, which do not split into {m} equal microbatches; "
-                             f"{takes}")
+        takes = _takes(what, m, spec, any_count, replicas)
+        if t.dim() == 0 or t.shape[0] % n:
+            raise UsageError(f"batch argument {i} has {rows} rows, which do not split into {m} equal microbatches"
+                             f"{each}; {takes}")
         shape, dtype = spec
-        if t.dtype != dtype and t.shape[0] // m == shape[0] and t.shape[1:] == shape[1:]:
+        got = (t.shape[0] // n, *t.shape[1:])
+        if t.dtype != dtype and list(got) == list(shape):
             raise UsageError(f"batch argument {i} is {t.dtype}, but the model was compiled for {dtype} from "
                              f"`example`: pass it as .to({dtype}), or compile a fresh model with an example of "
                              "this dtype")
-        if t.dtype != dtype or t.shape[0] // m != shape[0] or t.shape[1:] != shape[1:]:
-            got = (t.shape[0] // m, *t.shape[1:])
+        if t.dtype != dtype or list(got) != list(shape):
             raise UsageError(
-                f"batch argument {i}: {m} microbatches of shape {list(got)} ({t.dtype}), but the model was compiled "
-                f"for microbatches of shape {list(shape)} ({dtype}) from `example`; {takes}, or compile a fresh "
-                "model for this shape")
+                f"batch argument {i}: {m} microbatches{each} of shape {list(got)} ({t.dtype}), but the model was "
+                f"compiled for microbatches of shape {list(shape)} ({dtype}) from `example`; {takes}, or compile a "
+                "fresh model for this shape")
 
 
-def _takes(what: str, m: int, spec, any_count: bool) -> str:
-    """What a call takes, for check_shapes' refusals."""
+def _takes(what: str, m: int, spec, any_count: bool, replicas: int = 1) -> str:
+    """What a call takes, for check_shapes' refusals (of the global batch of `replicas` data-parallel replicas)."""
     if not spec or not spec[0]:
-        return f"use a batch size that is a multiple of {m}"
+        return f"use a batch size that is a multiple of {m * replicas}"
     rows, others = spec[0][0], list(spec[0][1:])
-    if any_count:
+    if any_count and replicas == 1:
         return (f"{what}() takes any multiple of the example's {rows} rows (as many microbatches of its shape), "
                 f"with its other sizes {others}")
-    return f"the compiled step takes {m} microbatches of {rows} rows (example's), a batch of {m * rows} rows"
+    if any_count:
+        return (f"{what}() takes any multiple of {replicas * rows} rows, dp={replicas} replicas x the example's "
+                f"{rows} (as many microbatches of its shape on each), with its other sizes {others}")
+    each = f" on each of dp={replicas} replicas, every rank handed the global batch:" if replicas > 1 else ","
+    return (f"the compiled step takes {m} microbatches of {rows} rows (example's){each} a batch of "
+            f"{m * rows * replicas} rows")
 
 
 def check_vocabulary(batch: Sequence[torch.Tensor], vocab, m: int, what: str, targets: bool = True) -> None:

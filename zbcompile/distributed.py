@@ -110,7 +110,9 @@ def _not_a_group(group) -> UsageError:
                       f"torchrun's environment).{backend}")
 
 
-_SIDE_GROUPS: dict[tuple, tuple] = {}
+# (purpose, the pipeline group's (id, name), ranks) -> the side groups made for it, and whether they span the
+# whole world (made with c10d's global synchronization, so destroyed once their pipeline group is)
+_SIDE_GROUPS: dict[tuple, tuple[tuple, bool]] = {}
 
 
 def _side_groups(pg, timeout: float, purpose: str, count: int, *, tune_gloo_threads: bool) -> tuple | None:
@@ -120,23 +122,41 @@ def _side_groups(pg, timeout: float, purpose: str, count: int, *, tune_gloo_thre
     if pg is None or pg.size() < 2 or not isinstance(pg, dist.ProcessGroup) or not dist.is_initialized():
         return None
     ranks = dist.get_process_group_ranks(pg)
-    key = (purpose, process_group_name(pg), tuple(ranks))
     live = live_process_groups()
-    if key in _SIDE_GROUPS and all(g in live for g in _SIDE_GROUPS[key]):
-        return _SIDE_GROUPS[key]
+    _retire_orphans(live)
+    key = (purpose, (id(pg), process_group_name(pg)), tuple(ranks))
+    if key in _SIDE_GROUPS and all(g in live for g in _SIDE_GROUPS[key][0]):
+        return _SIDE_GROUPS[key][0]
     backend = dist.get_backend(pg)
     tune = tune_gloo_threads and backend == "gloo"
     before = process_threads() if tune else set()
+    # over the whole world every rank makes them, in the same order: c10d's global synchronization names them by
+    # its counter, which no later group takes again, so they can be destroyed with their pipeline group. Over
+    # part of it (pp x dp) only the pipeline's ranks do: a group named by its ranks, whose name a group made
+    # after a destroy would take, finding the destroyed one's stale addresses in the store, so those are kept
+    whole = len(ranks) == dist.get_world_size()
     groups = tuple(dist.new_group(ranks, timeout=timedelta(seconds=max(timeout, 1.0)), backend=backend,
-                                  use_local_synchronization=True) for _ in range(count))
+                                  use_local_synchronization=not whole) for _ in range(count))
     if tune:   # only the threads these groups started
         tune_io_threads(process_threads() - before)
     for g in groups:
         if g.rank() != pg.rank():  # new_group numbers ranks in sorted order; programs use pg's numbering
             raise UsageError(f"the pipeline group's ranks {ranks} are not in ascending order, so {purpose} groups "
                              f"over them would number the ranks differently; pass a group with sorted ranks")
-    _SIDE_GROUPS[key] = groups
+    _SIDE_GROUPS[key] = groups, whole
     return groups
+
+
+def _retire_orphans(live) -> None:
+    """Forget the side groups of pipeline groups destroyed since (dist.destroy_process_group: a job that makes a
+    group per trial), destroying those that span the world: each holds sockets and gloo threads, and a job that
+    kept every trial's would run out of files."""
+    owners = {(id(g), process_group_name(g)) for g in live}
+    for key in [k for k in _SIDE_GROUPS if k[1] not in owners]:
+        groups, whole = _SIDE_GROUPS.pop(key)
+        for g in groups if whole else ():
+            if g in live:
+                dist.destroy_process_group(g)
 
 
 def p2p_channels(pg, timeout: float) -> tuple | None:

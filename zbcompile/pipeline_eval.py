@@ -48,6 +48,7 @@ class Evaluation:
         runtime = self._forward_runtime(self.training, outputs=True, microbatches=m)
         self._check_same_batch(inputs, "forward")
         self._agree_on_call("forward", call, m)
+        self._replicas_share(m, "forward")
         with torch.inference_mode(False), rng.own_stream(self.rank, self._draws[runtime]):
             flat = runtime.run_batch(local)
         if flat is None:
@@ -85,11 +86,29 @@ class Evaluation:
         runtime = self._forward_runtime(self.training, microbatches=m)
         self._check_same_batch(batch, "evaluate")
         self._agree_on_call("evaluate", call, m)
+        share = self._replicas_share(m, "evaluate")
         runtime.call = call
         # (inference_mode off: the step's buffers must stay usable outside inference_mode too)
         with torch.inference_mode(False), rng.own_stream(self.rank, self._draws[runtime]):
             loss = runtime.step_batch(local)
-            return loss if self._dp is None else self._dp.mean(loss, self.runtime.device)
+            return loss if self._dp is None else self._dp.mean(loss * share, self.runtime.device)
+
+    def _replicas_share(self, m: int, what: str) -> float:
+        """With data parallelism, this replica's weight in the mean over the replicas: 1 where each is handed the
+        global batch; with dp_batch="local" (a replica's last, smaller batch of an evaluation set) its share of
+        the microbatches every replica evaluates, times their number, agreed on in one small all-gather. A
+        sharded pipe that gathers parameters per microbatch (dp_gather="microbatch") needs the same number on
+        every replica (its gathers pair microbatch by microbatch): UsageError on every replica otherwise."""
+        if self._dp is None or not self._local_batches:
+            return 1.0
+        counts = [int(c) for c in self._dp.allgather(torch.tensor([float(m)], dtype=torch.float64))[:, 0]]
+        options = self.compiled.options
+        if len(set(counts)) > 1 and options.dp_shard and options.dp_gather == "microbatch":
+            raise UsageError(f"{what}() with dp_batch=\"local\": the replicas were handed {counts} microbatches "
+                             "(in replica order), but with dp_gather=\"microbatch\" they gather each microbatch's "
+                             "parameters together; hand every replica the same number of rows (pad the last "
+                             "batch, or drop it: DataLoader(drop_last=True)), or compile with dp_gather=\"step\"")
+        return m * len(counts) / sum(counts)
 
     @property
     def _local_batches(self) -> bool:

@@ -263,11 +263,12 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
             call_checks.check_autocast(what, self._autocast, autocast_state())
             call_checks.check_default_dtype(what, self._default_dtype)
         m = microbatches or self.schedule.num_microbatches
-        local = self._share(batch, what, m)
         staged = self.staged
-        call_checks.check_shapes(local, self._batch_specs, self.runtime.data_specs,
+        replicas = 1 if self._dp is None or self._local_batches else self._dp.size   # (the global batch's)
+        call_checks.check_shapes(batch, self._batch_specs, self.runtime.data_specs,
                                  (staged.num_inputs, staged.num_targets), m, what, targets,
-                                 any_count=what != "step")
+                                 any_count=what != "step", replicas=replicas)
+        local = self._share(batch, what, m)
         call_checks.check_vocabulary(local, staged.vocab, m, what, targets)
         return local
 

@@ -75,6 +75,17 @@ def test_evaluate_and_outputs_cover_the_global_batch(ranks, case):
     assert len(holders) == 2, holders   # the last stage's rank of each replica, both with the whole batch
 
 
+def test_replicas_evaluating_their_own_rows_of_other_sizes_weigh_each_microbatch_alike(ranks):
+    """dp_batch="local" with replica 1 on its set's last, smaller batch (3 and 1 microbatches): evaluate() is the
+    mean over the 4 microbatches on every rank (it averaged the replicas' means: 2 of the 3 rows' weight went
+    to replica 1's one microbatch). With dp_gather="microbatch", whose gathers pair the replicas microbatch by
+    microbatch, it is refused on every rank (every rank waited for the timeout, and the job was lost)."""
+    for r, got in _case(ranks, "eval/uneven-local"):
+        assert abs(got["got"] - got["want"]) <= 1e-9 * got["want"], (r, got)
+    for r, got in _case(ranks, "eval/uneven-local-microbatch"):
+        assert "the replicas were handed [3, 1] microbatches" in got.get("refused", ""), (r, got)
+
+
 @pytest.mark.parametrize("gather", ["step", "microbatch"])
 def test_uneven_shards_and_a_0_dim_parameter_train_equal_to_eager(ranks, gather):
     """Rows that do not split evenly (7 and 5 over 2 replicas: 4 + 3, 3 + 2), a one-row parameter (the second
@@ -141,10 +152,25 @@ def test_a_sharded_checkpoint_loads_at_every_layout(ranks, vocab):
 
 
 def test_bad_meshes_and_batches_are_refused(ranks):
+    """Meshes without a pipeline dimension, a batch that is not the global one, replicas compiled with other
+    options: refused on every rank, the batch by its global size (the size of one replica's share was named,
+    telling a caller who passed 8 of the 16 rows to pass 8), replicas compiled with other options or handed other
+    batches by the option and the ranks' numbers in the job (a replica's index in its group was named as if it
+    were a rank, and the option was not named)."""
     for r, got in _case(ranks, "errors"):
+        peer = r + 2 if r < 2 else r - 2   # (mesh ("dp", "pp"): replica 1 is ranks 2 and 3)
+        low, high = min(r, peer), max(r, peer)
+        assert got["replicas"].startswith(f"rank {r}: the data-parallel replicas (the same stages) compiled "
+                                          "different things; the first difference is options, dp_bucket_mb: "
+                                          f"rank {low}: 25.0; rank {high}: 0.0."), got["replicas"]
+        assert got["batches"].startswith(f"rank {r}: step() was handed different batches: argument 0 on rank(s) "
+                                         f"[{high}] differs from rank {low}'s, a data-parallel replica"), got
         assert "dimensions named 'dp' and 'pp'" in got["no_pp"], got
         assert "3-D DeviceMesh" in got["three_d"], got
-        assert "do not split into dp=2 replicas x 4 microbatches" in got["rows"], got
+        # the global batch's size, not one replica's (the half batch was told to pass the 8 rows it passed)
+        assert "do not split into 4 equal microbatches on each of dp=2 replicas" in got["rows"], got
+        for tag in ("rows", "half"):
+            assert "every rank handed the global batch: a batch of 16 rows" in got[tag], got[tag]
         assert "dp_shard=True" in got["shard_without_dp"] and "no 2-D" in got["shard_without_dp"], got
 
 

@@ -45,7 +45,7 @@ from support.splits import compile_once  # noqa: E402
 
 import zbcompile.api as zb  # noqa: E402
 from zbcompile import checkpoint  # noqa: E402
-from zbcompile.errors import CheckpointError, RuntimeFailure, UsageError  # noqa: E402
+from zbcompile.errors import CheckpointError, DisagreementError, RuntimeFailure, UsageError  # noqa: E402
 
 DP, PP, M, STEPS = 2, 2, 4, 3
 
@@ -173,6 +173,22 @@ def eval_case(mesh, schedule: str = "zbv", **options) -> dict:
     return dict(got=got, want=want, out_err=None if out is None else rel(out, want_out),
                 holds=out is not None, small=(pipe.evaluate(xs, ys), want_small),
                 small_out_err=None if small_out is None else rel(small_out, want_small_out))
+
+
+def eval_uneven_case(mesh, **options) -> dict:
+    """dp_batch="local", each replica evaluating its own rows, replica 1 its set's last, smaller batch (3 and 1
+    microbatches): the loss is the mean over the 4 microbatches, not the replicas' means averaged; with
+    dp_gather="microbatch" (gathers paired microbatch by microbatch) refused on every rank instead of hanging."""
+    model, loss_fn, pipe = compile_on(mesh, "zbv", dp_batch="local", **options)
+    x, y = batches(0)
+    rows, replica = x.shape[0] // (DP * M), mesh.get_local_rank("dp")
+    mine = slice(0, 3 * rows) if replica == 0 else slice(3 * rows, 4 * rows)
+    with torch.no_grad():
+        want = sum(loss_fn(model(a), b).item() for a, b in zip(x[:4 * rows].chunk(4), y[:4 * rows].chunk(4))) / 4
+    try:
+        return dict(got=pipe.evaluate(x[mine], y[mine]), want=want)
+    except UsageError as e:
+        return dict(refused=str(e))
 
 
 def clip_case(mesh, **options) -> dict:
@@ -329,13 +345,24 @@ def errors_case(mesh) -> dict:
         out["shard_without_dp"] = "compiled"
     except UsageError as e:
         out["shard_without_dp"] = str(e)
+    try:   # replica 1 (ranks 2 and 3) with another bucket size: named, with the ranks' numbers in the job
+        compile_on(mesh, "1f1b", dp_bucket_mb=0.0 if mesh.get_local_rank("dp") == 1 else 25.0)
+        out["replicas"] = "compiled"
+    except DisagreementError as e:
+        out["replicas"] = str(e)
     _, _, pipe = compile_on(mesh, "1f1b")
     x, y = batches(0)
-    try:
-        pipe.step(x[:-2], y[:-2])
-        out["rows"] = "stepped"
-    except UsageError as e:
-        out["rows"] = str(e)
+    for tag, rows in (("rows", len(x) - 2), ("half", len(x) // 2)):   # (half: one replica's share of rows)
+        try:
+            pipe.step(x[:rows], y[:rows])
+            out[tag] = "stepped"
+        except UsageError as e:
+            out[tag] = str(e)
+    try:   # replica 1 handed another global batch
+        pipe.step(*batches(mesh.get_local_rank("dp")))
+        out["batches"] = "stepped"
+    except DisagreementError as e:
+        out["batches"] = str(e)
     return out
 
 
@@ -374,6 +401,8 @@ def run(rank: int, pp: int, out: str) -> dict:
     cases["eval"] = lambda: eval_case(mesh)
     cases["eval/vocab"] = lambda: eval_case(mesh, "1f1b", vocab_parallel=True)
     cases["eval/sharded-vocab"] = lambda: eval_case(mesh, "zbv", vocab_parallel=True, dp_shard=True)
+    cases["eval/uneven-local"] = lambda: eval_uneven_case(mesh)
+    cases["eval/uneven-local-microbatch"] = lambda: eval_uneven_case(mesh, dp_shard=True, dp_gather="microbatch")
     cases["clip"] = lambda: clip_case(mesh)
     cases["checkpoint"] = lambda: checkpoint_case(mesh, f"{out}/ckpt")
     for s in ("1f1b", "zb-h1", "zbv", "interleaved-1f1b"):
