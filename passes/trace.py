@@ -100,6 +100,16 @@ def flatten_example(example) -> tuple[tuple[torch.Tensor, ...], int, int]:
             "example must be a pair (inputs, targets), each a tensor or a tuple of tensors (inputs may be a dict "
             f"of keyword arguments); got {type(example).__name__}"
         )
+    if isinstance(example[1], dict):   # loss_fn(outputs, *targets) would take its values by position
+        raise TraceError(f"example's targets are a dict (keys {list(example[1])}), but loss_fn is called with the "
+                         "targets by position, loss_fn(outputs, *targets), which would bind them in the dict's "
+                         "order, not by name: give the targets as a tuple in loss_fn's order, or bind them by name "
+                         "in a wrapper (lambda out, y, w: loss(out, y=y, w=w))")
+    for x, part in zip(example, ("inputs", "targets")):
+        if not isinstance(x, (torch.Tensor, tuple, list, dict)):
+            raise TraceError(f"example's {part} are {type(x).__name__!r}: each part of the pair (inputs, targets) "
+                             "is a tensor or a tuple of tensors (inputs may be a dict of keyword arguments); a loss "
+                             "without targets takes an empty tuple, example=(inputs, ())")
     parts = [(x,) if isinstance(x, torch.Tensor) else tuple(x.values()) if isinstance(x, dict) else tuple(x)
              for x in example]
     flat = parts[0] + parts[1]
@@ -453,6 +463,8 @@ def _name_outputs(ep) -> tuple[str, ...]:
     output = ep.graph.output_node()
     loss = output.args[0][names.index("loss")]
     val = loss.meta.get("val") if isinstance(loss, fx.Node) else loss
+    if val is None:
+        raise TraceError("loss_fn returned None (a `return` missing at its end?): return the loss, a scalar tensor")
     if not isinstance(val, torch.Tensor):
         raise TraceError(
             f"loss_fn must return the loss as a scalar tensor, got a {type(val).__name__} (a Python number, e.g. "

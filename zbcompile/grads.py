@@ -244,6 +244,21 @@ class PipelineGradScaler(torch.amp.GradScaler):
         return float(self.scale(torch.ones((), device=self._device))) / microbatches
 
 
+def check_max_norm(max_norm, what: str, nan: bool = False) -> float:
+    """`max_norm` as a float; UsageError, before anything runs, for what is no number (a string from a config
+    file: torch would fail inside the clipping, after the ranks' exchange) and, unless `nan`, for NaN (which
+    clipping would multiply every gradient by, where step()'s verdict would not clip)."""
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+        max_norm = max_norm.item()
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise UsageError(f"{what} takes max_norm as a number (1.0), got {max_norm!r}"
+                         + (f": convert it, float({max_norm!r})" if isinstance(max_norm, str) else ""))
+    if math.isnan(max_norm) and not nan:
+        raise UsageError(f"{what} got max_norm=nan, which would scale every gradient to NaN: give a number (or "
+                         "float('inf') to measure the norm without clipping)")
+    return float(max_norm)
+
+
 def check_norm_type(norm_type) -> float:
     try:
         return float(norm_type)

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", default=None, metavar="BYTES|auto",
                         help="plan activation offload for a per-rank device-memory budget (bytes, or 'auto': what "
                              "hides behind compute) and show the programs / memory with the copies in them")
-    parser.add_argument("--device", default="h100", choices=("h100", "a100", "cpu"),
+    parser.add_argument("--device", default=None, choices=("h100", "a100", "cpu"),
                         help="device model for the offload's time estimate (k and slowdown; default h100)")
     parser.add_argument("--capture-check", action="store_true",
                         help="lower for CUDA-graph capture of the whole step (capture_ready) and print per rank "
@@ -118,11 +118,11 @@ def run(args: argparse.Namespace) -> int:
                                 {"dp_bucket_mb": args.dp_bucket_mb}),
                              **({} if getattr(args, "dp_shard", None) is None else
                                 {"dp_shard": True, "dp_gather": args.dp_shard}))
-    replicas = getattr(args, "dp", 1)
+    replicas, device = getattr(args, "dp", 1), getattr(args, "device", None) or "h100"
     if options.offload is not None:
-        print(f"# activation offload for {args.offload} (time model: {args.device})")
+        print(f"# activation offload for {args.offload} (time model: {device})")
     # the programs zb.compile would make; capture problems are printed per rank below, not raised
-    compiled = compile_programs(model, options, args.pp, time_model=getattr(args, "device", None),
+    compiled = compile_programs(model, options, args.pp, time_model=device,
                                 lint_capture=False, replicas=replicas)
     schedule, staged, programs = compiled.schedule, compiled.staged, compiled.programs
     if compiled.offload is not None:
@@ -386,6 +386,16 @@ def _check_modes(args: argparse.Namespace, capture: bool) -> None:
     if capture and files:
         raise ZBCompileError(f"inspect: {files[0]} writes the memory plan, which --capture-check / --replay-check "
                              "do not make; run them apart (--memory for the plan)")
+    views = [f"--{flag}" for flag in ("memory", "ops") if getattr(args, flag, False)]
+    if capture and views:
+        raise ZBCompileError(f"inspect: --capture-check / --replay-check print the capture checks only, not what "
+                             f"{views[0]} shows; run them apart")
+    if args.ops and (args.memory or getattr(args, "json", None) is not None):
+        raise ZBCompileError("inspect: --memory / --json show the memory plan instead of the programs that --ops "
+                             "prints as op lists; run them apart")
+    if getattr(args, "device", None) is not None and getattr(args, "offload", None) is None:
+        raise ZBCompileError(f"inspect: --device {args.device} is the time model of activation offload's plan, "
+                             "which only --offload makes; add --offload BYTES|auto or drop --device")
     if getattr(args, "post_validate", False) and (args.memory or files):
         raise ZBCompileError("inspect: --post-validate with --memory: a post-validated step also holds the "
                              "snapshot of its optimistic update (the parameters and the optimizer's state) and the "

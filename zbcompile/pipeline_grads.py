@@ -92,6 +92,7 @@ class GradientStatistics:
         parameter once: tied and mirrored copies, vocabulary row shards), every gradient of this rank scaled by
         max_norm / (norm + 1e-6) where that is below 1. Returns the total norm, the same on every rank (a
         non-finite one where any gradient holds an inf or NaN). Call it on every rank."""
+        max_norm = grads.check_max_norm(max_norm, "clip_grad_norm_()", nan=True)   # (NaN: NaN grads, as torch's)
         total = self.get_total_norm(norm_type, error_if_nonfinite)
         grads.clip_grads(self.parameters(), max_norm, total, foreach)
         return total

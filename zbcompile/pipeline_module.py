@@ -162,6 +162,8 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
             raise UsageError("step(max_norm=...) clips before an optimizer step: pass optimizer= too (or call "
                              "pipe.clip_grad_norm_(max_norm) yourself after step())")
         norm_type = grads.check_norm_type(norm_type)
+        if max_norm is not None:
+            max_norm = grads.check_max_norm(max_norm, "step()")
         call = self._enter("step")
         self._check_step_context()
         if optimizer is not None:
@@ -217,7 +219,9 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         self._post_validated_last = True
         pv.boundary.call = call   # compared along the prefix chain, as the synchronous step's loss gather does
         with rng.own_stream(self.rank, self._own_rng):
-            return pv.step(local)
+            result = pv.step(local)
+        self._check_trained()
+        return result
 
     @unusable_after_a_failure
     def settle(self) -> None:
@@ -226,6 +230,18 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         before reading the parameters or the optimizer's state yourself (a checkpoint, an evaluation)."""
         if self._pv is not None:
             self._pv.settle()
+            self._check_trained()
+
+    def _check_trained(self) -> None:
+        """UsageError, on every rank alike, where the last post-validated step to be validated trained nothing on
+        any rank (the whole model frozen through pipe.parameters(), each rank its own share): its prefix chain
+        carries whether each rank trained, as the synchronous step's gather does."""
+        boundary = self._pv.boundary
+        if not boundary.trained:
+            boundary.trained = True   # said once
+            if self._traced.trainable:
+                raise call_checks.nothing_trained("the post-validated step before this call trained nothing, on "
+                                                  "any rank: it wrote no gradient")
 
     def state_dict(self, *args, **kwargs):
         """nn.Module.state_dict, after the pending post-validated step (if any) is validated; after a failure the
@@ -423,6 +439,11 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
         (optimizer.zero_grad()'s default)."""
         from zbcompile.runtime.memory import measure
 
+        if self.compiled.options.backend is not None and self.runtime.device.type == "cpu":
+            raise UsageError(f"measure_memory() on CPU tracks the storages aten ops allocate, but with backend="
+                             f"{self.compiled.options.backend!r} the stage graphs' compiled kernels allocate their "
+                             "buffers where it cannot see them (it would report a small part of the peak); measure "
+                             "a pipe compiled without backend= (the same programs and plan), or on CUDA")
         return measure(lambda: self.step(*batch), self.runtime.device)
 
     @property

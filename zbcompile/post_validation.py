@@ -128,7 +128,7 @@ class Boundary:
                  norm_type: float, dtype: torch.dtype, device: torch.device, shards=None,
                  mean_loss: Callable[[float], float] = lambda loss: loss, scaler=None,
                  reseed: Callable[[float], None] = lambda seed: None, rollback: str = "snapshot",
-                 names: Sequence[str] = ()):
+                 names: Sequence[str] = (), trains: Callable[[], bool] = lambda: True):
         self.rank, self.ranks, self.m = rank, ranks, microbatches
         self.optimizer, self.params, self.counted = optimizer, tuple(params), counted
         self.names = tuple(names) or tuple(f"parameter {k}" for k in range(len(self.params)))
@@ -152,12 +152,14 @@ class Boundary:
         self.redone = 0                          # steps run again after a wrong optimistic update
         self._grads: list[tuple] = []   # (name, param, the pending step's .grad, its version), for the verdict
         self.call = 0                   # the number of the step() call being run (PipelineModule._enter)
+        self.trains = trains            # whether this rank trains a parameter now (a step over one frozen whole
+        self.trained = True             # trains nothing); whether some rank did in the last validated step
 
     # ---- in the program --------------------------------------------------------------------------------
     def prefix(self, up: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor:
         found = self._unscale() if self.scaler is not None else None
         values = local_values(self.counted(), self.p, self.shards, found)
-        values += [float(loss) if loss is not None else 0.0, float(self.call), float(self.call)]
+        values += [float(loss) if loss is not None else 0.0, float(self.call), float(self.call), float(self.trains())]
         if up is not None:
             values = combine(up.tolist(), values, self.p)
         self._prefix = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -184,6 +186,7 @@ class Boundary:
         self._snapshot, self._hyper, self.stepped = None, None, False
         self._after, self._grads, self._written, self._weights = None, [], [], []
         values = totals.tolist()
+        self.trained = bool(values[5])
         if self.scaler is not None:   # the scale for the next backward, as scaler.update() makes it
             self._update_scale(values[1])
         self._zero_grad()
@@ -379,7 +382,7 @@ class PostValidated:
             dtype=norm_dtype(pipe), device=self.first.device,
             shards=dp.reduce if pipe._sharded else None,
             mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)),
-            scaler=scaler, reseed=self.reseed, rollback=rollback)
+            scaler=scaler, reseed=self.reseed, rollback=rollback, trains=pipe._traced.trains_here)
         self.first.ctx.boundary = self.validating.ctx.boundary = self.boundary
 
     def reseed(self, seed: float) -> None:

@@ -108,12 +108,15 @@ def any_not_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 def combine(a: Sequence[float], b: Sequence[float], p: float) -> list[float]:
     """Two prefixes (or rows) in rank order: norm partials merged (grads.merge: added, the max or min for the
-    infinite orders), flags maxed, loss sums added, and of the ranks' call numbers the least and the greatest."""
+    infinite orders), flags maxed, loss sums added, of the ranks' call numbers the least and the greatest, and
+    whether some rank trained."""
     merged = [grads.merge(a[0], b[0], p), max(a[1], b[1])]
     if len(a) > 2:
         merged.append(a[2] + b[2])
     if len(a) > 3:
         merged += [min(a[3], b[3]), max(a[4], b[4])]
+    if len(a) > 5:
+        merged.append(max(a[5], b[5]))
     return merged
 
 

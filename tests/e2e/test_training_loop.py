@@ -769,8 +769,10 @@ def test_the_norm_and_clipping_of_complex_parameters_are_torchs():
 
 def test_a_step_with_bad_clipping_arguments_is_refused_before_it_runs():
     """max_norm without optimizer= was refused after the step had run (gradients written, BatchNorm statistics
-    moved); a norm_type torch does not take was refused inside the optimizer step, which marked the pipeline
-    failed for good. Both are refused before anything runs, and the pipeline trains on."""
+    moved); a norm_type torch does not take, and a max_norm that is no number (a string from a config file), were
+    refused inside the optimizer step, which marked the pipeline failed for good; max_norm=nan stepped unclipped
+    where torch's clipping makes every gradient NaN. All are refused before anything runs, and the pipeline
+    trains on."""
     model, loss_fn, x, y, pipes = _pipes(convnet(batch=8), dtype=torch.float64)
     ref = copy.deepcopy(model)
 
@@ -782,6 +784,13 @@ def test_a_step_with_bad_clipping_arguments_is_refused_before_it_runs():
             pipe.step(x, y, max_norm=1.0)
         with pytest.raises(UsageError, match="norm_type must be a number .* got 'fro'"):
             pipe.step(x, y, optimizer=opt, max_norm=1.0, norm_type="fro")
+        for bad, said in (("1.0", r"got '1\.0': convert it, float\('1\.0'\)"), ([1.0], r"got \[1\.0\]"),
+                          (float("nan"), "max_norm=nan, which would scale every gradient to NaN")):
+            for post_validate in (False, True):   # (a string failed in the clipping, after the ranks' exchange)
+                with pytest.raises(UsageError, match=said):
+                    pipe.step(x, y, optimizer=opt, max_norm=bad, post_validate=post_validate)
+        with pytest.raises(UsageError, match=r"clip_grad_norm_\(\) takes max_norm as a number"):
+            pipe.clip_grad_norm_("0.5")
         untouched = all(torch.equal(b, before[n]) for n, b in pipe.named_buffers())
         graded = [n for n, p in pipe.named_parameters() if p.grad is not None]
         return untouched, graded, pipe.step(x, y, optimizer=opt, max_norm=1.0)

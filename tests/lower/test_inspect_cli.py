@@ -176,13 +176,20 @@ def test_inspect_names_a_failing_factory_module_or_output_path_with_status_2(tmp
 
 def test_inspect_refuses_flags_its_view_would_drop_and_memory_follows_rank(tmp_path, capsys):
     """--capture-check --svg wrote nothing, --memory --post-validate printed the plain plan (without the
-    snapshot and held gradients of a post-validated step), --memory --rank 1 printed every rank: the first two
-    are refused before compiling, and the plan is that rank's alone."""
+    snapshot and held gradients of a post-validated step), --memory --ops or --capture-check with a view dropped
+    one of the views, --device without --offload changed nothing, --memory --rank 1 printed every rank: all but
+    the last are refused before compiling, and the plan is that rank's alone."""
     from zbcompile.__main__ import main
 
     common = ["inspect", "zbcompile.examples.train_gpt:tiny", "--pp", "2", "--schedule", "1f1b"]
     cases = [(["--capture-check", "--svg", str(tmp_path / "c.svg")], "--svg writes the memory plan"),
-             (["--memory", "--post-validate"], "--post-validate with --memory")]
+             (["--memory", "--post-validate"], "--post-validate with --memory"),
+             # --memory --ops printed the plan alone, --capture-check --ops the capture lines alone, --device
+             # without --offload changed nothing
+             (["--memory", "--ops"], "instead of the programs that --ops prints"),
+             (["--capture-check", "--ops"], "not what --ops shows"),
+             (["--capture-check", "--memory"], "not what --memory shows"),
+             (["--device", "a100"], "--device a100 is the time model of activation offload's plan")]
     for more, said in cases:
         assert main([*common, *more]) == 2, more
         assert said in capsys.readouterr().err, more

@@ -229,3 +229,24 @@ def test_a_rank_holds_a_nodes_operands_and_results_together(name):
     for r, rt in enumerate(runtimes):
         planned, measured = plan[r].peak_dynamic_bytes, rt.measured.peak
         assert abs(planned - measured) <= 0.01 * measured, (name, r, planned, measured)
+
+
+
+def test_measuring_a_pipe_with_compiled_stage_graphs_on_cpu_is_refused():
+    """backend="inductor" on CPU: the storage tracker sees only what aten ops allocate, not the buffers of
+    inductor's C++ kernels, so measure_memory() reported about 7% of the peak (0.07 of the plan, 0.99 without
+    backend=). It is refused, saying what to measure instead. (The pipe is compiled without inductor, which
+    takes a minute here, and its record says inductor: the refusal reads only the options.)"""
+    import dataclasses
+
+    from support.threaded import loopback_pipes
+    from zbcompile.errors import UsageError
+    from zbcompile.options import CompileOptions
+
+    model, loss_fn, (x, y), _ = mlp(layers=4, batch=8)
+    opts = CompileOptions.from_kwargs(None, schedule="1f1b", microbatches=4, loss_fn=loss_fn,
+                                      example=((x[:2],), (y[:2],)))
+    pipe = loopback_pipes(model, opts, 2)[0]
+    pipe.compiled = dataclasses.replace(pipe.compiled, options=dataclasses.replace(opts, backend="inductor"))
+    with pytest.raises(UsageError, match="measure_memory\\(\\) on CPU .* backend='inductor'.* without backend="):
+        pipe.measure_memory(x, y)

@@ -166,6 +166,39 @@ def test_the_whole_model_frozen_through_each_ranks_pipe_parameters_is_refused_on
     assert ran[0][2] == [] and len(ran[-1][2]) == 1, ran
 
 
+def test_the_whole_model_frozen_through_each_ranks_pipe_parameters_is_refused_by_post_validated_steps_too():
+    """The same freezing under step(..., post_validate=True): its prefix chain did not carry whether each rank
+    trained, so the step ran and trained nothing without a word. It now does: the call that validates the step
+    (here settle()) raises on every rank, nothing changed; a step with one parameter trainable again trains."""
+    _, _, x, y, pipes = _pipes(mlp(layers=4, batch=8))
+
+    def run(r):
+        pipe = pipes[r]
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        for p in pipe.parameters():
+            p.requires_grad_(False)
+        pipe.step(x, y, optimizer=opt, post_validate=True)
+        try:
+            pipe.settle()
+            refused = None
+        except UsageError as e:
+            refused = str(e)
+        same = all(torch.equal(p, before[n]) for n, p in pipe.named_parameters())
+        if r == PP - 1:
+            next(iter(pipe.parameters())).requires_grad_(True)
+        pipe.step(x, y, optimizer=opt, post_validate=True)
+        pipe.settle()
+        moved = [n for n, p in pipe.named_parameters() if not torch.equal(p, before[n])]
+        return refused, same, moved
+
+    ran = run_pipes(run, PP)
+    for r, (refused, same, _) in enumerate(ran):
+        assert refused is not None and "post-validated step before this call trained nothing" in refused, (r, refused)
+        assert same, r
+    assert ran[0][2] == [] and len(ran[-1][2]) == 1, ran
+
+
 def test_a_module_of_a_model_compiled_before_is_refused_in_another_model_on_every_rank():
     """Two heads on one backbone, compiled as two models: the first compile kept each rank's stages of the
     backbone and moved the rest to meta. Compiling the second model traced on the rank that kept all of it and

@@ -192,6 +192,15 @@ def test_a_loss_reading_the_models_own_or_frozen_parameters_traces():
     split_model(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), _Scaled(False), _mlp_example(), num_stages=2)
 
 
+def test_loss_returning_none_says_a_return_may_be_missing():
+    """A loss_fn that forgot its `return` was told it returned "a NoneType (a Python number ...)"."""
+    def forgot(out, target):
+        F.mse_loss(out, target)
+
+    with pytest.raises(TraceError, match=r"loss_fn returned None \(a `return` missing"):
+        split_model(nn.Linear(4, 4), forgot, _mlp_example())
+
+
 def test_loss_returning_a_tuple():
     def two(out, target):
         return F.mse_loss(out, target), out.sum()
@@ -237,6 +246,25 @@ def test_num_stages_and_split_points_disagree():
 def test_bad_example_shape():
     with pytest.raises(TraceError, match=r"pair \(inputs, targets\)"):
         split_model(nn.Linear(4, 4), F.mse_loss, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("part", [None, 3.0, "y"], ids=["none", "number", "string"])
+def test_an_example_part_that_is_not_tensors_is_refused_naming_it(part):
+    """example=(x, None) for a loss without targets (or a number) raised a raw TypeError from iterating it."""
+    with pytest.raises(TraceError, match=r"example's targets are '(NoneType|float|str)'.*example=\(inputs, \(\)\)"):
+        split_model(nn.Linear(4, 4), lambda out, *t: out.sum(), (torch.randn(2, 4), part))
+
+
+def test_targets_given_as_a_dict_are_refused_instead_of_bound_by_position():
+    """example=(x, {"w": w, "y": y}) with loss_fn(out, y, w): the dict's values were passed by position, in the
+    dict's order, so the loss trained with y and w swapped, without a word."""
+    x = torch.randn(2, 4)
+
+    def loss_fn(out, y, w):
+        return ((out - y) ** 2 * w).mean()
+
+    with pytest.raises(TraceError, match=r"targets are a dict \(keys \['w', 'y'\]\).*by position"):
+        split_model(nn.Linear(4, 4), loss_fn, (x, {"w": torch.ones(2, 4), "y": torch.randn(2, 4)}))
 
 
 def test_all_errors_are_ours():

@@ -23,9 +23,9 @@ from zbcompile.ir.program.ops.p2p import Message
 
 __all__ = ["ValidateArgs", "VALUES", "UP", "PREFIX", "TOTALS", "ROWS"]
 
-# the values that travel: [norm partial, found inf / NaN, loss sum, the least and the greatest call number],
-# float64 on the rank's device
-VALUES = TensorType((5,), torch.float64)
+# the values that travel: [norm partial, found inf / NaN, loss sum, the least and the greatest call number, 1 where
+# some rank trained a parameter], float64 on the rank's device
+VALUES = TensorType((6,), torch.float64)
 UP, PREFIX, TOTALS = "pv.up", "pv.prefix", "pv.totals"   # from rank r-1; this rank's prefix; the totals
 
 _NOT_CAPTURED = ("post-validation decides on the host between two steps (optimistic update, rollback, the step "
