@@ -97,11 +97,20 @@ def report(staged) -> str:
     if boundary:
         lines += ["", "boundary tensors (per microbatch)",
                   tabulate.tabulate(boundary, headers=("from", "to", "name", "shape", "dtype", "grad", "bytes"))]
+    users: dict[str, list[int]] = {}
+    for st in staged.stages:
+        for p in st.params:
+            users.setdefault(p, []).append(st.index)
+    # a module called in several stages (its nodes in each, so in no stage's `modules` column): its parameters
+    shared: dict[tuple[int, ...], list[str]] = {}
+    aliased = {name for group in staged.tied for name in group}
+    for p, stages in users.items():
+        if len(stages) > 1 and p not in aliased:
+            shared.setdefault(tuple(stages), []).append(p)
+    if shared:
+        lines += ["", "parameters several stages use (a module called in each; grads summed over them)"]
+        lines += [f"  {', '.join(names)}  (stages {list(stages)})" for stages, names in shared.items()]
     if staged.tied:
-        users = {}
-        for st in staged.stages:
-            for p in st.params:
-                users.setdefault(p, []).append(st.index)
         lines += ["", "tied parameters (grads summed over the stages that use them)"]
         lines += [f"  {' = '.join(group)}  (stages {users.get(group[0], [])})" for group in staged.tied]
     return "\n".join(lines)

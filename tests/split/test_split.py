@@ -11,6 +11,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from support import models
 from support.reference import check_against_eager, run_staged
@@ -168,6 +169,24 @@ def test_report_and_printable_graphs():
         for g in (st.f, st.b, st.w, st.bw):
             assert "def forward" in g.code
             g.gm.graph.lint()
+
+
+def test_the_report_names_a_module_called_in_two_stages():
+    """A module called before and after the cut runs in both stages (its weights in each, gradients summed): the
+    report listed it in neither stage's modules nor among the tied parameters, as if it were not there."""
+    class Net(torch.nn.Module):
+        def __init__(self, d: int = 8):
+            super().__init__()
+            self.a, self.b, self.shared, self.c = (torch.nn.Linear(d, d) for _ in range(4))
+
+        def forward(self, x):
+            h = self.shared(torch.tanh(self.a(x)))
+            return self.c(self.shared(torch.tanh(self.b(h))))   # `shared` again, after the cut
+
+    torch.manual_seed(0)
+    staged = split_model(Net(), F.mse_loss, (torch.randn(2, 8), torch.randn(2, 8)), split_points=["node:tanh_1"])
+    assert all("shared.weight" in st.params for st in staged.stages)
+    assert "  shared.weight, shared.bias  (stages [0, 1])" in report(staged).splitlines()
 
 
 def test_frozen_parameters_get_no_grads():
