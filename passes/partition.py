@@ -191,8 +191,11 @@ def cut_starts(traced: Traced, split_points: Sequence[str]) -> list[int]:
         elif point.startswith(MARKER_PREFIX):
             k = point[len(MARKER_PREFIX):]
             if not (k.isdigit() and int(k) < len(marks)):
-                raise PartitionError(f"split point `{point}`: the traced step has {len(marks)} pipe_split() "
-                                     "markers; markers count from 0 in execution order")
+                said = f"marker {k}" if k.isdigit() else f"{k!r} is no marker number"
+                raise PartitionError(f"split point `{point}`: {said}, but the traced step has {len(marks)} "
+                                     f"pipe_split() markers, pipe_split:0 to pipe_split:{len(marks) - 1} (they count "
+                                     "from 0 in execution order)" if marks else
+                                     f"split point `{point}`: the traced step has no pipe_split() marker")
             starts.append(marks[int(k)])
         elif module not in first:
             raise PartitionError(

@@ -75,9 +75,10 @@ def test_explicit_split_points_win_over_markers():
 
 
 @pytest.mark.parametrize("points,text", [
-    (["pipe_split:2"], r"split point `pipe_split:2`: the traced step has 2 pipe_split\(\) markers"),
-    (["pipe_split:one"], r"split point `pipe_split:one`: the traced step has 2 pipe_split\(\) markers; markers "
-                         r"count from 0"),
+    (["pipe_split:2"], r"split point `pipe_split:2`: marker 2, but the traced step has 2 pipe_split\(\) markers, "
+                       r"pipe_split:0 to pipe_split:1"),
+    (["pipe_split:one"], r"split point `pipe_split:one`: 'one' is no marker number, but the traced step has 2 "
+                         r"pipe_split\(\) markers"),
     (["out", "after:inp"], r"split point `after:inp` runs before `out`: .* \['after:inp', 'out'\]"),
     (["after:nothing"], r"unknown split point `after:nothing`: the model has no module `nothing`"),
 ])
