@@ -251,10 +251,7 @@ def _replay_check(args: argparse.Namespace, programs, model, staged, example) ->
     from zbcompile.runtime.loopback import LoopbackWorld, rank_runtime
     from zbcompile.runtime.replay_check import ReplayCheck
 
-    steps = args.replay_check
-    if steps < 3:
-        raise ZBCompileError(f"inspect: --replay-check {steps}: give at least 3 steps (step 1 warms up, step 2 is "
-                             "the reference, later steps are compared with it)")
+    steps = args.replay_check   # (at least 3: _check_modes)
     if any(p.is_meta for p in model.parameters()):
         raise ZBCompileError("inspect: --replay-check runs the model, whose parameters are on the meta device here; "
                              "use a factory that builds real weights")
@@ -393,6 +390,13 @@ def _check_modes(args: argparse.Namespace, capture: bool) -> None:
     if args.ops and (args.memory or getattr(args, "json", None) is not None):
         raise ZBCompileError("inspect: --memory / --json show the memory plan instead of the programs that --ops "
                              "prints as op lists; run them apart")
+    steps = getattr(args, "replay_check", None)
+    if steps is not None and steps < 3:   # (before the capture check runs and prints)
+        raise ZBCompileError(f"inspect: --replay-check {steps}: give at least 3 steps (step 1 warms up, step 2 is "
+                             "the reference, later steps are compared with it)")
+    if args.split_points is not None and not all(args.split_points.split(",")):
+        raise ZBCompileError(f"inspect: --split-points {args.split_points!r} holds an empty name: give module names "
+                             "separated by commas, none empty (e.g. blocks.2,blocks.4)")
     if getattr(args, "device", None) is not None and getattr(args, "offload", None) is None:
         raise ZBCompileError(f"inspect: --device {args.device} is the time model of activation offload's plan, "
                              "which only --offload makes; add --offload BYTES|auto or drop --device")

@@ -36,6 +36,7 @@ def test_bad_numbers_and_a_save_folder_that_cannot_take_a_checkpoint_are_refused
              (["--microbatch-size", "0"], "--microbatch-size 0"), (["--seq", "0"], "--seq 0"),
              (["--seq", "100000"], "--seq 100000: the shipped corpus has"), (["--lr", "-1"], "--lr -1.0"),
              (["--eval-every", "-1"], "--eval-every -1"), (["--kill-rank-at", "9:1"], "has ranks 0..1"),
+             (["--clip-grad", "-1"], "--clip-grad -1.0: give a positive gradient norm"),   # (it flipped them)
              (["--save", str(foreign)], "not a checkpoint, holding keep.txt"),
              (["--save", str(plain)], "is a file, not a checkpoint directory")]
     for argv, says in cases:

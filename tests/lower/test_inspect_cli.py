@@ -189,7 +189,10 @@ def test_inspect_refuses_flags_its_view_would_drop_and_memory_follows_rank(tmp_p
              (["--memory", "--ops"], "instead of the programs that --ops prints"),
              (["--capture-check", "--ops"], "not what --ops shows"),
              (["--capture-check", "--memory"], "not what --memory shows"),
-             (["--device", "a100"], "--device a100 is the time model of activation offload's plan")]
+             (["--device", "a100"], "--device a100 is the time model of activation offload's plan"),
+             # (the capture check ran and printed first; "," was read as two split points)
+             (["--replay-check", "2"], "--replay-check 2: give at least 3 steps"),
+             (["--split-points", ","], "--split-points ',' holds an empty name")]
     for more, said in cases:
         assert main([*common, *more]) == 2, more
         assert said in capsys.readouterr().err, more

@@ -121,6 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seq > corpus - 2:
         p.error(f"--seq {args.seq}: the shipped corpus has {corpus} tokens, so a window (seq + 1 tokens, "
                 f"at random starts) is at most {corpus - 2} long")
+    if args.clip_grad is not None and not args.clip_grad > 0:   # (a negative norm would flip the gradients)
+        p.error(f"--clip-grad {args.clip_grad}: give a positive gradient norm to clip to")
     if args.lr < 0 or args.eval_every < 0 or args.save_every < 0:
         bad = next(f for f in ("lr", "eval_every", "save_every") if getattr(args, f) < 0)
         p.error(f"--{bad.replace('_', '-')} {getattr(args, bad)}: give a value >= 0")
