@@ -48,12 +48,30 @@ def compile(model: nn.Module | None = None, **options):
     return compile_with(model, checked)
 
 
-def _decorate(cls: type[nn.Module], *, options: CompileOptions):
-    @functools.wraps(cls, updated=())
-    def build(*args, **kwargs) -> PipelineModule:
-        return compile_with(cls(*args, **kwargs), options)
-    build.__wrapped__ = cls
-    return build
+def _decorate(cls: type[nn.Module], *, options: CompileOptions) -> Compiling:
+    return Compiling(cls, options)
+
+
+class Compiling:
+    """A model class under @zbcompile.compile(...): calling it builds the model and compiles it. `isinstance(pipe,
+    Net)` holds for the pipelines it made, and a class derived from it (`class Big(Net)`) derives from the model
+    class itself: a plain model (a decorator is not inherited), which zbcompile.compile(Big(), ...) compiles."""
+
+    def __init__(self, cls: type[nn.Module], options: CompileOptions):
+        functools.update_wrapper(self, cls, updated=())
+        self.options = options
+
+    def __call__(self, *args, **kwargs) -> PipelineModule:
+        return compile_with(self.__wrapped__(*args, **kwargs), self.options)
+
+    def __instancecheck__(self, obj) -> bool:
+        return isinstance(obj, PipelineModule) and isinstance(obj.model, self.__wrapped__)
+
+    def __mro_entries__(self, bases) -> tuple[type, ...]:
+        return (self.__wrapped__,)
+
+    def __repr__(self) -> str:
+        return f"<model class {self.__wrapped__.__qualname__} under zbcompile.compile>"
 
 
 def compile_with(model: nn.Module, options: CompileOptions) -> PipelineModule:

@@ -178,3 +178,31 @@ def test_from_staged_takes_every_option():
     with pytest.raises(UsageError, match=r"unknown option\(s\) 'microbatch'"):
         PipelineModule.from_staged(_mlp(), staged, sched, microbatch=4)
     assert not dist.is_initialized()
+
+
+def test_a_decorated_model_class_stays_a_class_to_isinstance_and_subclassing():
+    """@zb.compile(...) returned a function: `isinstance(pipe, Net)` raised TypeError and `class Big(Net)` failed
+    ("function() argument 'code' must be code"). The pipelines it makes are its instances, a class derived from
+    it is a plain model class (the decorator is not inherited), and it keeps the class's name and doc."""
+    from support.threaded import loopback_pipes
+
+    x = torch.randn(8, 4)
+    options = dict(schedule="1f1b", microbatches=4, loss_fn=nn.functional.mse_loss, example=((x[:2],), (x[:2],)))
+
+    @zb.compile(**options)
+    class Net(nn.Sequential):
+        """Four layers."""
+
+        def __init__(self):
+            super().__init__(*(nn.Linear(4, 4) for _ in range(4)))
+
+    class Big(Net):
+        pass
+
+    assert (Net.__name__, Net.__doc__) == ("Net", "Four layers.") and "model class" in repr(Net)
+    assert issubclass(Big, nn.Sequential) and isinstance(Big(), nn.Sequential) and not isinstance(Big(), Net)
+    pipe = loopback_pipes(Net.__wrapped__(), CompileOptions.from_kwargs(None, **options), 2)[0]
+    assert isinstance(pipe, Net) and isinstance(pipe, PipelineModule)
+    assert isinstance(loopback_pipes(Big(), CompileOptions.from_kwargs(None, **options), 2)[0], Net)   # a Net too
+    assert not isinstance(loopback_pipes(nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))),
+                                         CompileOptions.from_kwargs(None, **options), 2)[0], Net)

@@ -89,7 +89,7 @@ def test_microbatch_counts_users_pick(run):
 def test_decorator_builds_pipeline_modules(run):
     pp, results = run
     vals = _case(results, "decorator")
-    assert all(v["kind"] == "PipelineModule" for v in vals)
+    assert all(v["kind"] == "PipelineModule" and v["instance"] for v in vals)   # isinstance(pipe, Net)
     _matches_eager(vals, "decorator")
 
 

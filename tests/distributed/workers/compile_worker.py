@@ -96,6 +96,7 @@ def decorator_case(results, pp, timeout):
         pipe = Compiled(layers=2 * pp)
         loss = pipe.step(x, y)
         results["decorator"] = dict(loss=loss, loss_ref=loss_ref, kind=type(pipe).__name__,
+                                    instance=isinstance(pipe, Compiled),
                                     grad_err=max(rel(p.grad, grads_ref[n]) for n, p in pipe.named_parameters()))
     except Exception:
         results["decorator"] = dict(error=traceback.format_exc())
