@@ -152,8 +152,9 @@ class Boundary:
         self.redone = 0                          # steps run again after a wrong optimistic update
         self._grads: list[tuple] = []   # (name, param, the pending step's .grad, its version), for the verdict
         self.call = 0                   # the number of the step() call being run (PipelineModule._enter)
-        self.trains = trains            # whether this rank trains a parameter now (a step over one frozen whole
-        self.trained = True             # trains nothing); whether some rank did in the last validated step
+        # whether this rank trains a parameter now, and whether some rank did in the last validated step (a step
+        # over a model frozen whole trains nothing: PipelineModule._check_trained)
+        self.trains, self.trained = trains, True
 
     # ---- in the program --------------------------------------------------------------------------------
     def prefix(self, up: torch.Tensor | None, loss: torch.Tensor | None) -> torch.Tensor:
