@@ -82,26 +82,26 @@ _RANDOM = ("bernoulli", "rand", "randn", "randint", "randperm", "normal", "unifo
            "poisson", "native_dropout", "rrelu_with_noise", "geometric", "cauchy", "log_normal")
 
 
-def forward_stages(staged: StagedModel, training: bool) -> StagedModel:
-    """`staged` with every stage's F replaced by forward_graph(F, training), and its vocabulary layers (if any)
-    by forward_vocab(vocab, training); see the module docstring."""
-    stages = tuple(dataclasses.replace(st, f=forward_graph(st, training)) for st in staged.stages)
+def forward_stages(staged: StagedModel, training: bool, means: bool = False) -> StagedModel:
+    """`staged` with every stage's F replaced by forward_graph(F, training, means), and its vocabulary layers (if
+    any) by forward_vocab(vocab, training); see the module docstring."""
+    stages = tuple(dataclasses.replace(st, f=forward_graph(st, training, means)) for st in staged.stages)
     vocab = None if staged.vocab is None else forward_vocab(staged.vocab, training)
     return dataclasses.replace(staged, stages=stages, vocab=vocab)
 
 
-def forward_graph(stage: Stage, training: bool) -> Graph:
+def forward_graph(stage: Stage, training: bool, means: bool = False) -> Graph:
     """Stage `stage`'s F graph returning only act:* and loss (and, with training, the updated buffers)."""
     f = stage.f
     keep = [i for i, n in enumerate(f.outputs)
             if role_of(n) in (Role.ACT, Role.LOSS) or (training and role_of(n) is Role.BUFFER)]
-    return _forward_copy(f, keep, training, f"stage {stage.index}")
+    return _forward_copy(f, keep, training, f"stage {stage.index}", means)
 
 
-def forward_loss(step: Graph, training: bool, where: str = "the traced step") -> Graph:
+def forward_loss(step: Graph, training: bool, where: str = "the traced step", means: bool = False) -> Graph:
     """A whole traced step (Traced.graph) returning only its loss, in eval mode unless `training`
     (zbcompile/eval_check.py runs it against an eval-mode trace)."""
-    return _forward_copy(step, [step.outputs.index("loss")], training, where)
+    return _forward_copy(step, [step.outputs.index("loss")], training, where, means)
 
 
 def forward_vocab(vocab: VocabLayers, training: bool) -> VocabLayers:
@@ -144,9 +144,10 @@ def views_as_reshapes(graph: fx.Graph) -> bool:
     return bool(views)
 
 
-def _forward_copy(f: Graph, keep: list[int], training: bool, where: str) -> Graph:
-    """A copy of `f` returning its outputs at `keep`, in eval mode unless `training`, with what computed only
-    the others removed, and every view a reshape (which views where the layout allows)."""
+def _forward_copy(f: Graph, keep: list[int], training: bool, where: str, means: bool = False) -> Graph:
+    """A copy of `f` returning its outputs at `keep`, in eval mode unless `training` (with `means`, a Bernoulli
+    draw eval mode cannot switch off replaced by its expectation: _to_eval_mode), with what computed only the
+    others removed, and every view a reshape (which views where the layout allows)."""
     gm = fx.GraphModule(f.gm, copy.deepcopy(f.gm.graph))
     graph = gm.graph
     out = graph.output_node()
@@ -154,7 +155,7 @@ def _forward_copy(f: Graph, keep: list[int], training: bool, where: str) -> Grap
         _check_eval_buffer_updates(f, graph, where)
     out.args = (tuple(out.args[0][i] for i in keep),)
     if not training:
-        _to_eval_mode(graph, where)
+        _to_eval_mode(graph, where, means)
     views_as_reshapes(graph)   # as in the step's graphs (split_fbw)
     graph.eliminate_dead_code(is_impure_node=_impure)
     gm.recompile()
@@ -268,7 +269,7 @@ def _read_whole(graph: fx.Graph, inputs: list[str], vocab: VocabLayers) -> tuple
     return tuple(specs)
 
 
-def output_stages(staged: StagedModel, training: bool) -> StagedModel:
+def output_stages(staged: StagedModel, training: bool, means: bool = False) -> StagedModel:
     """forward_stages(staged, training), except that the loss stage returns the model's outputs (out:<k>) and
     no loss; UsageError naming why where the model has no OutputGraph."""
     og = staged.meta.get("outputs")
@@ -276,20 +277,23 @@ def output_stages(staged: StagedModel, training: bool) -> StagedModel:
         why = og or "it was split without them"
         raise UsageError(f"this model's outputs cannot be returned by the pipeline: {why}; use evaluate(*batch) "
                          "for the loss, or run the plain model")
-    fwd = forward_stages(staged, training)
+    fwd = forward_stages(staged, training, means)
     if og.whole:
         fwd = dataclasses.replace(fwd, vocab=dataclasses.replace(fwd.vocab, whole=og.whole))
     g = og.graph
     keep = [i for i, n in enumerate(g.outputs) if role_of(n) is not Role.BUFFER or training]
-    f = _forward_copy(g, keep, training, f"stage {og.stage}")
+    f = _forward_copy(g, keep, training, f"stage {og.stage}", means)
     data = tuple(int(key_of(n)) for n in f.inputs if role_of(n) is Role.DATA)
     stages = list(fwd.stages)
     stages[og.stage] = dataclasses.replace(stages[og.stage], f=f, data=data, has_loss=False)
     return dataclasses.replace(fwd, stages=tuple(stages))
 
 
-def _to_eval_mode(graph: fx.Graph, where: str) -> None:
-    """Every op's `training` argument set False; UsageError for a random op that still draws."""
+def _to_eval_mode(graph: fx.Graph, where: str, means: bool = False) -> None:
+    """Every op's `training` argument set False; UsageError for a random op that still draws. With `means`, a
+    Bernoulli draw (a stochastic depth's or a hand-written dropout's mask, `if self.training` around it) becomes
+    its expectation: the keep probability, which the inverted mask's division makes 1, as eval mode's skipped
+    branch is. Only where zbcompile/eval_check.py found the eval-mode trace's loss equal to the result."""
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -311,6 +315,8 @@ def _to_eval_mode(graph: fx.Graph, where: str) -> None:
                                str(node.target) else "train": False}
             continue
     graph.eliminate_dead_code(is_impure_node=_impure)
+    if means:
+        _bernoulli_means(graph)
     for node in graph.nodes:
         if (node.op == "call_function" and node.target not in TRAINING_ARGUMENT
                 and node.target not in DROPOUT_PROBABILITY and _draws(node.target)):
@@ -320,6 +326,21 @@ def _to_eval_mode(graph: fx.Graph, where: str) -> None:
                 "evaluation cannot switch off: dropout and BatchNorm are switched by their ops, but this path was "
                 "fixed when the step was traced in train mode (a hand-written dropout, or an `if self.training:` "
                 "branch). Use nn.Dropout / F.dropout(training=self.training) there, or evaluate the plain model")
+
+
+def _bernoulli_means(graph: fx.Graph) -> None:
+    """Each Bernoulli draw replaced by its expectation: bernoulli(x, p) by p in x's shape, bernoulli(probs) by
+    the probabilities themselves."""
+    for node in list(graph.find_nodes(op="call_function", target=aten.bernoulli.p)):
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        with graph.inserting_before(node):
+            mean = graph.call_function(aten.full_like.default, (node.args[0], p))
+        mean.meta = dict(node.meta)
+        node.replace_all_uses_with(mean)
+        graph.erase_node(node)
+    for node in list(graph.find_nodes(op="call_function", target=aten.bernoulli.default)):
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
 
 
 # what a normalization's running statistic passes through between its op and the buffer's new value

@@ -135,15 +135,16 @@ def compile_staged(staged: StagedModel, schedule: Schedule, options: CompileOpti
 
 
 def compile_forward(compiled: Compiled, training: bool, outputs: bool = False,
-                    microbatches: int | None = None) -> tuple[RankProgram, ...]:
+                    microbatches: int | None = None, means: bool = False) -> tuple[RankProgram, ...]:
     """Every rank's forward-only program for `compiled` (an evaluation step): the schedule's F actions over the
     same split's forward graphs without their backward outputs (passes/forward_only.py), in train or eval mode,
     lowered as the training step is (no CUDA-graph capture: it runs eagerly). With `outputs`, the loss stage
     returns the model's outputs instead of the loss (the program returns them: OUTPUTS). microbatches: that
-    many microbatches of the compiled shape instead of the schedule's number (a batch of another size)."""
+    many microbatches of the compiled shape instead of the schedule's number (a batch of another size). means:
+    Bernoulli draws eval mode cannot switch off become their expectation (checked: zbcompile/eval_check.py)."""
     from zbcompile.passes.forward_only import forward_stages, output_stages
 
-    staged = (output_stages if outputs else forward_stages)(compiled.staged, training)
+    staged = (output_stages if outputs else forward_stages)(compiled.staged, training, means)
     schedule = compiled.schedule.forward_only(loss=not outputs, microbatches=microbatches)
     if outputs:
         _check_one_output_rank(compiled.schedule, staged)

@@ -10,7 +10,13 @@ forward only, on the compile's example data and the same stand-in values for eve
 rank holds real values for its own stages only): a loss that differs is refused, naming the modules whose code
 reads `training`.
 
-    check_eval_branches(model, loss_fn, example)    UsageError; else why pipe(x) cannot run in eval mode, or None
+    check_eval_branches(model, loss_fn, example)    UsageError; else (checked, why pipe(x) cannot run in eval
+                                                    mode or None)
+
+A Bernoulli draw the switched graphs still make (torchvision's stochastic depth, `if not self.training: return
+x` around `noise.bernoulli_(keep).div_(keep)`) is taken at its expectation in the switched step: where that
+equals the eval-mode trace's loss (the inverted mask's expectation is 1, as the skipped branch), the evaluation
+programs take it so too (compile_forward's `means`); unchecked, it stays refused.
 
 The shapes are traced on the meta device, or where that fails to trace (a forward making a tensor without
 `device=`) or to run (code choosing by device) on stand-ins where the example is. An example on the meta
@@ -48,28 +54,29 @@ log = logging.getLogger("zbcompile")
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
-def check_eval_branches(model: nn.Module, loss_fn, example) -> str | None:
+def check_eval_branches(model: nn.Module, loss_fn, example) -> tuple[bool, str | None]:
     """UsageError where `model` in eval mode computes another loss than its train-mode trace with dropout and
-    batch norm switched off (see the module docstring); else why pipe(x) in eval mode cannot return the model's
-    outputs (the eval-mode trace returns another output tree), or None."""
+    batch norm switched off and Bernoulli draws at their expectation (see the module docstring); else whether
+    it was checked, and why pipe(x) in eval mode cannot return the model's outputs (the eval-mode trace returns
+    another output tree), or None."""
     flat, _, _ = flatten_example(example)
     size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     if any(t.is_meta for t in flat) or size > _LARGEST:
         log.warning("evaluate: the model's eval-mode branches are not checked (%s)",
                     "its example is on the meta device" if size <= _LARGEST else
                     f"{size / 2**30:.1f} GiB of parameters and buffers: more than the check allocates")
-        return None
+        return False, None
     log.info("evaluate: tracing the model in eval mode once, to check it computes what the switched training "
              "graphs do")
     with _CHECKING:   # ranks run as threads (the loopback world) would race on fx's process-wide annotations
         losses, trees, problem = _losses(model, loss_fn, example, flat)
     if losses is None:
         log.warning("evaluate: the model's eval-mode branches are not checked (%s)", problem)
-        return None
+        return False, None
     got, want = losses
     tol = _TOLERANCE.get(want.dtype, 2e-2)
     if not (got.isfinite() and want.isfinite()) or abs(got - want) <= tol * max(abs(want), abs(got), 1e-6):
-        return _outputs_differ(trees)
+        return True, _outputs_differ(trees)
     readers = [f"{n or '(the model)'} ({type(m).__name__})" for n, m in model.named_modules()
                if not type(m).__module__.startswith("torch.") and "training" in names_read(type(m))]
     raise UsageError(
@@ -138,7 +145,7 @@ def _both_modes(shape: nn.Module, loss_fn, example, device):
     trained = split.trace(shape, loss_fn, example)
     with _eval_modes(shape):
         evaluated = split.trace(shape, loss_fn, example)
-    graphs = (forward_loss(trained.graph, training=False), forward_loss(evaluated.graph, training=True))
+    graphs = (forward_loss(trained.graph, training=False, means=True), forward_loss(evaluated.graph, training=True))
     return (tuple(dataclasses.replace(g, gm=retarget_device(g.gm, device)) for g in graphs),
             (trained.output_tree, evaluated.output_tree))
 

@@ -168,14 +168,16 @@ class Evaluation:
             options = self.compiled.options
             # once (it raises until the check passes); with vocabulary parallelism the model's tables hold this
             # rank's rows: not checked. What it finds about the outputs (another tree in eval mode) is kept for pipe(x)
+            checked = False   # (Bernoulli draws at their expectation only where the check compared them)
             if not training and options.example is not None and self.staged.vocab is None:
                 if "_eval_outputs" not in self.__dict__:
-                    self.__dict__["_eval_outputs"] = eval_check.check_eval_branches(self.model, options.loss_fn,
-                                                                                    options.example)
+                    self.__dict__["_eval_checked"], self.__dict__["_eval_outputs"] = eval_check.check_eval_branches(
+                        self.model, options.loss_fn, options.example)
                 if outputs and self.__dict__["_eval_outputs"]:
                     raise UsageError(self.__dict__["_eval_outputs"])
+                checked = self.__dict__["_eval_checked"]
             programs = compile_forward(self.compiled, training, outputs=outputs,
-                                       microbatches=None if m == self.schedule.num_microbatches else m)
+                                       microbatches=None if m == self.schedule.num_microbatches else m, means=checked)
             runtime = self._runtime_for(programs)
             # every rank's programs: the same decision on every rank
             self._draws[runtime] = self._own_rng and rng.has_random_ops(

@@ -221,6 +221,62 @@ def test_a_branch_on_self_training_is_refused_in_eval_mode_not_run_as_trained(mo
         assert all(abs(v - trained) <= 1e-12 * trained for v in got), (got, trained)
 
 
+class _StochasticDepth(torch.nn.Module):
+    """torchvision's stochastic depth (ConvNeXt, Swin, EfficientNet): the identity in eval mode, else rows kept
+    with probability 1 - p and scaled by 1 / (1 - p); `scaled=False` keeps the mask unscaled, so that eval mode's
+    identity is not its expectation."""
+
+    def __init__(self, p: float = 0.3, scaled: bool = True) -> None:
+        super().__init__()
+        self.p, self.scaled = p, scaled
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        keep = 1.0 - self.p
+        noise = x.new_empty([x.shape[0], 1]).bernoulli_(keep)
+        return x * (noise.div_(keep) if self.scaled else noise)
+
+
+class _DeepBlocks(_HalvedInTraining):
+    def __init__(self, scaled: bool = True) -> None:
+        super().__init__()
+        self.drop = _StochasticDepth(scaled=scaled)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(h + self.drop(self.b(h)))
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["inverted", "unscaled"])
+def test_stochastic_depth_evaluates_as_eager_in_eval_mode_where_the_check_finds_it_the_mean(scaled):
+    """torchvision's stochastic depth draws with `bernoulli_` behind `if not self.training: return x`, which
+    eval() cannot switch by an op: evaluate() and pipe(x) refused the model (ConvNeXt, Swin, EfficientNet). Its
+    draws are now taken at their expectation where the eval-mode check finds that equal to the eval-mode trace
+    (the inverted mask: equal to eager's eval mode, loss and outputs); an unscaled mask, whose expectation eval
+    mode does not compute, is still refused."""
+    torch.manual_seed(0)
+    net = _DeepBlocks(scaled).double()
+    x, y = torch.randn(4 * M, 8, dtype=torch.float64), torch.randn(4 * M, 8, dtype=torch.float64)
+    _, loss_fn, _, _, pipes = _pipes((net, torch.nn.functional.mse_loss, (x, y), None), split_points=["b"])
+    ref = copy.deepcopy(net).eval()
+    with torch.no_grad():
+        want, want_out = sum(loss_fn(ref(a), b).item() for a, b in zip(x.chunk(M), y.chunk(M))) / M, ref(x)
+
+    def run(r):
+        pipe = pipes[r].eval()
+        if not scaled:
+            with pytest.raises(UsageError, match="computes another loss in eval mode"):
+                pipe.evaluate(x, y)
+            return None
+        return pipe.evaluate(x, y), pipe(x)
+
+    got = run_pipes(run, PP)
+    if scaled:
+        assert all(abs(loss - want) <= 1e-12 * want for loss, _ in got), (got, want)
+        assert rel(got[-1][1], want_out) <= 1e-12 and got[0][1] is None
+
+
 class _EvalExtras(_HalvedInTraining):
     """Returns one more output in eval mode (HF XLNet's `mems`, with its default use_mems_eval=True)."""
 
