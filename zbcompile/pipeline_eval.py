@@ -111,6 +111,12 @@ class Evaluation:
         return m * len(counts) / sum(counts)
 
     @property
+    def _batch_replicas(self) -> int:
+        """How many data-parallel replicas' rows a call's batch holds: all of them where each rank is handed the
+        global batch, else 1 (no data parallelism, or dp_batch="local")."""
+        return 1 if self._dp is None or self._local_batches else self._dp.size
+
+    @property
     def _local_batches(self) -> bool:
         """Whether each data-parallel replica is handed its own rows (options.dp_batch="local")."""
         return self.compiled.options.dp_batch == "local"
@@ -121,8 +127,7 @@ class Evaluation:
         size; a last, smaller batch or a larger evaluation batch gets its own count). UsageError where the
         arguments hold different whole numbers; the schedule's number where one holds no whole number of them
         (_checked then says what is wrong)."""
-        m = self.schedule.num_microbatches
-        replicas = 1 if self._dp is None or self._local_batches else self._dp.size
+        m, replicas = self.schedule.num_microbatches, self._batch_replicas
         counts = {}
         for i, (shape, _) in self.runtime.data_specs.items():
             t = batch[i] if i < len(batch) else None

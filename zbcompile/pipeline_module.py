@@ -280,10 +280,9 @@ class PipelineModule(Evaluation, GradientStatistics, share.RefusedHooks, nn.Modu
             call_checks.check_default_dtype(what, self._default_dtype)
         m = microbatches or self.schedule.num_microbatches
         staged = self.staged
-        replicas = 1 if self._dp is None or self._local_batches else self._dp.size   # (the global batch's)
         call_checks.check_shapes(batch, self._batch_specs, self.runtime.data_specs,
                                  (staged.num_inputs, staged.num_targets), m, what, targets,
-                                 any_count=what != "step", replicas=replicas)
+                                 any_count=what != "step", replicas=self._batch_replicas)
         local = self._share(batch, what, m)
         call_checks.check_vocabulary(local, staged.vocab, m, what, targets)
         return local
