@@ -33,6 +33,7 @@ then (the next step, or `pipe.settle()`, which every other call of the pipeline 
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -43,7 +44,7 @@ from zbcompile.agreement import check_step_arguments, step_arguments
 from zbcompile.errors import DisagreementError, UsageError
 from zbcompile.ir.program.ops import OpKind
 from zbcompile.ir.program.ops.step_boundary import VALUES
-from zbcompile.rollback import Inverse, Snapshot, hyperparameters, in_force
+from zbcompile.rollback import Inverse, Snapshot, hyperparameters, in_force, state_change, state_marks
 from zbcompile.runtime import abi
 from zbcompile.runtime.eager import said_call
 from zbcompile.step_verdict import combine, local_values, mixed, norm_dtype, verdict
@@ -143,6 +144,7 @@ class Boundary:
         self._after: list[dict] | None = None    # ... right after it (what the optimistic step wrote there)
         self._written: list[str] = []            # the gradients the optimistic step itself changed in place
         self._weights: list[tuple] = []          # (name, param, version) after the update, for the next call
+        self._marks: tuple | None = None         # the optimizer's state after the update (rollback.state_marks)
         self._groups = 0                         # how many param_groups the optimizer had at the step
         self._prefix: torch.Tensor | None = None
         self._kept: torch.Tensor | None = None   # rank p-1: the last step's totals
@@ -186,6 +188,7 @@ class Boundary:
                     self._apply(verdict, norm)
         self._snapshot, self._hyper, self.stepped = None, None, False
         self._after, self._grads, self._written, self._weights = None, [], [], []
+        self._marks = None
         values = totals.tolist()
         self.trained = bool(values[5])
         if self.scaler is not None:   # the scale for the next backward, as scaler.update() makes it
@@ -232,7 +235,7 @@ class Boundary:
         if self.stepped:
             self._undo()
         self.pending, self._snapshot, self.stepped, self._grads = None, None, False, []
-        self._written, self._weights = [], []
+        self._written, self._weights, self._marks = [], [], None
         self._zero_grad()
         first, last = (said_call(v) for v in totals.tolist()[3:5])
         raise DisagreementError(
@@ -260,6 +263,7 @@ class Boundary:
         self._grads = [(n, p, p.grad, grads.local(p.grad)._version) for n, p in zip(self.names, self.params)
                        if p.grad is not None]
         self._weights = [(n, p, grads.local(p.detach())._version) for n, p in zip(self.names, self.params)]
+        self._marks = state_marks(self.optimizer)
 
     def reclaim_grads(self) -> None:
         """Before anything of the next call runs: put the pending step's gradients back where .grad was set to
@@ -279,6 +283,7 @@ class Boundary:
                     "lose the change or apply the update to the changed values. Call pipe.settle() before changing "
                     "parameters between post-validated steps (it validates the step now). Resume from a "
                     "checkpoint")
+        self._check_state()
         for name, p, g, version in self._grads:
             if grads.local(g)._version != version:
                 raise UsageError(
@@ -290,6 +295,19 @@ class Boundary:
                     "pass max_norm= to step(). Resume from a checkpoint")
             if p.grad is not g:
                 p.grad = g
+
+    def _check_state(self) -> None:
+        """UsageError where the optimizer's state was changed since the step (cleared, an entry rebound or reset in
+        place): a rollback or a deferred update at the verdict would write the step over it."""
+        changed = None if self._marks is None else state_change(self.optimizer, self._marks)
+        if changed is not None:
+            what = "the optimizer's state" if isinstance(changed, str) else "the optimizer's state of " + \
+                next((n for n, p in zip(self.names, self.params) if p is changed), "a parameter")
+            raise UsageError(
+                f"{what} was changed after a post-validated step (opt.state cleared or reset?), but the step's "
+                "verdict, made during the next step, may undo and redo its update, which would write it over "
+                "the change. Call pipe.settle() before changing the optimizer between post-validated steps "
+                "(opt.load_state_dict() does that itself). Resume from a checkpoint")
 
     def _verdict(self, values: torch.Tensor) -> tuple[str, torch.Tensor | None]:
         return verdict(values.tolist(), self.p, self.max_norm, self.dtype, self.device)
@@ -364,7 +382,7 @@ class PostValidated:
         self.rank, self.ranks = pipe.rank, len(first)
         self._buffers_written = any(op.kind is OpKind.COPY_BUFFER for op in validating[pipe.rank].ops)
         self._buffers = [b for b in pipe.buffers()]
-        self.boundary = None
+        self.boundary, self._load_hook = None, None
         self.reset(pipe, optimizer, max_norm, norm_type, scaler, rollback)
 
     def reset(self, pipe, optimizer, max_norm, norm_type, scaler=None, rollback: str = "snapshot") -> None:
@@ -385,6 +403,21 @@ class PostValidated:
             mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)),
             scaler=scaler, reseed=self.reseed, rollback=rollback, trains=pipe._traced.trains_here)
         self.first.ctx.boundary = self.validating.ctx.boundary = self.boundary
+        self._settle_before_loads(pipe, optimizer)
+
+    def _settle_before_loads(self, pipe, optimizer) -> None:
+        """optimizer.load_state_dict() settles the pending step first, as pipe.load_state_dict() does: the verdict
+        would otherwise undo or make the step's update over the loaded state (every rank loads its own optimizer,
+        at the same point of the loop)."""
+        if self._load_hook is not None:
+            self._load_hook.remove()
+        pipe = weakref.ref(pipe)   # (the hook stays with the user's optimizer; the pipe may go first)
+
+        def settle(optimizer, state_dict) -> None:
+            owner = pipe()
+            if owner is not None and owner._failure is None:   # (a failed pipe's step is lost: load into it)
+                owner.settle()
+        self._load_hook = optimizer.register_load_state_dict_pre_hook(settle)
 
     def reseed(self, seed: float) -> None:
         """The seed of the next backward (1 / microbatches, times the loss scale), in both programs' input."""

@@ -29,7 +29,7 @@ import torch
 from zbcompile.errors import UsageError
 from zbcompile.grads import local
 
-__all__ = ["Inverse", "Snapshot", "check_invertible", "hyperparameters", "in_force"]
+__all__ = ["Inverse", "Snapshot", "check_invertible", "hyperparameters", "in_force", "state_marks", "state_change"]
 
 
 def check_invertible(optimizer: torch.optim.Optimizer) -> None:
@@ -92,11 +92,12 @@ class Inverse:
 
     def _adam(self, p, g, group) -> None:
         state = self.optimizer.state[p]
-        lr, (b1, b2), eps, wd = float(group["lr"]), group["betas"], group["eps"], group["weight_decay"]
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         step = float(state["step"])
         m, v, x = local(state["exp_avg"]), local(state["exp_avg_sq"]), local(p)
         denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
-        x.addcdiv_(m, denom, value=lr / (1 - b1 ** step))
+        # a tensor lr in the step's own precision (a float32 lr rounds lr / bc1 and 1 - lr * wd there)
+        x.addcdiv_(m, denom, value=float(lr / (1 - b1 ** step)))
         if wd and _decoupled(self.optimizer, group):
             x.div_(1 - lr * wd)
         if p in self._fresh:   # the step made the state: none again
@@ -162,6 +163,34 @@ class Snapshot:
                 del state[p][k]
             state[p].update(values)
         vars(self.optimizer).update(self.own)
+
+
+# ---- the state a rollback writes over -----------------------------------------------------------------------
+def state_marks(optimizer: torch.optim.Optimizer) -> tuple:
+    """The optimizer's state as it is now, for `state_change`: the state mapping and its size, and for each
+    parameter its entry, the entry's values and each tensor's version."""
+    state = optimizer.state
+    entries = [(p, state[p], [(k, v, local(v)._version if isinstance(v, torch.Tensor) else None)
+                              for k, v in state[p].items()])
+               for group in optimizer.param_groups for p in group["params"] if p in state]
+    return state, len(state), entries
+
+
+def state_change(optimizer: torch.optim.Optimizer, marks: tuple) -> torch.Tensor | str | None:
+    """What changed in the optimizer's state since `marks`: "state" (the mapping replaced, or an entry added),
+    the first parameter whose entry was replaced, emptied, rebound or changed in place, or None."""
+    state, size, entries = marks
+    if optimizer.state is not state or len(state) > size:
+        return "state"
+    for p, entry, values in entries:
+        if state.get(p) is not entry or len(entry) != len(values):
+            return p
+        for k, v, version in values:
+            if entry.get(k, _MISSING) is not v and not _same(entry.get(k), v):
+                return p
+            if version is not None and local(v)._version != version:
+                return p
+    return None
 
 
 # ---- the hyperparameters an update ran under ----------------------------------------------------------------

@@ -290,7 +290,9 @@ def test_a_batch_sliced_from_a_larger_tensor_trains_post_validated():
 INVERSES = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
             "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
             "sgd-dampened": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1),
-            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, weight_decay=0.01)}
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, weight_decay=0.01),
+            # a float32 tensor lr: the step rounds lr / bc1 and 1 - lr * wd in float32, and the inverse must too
+            "adamw-tensor-lr": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.01), weight_decay=0.1)}
 
 
 @pytest.mark.parametrize("schedule,pp", [("zbv", 2), ("1f1b", 4)])
@@ -694,26 +696,31 @@ def test_what_an_optimizer_keeps_and_gains_between_post_validated_steps(change):
         assert sync[r][2] == post[r][2], (r, sync[r][2], post[r][2])
 
 
-@pytest.mark.parametrize("change", ["weights", "optimizer writes grad"])
+@pytest.mark.parametrize("change", ["weights", "optimizer writes grad", "optimizer state"])
 def test_what_a_rollback_would_lose_is_refused_at_the_next_call(change):
     """A weight changed in place between post-validated steps (a clamp) was undone by a rollback, or had the
     redone update applied on top; an optimizer that adds into .grad in its own step had the addition made twice
-    by a redo. The next call now refuses on every rank, before anything runs; pipe.settle() before the change
+    by a redo; the optimizer's state cleared in between (opt.state.clear()) failed the rollback with a KeyError.
+    The next call now refuses on every rank, before anything runs; pipe.settle() before the change
     makes it safe, and then it equals the synchronous step."""
     model, compiled, batches, max_norm = _pv_case()
     pp = 2
     pipes = loopback_pipes(model, compiled.options, pp, compiled=compiled)
     match = {"weights": r"was changed in place after a post-validated step.*pipe\.settle\(\)",
-             "optimizer writes grad": r"_DecayIntoGrad\.step\(\) changed the gradient of .* in place"}[change]
+             "optimizer writes grad": r"_DecayIntoGrad\.step\(\) changed the gradient of .* in place",
+             "optimizer state": r"the optimizer's state of .* was changed after a post-validated step.*settle"}[change]
+    kind = {"weights": torch.optim.SGD, "optimizer writes grad": _DecayIntoGrad, "optimizer state": _adamw}[change]
 
     def refused(r):
         pipe, (x, y) = pipes[r], batches[0]
-        opt = (_DecayIntoGrad if change != "weights" else torch.optim.SGD)(pipe.parameters(), lr=0.1)
+        opt = kind(pipe.parameters(), lr=0.1) if change != "optimizer state" else kind(pipe.parameters())
         pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=True)
         if change == "weights":
             with torch.no_grad():
                 for p in pipe.parameters():
                     p.clamp_(-0.1, 0.1)
+        if change == "optimizer state":
+            opt.state.clear()
         with pytest.raises(UsageError, match=match):
             pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=True)
     run_pipes(refused, pp)
@@ -736,3 +743,37 @@ def test_what_a_rollback_would_lose_is_refused_at_the_next_call(change):
     if change == "weights":
         sync, post = clamped(False), clamped(True)
         assert all(torch.equal(sync[r][k], post[r][k]) for r in range(pp) for k in sync[r])
+
+
+@pytest.mark.parametrize("rollback", [True, "inverse"])
+def test_an_optimizer_state_loaded_between_post_validated_steps_is_the_one_trained_on(rollback):
+    """optimizer.load_state_dict() right after a step whose optimistic update the verdict redoes (a clipped
+    step): the redo wrote the step over the loaded state, which was lost without a word. A load now settles the
+    pending step first, as pipe.load_state_dict() does: the losses and parameters equal the synchronous
+    step's (bit for bit; within rounding when the rollback is the closed-form inverse)."""
+    model, compiled, batches, max_norm = _pv_case()
+    pp, tol = 2, (0.0 if rollback is True else 1e-12)
+
+    def loop(post_validate, at):
+        pipes = loopback_pipes(model, compiled.options, pp, compiled=compiled)
+
+        def run(r):
+            pipe, results = pipes[r], []
+            opt = _adamw(pipe.parameters())
+            for k, (x, y) in enumerate(batches):
+                results.append(pipe.step(x, y, optimizer=opt, max_norm=max_norm, post_validate=post_validate))
+                if k == 1:
+                    pipe.settle()
+                    saved = copy.deepcopy(opt.state_dict())
+                if k == at:
+                    opt.load_state_dict(saved)
+            pipe.settle()
+            clipped = [k for k, v in enumerate(results) if v.clipped and k > 1]
+            return [float(v) for v in results], {k: v.clone() for k, v in pipe.state_dict().items()}, clipped
+        return run_pipes(run, pp)
+
+    at = loop(False, None)[0][2][0]   # a step that clips: its optimistic update is redone at the verdict
+    sync, post = loop(False, at), loop(rollback, at)
+    for r in range(pp):
+        assert all(_same(a, b) or abs(a - b) <= tol * abs(b) for a, b in zip(post[r][0], sync[r][0])), r
+        assert all(rel(post[r][1][k], sync[r][1][k]) <= tol for k in sync[r][1]), r
