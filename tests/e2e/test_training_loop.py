@@ -221,6 +221,40 @@ def test_a_branch_on_self_training_is_refused_in_eval_mode_not_run_as_trained(mo
         assert all(abs(v - trained) <= 1e-12 * trained for v in got), (got, trained)
 
 
+class _Logits(torch.nn.Module):
+    def __init__(self, hf) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, x):
+        return self.hf(x).logits
+
+
+def test_bigbirds_random_attention_in_training_is_refused_in_eval_mode():
+    """HF BigBird's block-sparse attention attends random blocks in training only (a branch on
+    `self.training`). On all-positive stand-in weights every hidden vector points one way, so which blocks are
+    mixed moved the check's loss by less than its tolerance: evaluate() and pipe(x) returned the train-mode
+    result, silently (outputs 4.8 off eager's eval mode at a larger init). The check runs on signed stand-ins
+    too now."""
+    import transformers
+
+    from zbcompile.eval_check import check_eval_branches
+
+    torch.manual_seed(0)
+    cfg = transformers.BigBirdConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, attention_type="block_sparse", block_size=2, num_random_blocks=1,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = _Logits(transformers.BigBirdForMaskedLM(cfg)).double()
+    torch.manual_seed(1)
+    x, y = torch.randint(0, 64, (1, 16)), torch.randint(0, 64, (1, 16))
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.reshape(-1, 64), y.reshape(-1))
+    with pytest.raises(UsageError, match=r"branch on `self.training` in .*BigBirdBlockSparseAttention"):
+        check_eval_branches(model, loss_fn, ((x,), (y,)))
+
+
 class _StochasticDepth(torch.nn.Module):
     """torchvision's stochastic depth (ConvNeXt, Swin, EfficientNet): the identity in eval mode, else rows kept
     with probability 1 - p and scaled by 1 / (1 - p); `scaled=False` keeps the mask unscaled, so that eval mode's
