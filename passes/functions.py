@@ -342,6 +342,22 @@ class _Wants:
         self.value = value
 
 
+_aten = torch.ops.aten
+_DROPOUTS = (_aten.dropout.default, _aten.feature_dropout.default, _aten.alpha_dropout.default,
+             _aten.feature_alpha_dropout.default, _aten.native_dropout.default)
+
+
+def _draws(func, args, kwargs) -> bool:
+    """Whether an op draws random numbers: tagged nondeterministic_seeded, unless a dropout that draws none
+    (p == 0 or not training: F.dropout(x, p=cfg.dropout) with the dropout off, as HF Reformer's is)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    if func in _DROPOUTS:
+        bound = {**dict(zip(("input", "p", "train"), args)), **kwargs}
+        return bound.get("train") is not False and bound.get("p") != 0   # (native_dropout's train=None: True)
+    return True
+
+
 class _ForwardWatch(TorchDispatchMode):
     """What a Function's forward does that its op cannot carry, seen op by op: a random op (tagged
     nondeterministic_seeded), and a tensor that requires grad read without being an argument (nor made inside)."""
@@ -352,7 +368,7 @@ class _ForwardWatch(TorchDispatchMode):
         self.random = self.captured = ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) and not self.random:
+        if not self.random and _draws(func, args, kwargs or {}):
             self.random = str(func)
         for t in pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and id(t) not in self.known and t.requires_grad and not self.captured:

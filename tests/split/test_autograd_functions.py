@@ -259,6 +259,42 @@ def test_functions_the_pipeline_cannot_run_are_refused_by_name(fn, text):
         split_model(Applies(fn), F.mse_loss, (torch.randn(2, 8), torch.randn(2, 8)), num_stages=2)
 
 
+class Dropped(torch.autograd.Function):
+    """Dropout in a Function's forward, as HF Reformer's reversible layers call it."""
+
+    @staticmethod
+    def forward(ctx, x, p, training):
+        return F.dropout(x, p=p, training=training) * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None, None
+
+
+class DroppedNet(nn.Module):
+    def __init__(self, p: float, training: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
+        self.p, self.dropping = p, training
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = Dropped.apply(torch.tanh(layer(x)), self.p, self.dropping)
+        return x
+
+
+@pytest.mark.parametrize("p,training", [(0.0, True), (0.5, False)])
+def test_a_dropout_that_draws_nothing_in_a_function_trains_as_eager(p, training):
+    """F.dropout with p=0 or training=False in a Function's forward draws no random number (HF Reformer with its
+    dropout off): it was refused as a random op. It trains as eager; a dropout that draws is still refused."""
+    torch.manual_seed(0)
+    case = Case(DroppedNet(p, training).double(), F.mse_loss,
+                (torch.randn(2, 8, dtype=torch.float64), torch.randn(2, 8, dtype=torch.float64)), 4)
+    threaded_step_matches_eager(case, "1f1b", 2)
+    with pytest.raises(TraceError, match=r"`Dropped` draws random numbers in its forward \(aten\.dropout"):
+        split_model(DroppedNet(0.5, True), F.mse_loss, (torch.randn(2, 8), torch.randn(2, 8)), num_stages=2)
+
+
 def test_a_split_with_function_ops_loads_in_a_fresh_process(tmp_path):
     """The split memo pickles a split and loads it in another process, where the op does not exist yet: the
     pickle carries what makes it (the Function's class by reference), and the loaded graph runs."""
