@@ -33,7 +33,6 @@ then (the next step, or `pipe.settle()`, which every other call of the pipeline 
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -43,6 +42,7 @@ from zbcompile._torch_private import mark_optimizer_stepped
 from zbcompile.agreement import check_step_arguments, step_arguments
 from zbcompile.errors import DisagreementError, UsageError
 from zbcompile.ir.program.ops import OpKind
+from zbcompile.optimizer_checks import watch_pending
 from zbcompile.ir.program.ops.step_boundary import VALUES
 from zbcompile.rollback import Inverse, Snapshot, hyperparameters, in_force, state_change, state_marks
 from zbcompile.runtime import abi
@@ -382,7 +382,7 @@ class PostValidated:
         self.rank, self.ranks = pipe.rank, len(first)
         self._buffers_written = any(op.kind is OpKind.COPY_BUFFER for op in validating[pipe.rank].ops)
         self._buffers = [b for b in pipe.buffers()]
-        self.boundary, self._load_hook = None, None
+        self.boundary, self._hooks = None, ()
         self.reset(pipe, optimizer, max_norm, norm_type, scaler, rollback)
 
     def reset(self, pipe, optimizer, max_norm, norm_type, scaler=None, rollback: str = "snapshot") -> None:
@@ -403,21 +403,9 @@ class PostValidated:
             mean_loss=(lambda loss: loss) if dp is None else (lambda loss: dp.mean(loss, self.first.device)),
             scaler=scaler, reseed=self.reseed, rollback=rollback, trains=pipe._traced.trains_here)
         self.first.ctx.boundary = self.validating.ctx.boundary = self.boundary
-        self._settle_before_loads(pipe, optimizer)
-
-    def _settle_before_loads(self, pipe, optimizer) -> None:
-        """optimizer.load_state_dict() settles the pending step first, as pipe.load_state_dict() does: the verdict
-        would otherwise undo or make the step's update over the loaded state (every rank loads its own optimizer,
-        at the same point of the loop)."""
-        if self._load_hook is not None:
-            self._load_hook.remove()
-        pipe = weakref.ref(pipe)   # (the hook stays with the user's optimizer; the pipe may go first)
-
-        def settle(optimizer, state_dict) -> None:
-            owner = pipe()
-            if owner is not None and owner._failure is None:   # (a failed pipe's step is lost: load into it)
-                owner.settle()
-        self._load_hook = optimizer.register_load_state_dict_pre_hook(settle)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = watch_pending(pipe, optimizer)
 
     def reseed(self, seed: float) -> None:
         """The seed of the next backward (1 / microbatches, times the loss scale), in both programs' input."""

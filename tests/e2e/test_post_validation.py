@@ -20,7 +20,7 @@ from support.loops import NAN_STEP, batches_with_nan, eager_clipped, eager_step,
 from support.models import gpt, mlp
 from support.threaded import loopback_pipes, run_pipes
 from zbcompile.compiler import compile_programs, compile_staged
-from zbcompile.errors import DisagreementError, UsageError
+from zbcompile.errors import DisagreementError, UsageError, ZBCompileWarning
 from zbcompile.options import CompileOptions
 from zbcompile.passes.lower import OffloadChoice
 from zbcompile.post_validation import StepResult
@@ -777,3 +777,20 @@ def test_an_optimizer_state_loaded_between_post_validated_steps_is_the_one_train
     for r in range(pp):
         assert all(_same(a, b) or abs(a - b) <= tol * abs(b) for a, b in zip(post[r][0], sync[r][0])), r
         assert all(rel(post[r][1][k], sync[r][1][k]) <= tol for k in sync[r][1]), r
+
+
+def test_an_optimizer_state_read_before_the_verdict_warns():
+    """optimizer.state_dict() between post-validated steps returns an update the verdict may still undo and redo
+    (a checkpoint of it would not be the state training goes on from): it warns on the ranks whose update is
+    not final yet (all but the last), and not once the step is settled."""
+    model, compiled, batches, max_norm = _pv_case()
+    pipes = loopback_pipes(model, compiled.options, 2, compiled=compiled)
+    opts = [_adamw(pipe.parameters()) for pipe in pipes]
+    run_pipes(lambda r: pipes[r].step(*batches[0], optimizer=opts[r], max_norm=max_norm, post_validate=True), 2)
+    with pytest.warns(ZBCompileWarning, match="read before the last post-validated step's verdict"):
+        opts[0].state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opts[1].state_dict()   # the last rank updated from the totals: final
+        run_pipes(lambda r: pipes[r].settle(), 2)
+        opts[0].state_dict()
