@@ -167,20 +167,20 @@ class Snapshot:
 
 # ---- the state a rollback writes over -----------------------------------------------------------------------
 def state_marks(optimizer: torch.optim.Optimizer) -> tuple:
-    """The optimizer's state as it is now, for `state_change`: the state mapping and its size, and for each
-    parameter its entry, the entry's values and each tensor's version."""
+    """The optimizer's state as it is now, for `state_change`: the state mapping, how many entries hold
+    something, and for each parameter with state its entry, the entry's values and each tensor's version."""
     state = optimizer.state
     entries = [(p, state[p], [(k, v, local(v)._version if isinstance(v, torch.Tensor) else None)
                               for k, v in state[p].items()])
-               for group in optimizer.param_groups for p in group["params"] if p in state]
-    return state, len(state), entries
+               for group in optimizer.param_groups for p in group["params"] if state.get(p)]
+    return state, _filled(state), entries
 
 
 def state_change(optimizer: torch.optim.Optimizer, marks: tuple) -> torch.Tensor | str | None:
     """What changed in the optimizer's state since `marks`: "state" (the mapping replaced, or an entry added),
     the first parameter whose entry was replaced, emptied, rebound or changed in place, or None."""
     state, size, entries = marks
-    if optimizer.state is not state or len(state) > size:
+    if optimizer.state is not state or _filled(state) > size:
         return "state"
     for p, entry, values in entries:
         if state.get(p) is not entry or len(entry) != len(values):
@@ -191,6 +191,11 @@ def state_change(optimizer: torch.optim.Optimizer, marks: tuple) -> torch.Tensor
             if version is not None and local(v)._version != version:
                 return p
     return None
+
+
+def _filled(state) -> int:
+    """How many parameters have state (`opt.state[p]` read for one without any adds an empty entry: no change)."""
+    return sum(1 for entry in state.values() if entry)
 
 
 # ---- the hyperparameters an update ran under ----------------------------------------------------------------

@@ -782,15 +782,19 @@ def test_an_optimizer_state_loaded_between_post_validated_steps_is_the_one_train
 def test_an_optimizer_state_read_before_the_verdict_warns():
     """optimizer.state_dict() between post-validated steps returns an update the verdict may still undo and redo
     (a checkpoint of it would not be the state training goes on from): it warns on the ranks whose update is
-    not final yet (all but the last), and not once the step is settled."""
+    not final yet (all but the last), and not once the step is settled. Reading opt.state[p] of a parameter
+    without state (which adds an empty entry) changes nothing and is not refused."""
     model, compiled, batches, max_norm = _pv_case()
     pipes = loopback_pipes(model, compiled.options, 2, compiled=compiled)
-    opts = [_adamw(pipe.parameters()) for pipe in pipes]
+    idle = [torch.nn.Parameter(torch.zeros(1)) for _ in pipes]   # never given a gradient: no state
+    opts = [_adamw([*pipe.parameters(), extra]) for pipe, extra in zip(pipes, idle)]
     run_pipes(lambda r: pipes[r].step(*batches[0], optimizer=opts[r], max_norm=max_norm, post_validate=True), 2)
     with pytest.warns(ZBCompileWarning, match="read before the last post-validated step's verdict"):
         opts[0].state_dict()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opts[1].state_dict()   # the last rank updated from the totals: final
+        assert [len(opt.state[extra]) for opt, extra in zip(opts, idle)] == [0, 0]
+        run_pipes(lambda r: pipes[r].step(*batches[1], optimizer=opts[r], max_norm=max_norm, post_validate=True), 2)
         run_pipes(lambda r: pipes[r].settle(), 2)
         opts[0].state_dict()
