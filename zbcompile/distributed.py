@@ -87,7 +87,7 @@ def resolve_group(group, timeout: float):
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend, timeout=timedelta(seconds=max(timeout, 1.0)))
+            init_from_environment(backend, max(timeout, 1.0))
         group = dist.group.WORLD
     if group is dist.group.WORLD:
         group = default_group()
@@ -99,6 +99,25 @@ def resolve_group(group, timeout: float):
     if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
         raise _not_a_group(group)
     return group, group.rank(), group.size()
+
+
+def init_from_environment(backend: str, timeout: float) -> None:
+    """torchrun's process group, in a store namespace of this attempt's own. A restarted attempt
+    (`torchrun --max-restarts`) would otherwise read the addresses the killed attempt's ranks published under
+    the same keys (torchrun's agent keeps its store), and gloo would wait on a dead address. Outside torchrun's
+    variables, dist.init_process_group's own environment start (and its own error)."""
+    env = os.environ
+    wait = timedelta(seconds=timeout)
+    if not all(k in env for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
+        dist.init_process_group(backend, timeout=wait)
+        return
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"   # torchrun's agent hosts the store
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
+                          timeout=wait, multi_tenant=not agent)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"zbcompile/attempt{attempt}", store), rank=rank,
+                            world_size=world, timeout=wait)
 
 
 def _not_a_group(group) -> UsageError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import sys
 
 import pytest
@@ -77,3 +78,29 @@ def test_a_job_whose_rank_dies_restarts_itself_and_ends_as_the_uninterrupted_one
     want = _uninterrupted(6)
     for r in rows:
         assert abs(r["loss"] - want[r["step"] - 1]) <= 1e-5 * want[r["step"] - 1], (r, want)
+
+
+def test_a_users_own_loop_restarted_by_torchrun_resumes_from_its_checkpoint(tmp_path):
+    """A user's loop in which zb.compile starts the process group from torchrun's environment (not the main
+    job's own start-up), saving a zbcompile.checkpoint every 2 steps; rank 1 dies after step 3. Under
+    `torchrun --max-restarts 1` the restarted attempt's compile failed on every rank with gloo's raw
+    "connectFullMesh failed": it read the dead attempt's addresses from torchrun's store. Each attempt keeps its
+    own keys now: the second attempt resumes after step 2 and ends with eager's parameters after 4 SGD steps."""
+    worker = os.path.join(os.path.dirname(__file__), "workers", "restart_worker.py")
+    defined = runpy.run_path(worker)   # its model, batch and loss (not its main)
+    steps, mse, model_and_batch = defined["STEPS"], defined["loss_fn"], defined["model_and_batch"]
+    out = torchrun(["--max-restarts", "1", worker, str(tmp_path), str(tmp_path / "ckpt")], timeout=300,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    model, x, y = model_and_batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        sum(mse(model(a), b) / 4 for a, b in zip(x.chunk(4), y.chunk(4))).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert (got["attempt"], got["resumed_after"]) == (1, 2), got
+        for n, value in got["params"].items():
+            assert torch.allclose(torch.tensor(value, dtype=torch.float64), want[n], rtol=1e-12, atol=1e-14), (r, n)

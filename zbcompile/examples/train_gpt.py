@@ -28,7 +28,6 @@ import signal
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ from tabulate import tabulate
 import zbcompile as zb
 from zbcompile import checkpoint
 from zbcompile.checkpoint_files import target_problem
+from zbcompile.distributed import init_from_environment
 from zbcompile.errors import CheckpointError, RuntimeFailure
 from zbcompile.examples.gpt import GPT, GPTConfig, loss_fn
 
@@ -174,7 +174,8 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    _init_process_group("nccl" if device.type == "cuda" else "gloo")
+    # (set-up gives up after a minute, and torchrun tries again)
+    init_from_environment("nccl" if device.type == "cuda" else "gloo", 60.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     cfg = GPTConfig(vocab=256, seq=args.seq, d=args.dim, heads=args.heads, layers=args.layers)
@@ -236,21 +237,6 @@ def main(argv=None) -> int:
 def _close() -> None:
     dist.barrier()  # tear the groups down together: a rank closing its sockets under a busy peer is a race
     dist.destroy_process_group()
-
-
-def _init_process_group(backend: str) -> None:
-    """torchrun's process group, in a store namespace of this attempt's own. A restarted attempt can otherwise
-    read the addresses the killed attempt's ranks published under the same keys (torchrun's agent keeps its
-    store), and gloo then waits on a dead address. Set-up gives up after a minute, and torchrun tries again."""
-    env = os.environ
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    setup = timedelta(seconds=60)
-    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"   # torchrun's agent hosts the store
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
-                          timeout=setup, multi_tenant=not agent)
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"zbcompile/attempt{attempt}", store), rank=rank,
-                            world_size=world, timeout=setup)
 
 
 def _train(args, model, opt, data, x, y, say, rank: int, world: int, batch: int, done: int, total: int) -> None:
