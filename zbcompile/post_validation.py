@@ -42,8 +42,8 @@ from zbcompile._torch_private import mark_optimizer_stepped
 from zbcompile.agreement import check_step_arguments, step_arguments
 from zbcompile.errors import DisagreementError, UsageError
 from zbcompile.ir.program.ops import OpKind
-from zbcompile.optimizer_checks import watch_pending
 from zbcompile.ir.program.ops.step_boundary import VALUES
+from zbcompile.optimizer_checks import watch_pending
 from zbcompile.rollback import Inverse, Snapshot, hyperparameters, in_force, state_change, state_marks
 from zbcompile.runtime import abi
 from zbcompile.runtime.eager import said_call
